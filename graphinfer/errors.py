@@ -1,0 +1,33 @@
+"""Typed errors a user can cause. Each message says what to do about it.
+
+They subclass the builtin a vLLM user would catch (ValueError, FileNotFoundError), so
+`except ValueError` keeps working.
+"""
+
+
+class GraphinferError(Exception):
+    """Base class of every error graphinfer raises on purpose."""
+
+
+class ModelNotFoundError(GraphinferError, FileNotFoundError):
+    """The model path does not exist or holds no loadable checkpoint."""
+
+
+class UnsupportedArchitectureError(GraphinferError, ValueError):
+    """The checkpoint's architecture has no graphinfer model class."""
+
+
+class InvalidConfigError(GraphinferError, ValueError):
+    """An engine argument (dtype, block_size, max_model_len, ...) is out of range."""
+
+
+class InvalidSamplingParamsError(GraphinferError, ValueError):
+    """A SamplingParams field is out of range."""
+
+
+class PromptTooLongError(GraphinferError, ValueError):
+    """The prompt does not leave room for one generated token within max_model_len."""
+
+
+class KVCacheTooSmallError(GraphinferError, ValueError):
+    """A request needs more KV-cache blocks than the whole pool has, so it could never run."""

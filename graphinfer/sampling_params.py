@@ -1,0 +1,73 @@
+"""SamplingParams: what to generate for one request, named and defaulted as in vLLM."""
+from dataclasses import dataclass, field
+
+from graphinfer.errors import InvalidSamplingParamsError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self):
+        def bad(msg):
+            raise InvalidSamplingParamsError(msg)
+
+        if self.n != 1:
+            bad(f"n={self.n}: only n=1 is supported; submit the prompt several times with different seeds instead.")
+        if self.temperature < 0:
+            bad(f"temperature={self.temperature} must be >= 0 (0 means greedy).")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p={self.top_p} must be in (0, 1]; use 1 to disable it.")
+        if self.top_k < 0:
+            bad(f"top_k={self.top_k} must be >= 1, or 0 / -1 to disable it.")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p={self.min_p} must be in [0, 1]; use 0 to disable it.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(f"{name}={getattr(self, name)} must be in [-2, 2]; use 0 to disable it.")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty={self.repetition_penalty} must be > 0; use 1 to disable it.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens={self.max_tokens} must be >= 1 (or None for as many as max_model_len allows).")
+        if self.min_tokens < 0:
+            bad(f"min_tokens={self.min_tokens} must be >= 0.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}.")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad(f"logprobs={self.logprobs} must be >= 0 (the number of top alternatives to return).")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            bad(f"stop={self.stop!r} must be a non-empty string or a list of non-empty strings.")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad(f"stop_token_ids={self.stop_token_ids!r} must be non-negative token ids.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed={self.seed!r} must be an integer.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
