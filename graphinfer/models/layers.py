@@ -1,0 +1,83 @@
+"""Layers shared by the model families: thin modules over the graphinfer:: ops, plus the attention metadata."""
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from graphinfer import ops
+from graphinfer.errors import UnsupportedArchitectureError
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the flat batch's tokens live in the paged cache (see graphinfer/ops/attention.py)."""
+    slot_mapping: Tensor     # [T] int64, -1 = write nothing
+    block_tables: Tensor     # [B, max_blocks] int32
+    query_start_loc: Tensor  # [B + 1] int32
+    seq_lens: Tensor         # [B] int32, context length including this step's tokens
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the [max_position, rot_dim] cos/sin cache; computed in fp32 exactly as HF does, then cast."""
+
+    def __init__(self, config, head_dim: int, max_position: int):
+        super().__init__()
+        self.config, self.head_dim, self.max_position = config, head_dim, max_position
+        self.register_buffer("cos_sin_cache", self._compute_cache(), persistent=False)
+
+    def _compute_cache(self) -> Tensor:
+        rope = getattr(self.config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": self.config.rope_theta}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        with torch.device("cpu"):
+            if rope_type == "default":
+                exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(torch.float) / self.head_dim
+                inv_freq, scaling = 1.0 / (rope["rope_theta"] ** exponent), 1.0
+            else:  # llama3, linear, yarn, ...: HF's own init functions keep us bit-identical to the reference
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
+                    raise UnsupportedArchitectureError(
+                        f"rope_type {rope_type!r} is not supported (position-dependent scaling); "
+                        f"supported: default and {sorted(set(ROPE_INIT_FUNCTIONS) - {'dynamic'})}.")
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, "cpu")
+            freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float), inv_freq.float())
+            return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+
+    def reset_cache(self):
+        """Recompute after `to_empty()` (meta-device construction leaves buffers uninitialised)."""
+        self.cos_sin_cache = self._compute_cache().to(self.cos_sin_cache.device)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.rotary_embedding(positions, q, k, self.head_dim, self.cos_sin_cache, True)
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the layer's paged cache, then attends over the cached context.
+
+    The model runner sets k_cache / v_cache once it has sized the KV pool.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, md: AttentionMetadata) -> Tensor:
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        o = ops.paged_attention(q, self.k_cache, self.v_cache, md.block_tables, md.query_start_loc, md.seq_lens, self.scale)
+        return o.view(T, self.num_heads * self.head_dim)

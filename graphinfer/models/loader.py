@@ -1,0 +1,113 @@
+"""Build a model with its weights and tokenizer from an HF checkpoint directory or a .gguf file."""
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from graphinfer.errors import ModelNotFoundError
+from graphinfer.models import get_model_class
+from graphinfer.models.layers import RotaryEmbedding
+
+_EXPECTED = "an HF checkpoint directory (config.json + *.safetensors) or a .gguf file"
+
+
+def _check_path(path: str) -> None:
+    if not os.path.exists(path):
+        raise ModelNotFoundError(f"Model path {path!r} does not exist. Pass {_EXPECTED}.")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelNotFoundError(f"{path!r} has no config.json. Pass {_EXPECTED}.")
+    if os.path.isfile(path) and not path.endswith(".gguf"):
+        raise ModelNotFoundError(f"{path!r} is a file but not a .gguf. Pass {_EXPECTED}.")
+
+
+def load_hf_config(path: str):
+    """The HF config of a checkpoint; the architecture is checked before transformers parses the rest."""
+    _check_path(path)
+    if path.endswith(".gguf"):
+        from graphinfer.models.gguf_loader import load_gguf_config
+
+        config = load_gguf_config(path)
+    else:
+        with open(os.path.join(path, "config.json")) as f:
+            get_model_class(json.load(f).get("architectures"))
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+    get_model_class(config.architectures)
+    return config
+
+
+def _safetensors_weights(path: str):
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ModelNotFoundError(f"{path!r} has no *.safetensors weights. Pass {_EXPECTED}.")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights, tied: bool) -> None:
+    """Copy named tensors into the model's parameters; every parameter must be covered exactly once."""
+    params = dict(model.named_parameters())  # a tied lm_head shares (and so omits) the embedding's entry
+    missing = set(params)
+    for name, tensor in weights:
+        if name not in params:
+            if tied and name == "lm_head.weight":
+                continue
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise ModelNotFoundError(f"Checkpoint tensor {name!r} has no parameter in {type(model).__name__}; "
+                                     f"the checkpoint does not match its config.")
+        param = params[name]
+        if param.shape != tensor.shape:
+            raise ModelNotFoundError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(param.shape)}; the checkpoint does not match its config.")
+        with torch.no_grad():
+            param.copy_(tensor)
+        missing.discard(name)
+    if missing:
+        raise ModelNotFoundError(f"Checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}.")
+
+
+def build_model(config, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """The model on `device` in `dtype` with uninitialised weights (built on meta, so no random init is paid)."""
+    cls = get_model_class(config.architectures)
+    with torch.device("meta"):
+        model = cls(config)
+    model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_cache()
+    return model.eval()
+
+
+def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"):
+    """(model, hf_config) with weights loaded."""
+    config = load_hf_config(path)
+    model = build_model(config, dtype, device)
+    if path.endswith(".gguf"):
+        from graphinfer.models.gguf_loader import load_gguf_state_dict
+
+        weights = load_gguf_state_dict(path).items()
+    else:
+        weights = _safetensors_weights(path)
+    load_weights(model, weights, config.tie_word_embeddings)
+    return model, config
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None when a directory ships none (token-id prompts still work)."""
+    if path.endswith(".gguf"):
+        from graphinfer.models.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

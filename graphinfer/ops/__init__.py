@@ -1,0 +1,10 @@
+"""The op vocabulary: `graphinfer::*` custom ops, each with a PyTorch reference and a fake (meta) impl.
+
+Importing this package registers them; models call them through torch.ops.graphinfer.* or these names.
+"""
+from graphinfer.ops.activation import silu_and_mul
+from graphinfer.ops.attention import paged_attention, reshape_and_cache
+from graphinfer.ops.norm import add_rms_norm, rms_norm
+from graphinfer.ops.rotary import rotary_embedding
+
+__all__ = ["add_rms_norm", "paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]

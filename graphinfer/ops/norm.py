@@ -1,0 +1,32 @@
+"""RMSNorm ops. The reference follows HF's LlamaRMSNorm exactly: normalise in fp32, cast back, scale."""
+import torch
+from torch import Tensor
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@torch.library.custom_op("graphinfer::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Normalise the last dimension of x (any leading shape) and scale by weight."""
+    return rms_norm_ref(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("graphinfer::add_rms_norm", mutates_args=())
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """residual' = x + residual; returns (rms_norm(residual'), residual'): the pre-norm decoder's two outputs."""
+    new_residual = x + residual
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)

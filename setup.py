@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="graphinfer",
+    version="0.1.0",
+    description="Compiler-centric, graph-mode LLM inference runtime (torch.fx passes, Triton kernels, device graphs)",
+    packages=find_packages(include=["graphinfer", "graphinfer.*"]),
+    python_requires=">=3.10",
+    # Ranges, not pins: the package must install beside a GPU image's own torch. The Makefile pins for CI.
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=4.56",
+        "tokenizers>=0.21",
+        "safetensors",
+        "gguf>=0.10",
+        "numpy",
+        "tqdm",
+        "jinja2",
+    ],
+    entry_points={"console_scripts": ["graphinfer=graphinfer.cli:main"]},
+)
