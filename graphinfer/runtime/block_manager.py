@@ -1,0 +1,117 @@
+"""Paged KV-cache block manager with prefix caching.
+
+A full block whose KV is computed gets a chained hash (parent hash + its tokens), so a block's identity
+covers the whole prefix before it. Freed blocks keep their hash and sit in an LRU free list: a later
+request with the same prefix revives them; allocation evicts the least recently freed first.
+Hits are confirmed by comparing tokens, so a hash collision can never serve wrong KV.
+"""
+from collections import OrderedDict
+
+from graphinfer.runtime.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
+        self.hash_to_block_id: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """Block ids holding a prefix of seq's tokens. The block with the last token never counts,
+        so at least one token is always left to compute (its logits are what we sample from)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent = [], None
+        bs = self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = hash((parent, tokens))
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def can_allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
+        """Room for a fresh sequence's cached prefix plus its first num_new_tokens?"""
+        new = self.blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # hits still in the free list
+        return new + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> None:
+        assert not seq.block_table
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.hash)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
+        self.append_slots(seq, num_new_tokens)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self._new_blocks(seq, num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow seq's block table to hold its computed tokens plus num_new_tokens."""
+        for _ in range(self._new_blocks(seq, num_new_tokens)):
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]  # evict the stale cached prefix
+            block.hash, block.token_ids, block.ref_count = None, (), 1
+            seq.block_table.append(block_id)
+
+    def _new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hash the blocks that became full of computed tokens, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = hash((seq.block_hashes[-1] if seq.block_hashes else None, tokens))
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self.hash_to_block_id:  # else another sequence already caches this prefix
+                block.hash, block.token_ids = h, tokens
+                self.hash_to_block_id[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks; tail blocks go first in the LRU so shared prefixes outlive them."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,91 @@
+"""The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, sampling_params)."""
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from graphinfer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from graphinfer.errors import InvalidConfigError
+from graphinfer.outputs import RequestOutput
+from graphinfer.runtime.llm_engine import LLMEngine
+from graphinfer.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batched generation.
+
+    model: an HF checkpoint directory (config.json + *.safetensors) or a .gguf file; default: the
+    bundled SmolLM2-135M-Instruct. Other arguments keep vLLM's names (dtype, max_model_len, block_size,
+    max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed, ...).
+    """
+
+    def __init__(self, model: str = "", *, dtype: str = "auto", max_model_len: int | None = None,
+                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 num_gpu_blocks_override: int | None = None, seed: int = 0, device: str = "cpu"):
+        self.llm_engine = LLMEngine(EngineConfig(
+            ModelConfig(model, dtype, max_model_len, seed, device),
+            CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization,
+                        num_gpu_blocks_override),
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+        ))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or
+        vLLM-style dicts ({"prompt": ...} / {"prompt_token_ids": [...]}). Outputs come in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidConfigError(f"Got {len(prompts)} prompts but {len(params)} SamplingParams; "
+                                         f"pass one SamplingParams or one per prompt.")
+        return self._run([self.llm_engine.make_sequence(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None):
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise InvalidConfigError("This model ships no tokenizer, so it has no chat template; use generate() with token ids.")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template)
+            prompts.append({"prompt_token_ids": tok(text, add_special_tokens=False).input_ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, seqs, use_tqdm: bool) -> list[RequestOutput]:
+        # Every prompt was validated before any was queued: a bad one leaves nothing behind.
+        engine = self.llm_engine
+        for seq in seqs:
+            engine.add_sequence(seq)
+        finished: dict[str, RequestOutput] = {}
+        try:
+            with tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+        finally:  # an exception or Ctrl-C mid-run must not leak KV blocks
+            for seq in seqs:
+                engine.abort_request(seq.request_id)
+        return [finished[seq.request_id] for seq in seqs]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):  # one prompt as token ids
+        return [prompts]
+    if not all(isinstance(p, (str, dict, Seq)) for p in prompts):
+        raise InvalidConfigError("prompts must be a string, token ids, or a list of those.")
+    return prompts

@@ -1,0 +1,180 @@
+"""LLMEngine: requests in, one scheduled + executed + sampled step at a time, RequestOutputs out."""
+import itertools
+import logging
+
+import torch
+
+from graphinfer.config import EngineConfig
+from graphinfer.errors import GraphinferError, InvalidConfigError, KVCacheTooSmallError, PromptTooLongError
+from graphinfer.models.loader import load_model, load_tokenizer
+from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from graphinfer.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
+from graphinfer.runtime.model_runner import ModelRunner
+from graphinfer.runtime.sampler import SamplerOutput
+from graphinfer.runtime.scheduler import Scheduler
+from graphinfer.runtime.sequence import Sequence, SequenceStatus
+from graphinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        torch.manual_seed(mc.seed)
+        self.device = torch.device(mc.device)
+        self.model, self.hf_config = load_model(mc.model, mc.torch_dtype, self.device)
+        self.tokenizer = load_tokenizer(mc.model)
+        self.max_model_len = self._resolve_max_model_len(mc.max_model_len)
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
+            raise InvalidConfigError(
+                f"max_num_batched_tokens={sc.max_num_batched_tokens} < max_model_len={self.max_model_len} "
+                f"without chunked prefill: long prompts could never be scheduled. Raise max_num_batched_tokens, "
+                f"lower max_model_len, or enable_chunked_prefill=True.")
+        self.eos_token_ids = self._eos_token_ids()
+        self.model_runner = ModelRunner(self.model, cc, self.max_model_len, self.device,
+                                        min(self.eos_token_ids) if self.eos_token_ids else None, mc.seed)
+        self.scheduler = Scheduler(sc, cc, self.model_runner.num_blocks)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    def _resolve_max_model_len(self, requested: int | None) -> int:
+        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if requested is None:
+            return model_len
+        if requested > model_len:
+            raise InvalidConfigError(f"max_model_len={requested} exceeds the model's context length {model_len}; "
+                                     f"use max_model_len <= {model_len}.")
+        return requested
+
+    def _eos_token_ids(self) -> set[int]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    # ----- requests -----
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidConfigError(f"{self.config.model_config.model!r} ships no tokenizer: pass prompts as token ids.")
+        return self.tokenizer(prompt).input_ids
+
+    def make_sequence(self, prompt: str | list[int] | dict, params: SamplingParams | None,
+                      request_id: str | None = None) -> Sequence:
+        """Validate and tokenize one request without queueing it (so a batch can be checked first)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, dict):  # vLLM's TokensPrompt / TextPrompt
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise PromptTooLongError("The prompt is empty; give at least one token.")
+        vocab = self.hf_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidConfigError(f"Prompt token ids must be integers in [0, {vocab}).")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"The prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}, which must leave "
+                f"room for at least one generated token. Shorten the prompt or raise max_model_len.")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        blocks = self.scheduler.block_manager.blocks_needed(len(ids) + max_tokens - 1)
+        if blocks > self.model_runner.num_blocks:
+            raise KVCacheTooSmallError(
+                f"The request needs {blocks} KV-cache blocks ({len(ids)} prompt + {max_tokens} new tokens), but the "
+                f"cache has only {self.model_runner.num_blocks}. Lower max_tokens, or give the cache more memory "
+                f"(kv_cache_memory_bytes / num_gpu_blocks_override).")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise InvalidConfigError(f"Request id {request_id!r} is already in use.")
+        seq = Sequence(request_id, text, ids, params, max_tokens)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
+        seq = self.make_sequence(prompt, params, request_id)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----- stepping -----
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step. Returns an output for each request that got a token
+        (finished ones included, after which the engine forgets them)."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.has_unfinished() and not sched.preempted:
+                raise GraphinferError("Scheduler made no progress with requests pending; this is a bug.")
+            return []
+        rows, sampled = self.model_runner.execute_model(sched)
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.scheduler.block_manager.cache_full_blocks(seq)
+        outputs = []
+        if sampled is not None:
+            tokens = sampled.sampled_token_ids.tolist()
+            for i, seq in enumerate(rows):
+                self._append(seq, tokens[i], sampled, i)
+                outputs.append(self._output(seq))
+                if seq.is_finished:
+                    del self.requests[seq.request_id]
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int) -> None:
+        seq.append_token(token)
+        params = seq.sampling_params
+        if seq.logprobs is not None:
+            self._record_logprobs(seq, token, sampled, row)
+        delta = seq.detokenizer.add_token(token) if seq.detokenizer else ""
+        seq.output_text = seq.detokenizer.output_text if seq.detokenizer else ""
+        n_out = len(seq.output_token_ids)
+        if n_out >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return self.scheduler.finish(seq, "stop")
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return self.scheduler.finish(seq, "stop")
+            if params.stop_strings and delta:
+                hit = find_stop_string(seq.output_text, len(delta), params.stop_strings, params.include_stop_str_in_output)
+                if hit is not None:
+                    seq.output_text, seq.stop_reason = hit
+                    return self.scheduler.finish(seq, "stop")
+        if n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _record_logprobs(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int) -> None:
+        lp = float(sampled.sampled_logprobs[row])
+        seq.cumulative_logprob += lp
+        entry = {token: Logprob(lp, int(sampled.sampled_ranks[row]))}
+        n = seq.sampling_params.logprobs
+        if n and sampled.topk_token_ids is not None:
+            ids = sampled.topk_token_ids[row, :n].tolist()
+            lps = sampled.topk_logprobs[row, :n].tolist()
+            for rank, (tid, tlp) in enumerate(zip(ids, lps), start=1):
+                entry.setdefault(tid, Logprob(tlp, rank))
+        if self.tokenizer is not None:
+            for tid, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([tid])
+        seq.logprobs.append(entry)
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+            logprobs=seq.logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
+                             finished=seq.status == SequenceStatus.FINISHED, num_cached_tokens=seq.num_cached_tokens)

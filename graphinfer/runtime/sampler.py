@@ -1,0 +1,142 @@
+"""Batched next-token sampler, following vLLM v1's Sampler.
+
+Order: raw logprobs -> min_tokens mask -> penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p
+-> exponential-race sampling. Everything is batched over rows except the per-row noise draw, which uses the
+row's own generator so a seeded request samples the same tokens whatever else is in the batch.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    sampled_logprobs: torch.Tensor  # [B] float32, raw log_softmax at the sampled token
+    sampled_ranks: torch.Tensor  # [B] int64, 1 = most likely under the raw logits
+    topk_token_ids: torch.Tensor | None  # [B, N] int64, N = max requested logprobs; None if no row asked
+    topk_logprobs: torch.Tensor | None  # [B, N] float32, raw log_softmax
+
+
+class Sampler:
+    def __init__(self, eos_token_id: int | None, seed: int = 0, device="cpu"):
+        self.eos_token_id = eos_token_id
+        self.device = torch.device(device)
+        # Rows without their own seed share this generator.
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list) -> SamplerOutput:
+        params = [r.sampling_params for r in rows]
+        x = logits.to(torch.float32, copy=True)  # copy: we mask and penalise in place
+        dev = x.device
+
+        # vLLM's default logprobs_mode is raw_logprobs: before penalties, temperature and filtering.
+        raw_lp = torch.log_softmax(x, dim=-1)
+
+        self._apply_min_tokens(x, rows, params)
+        self._apply_penalties(x, rows, params)
+
+        sampled = x.argmax(dim=-1)  # greedy rows keep this
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if rand:
+            idx = torch.tensor(rand, device=dev)
+            sub = x[idx]
+            temp = torch.tensor([params[i].temperature for i in rand], device=dev)
+            probs = _filtered_probs(
+                sub,
+                sub / temp[:, None],
+                [params[i].top_k for i in rand],
+                [params[i].top_p for i in rand],
+                [params[i].min_p for i in rand],
+            )
+            # Exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i.
+            q = torch.empty_like(probs)
+            for j, i in enumerate(rand):
+                g = getattr(rows[i], "generator", None)
+                q[j].exponential_(generator=self.generator if g is None else g)
+            sampled[idx] = probs.div_(q.clamp_(min=1e-30)).argmax(dim=-1)  # clamp: E == 0 would give 0/0
+
+        sampled_lp = raw_lp.gather(1, sampled[:, None])
+        ranks = torch.count_nonzero(raw_lp > sampled_lp, dim=-1) + 1
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        topk_lp = topk_ids = None
+        if asked:
+            topk_lp, topk_ids = torch.topk(raw_lp, min(max(asked), raw_lp.shape[-1]), dim=-1)
+        return SamplerOutput(sampled, sampled_lp[:, 0], ranks, topk_ids, topk_lp)
+
+    def _apply_min_tokens(self, x, rows, params):
+        # Like vLLM, eos is masked even with ignore_eos (it's in the request's stop set either way).
+        r_idx, t_idx = [], []
+        for i, (row, p) in enumerate(zip(rows, params)):
+            if len(row.output_token_ids) < p.min_tokens:
+                stops = set(p.stop_token_ids)
+                if self.eos_token_id is not None:
+                    stops.add(self.eos_token_id)
+                r_idx += [i] * len(stops)
+                t_idx += sorted(stops)
+        if r_idx:
+            x[torch.tensor(r_idx, device=x.device), torch.tensor(t_idx, device=x.device)] = float("-inf")
+
+    def _apply_penalties(self, x, rows, params):
+        B, V = x.shape
+        dev = x.device
+        rep = [p.repetition_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+        if any(r != 1.0 for r in rep):
+            # Repetition penalty (HF/vLLM): over prompt + output tokens.
+            seen = _token_counts(
+                [list(r.prompt_token_ids) + list(r.output_token_ids) if rp != 1.0 else [] for r, rp in zip(rows, rep)],
+                V, dev,
+            ) > 0
+            pen = torch.tensor(rep, device=dev)[:, None].expand(B, V)
+            pen = torch.where(seen, pen, 1.0)
+            x.copy_(torch.where(x > 0, x / pen, x * pen))
+        if any(pres) or any(freq):
+            # OpenAI presence/frequency penalties: over output tokens only.
+            counts = _token_counts(
+                [list(r.output_token_ids) if (pp or fp) else [] for r, pp, fp in zip(rows, pres, freq)], V, dev
+            )
+            x -= torch.tensor(freq, device=dev)[:, None] * counts
+            x -= torch.tensor(pres, device=dev)[:, None] * (counts > 0)
+
+
+def _token_counts(token_lists: list[list[int]], V: int, device) -> torch.Tensor:
+    """[B, V] float32 occurrence counts; ragged lists are padded with id V into a discarded extra column."""
+    L = max(map(len, token_lists))
+    ids = torch.tensor([t + [V] * (L - len(t)) for t in token_lists], dtype=torch.int64, device=device)
+    counts = torch.zeros(len(token_lists), V + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :V]
+
+
+def _filtered_probs(order_logits, scaled, top_k, top_p, min_p) -> torch.Tensor:
+    """softmax(scaled) restricted by min_p, then top_k, then top_p (vLLM v1 order), renormalised.
+
+    Tokens are ranked by `order_logits` (pre-temperature, same order mathematically) with a stable sort, so
+    top_k=1 keeps exactly the greedy argmax even where temperature scaling rounds two logits together.
+    """
+    if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m == 0 for m in min_p):
+        return torch.softmax(scaled, dim=-1)  # fast path: nothing to filter
+    R, V = scaled.shape
+    dev = scaled.device
+    order = torch.sort(order_logits, dim=-1, descending=True, stable=True).indices
+    s = scaled.gather(1, order)  # descending
+    if any(min_p):
+        # min_p: drop tokens below min_p * the top probability.
+        probs = torch.softmax(s, dim=-1)
+        mp = torch.tensor(min_p, device=dev)[:, None]
+        s = s.masked_fill(probs < mp * probs[:, :1], float("-inf"))
+    if any(top_k):
+        # top_k by position in the sorted order: keeps exactly k tokens.
+        k = torch.tensor([kk if kk > 0 else V for kk in top_k], device=dev)[:, None]
+        s = s.masked_fill(torch.arange(V, device=dev)[None] >= k, float("-inf"))
+    probs = torch.softmax(s, dim=-1)
+    if any(p < 1.0 for p in top_p):
+        # top_p: drop a token once the mass above it reaches p (vLLM: tail mass <= 1 - p); the top token stays.
+        # Rows with top_p = 1 get p = inf: the float cumsum may reach 1 early, yet they must drop nothing.
+        tp = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=dev)[:, None]
+        drop = probs.cumsum(dim=-1) - probs >= tp
+        drop[:, 0] = False
+        probs = torch.softmax(s.masked_fill(drop, float("-inf")), dim=-1)
+    return torch.empty_like(probs).scatter_(1, order, probs)  # back to vocab order

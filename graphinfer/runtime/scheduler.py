@@ -1,0 +1,97 @@
+"""Continuous-batching scheduler with a token budget, chunked prefill and preemption by recompute.
+
+Each step (vLLM v1's unified scheme): running sequences first, in arrival order, each taking what it
+still needs (1 token for a decode, the rest of its prompt for a chunked prefill) out of
+max_num_batched_tokens; then waiting sequences are admitted while the budget, max_num_seqs and free
+blocks allow, their prompts chunked to fit. Decodes and prefill chunks share a step. When a running
+sequence needs a block and none is free, the most recently admitted one is preempted: its blocks are
+freed (their hashes kept, so its recompute is mostly prefix-cache hits) and it goes back to the front
+of the waiting queue. A request that could never fit is refused at admission (engine), so a sequence
+running alone always has room and the scheduler always makes progress.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+from graphinfer.config import CacheConfig, SchedulerConfig
+from graphinfer.runtime.block_manager import BlockManager
+from graphinfer.runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute now)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+        self.config = scheduler_config
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slots(seq, n)
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        if out.preempted:  # memory is short: don't admit anyone this step
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_blocks(seq)
+            n = seq.num_tokens - len(cached) * self.block_manager.block_size
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.block_manager.can_allocate(seq, cached, n):
+                break
+            self.block_manager.allocate(seq, cached, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take seq out of the queues and release its blocks (finished, stopped or aborted)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
