@@ -89,6 +89,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidConfigError(f"Request id {request_id!r} is already in use.")
         seq = Sequence(request_id, text, ids, params, max_tokens)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return seq
@@ -134,6 +136,12 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int) -> None:
+        self._check_stop(seq, token, sampled, row)
+        if seq.is_finished and seq.detokenizer and not isinstance(seq.stop_reason, str):
+            seq.detokenizer.flush()  # text held back for an unfinished UTF-8 char decodes as a full decode would
+            seq.output_text = seq.detokenizer.output_text
+
+    def _check_stop(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int) -> None:
         seq.append_token(token)
         params = seq.sampling_params
         if seq.logprobs is not None:

@@ -27,9 +27,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served by prefix-cache hits at the first schedule
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
-        self.generator = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        self.generator: torch.Generator | None = None  # set by the engine (on its device) for a seeded request
         self.detokenizer = None  # set by the engine when a tokenizer exists
         self.output_text = ""
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None

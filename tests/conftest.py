@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random-weight HF checkpoints, the bundled SmolLM2, and HF's own load of it."""
+import os
+
+import pytest
+import torch
+
+from graphinfer.config import bundled_model_path
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+
+
+def tiny_hf_config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch == "llama":
+        return LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if arch == "llama3":  # llama3 rope scaling and untied head
+        return LlamaConfig(**TINY, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if arch == "qwen2":
+        return Qwen2Config(**TINY, tie_word_embeddings=False)
+    if arch == "qwen3":
+        return Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(arch) -> (dir of a saved random HF model, the HF model in fp32 eval mode)."""
+    cache = {}
+
+    def make(arch: str):
+        if arch not in cache:
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(0)
+            hf = AutoModelForCausalLM.from_config(tiny_hf_config(arch)).eval()
+            path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+            hf.save_pretrained(path)
+            cache[arch] = (path, hf)
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """HF transformers' own load of the same GGUF (fp32): the reference for the real-weights tests."""
+    from transformers import AutoModelForCausalLM
+
+    from graphinfer.models.gguf_loader import load_gguf_tokenizer
+
+    d, name = os.path.split(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    return model, load_gguf_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    from graphinfer import LLM
+
+    return LLM(dtype="float32", max_model_len=1024, seed=0)
