@@ -55,9 +55,14 @@ def _heads(reader: GGUFReader, arch: str) -> tuple[int, int]:
     return n_head, _field(reader, f"{arch}.attention.head_count_kv", n_head)
 
 
-def load_gguf_config(path: str) -> transformers.PretrainedConfig:
+def _open(src: "str | GGUFReader") -> GGUFReader:
+    # Parsing the metadata (the 49k-entry token arrays) costs seconds: callers may pass one open reader.
+    return src if isinstance(src, GGUFReader) else GGUFReader(src)
+
+
+def load_gguf_config(src: "str | GGUFReader") -> transformers.PretrainedConfig:
     """The transformers config (LlamaConfig / Qwen2Config / Qwen3Config) described by the GGUF metadata."""
-    reader = GGUFReader(path)
+    reader = _open(src)
     arch = _arch(reader)
 
     def meta(key, default=None):
@@ -100,9 +105,9 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def load_gguf_state_dict(path: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def load_gguf_state_dict(src: "str | GGUFReader", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Every GGUF tensor dequantized, in torch shape and `dtype`, under its HF name (no lm_head when tied)."""
-    reader = GGUFReader(path)  # memory-maps the file: only one tensor is dequantized (in f32) at a time
+    reader = _open(src)  # memory-maps the file: only one tensor is dequantized (in f32) at a time
     arch = _arch(reader)
     n_head, n_kv = _heads(reader, arch)
     out = {}
@@ -112,7 +117,7 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype = torch.float32) -> dict[
         elif (m := _BLOCK_RE.fullmatch(t.name)) and m[2] in _BLOCK_NAMES:
             name, kind = f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}", m[2]
         else:  # e.g. llama3's rope_freqs: silently dropping it would give a wrong model
-            raise UnsupportedArchitectureError(f"GGUF tensor {t.name!r} in {path} has no graphinfer equivalent.")
+            raise UnsupportedArchitectureError(f"GGUF tensor {t.name!r} in {reader.data.filename} has no graphinfer equivalent.")
         try:
             data = dequantize(t.data, t.tensor_type)
         except NotImplementedError:

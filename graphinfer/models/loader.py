@@ -24,20 +24,13 @@ def _check_path(path: str) -> None:
 
 
 def load_hf_config(path: str):
-    """The HF config of a checkpoint; the architecture is checked before transformers parses the rest."""
+    """The HF config of a checkpoint directory; the architecture is checked before transformers parses the rest."""
     _check_path(path)
-    if path.endswith(".gguf"):
-        from graphinfer.models.gguf_loader import load_gguf_config
+    with open(os.path.join(path, "config.json")) as f:
+        get_model_class(json.load(f).get("architectures"))
+    from transformers import AutoConfig
 
-        config = load_gguf_config(path)
-    else:
-        with open(os.path.join(path, "config.json")) as f:
-            get_model_class(json.load(f).get("architectures"))
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(path)
-    get_model_class(config.architectures)
-    return config
+    return AutoConfig.from_pretrained(path)
 
 
 def _safetensors_weights(path: str):
@@ -88,13 +81,19 @@ def build_model(config, dtype: torch.dtype, device: str | torch.device) -> nn.Mo
 
 def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"):
     """(model, hf_config) with weights loaded."""
-    config = load_hf_config(path)
-    model = build_model(config, dtype, device)
+    _check_path(path)
     if path.endswith(".gguf"):
-        from graphinfer.models.gguf_loader import load_gguf_state_dict
+        from gguf import GGUFReader
 
-        weights = load_gguf_state_dict(path).items()
+        from graphinfer.models.gguf_loader import load_gguf_config, load_gguf_state_dict
+
+        reader = GGUFReader(path)
+        config = load_gguf_config(reader)
+        model = build_model(config, dtype, device)
+        weights = load_gguf_state_dict(reader).items()
     else:
+        config = load_hf_config(path)
+        model = build_model(config, dtype, device)
         weights = _safetensors_weights(path)
     load_weights(model, weights, config.tie_word_embeddings)
     return model, config
