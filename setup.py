@@ -8,7 +8,7 @@ setup(
     python_requires=">=3.10",
     # Ranges, not pins: the package must install beside a GPU image's own torch. The Makefile pins for CI.
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.5",  # SDPA enable_gqa, torch.library.infer_schema
         "transformers>=4.56",
         "tokenizers>=0.21",
         "safetensors",

@@ -1,4 +1,4 @@
-"""`graphinfer` command line: generate (now); compile / serve / bench / passes arrive with their issues."""
+"""`graphinfer` command line: generate, bench generate (compile / serve / passes arrive with their issues)."""
 import argparse
 import sys
 
@@ -58,6 +58,20 @@ def _generate(args) -> None:
                 print(f"  {entry[tid].decoded_token!r}: {entry[tid].logprob:.4f}")
 
 
+def _bench_generate(args) -> None:
+    from graphinfer.bench.generate import run
+
+    result = run(args.model, args.dtype, [int(b) for b in args.batch_sizes.split(",")], args.max_tokens,
+                 args.repeats, args.compare == "hf", args.output_json)
+    print(f"\n| batch | new tokens | graphinfer tok/s |" + (" HF tok/s | ratio |" if args.compare else ""))
+    print("|---|---|---|" + ("---|---|" if args.compare else ""))
+    for r in result["rows"]:
+        line = f"| {r['batch']} | {r['max_tokens']} | {r['graphinfer_tok_s']:.1f} |"
+        if args.compare:
+            line += f" {r['hf_tok_s']:.1f} | {r['speedup_vs_hf']:.2f}x |"
+        print(line)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphinfer", description="graph-mode LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (write JSON)").add_subparsers(dest="bench", required=True)
+    bg = bench.add_parser("generate", help="offline generation throughput, optionally vs HF transformers' generate")
+    bg.add_argument("--model", default="", help="HF checkpoint dir or .gguf file (default: bundled SmolLM2)")
+    bg.add_argument("--dtype", default="auto")
+    bg.add_argument("--batch-sizes", default="1,8")
+    bg.add_argument("--max-tokens", type=int, default=64)
+    bg.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; the best is kept")
+    bg.add_argument("--compare", choices=["hf"], default=None)
+    bg.add_argument("--output-json", default=None)
+    bg.set_defaults(func=_bench_generate)
     return parser
 
 

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from graphinfer.ops.library import graphinfer_op, register_fake
 
-@torch.library.custom_op("graphinfer::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
+
+@graphinfer_op(mutates_args=("key_cache", "value_cache"))
 def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write key/value [T, num_kv_heads, head_size] into the paged caches at slot_mapping [T]; skip slot -1."""
     slots = slot_mapping.long()
@@ -23,7 +25,7 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
     value_cache.view(-1, *value.shape[1:]).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
-@reshape_and_cache.register_fake
+@register_fake(reshape_and_cache)
 def _(key, value, key_cache, value_cache, slot_mapping):
     return None
 
@@ -37,14 +39,11 @@ def _gather(cache: Tensor, block_tables: Tensor, max_len: int) -> Tensor:
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """q [B, Hq, Q, D], k/v [B, Hkv, L, D], boolean mask [B, 1, Q, L] (True = attend). GQA by repeating kv heads."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    """q [B, Hq, Q, D], k/v [B, Hkv, L, D], boolean mask [B, 1, Q, L] (True = attend)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-@torch.library.custom_op("graphinfer::paged_attention", mutates_args=())
+@graphinfer_op()
 def paged_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
     query_start_loc: Tensor, seq_lens: Tensor, scale: float,
@@ -60,6 +59,12 @@ def paged_attention(
     q_lens = [e - s for s, e in zip(starts[:-1], starts[1:])]
     decode = [i for i, (n, L) in enumerate(zip(q_lens, lens)) if n == 1 and L > 0]
     prefill = [i for i, (n, L) in enumerate(zip(q_lens, lens)) if n > 1 and L > 0]
+    if len(decode) == len(lens) == query.shape[0]:  # a pure decode batch: rows are requests, no indexing needed
+        max_len = max(lens)
+        k = _gather(key_cache, block_tables, max_len).transpose(1, 2)
+        v = _gather(value_cache, block_tables, max_len).transpose(1, 2)
+        mask = torch.arange(max_len, device=query.device) < seq_lens.unsqueeze(1)
+        return _attend(query.unsqueeze(2), k, v, mask[:, None, None, :], scale).squeeze(2).to(query.dtype)
     if decode:
         rows = torch.tensor([starts[i] for i in decode], device=query.device)
         idx = torch.tensor(decode, device=query.device)
@@ -80,6 +85,6 @@ def paged_attention(
     return out
 
 
-@paged_attention.register_fake
+@register_fake(paged_attention)
 def _(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale):
     return torch.empty_like(query)

@@ -2,6 +2,8 @@
 import torch
 from torch import Tensor
 
+from graphinfer.ops.library import graphinfer_op, register_fake
+
 
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     h = x.to(torch.float32)
@@ -9,24 +11,24 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-@torch.library.custom_op("graphinfer::rms_norm", mutates_args=())
+@graphinfer_op()
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Normalise the last dimension of x (any leading shape) and scale by weight."""
     return rms_norm_ref(x, weight, eps)
 
 
-@rms_norm.register_fake
+@register_fake(rms_norm)
 def _(x, weight, eps):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("graphinfer::add_rms_norm", mutates_args=())
+@graphinfer_op()
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """residual' = x + residual; returns (rms_norm(residual'), residual'): the pre-norm decoder's two outputs."""
     new_residual = x + residual
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
-@add_rms_norm.register_fake
+@register_fake(add_rms_norm)
 def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)

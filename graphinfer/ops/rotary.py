@@ -6,6 +6,8 @@ Unlike vLLM's in-place op this one returns new tensors, so the graph stays funct
 import torch
 from torch import Tensor
 
+from graphinfer.ops.library import graphinfer_op, register_fake
+
 
 def _rotate_neox(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x: [T, H, rot_dim]; cos/sin: [T, 1, rot_dim] = cat(c, c) as HF builds them.
@@ -34,7 +36,7 @@ def _apply(x: Tensor, positions: Tensor, head_size: int, cos_sin_cache: Tensor, 
     return rot.reshape(shape)
 
 
-@torch.library.custom_op("graphinfer::rotary_embedding", mutates_args=())
+@graphinfer_op()
 def rotary_embedding(
     positions: Tensor, query: Tensor, key: Tensor, head_size: int, cos_sin_cache: Tensor, is_neox: bool
 ) -> tuple[Tensor, Tensor]:
@@ -43,6 +45,6 @@ def rotary_embedding(
             _apply(key, positions, head_size, cos_sin_cache, is_neox))
 
 
-@rotary_embedding.register_fake
+@register_fake(rotary_embedding)
 def _(positions, query, key, head_size, cos_sin_cache, is_neox):
     return torch.empty_like(query), torch.empty_like(key)

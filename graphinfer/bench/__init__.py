@@ -1,0 +1,1 @@
+"""Benchmarks behind `graphinfer bench ...`: each writes JSON and compares within one run."""
