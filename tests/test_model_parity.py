@@ -40,3 +40,30 @@ def test_logits_match_hf_through_prefill_and_decode(arch, tiny_checkpoint):
             assert out.outputs[0].token_ids == ref_ids[0, len(prompt):].tolist()
     assert worst <= 1e-4, f"max |logit - HF| = {worst}"
     assert llm.llm_engine.scheduler.block_manager.num_free_blocks == runner.num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_prefill_logits_close_to_hf(dtype, tiny_checkpoint):
+    path, hf32 = tiny_checkpoint("qwen3")
+    hf = type(hf32)(hf32.config).to(dtype).eval()
+    hf.load_state_dict(hf32.state_dict())
+    llm = LLM(path, dtype=str(dtype).split(".")[1])
+    assert llm.llm_engine.model.lm_head.weight.dtype == dtype
+    runner = llm.llm_engine.model_runner
+    runner.sampler = rec = _RecordingSampler(runner.sampler)
+    prompt = list(range(3, 40))
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+    assert (rec.records[0][1] - ref).abs().max().item() < 0.05  # a few ulps of the logits' scale in 16-bit
+
+
+def test_sharded_safetensors_checkpoint(tiny_checkpoint, tmp_path):
+    _, hf = tiny_checkpoint("qwen2")
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 256, (17,), generator=g).tolist()
+    out = LLM(str(tmp_path)).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert out[0].outputs[0].token_ids == ref[0, 17:].tolist()
