@@ -23,9 +23,8 @@ def path():
 
 
 @pytest.fixture(scope="module")
-def hf_model(path):
-    d, name = os.path.split(path)
-    return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+def hf_model(hf_smollm2):  # transformers' own GGUF load, shared with the other real-weights tests (conftest)
+    return hf_smollm2[0]
 
 
 def test_config_matches_transformers(path, hf_model):
