@@ -210,6 +210,9 @@ def test_min_tokens_masks_eos_and_stop_ids():
     toks = sample_many(torch.zeros(V).index_fill(0, torch.tensor([EOS, 3]), 5.0), 500,
                        min_tokens=2, stop_token_ids=[3], temperature=1.0)
     assert not set(toks.tolist()) & {EOS, 3}
+    # Models with several end ids (Llama 3's <|end_of_text|> and <|eot_id|>) get all of them masked.
+    two_eos = Sampler({EOS, 3})(logits, [row(output=[1], temperature=0.0, min_tokens=3)]).sampled_token_ids
+    assert int(two_eos[0]) == 9
 
 
 def test_sampling_follows_softmax():

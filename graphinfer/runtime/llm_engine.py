@@ -33,8 +33,7 @@ class LLMEngine:
                 f"without chunked prefill: long prompts could never be scheduled. Raise max_num_batched_tokens, "
                 f"lower max_model_len, or enable_chunked_prefill=True.")
         self.eos_token_ids = self._eos_token_ids()
-        self.model_runner = ModelRunner(self.model, cc, self.max_model_len, self.device,
-                                        min(self.eos_token_ids) if self.eos_token_ids else None, mc.seed)
+        self.model_runner = ModelRunner(self.model, cc, self.device, self.eos_token_ids, mc.seed)
         self.scheduler = Scheduler(sc, cc, self.model_runner.num_blocks)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -136,32 +135,38 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int) -> None:
-        self._check_stop(seq, token, sampled, row)
-        if seq.is_finished and seq.detokenizer and not isinstance(seq.stop_reason, str):
-            seq.detokenizer.flush()  # text held back for an unfinished UTF-8 char decodes as a full decode would
-            seq.output_text = seq.detokenizer.output_text
-
-    def _check_stop(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int) -> None:
         seq.append_token(token)
-        params = seq.sampling_params
         if seq.logprobs is not None:
             self._record_logprobs(seq, token, sampled, row)
-        delta = seq.detokenizer.add_token(token) if seq.detokenizer else ""
-        seq.output_text = seq.detokenizer.output_text if seq.detokenizer else ""
-        n_out = len(seq.output_token_ids)
-        if n_out >= params.min_tokens:
+        delta = ""
+        if seq.detokenizer:
+            delta = seq.detokenizer.add_token(token)
+            seq.output_text = seq.detokenizer.output_text
+        reason = self._check_stop(seq, token, delta)
+        if reason is None:
+            return
+        if seq.detokenizer and not isinstance(seq.stop_reason, str):
+            seq.detokenizer.flush()  # text held back for an unfinished UTF-8 char decodes as a full decode would
+            seq.output_text = seq.detokenizer.output_text
+        self.scheduler.finish(seq, reason)
+
+    def _check_stop(self, seq: Sequence, token: int, delta: str) -> str | None:
+        """"stop" / "length" if seq is done after `token` (setting stop_reason, cutting a stop string), else None."""
+        params = seq.sampling_params
+        if len(seq.output_token_ids) >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
-                return self.scheduler.finish(seq, "stop")
+                return "stop"
             if token in params.stop_token_ids:
                 seq.stop_reason = token
-                return self.scheduler.finish(seq, "stop")
+                return "stop"
             if params.stop_strings and delta:
                 hit = find_stop_string(seq.output_text, len(delta), params.stop_strings, params.include_stop_str_in_output)
                 if hit is not None:
                     seq.output_text, seq.stop_reason = hit
-                    return self.scheduler.finish(seq, "stop")
-        if n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.scheduler.finish(seq, "length")
+                    return "stop"
+        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _record_logprobs(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int) -> None:
         lp = float(sampled.sampled_logprobs[row])

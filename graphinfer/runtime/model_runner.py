@@ -20,16 +20,14 @@ _CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class ModelRunner:
-    def __init__(self, model, cache_config: CacheConfig, max_model_len: int, device: torch.device,
-                 eos_token_id: int | None, seed: int):
+    def __init__(self, model, cache_config: CacheConfig, device: torch.device, eos_token_ids: set[int], seed: int):
         self.model = model
         self.device = device
         self.block_size = cache_config.block_size
-        self.max_model_len = max_model_len
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._num_kv_blocks(cache_config)
         self._allocate_kv_cache()
-        self.sampler = Sampler(eos_token_id, seed=seed, device=device)
+        self.sampler = Sampler(eos_token_ids, seed=seed, device=device)
 
     def _block_bytes(self) -> int:
         a = self.attn_layers[0]

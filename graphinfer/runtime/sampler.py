@@ -19,8 +19,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, eos_token_id: int | None, seed: int = 0, device="cpu"):
-        self.eos_token_id = eos_token_id
+    def __init__(self, eos_token_ids: int | set[int] | None, seed: int = 0, device="cpu"):
+        # Several ids end generation for some models (Llama 3: <|end_of_text|>, <|eot_id|>).
+        self.eos_token_ids = {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids or ())
         self.device = torch.device(device)
         # Rows without their own seed share this generator.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -69,9 +70,7 @@ class Sampler:
         r_idx, t_idx = [], []
         for i, (row, p) in enumerate(zip(rows, params)):
             if len(row.output_token_ids) < p.min_tokens:
-                stops = set(p.stop_token_ids)
-                if self.eos_token_id is not None:
-                    stops.add(self.eos_token_id)
+                stops = set(p.stop_token_ids) | self.eos_token_ids
                 r_idx += [i] * len(stops)
                 t_idx += sorted(stops)
         if r_idx:
