@@ -1,4 +1,4 @@
-"""`graphinfer` command line: generate, bench generate (compile / serve / passes arrive with their issues)."""
+"""`graphinfer` command line: generate, compile, passes (list / show / diff / verify), bench generate."""
 import argparse
 import sys
 
@@ -16,6 +16,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu")
+    g.add_argument("--passes", default="default", help="'default', 'none' or a comma-separated list of pass names")
+    g.add_argument("--graph-mode", default="NONE", choices=["NONE", "FULL_DECODE_ONLY"])
+    g.add_argument("--artifact", default=None, help="start from a `graphinfer compile` output directory")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -45,7 +48,8 @@ def _generate(args) -> None:
         stop=args.stop, seed=args.sampling_seed, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device)
+              enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
+              passes=args.passes, graph_mode=args.graph_mode, artifact=args.artifact)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
     else:
@@ -72,6 +76,31 @@ def _bench_generate(args) -> None:
         print(line)
 
 
+def _compile(args) -> None:
+    from graphinfer import LLM
+    from graphinfer.compiler.report import pass_table
+
+    sizes = [int(s) for s in args.capture_sizes.split(",")] if args.capture_sizes else None
+    llm = LLM(args.model, dtype=args.dtype, passes=args.passes, graph_mode=args.graph_mode, capture_sizes=sizes,
+              max_num_seqs=args.max_num_seqs, device=args.device, num_gpu_blocks_override=1)
+    manifest = llm.llm_engine.save_artifact(args.output)
+    print(f"{pass_table(llm.llm_engine.pass_reports)}\n\ncompiled {manifest['model']['path']} "
+          f"({manifest['platform']}, {manifest['dtype']}, {manifest['graph_mode']}) -> {args.output}")
+
+
+def _passes(args) -> None:
+    from graphinfer.passes import tools
+
+    if args.action == "list":
+        print(tools.list_passes())
+    elif args.action == "show":
+        print(tools.show(args.model, args.after, args.dtype, args.onnx))
+    elif args.action == "diff":
+        print(tools.diff(args.model, args.pass_name, args.dtype))
+    else:
+        print(tools.verify(args.model, args.passes, args.dtype, args.onnx)[0])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphinfer", description="graph-mode LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +110,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
+
+    comp = sub.add_parser("compile", help="trace + optimise a model and write an artifact that generate/serve start from")
+    comp.add_argument("model", nargs="?", default="", help="HF checkpoint dir, .gguf file or preset (default: bundled SmolLM2)")
+    comp.add_argument("-o", "--output", required=True, help="artifact directory to write")
+    comp.add_argument("--graph-mode", default="NONE", choices=["NONE", "FULL_DECODE_ONLY"])
+    comp.add_argument("--passes", default="default", help="'default', 'none' or a comma-separated list of pass names")
+    comp.add_argument("--capture-sizes", default=None, help="comma-separated batch sizes (default: vLLM's list)")
+    comp.add_argument("--max-num-seqs", type=int, default=256, help="bounds the default capture sizes")
+    comp.add_argument("--dtype", default="auto")
+    comp.add_argument("--device", default="cpu")
+    comp.set_defaults(func=_compile)
+
+    ps = sub.add_parser("passes", help="tooling for pass developers").add_subparsers(dest="action", required=True)
+    ps.add_parser("list", help="every pass: name, description, origin (built-in or plugin)")
+    for name, help_ in (("show", "readable graph code and op histogram"), ("diff", "nodes a pass removed and added"),
+                        ("verify", "every pass's numeric check, max abs error and matches, as a table")):
+        p = ps.add_parser(name, help=help_)
+        p.add_argument("model", help="checkpoint path or preset (tiny-llama, tiny-qwen2, tiny-qwen3, ...)")
+        p.add_argument("--dtype", default="auto")
+        if name == "show":
+            p.add_argument("--after", default=None, help="show the graph after this pass (default: as traced)")
+        if name == "diff":
+            p.add_argument("--pass", dest="pass_name", required=True)
+        if name == "verify":
+            p.add_argument("--passes", default="default")
+        if name != "diff":
+            p.add_argument("--onnx", default=None, help="also export the graph as ONNX for Netron")
+    sub.choices["passes"].set_defaults(func=_passes)
 
     bench = sub.add_parser("bench", help="benchmarks (write JSON)").add_subparsers(dest="bench", required=True)
     bg = bench.add_parser("generate", help="offline generation throughput, optionally vs HF transformers' generate")

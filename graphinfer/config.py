@@ -80,8 +80,32 @@ class SchedulerConfig:
             raise InvalidConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1.")
 
 
+GRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's list: [1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16), max = min(max_num_seqs, 512)."""
+    top = min(max_num_seqs, 512)
+    return [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)] if s <= top]
+
+
+@dataclass
+class CompileConfig:
+    graph_mode: str = "NONE"  # NONE: run the (fused) graph eagerly; FULL_DECODE_ONLY: replay captured decode graphs
+    passes: str | list[str] = "default"  # "default", "none", "a,b,c" or a list of pass names
+    capture_sizes: list[int] | None = None  # None: default_capture_sizes(max_num_seqs)
+
+    def __post_init__(self):
+        if self.graph_mode not in GRAPH_MODES:
+            raise InvalidConfigError(f"graph_mode={self.graph_mode!r}: use one of {', '.join(GRAPH_MODES)}.")
+        if self.capture_sizes is not None and (not self.capture_sizes or min(self.capture_sizes) < 1):
+            raise InvalidConfigError(f"capture_sizes={self.capture_sizes} must be positive batch sizes.")
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compile_config: CompileConfig = field(default_factory=CompileConfig)
+    artifact: str | None = None  # a `graphinfer compile` output directory to start from

@@ -31,3 +31,7 @@ class PromptTooLongError(GraphinferError, ValueError):
 
 class KVCacheTooSmallError(GraphinferError, ValueError):
     """A request needs more KV-cache blocks than the whole pool has, so it could never run."""
+
+
+class ArtifactMismatchError(GraphinferError, ValueError):
+    """A compile artifact is damaged, or was made for other weights, versions, platform or dtype."""

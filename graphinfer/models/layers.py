@@ -64,14 +64,16 @@ class RotaryEmbedding(nn.Module):
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the layer's paged cache, then attends over the cached context.
 
-    The model runner sets k_cache / v_cache once it has sized the KV pool.
+    The model runner sets the k_cache / v_cache buffers once it has sized the KV pool; buffers (not plain
+    attributes) so a traced graph refers to each layer's cache by its path.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
-        self.k_cache = self.v_cache = torch.empty(0)
+        self.register_buffer("k_cache", torch.empty(0), persistent=False)
+        self.register_buffer("v_cache", torch.empty(0), persistent=False)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, md: AttentionMetadata) -> Tensor:
         T = q.shape[0]

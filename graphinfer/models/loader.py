@@ -10,13 +10,15 @@ from torch import nn
 from graphinfer.errors import ModelNotFoundError
 from graphinfer.models import get_model_class
 from graphinfer.models.layers import RotaryEmbedding
+from graphinfer.models.presets import PRESET_NAMES, init_random_weights, preset_config
 
 _EXPECTED = "an HF checkpoint directory (config.json + *.safetensors) or a .gguf file"
 
 
 def _check_path(path: str) -> None:
     if not os.path.exists(path):
-        raise ModelNotFoundError(f"Model path {path!r} does not exist. Pass {_EXPECTED}.")
+        raise ModelNotFoundError(f"Model path {path!r} does not exist. Pass {_EXPECTED}, "
+                                 f"or a preset with random weights: {', '.join(PRESET_NAMES)}.")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelNotFoundError(f"{path!r} has no config.json. Pass {_EXPECTED}.")
     if os.path.isfile(path) and not path.endswith(".gguf"):
@@ -79,8 +81,13 @@ def build_model(config, dtype: torch.dtype, device: str | torch.device) -> nn.Mo
     return model.eval()
 
 
-def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"):
-    """(model, hf_config) with weights loaded."""
+def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0):
+    """(model, hf_config) with weights loaded (a named preset gets random weights from `seed`)."""
+    config = preset_config(path)
+    if config is not None:
+        model = build_model(config, torch.float32, "cpu")
+        init_random_weights(model, seed)  # drawn on CPU in fp32 so every device and dtype gets the same values
+        return model.to(device=device, dtype=dtype), config
     _check_path(path)
     if path.endswith(".gguf"):
         from gguf import GGUFReader
@@ -101,6 +108,8 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
 
 def load_tokenizer(path: str):
     """The checkpoint's tokenizer, or None when a directory ships none (token-id prompts still work)."""
+    if preset_config(path) is not None:
+        return None
     if path.endswith(".gguf"):
         from graphinfer.models.gguf_loader import load_gguf_tokenizer
 

@@ -3,7 +3,8 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from graphinfer.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from graphinfer.compiler.artifact import read_manifest
+from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
 from graphinfer.errors import InvalidConfigError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime.llm_engine import LLMEngine
@@ -13,21 +14,32 @@ from graphinfer.sampling_params import SamplingParams
 class LLM:
     """Offline batched generation.
 
-    model: an HF checkpoint directory (config.json + *.safetensors) or a .gguf file; default: the
-    bundled SmolLM2-135M-Instruct. Other arguments keep vLLM's names (dtype, max_model_len, block_size,
-    max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed, ...).
+    model: an HF checkpoint directory (config.json + *.safetensors), a .gguf file or a named preset with
+    random weights (graphinfer.models.presets); default: the bundled SmolLM2-135M-Instruct. Other arguments
+    keep vLLM's names (dtype, max_model_len, block_size, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, seed, ...). The model is traced and optimised by `passes` ("default", "none" or
+    a list of names) at start-up, unless `artifact` names a `graphinfer compile` output to start from
+    (its model and dtype are then the defaults).
     """
 
     def __init__(self, model: str = "", *, dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 num_gpu_blocks_override: int | None = None, seed: int = 0, device: str = "cpu"):
+                 num_gpu_blocks_override: int | None = None, seed: int = 0, device: str = "cpu",
+                 passes: str | list[str] = "default", graph_mode: str = "NONE", capture_sizes: list[int] | None = None,
+                 artifact: str | None = None):
+        if artifact:
+            manifest = read_manifest(artifact)
+            model = model or manifest["model"]["path"]
+            dtype = manifest["dtype"] if dtype == "auto" else dtype
         self.llm_engine = LLMEngine(EngineConfig(
             ModelConfig(model, dtype, max_model_len, seed, device),
             CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization,
                         num_gpu_blocks_override),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            CompileConfig(graph_mode, passes, capture_sizes),
+            artifact,
         ))
 
     def get_tokenizer(self):

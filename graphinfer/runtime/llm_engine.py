@@ -3,10 +3,17 @@ import itertools
 import logging
 
 import torch
+from torch import fx
 
-from graphinfer.config import EngineConfig
+from graphinfer.compiler import artifact
+from graphinfer.compiler.compile import compile_model
+from graphinfer.compiler.fingerprint import model_fingerprint
+from graphinfer.compiler.trace import rebind_buffers
+from graphinfer.config import EngineConfig, default_capture_sizes
 from graphinfer.errors import GraphinferError, InvalidConfigError, KVCacheTooSmallError, PromptTooLongError
 from graphinfer.models.loader import load_model, load_tokenizer
+from graphinfer.passes import resolve_passes
+from graphinfer.passes.utils import release_fused_sources
 from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from graphinfer.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
 from graphinfer.runtime.model_runner import ModelRunner
@@ -24,7 +31,9 @@ class LLMEngine:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         torch.manual_seed(mc.seed)
         self.device = torch.device(mc.device)
-        self.model, self.hf_config = load_model(mc.model, mc.torch_dtype, self.device)
+        self._check_graph_mode()
+        self.capture_sizes = config.compile_config.capture_sizes or default_capture_sizes(sc.max_num_seqs)
+        self.model, self.hf_config = load_model(mc.model, mc.torch_dtype, self.device, mc.seed)
         self.tokenizer = load_tokenizer(mc.model)
         self.max_model_len = self._resolve_max_model_len(mc.max_model_len)
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
@@ -33,10 +42,49 @@ class LLMEngine:
                 f"without chunked prefill: long prompts could never be scheduled. Raise max_num_batched_tokens, "
                 f"lower max_model_len, or enable_chunked_prefill=True.")
         self.eos_token_ids = self._eos_token_ids()
+        # Compile first: the fused weights then count before the KV cache takes what memory is left.
+        self.graph, self.pass_reports = self._compile()
         self.model_runner = ModelRunner(self.model, cc, self.device, self.eos_token_ids, mc.seed)
+        if isinstance(self.graph, fx.GraphModule):
+            rebind_buffers(self.graph, self.model)  # onto the runner's KV cache
+        self.model_runner.graph = self.graph
         self.scheduler = Scheduler(sc, cc, self.model_runner.num_blocks)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+
+    def _check_graph_mode(self) -> None:
+        mode = self.config.compile_config.graph_mode
+        if mode == "FULL_DECODE_ONLY":
+            if self.device.type == "cpu":
+                raise InvalidConfigError("graph_mode='FULL_DECODE_ONLY' replays device graphs (CUDA graphs / ACL "
+                                         "graphs); the cpu platform has none. Use graph_mode='NONE' on CPU.")
+            raise InvalidConfigError("graph_mode='FULL_DECODE_ONLY' (decode graph capture) is not available in this "
+                                     "version of graphinfer yet; use graph_mode='NONE'.")
+
+    def _compile(self):
+        """The forward the runner executes: traced and optimised by the passes, or read from an artifact."""
+        mc = self.config.model_config
+        if self.config.artifact:
+            art = self.config.artifact
+            manifest = artifact.read_manifest(art)
+            artifact.verify_artifact(art, manifest, fingerprint=model_fingerprint(mc.model, self.hf_config, mc.seed),
+                                     device=self.device, dtype=mc.torch_dtype)
+            if manifest["graph_mode"] != self.config.compile_config.graph_mode:
+                raise InvalidConfigError(f"Artifact {art!r} was compiled for graph_mode={manifest['graph_mode']!r}; "
+                                         f"run it with that mode or recompile.")
+            reports = [artifact.PassReport(**r) for r in manifest["passes"]]
+            return artifact.load_graph(art, manifest, self.model), reports
+        gm, reports = compile_model(self.model, resolve_passes(self.config.compile_config.passes))
+        release_fused_sources(self.model, gm.meta.get("fused_linears", {}))
+        return gm, reports
+
+    def save_artifact(self, out_dir: str) -> dict:
+        """Write this engine's compiled graph as a `graphinfer compile` artifact."""
+        mc = self.config.model_config
+        return artifact.save_artifact(
+            out_dir, self.graph, self.pass_reports, fingerprint=model_fingerprint(mc.model, self.hf_config, mc.seed),
+            device=self.device, dtype=mc.torch_dtype, graph_mode=self.config.compile_config.graph_mode,
+            capture_sizes=self.capture_sizes)
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048

@@ -19,9 +19,21 @@ logger = logging.getLogger(__name__)
 _CPU_KV_CACHE_BYTES = 1 << 30
 
 
+def allocate_kv_cache(model, num_blocks: int, block_size: int) -> torch.Tensor:
+    """One tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]; each attention layer gets its views."""
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    weight = model.lm_head.weight
+    kv = torch.zeros(len(layers), 2, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim,
+                     dtype=weight.dtype, device=weight.device)
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = kv[i, 0], kv[i, 1]
+    return kv
+
+
 class ModelRunner:
     def __init__(self, model, cache_config: CacheConfig, device: torch.device, eos_token_ids: set[int], seed: int):
         self.model = model
+        self.graph = model  # what runs the forward: the compiled fx graph once the engine has one
         self.device = device
         self.block_size = cache_config.block_size
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
@@ -47,11 +59,7 @@ class ModelRunner:
         return max(1, budget // self._block_bytes())
 
     def _allocate_kv_cache(self) -> None:
-        a = self.attn_layers[0]
-        self.kv_cache = torch.zeros(len(self.attn_layers), 2, self.num_blocks, self.block_size, a.num_kv_heads,
-                                    a.head_dim, dtype=self.model.lm_head.weight.dtype, device=self.device)
-        for i, layer in enumerate(self.attn_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
@@ -87,7 +95,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run one step; returns the sequences that sample this step and the sampler's output."""
         input_ids, positions, md, logits_indices = self.prepare_inputs(out)
-        hidden = self.model(input_ids, positions, md)
+        hidden = self.graph(input_ids, positions, md)
         rows = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
         if not rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet
             return rows, None

@@ -1,0 +1,45 @@
+"""Trace a model and run the configured passes over it, each checked numerically on a real mini-batch."""
+import torch
+from torch import fx, nn
+
+from graphinfer.compiler.trace import trace_model
+from graphinfer.models.layers import AttentionMetadata, PagedAttention
+from graphinfer.passes import Pass, PassManager, PassReport
+from graphinfer.runtime.model_runner import allocate_kv_cache
+
+_CHECK_BLOCKS, _CHECK_BLOCK_SIZE = 6, 16  # what check_inputs needs
+
+
+def check_inputs(model: nn.Module, seed: int = 0) -> list[tuple]:
+    """Two forward steps over the first KV blocks: a prefill of three sequences (5, 17 and 9 tokens), then
+    a mixed step (a decode token for the first and third, a 6-token chunk continuing the second), so the
+    check covers the cache write, prefill attention, decode attention and attention over a cached prefix.
+    Needs a KV cache of 6 blocks of 16 tokens (compile_model allocates one)."""
+    attn = next(m for m in model.modules() if isinstance(m, PagedAttention))
+    device, bs = attn.k_cache.device, attn.k_cache.shape[1]
+    g = torch.Generator().manual_seed(seed)
+    lens = [5, 17, 9]
+    per_seq = -(-max(lens + [17 + 6]) // bs)
+    tables = torch.arange(len(lens) * per_seq, dtype=torch.int32).view(len(lens), per_seq)
+
+    def step(starts: list[int], counts: list[int]) -> tuple:
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+        rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        slots = tables[rows, positions // bs].long() * bs + positions % bs
+        qsl = torch.tensor([0] + counts).cumsum(0).to(torch.int32)
+        seq_lens = torch.tensor([s + n for s, n in zip(starts, counts)], dtype=torch.int32)
+        ids = torch.randint(0, model.config.vocab_size, (len(positions),), generator=g)
+        md = AttentionMetadata(slots.to(device), tables.to(device), qsl.to(device), seq_lens.to(device))
+        return ids.to(device), positions.to(device), md
+
+    return [step([0, 0, 0], lens), step(lens, [1, 6, 1])]
+
+
+def compile_model(model: nn.Module, passes: list[Pass], check: bool = True) -> tuple[fx.GraphModule, list[PassReport]]:
+    """The traced, optimised graph of model.forward and one report per pass.
+
+    Traces over a small scratch KV cache (the numeric checks write into it); whoever runs the graph then
+    allocates the real cache and calls compiler.trace.rebind_buffers(gm, model)."""
+    allocate_kv_cache(model, _CHECK_BLOCKS, _CHECK_BLOCK_SIZE)
+    gm = trace_model(model)
+    return gm, PassManager(passes, check_inputs(model) if check else None).run(gm)

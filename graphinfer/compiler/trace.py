@@ -1,0 +1,51 @@
+"""Trace a model's forward(input_ids[T], positions[T], attn_metadata) -> hidden[T, H] into a torch.fx graph.
+
+torch.fx symbolic tracing, not torch.export (docs/architecture.md says why): nn.Linear and nn.Embedding
+stay `call_module` leaves, so a pass can see a projection, read its weight and swap in a fused module;
+every graphinfer:: op is one `call_function` node (its impl is opaque to the tracer); the token count T
+stays symbolic (`x.shape[0]` becomes graph nodes), so one graph serves every batch shape.
+"""
+import torch
+from torch import fx, nn
+
+
+class GraphinferTracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, (nn.Linear, nn.Embedding))
+
+
+def trace_model(model: nn.Module) -> fx.GraphModule:
+    """The model's forward as a GraphModule sharing the model's parameters and buffers (KV caches included)."""
+    graph = GraphinferTracer().trace(model)
+    return fx.GraphModule(model, graph, class_name=f"{type(model).__name__}Graph")
+
+
+def rebind_buffers(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Point gm's buffer reads at model's current buffers of the same path (e.g. a re-allocated KV cache):
+    a GraphModule keeps its own module tree, holding the tensors that existed when it was traced."""
+    buffers = dict(model.named_buffers())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in buffers:
+            parent, _, name = node.target.rpartition(".")
+            setattr(gm.get_submodule(parent), name, buffers[node.target])
+
+
+def op_histogram(gm: fx.GraphModule) -> dict[str, int]:
+    """How many nodes of each kind: graphinfer ops by name, modules by class, other calls by target name."""
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            key = type(gm.get_submodule(node.target)).__name__
+        elif node.op in ("call_function", "call_method"):
+            key = node_target_name(node)
+        else:
+            continue
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def node_target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}::{t._schema.name.split('::')[-1]}"
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))

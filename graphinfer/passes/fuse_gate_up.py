@@ -1,0 +1,50 @@
+"""fuse_gate_up: silu(gate_proj(x)) * up_proj(x) becomes silu_and_mul(gate_up_proj(x)).
+
+Matches: a multiply of silu(Linear_a(x)) and Linear_b(x) (either operand order) where both Linears read
+the same x and their outputs and the silu's are used nowhere else.
+Produces: `<parent>.gate_up_proj` = Linear(cat(W_gate, W_up)) (bias concatenated if both have one),
+built once here, and graphinfer::silu_and_mul on its output (vLLM's [gate | up] layout).
+Declines: when the projections have other users, differ in bias or dtype (reason in the report).
+"""
+import operator
+
+import torch.nn.functional as F
+from torch import fx
+
+from graphinfer.passes.base import Pass
+from graphinfer.passes.utils import GRAPHINFER, fuse_linears, is_linear, is_op, sibling_submodule
+
+
+class FuseGateUpPass(Pass):
+    name = "fuse_gate_up"
+    description = "silu(gate(x)) * up(x) -> silu_and_mul(gate_up(x)) with one fused projection"
+
+    def _match(self, gm: fx.GraphModule, mul: fx.Node):
+        if not is_op(mul, operator.mul) or len(mul.args) != 2:
+            return None
+        for act, up in (mul.args, reversed(mul.args)):
+            if isinstance(act, fx.Node) and is_op(act, F.silu) and isinstance(up, fx.Node) and is_linear(gm, up):
+                gate = act.args[0]
+                if isinstance(gate, fx.Node) and is_linear(gm, gate) and gate.args == up.args and gate is not up:
+                    if len(act.users) == len(gate.users) == len(up.users) == 1:
+                        return gate, up, act
+                    self.decline(f"{gate.target}: gate/up outputs are used elsewhere too")
+        return None
+
+    def apply(self, gm: fx.GraphModule) -> int:
+        matches = 0
+        for mul in list(gm.graph.nodes):
+            if (found := self._match(gm, mul)) is None:
+                continue
+            gate, up, act = found
+            fused = fuse_linears(gm, [gate, up], sibling_submodule(gate.target, "gate_up_proj"))
+            if fused is None:
+                self.decline(f"{gate.target}: gate/up differ in bias or dtype")
+                continue
+            with gm.graph.inserting_after(fused):
+                out = gm.graph.call_function(GRAPHINFER.silu_and_mul.default, (fused,))
+            mul.replace_all_uses_with(out)
+            for old in (mul, act, gate, up):
+                gm.graph.erase_node(old)
+            matches += 1
+        return matches

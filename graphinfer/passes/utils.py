@@ -1,0 +1,67 @@
+"""Small fx helpers shared by the passes."""
+import operator
+
+import torch
+from torch import fx, nn
+
+GRAPHINFER = torch.ops.graphinfer
+
+
+def is_linear(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear)
+
+
+def is_op(node: fx.Node, op) -> bool:
+    """node calls `op` (a graphinfer OpOverload, or a Python callable like operator.add)."""
+    return node.op == "call_function" and node.target is op
+
+
+def fuse_linears(gm: fx.GraphModule, nodes: list[fx.Node], new_target: str) -> fx.Node | None:
+    """Replace Linear nodes that read the same input by one Linear over the concatenated weights (created
+    here, once, at compile time) and return its node; the caller rewires the old nodes' users and erases them.
+    Returns None (nothing changed) when the layers cannot be concatenated (bias on some only, dtypes differ)."""
+    mods = [gm.get_submodule(n.target) for n in nodes]
+    has_bias = {m.bias is not None for m in mods}
+    if len(has_bias) != 1 or len({m.weight.dtype for m in mods}) != 1 or len({m.in_features for m in mods}) != 1:
+        return None
+    w = torch.cat([m.weight.detach() for m in mods])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=has_bias.pop(), device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(w)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([m.bias.detach() for m in mods]))
+    gm.add_submodule(new_target, fused)
+    # The recipe lets an artifact rebuild the fused weights from the checkpoint without re-running the pass.
+    gm.meta.setdefault("fused_linears", {})[new_target] = [n.target for n in nodes]
+    first = nodes[0].args[0]  # the shared input; the earliest of the Linears follows it in graph order
+    while first not in nodes:
+        first = first.next
+    with gm.graph.inserting_before(first):
+        return gm.graph.call_module(new_target, (nodes[0].args[0],))
+
+
+def split_outputs(graph: fx.Graph, node: fx.Node, sizes: list[int]) -> list[fx.Node]:
+    """node.split(sizes, dim=-1) and a getitem per piece, inserted right after node."""
+    with graph.inserting_after(node):
+        split = graph.call_method("split", (node, sizes), {"dim": -1})
+    pieces, prev = [], split
+    for i in range(len(sizes)):
+        with graph.inserting_after(prev):
+            prev = graph.call_function(operator.getitem, (split, i))
+        pieces.append(prev)
+    return pieces
+
+
+def sibling_submodule(target: str, name: str) -> str:
+    """'model.layers.0.self_attn.q_proj', 'qkv_proj' -> 'model.layers.0.self_attn.qkv_proj'."""
+    parent = target.rpartition(".")[0]
+    return f"{parent}.{name}" if parent else name
+
+
+def release_fused_sources(model: nn.Module, fused_linears: dict[str, list[str]]) -> None:
+    """Delete the projections that fused ones replaced from `model`, so their weights are freed
+    (a GraphModule has its own module tree, so the pass's cleanup cannot do this for the model)."""
+    for sources in fused_linears.values():
+        for target in sources:
+            parent, _, name = target.rpartition(".")
+            delattr(model.get_submodule(parent), name)
