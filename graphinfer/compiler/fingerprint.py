@@ -43,7 +43,8 @@ def _combined(digests: list[str]) -> str:
 def model_fingerprint(model: str, hf_config, seed: int = 0) -> dict:
     """{"path", "config_sha256", "weights_sha256"} of an HF directory, a .gguf file or a named preset.
     The config hash covers the parsed HF config (the same for a directory's config.json or a GGUF's metadata)."""
-    config = {k: v for k, v in hf_config.to_dict().items() if k != "transformers_version"}
+    # Private keys (_name_or_path, _commit_hash) and the transformers version say where it came from, not what it is.
+    config = {k: v for k, v in hf_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
     config_sha = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
     if preset_config(model) is not None:  # random weights: the preset name and seed determine them
         return {"path": model, "config_sha256": config_sha,

@@ -1,0 +1,143 @@
+"""Compile artifacts: the round trip gives the in-memory tokens; tampered or mismatched ones are refused."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from graphinfer import LLM, SamplingParams
+from graphinfer.errors import ArtifactMismatchError
+
+BIN = os.path.join(os.path.dirname(sys.executable), "graphinfer")
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def _tokens(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def qwen2_artifact(tiny_checkpoint, tmp_path_factory):
+    path = tiny_checkpoint("qwen2")[0]
+    art = str(tmp_path_factory.mktemp("art") / "qwen2")
+    llm = LLM(path)
+    manifest = llm.llm_engine.save_artifact(art)
+    return path, art, manifest, llm
+
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(40, 80)), [3]]
+
+
+def test_artifact_contents(qwen2_artifact):
+    path, art, manifest, _ = qwen2_artifact
+    assert sorted(os.listdir(art)) == ["graph.py", "manifest.json", "report.txt"]
+    assert manifest["model"]["path"] == os.path.abspath(path)
+    assert manifest["platform"] == "cpu" and manifest["dtype"] == "float32" and manifest["graph_mode"] == "NONE"
+    assert manifest["capture_sizes"][:5] == [1, 2, 4, 8, 16] and manifest["capture_sizes"][-1] == 256
+    assert [(p["name"], p["matches"]) for p in manifest["passes"]] == [
+        ("fuse_qkv", 3), ("fuse_gate_up", 3), ("fuse_add_rmsnorm", 6), ("cleanup", manifest["passes"][3]["matches"])]
+    assert all(p["max_abs_error"] <= 1e-5 for p in manifest["passes"])
+    assert manifest["fused_linears"]["model.layers.0.self_attn.qkv_proj"] == [
+        "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]
+    graph = open(os.path.join(art, "graph.py")).read()
+    assert "qkv_proj" in graph and "torch.ops.graphinfer.add_rms_norm.default" in graph
+    assert "| fuse_qkv | 3 |" in open(os.path.join(art, "report.txt")).read()
+
+
+def test_round_trip_gives_in_memory_tokens_without_tracing(qwen2_artifact, monkeypatch):
+    path, art, _, in_memory = qwen2_artifact
+    import graphinfer.runtime.llm_engine as engine_mod
+
+    def no_compile(*a, **k):
+        raise AssertionError("an artifact must not be traced or passed again")
+
+    monkeypatch.setattr(engine_mod, "compile_model", no_compile)
+    loaded = LLM(artifact=art)  # model and dtype come from the manifest
+    assert loaded.llm_engine.config.model_config.model == os.path.abspath(path)
+    assert _tokens(loaded, PROMPTS) == _tokens(in_memory, PROMPTS)
+    assert [r.name for r in loaded.llm_engine.pass_reports][:1] == ["fuse_qkv"]
+    assert not hasattr(loaded.llm_engine.model.model.layers[0].self_attn, "q_proj")  # unfused weights freed
+
+
+def _copy(art, tmp_path):
+    dst = str(tmp_path / "copy")
+    shutil.copytree(art, dst)
+    return dst
+
+
+def _edit_manifest(art, **changes):
+    p = os.path.join(art, "manifest.json")
+    m = json.load(open(p))
+    m.update(changes)
+    json.dump(m, open(p, "w"))
+
+
+def test_tampered_graph_is_refused(qwen2_artifact, tmp_path):
+    art = _copy(qwen2_artifact[1], tmp_path)
+    with open(os.path.join(art, "graph.py"), "a") as f:
+        f.write("\n# edited\n")
+    with pytest.raises(ArtifactMismatchError, match="graph.py: artifact has"):
+        LLM(artifact=art)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("torch_version", "1.0.0", "torch_version: artifact has '1.0.0'"),
+    ("graphinfer_version", "0.0.1", "graphinfer_version"),
+    ("platform", "npu", "platform: artifact has 'npu', here 'cpu'"),
+    ("format", 99, "another format"),
+])
+def test_mismatched_manifest_is_refused(qwen2_artifact, tmp_path, field, value, match):
+    art = _copy(qwen2_artifact[1], tmp_path)
+    _edit_manifest(art, **{field: value})
+    with pytest.raises(ArtifactMismatchError, match=match):
+        LLM(artifact=art)
+
+
+def test_other_weights_or_dtype_are_refused(qwen2_artifact, tiny_checkpoint, tmp_path):
+    path, art, _, _ = qwen2_artifact
+    other = str(tmp_path / "other")
+    shutil.copytree(path, other)
+    from safetensors.torch import load_file, save_file
+
+    [st] = [f for f in os.listdir(other) if f.endswith(".safetensors")]
+    weights = load_file(os.path.join(other, st))
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1
+    save_file(weights, os.path.join(other, st), metadata={"format": "pt"})
+    with pytest.raises(ArtifactMismatchError, match="(?s)model weights: artifact has .*Recompile it here: graphinfer compile"):
+        LLM(other, artifact=art)
+    with pytest.raises(ArtifactMismatchError, match="model config"):
+        LLM(tiny_checkpoint("qwen3")[0], artifact=art)
+    with pytest.raises(ArtifactMismatchError, match="dtype: artifact has 'float32', here 'bfloat16'"):
+        LLM(artifact=art, dtype="bfloat16")
+
+
+def test_damaged_or_missing_manifest(qwen2_artifact, tmp_path):
+    with pytest.raises(ArtifactMismatchError, match="not a graphinfer artifact"):
+        LLM(artifact=str(tmp_path))
+    art = _copy(qwen2_artifact[1], tmp_path)
+    with open(os.path.join(art, "manifest.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ArtifactMismatchError, match="not valid JSON"):
+        LLM(artifact=art)
+    art2 = str(tmp_path / "c2")
+    shutil.copytree(qwen2_artifact[1], art2)
+    m = json.load(open(os.path.join(art2, "manifest.json")))
+    del m["model"]
+    json.dump(m, open(os.path.join(art2, "manifest.json"), "w"))
+    with pytest.raises(ArtifactMismatchError, match="missing \\['model'\\]"):
+        LLM(artifact=art2)
+
+
+def test_smollm2_compile_then_generate_cli(smollm2_llm, tmp_path):
+    art = str(tmp_path / "smollm2")
+    res = subprocess.run([BIN, "compile", "-o", art, "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "| fuse_qkv | 30 |" in res.stdout and "| fuse_gate_up | 30 |" in res.stdout
+    loaded = LLM(artifact=art, max_model_len=1024)
+    prompts = ["The capital of France is", "Hello, my name is"]
+    assert _tokens(loaded, prompts) == _tokens(smollm2_llm, prompts)
+    res = subprocess.run([BIN, "generate", "--artifact", art, "--prompt", prompts[0], "--temperature", "0",
+                          "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "Paris" in res.stdout, res.stderr
