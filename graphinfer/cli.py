@@ -65,12 +65,14 @@ def _generate(args) -> None:
 def _bench_generate(args) -> None:
     from graphinfer.bench.generate import run
 
+    passes = args.passes.split(";")
     result = run(args.model, args.dtype, [int(b) for b in args.batch_sizes.split(",")], args.max_tokens,
-                 args.repeats, args.compare == "hf", args.output_json)
-    print(f"\n| batch | new tokens | graphinfer tok/s |" + (" HF tok/s | ratio |" if args.compare else ""))
-    print("|---|---|---|" + ("---|---|" if args.compare else ""))
+                 args.repeats, args.compare == "hf", args.output_json, passes)
+    head = " | ".join(f"graphinfer passes={p} tok/s" for p in passes)
+    print(f"\n| batch | new tokens | {head} |" + (" HF tok/s | ratio |" if args.compare else ""))
+    print("|---|---|" + "---|" * len(passes) + ("---|---|" if args.compare else ""))
     for r in result["rows"]:
-        line = f"| {r['batch']} | {r['max_tokens']} | {r['graphinfer_tok_s']:.1f} |"
+        line = f"| {r['batch']} | {r['max_tokens']} | " + " | ".join(f"{r[f'passes={p}_tok_s']:.1f}" for p in passes) + " |"
         if args.compare:
             line += f" {r['hf_tok_s']:.1f} | {r['speedup_vs_hf']:.2f}x |"
         print(line)
@@ -147,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--max-tokens", type=int, default=64)
     bg.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; the best is kept")
     bg.add_argument("--compare", choices=["hf"], default=None)
+    bg.add_argument("--passes", default="default", help="pass lists to compare, separated by ';' (e.g. 'default;none')")
     bg.add_argument("--output-json", default=None)
     bg.set_defaults(func=_bench_generate)
     return parser

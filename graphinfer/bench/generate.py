@@ -66,17 +66,20 @@ def bench_hf(model, tokenizer, batch: int, max_tokens: int, repeats: int) -> flo
 
 
 def run(model: str, dtype: str, batch_sizes: list[int], max_tokens: int, repeats: int, compare_hf: bool,
-        output_json: str | None) -> dict:
+        output_json: str | None, passes: list[str] = ("default",)) -> dict:
+    """graphinfer with each pass list in `passes` (the first is the headline), and optionally HF, per batch size."""
     from graphinfer import LLM
 
-    llm = LLM(model, dtype=dtype)
-    engine = llm.llm_engine
+    llms = {p: LLM(model, dtype=dtype, passes=p) for p in passes}
+    engine = llms[passes[0]].llm_engine
     hf = load_hf(engine.config.model_config.model, engine.config.model_config.torch_dtype) if compare_hf else None
     rows = []
     for batch in batch_sizes:
         row = {"batch": batch, "max_tokens": max_tokens}
-        secs = bench_graphinfer(llm, batch, max_tokens, repeats)
-        row["graphinfer_s"], row["graphinfer_tok_s"] = secs, batch * max_tokens / secs
+        for p, llm in llms.items():
+            secs = bench_graphinfer(llm, batch, max_tokens, repeats)
+            row[f"passes={p}_tok_s"] = batch * max_tokens / secs
+        row["graphinfer_tok_s"] = row[f"passes={passes[0]}_tok_s"]
         if hf is not None:
             secs = bench_hf(hf, engine.tokenizer, batch, max_tokens, repeats)
             row["hf_s"], row["hf_tok_s"] = secs, batch * max_tokens / secs
@@ -87,7 +90,7 @@ def run(model: str, dtype: str, batch_sizes: list[int], max_tokens: int, repeats
         "benchmark": "generate", "model": engine.config.model_config.model,
         "dtype": str(engine.config.model_config.torch_dtype), "device": engine.config.model_config.device,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-        "repeats": repeats, "rows": rows,
+        "repeats": repeats, "passes": list(passes), "rows": rows,
     }
     if output_json:
         with open(output_json, "w") as f:
