@@ -21,6 +21,37 @@ def _is_view(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_method" and node.target in _VIEWS
 
 
+def _pure_read_key(node: fx.Node) -> tuple | None:
+    """Equal for nodes that read the same thing: a parameter / buffer, `x.shape` / `md.field`, or a getitem
+    on such a read or an input. None for anything else (a getitem on an op's output is never merged)."""
+    if node.op == "get_attr":
+        return ("get_attr", node.target)
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    src = node.args[0]
+    if node.target is getattr or (node.target is operator.getitem and (
+            src.op == "placeholder" or (src.op == "call_function" and src.target in (getattr, operator.getitem)))):
+        return (node.target, node.args)
+    return None
+
+
+def _merge_views(g: fx.Graph, node: fx.Node) -> int:
+    """view(view(x, a), a) -> view(x, a); view(view(x, a), b) -> reshape(x, b) when the inner has no other use."""
+    inner = node.args[0]
+    if inner.args[1:] == node.args[1:]:
+        node.replace_all_uses_with(inner)
+        g.erase_node(node)
+        return 1
+    if len(inner.users) == 1:  # reshape: the merged view may not be expressible as a view
+        with g.inserting_before(node):
+            merged = g.call_method("reshape", (inner.args[0], *node.args[1:]))
+        node.replace_all_uses_with(merged)
+        g.erase_node(node)
+        g.erase_node(inner)
+        return 1
+    return 0
+
+
 class CleanupPass(Pass):
     name = "cleanup"
     description = "dead code, repeated shape/metadata reads, chained and no-op views"
@@ -30,17 +61,7 @@ class CleanupPass(Pass):
         matches = 0
         seen: dict[tuple, fx.Node] = {}
         for node in list(g.nodes):
-            if node.op == "get_attr":  # the same parameter / buffer read twice
-                key = ("get_attr", node.target)
-                if key in seen:
-                    node.replace_all_uses_with(seen[key])
-                    g.erase_node(node)
-                    matches += 1
-                else:
-                    seen[key] = node
-            elif node.op == "call_function" and node.target in (getattr, operator.getitem) and \
-                    isinstance(node.args[0], fx.Node) and (node.target is getattr or self._pure(node.args[0])):
-                key = (node.target, node.args)
+            if (key := _pure_read_key(node)) is not None:
                 if key in seen:
                     node.replace_all_uses_with(seen[key])
                     g.erase_node(node)
@@ -48,25 +69,9 @@ class CleanupPass(Pass):
                 else:
                     seen[key] = node
             elif _is_view(node) and _is_view(node.args[0]):
-                inner = node.args[0]
-                if inner.args[1:] == node.args[1:]:  # same sizes again: a no-op
-                    node.replace_all_uses_with(inner)
-                    g.erase_node(node)
-                    matches += 1
-                elif len(inner.users) == 1:  # reshape: the merged view may not be expressible as a view
-                    with g.inserting_before(node):
-                        merged = g.call_method("reshape", (inner.args[0], *node.args[1:]))
-                    node.replace_all_uses_with(merged)
-                    g.erase_node(node)
-                    g.erase_node(inner)
-                    matches += 1
+                matches += _merge_views(g, node)
         before = len(g.nodes)
         g.eliminate_dead_code()
         matches += before - len(g.nodes)
         gm.delete_all_unused_submodules()
         return matches
-
-    @staticmethod
-    def _pure(node: fx.Node) -> bool:
-        """A getitem is de-duplicated only on shape / metadata reads, never on op outputs."""
-        return node.op == "call_function" and node.target in (getattr, operator.getitem) or node.op == "placeholder"

@@ -10,9 +10,10 @@ from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.fingerprint import model_fingerprint
 from graphinfer.compiler.trace import rebind_buffers
 from graphinfer.config import EngineConfig, default_capture_sizes
-from graphinfer.errors import GraphinferError, InvalidConfigError, KVCacheTooSmallError, PromptTooLongError
+from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidConfigError, KVCacheTooSmallError,
+                               PromptTooLongError)
 from graphinfer.models.loader import load_model, load_tokenizer
-from graphinfer.passes import resolve_passes
+from graphinfer.passes import PassReport, resolve_passes
 from graphinfer.passes.utils import release_fused_sources
 from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from graphinfer.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -70,9 +71,9 @@ class LLMEngine:
             artifact.verify_artifact(art, manifest, fingerprint=model_fingerprint(mc.model, self.hf_config, mc.seed),
                                      device=self.device, dtype=mc.torch_dtype)
             if manifest["graph_mode"] != self.config.compile_config.graph_mode:
-                raise InvalidConfigError(f"Artifact {art!r} was compiled for graph_mode={manifest['graph_mode']!r}; "
-                                         f"run it with that mode or recompile.")
-            reports = [artifact.PassReport(**r) for r in manifest["passes"]]
+                raise ArtifactMismatchError(f"Artifact {art!r} was compiled for graph_mode={manifest['graph_mode']!r}; "
+                                            f"run it with that mode or recompile.")
+            reports = [PassReport(**r) for r in manifest["passes"]]
             return artifact.load_graph(art, manifest, self.model), reports
         gm, reports = compile_model(self.model, resolve_passes(self.config.compile_config.passes))
         release_fused_sources(self.model, gm.meta.get("fused_linears", {}))
@@ -80,6 +81,8 @@ class LLMEngine:
 
     def save_artifact(self, out_dir: str) -> dict:
         """Write this engine's compiled graph as a `graphinfer compile` artifact."""
+        if not isinstance(self.graph, fx.GraphModule):
+            raise InvalidConfigError("This engine runs a loaded artifact; compile from the model to write a new one.")
         mc = self.config.model_config
         return artifact.save_artifact(
             out_dir, self.graph, self.pass_reports, fingerprint=model_fingerprint(mc.model, self.hf_config, mc.seed),
