@@ -1,13 +1,15 @@
-"""`graphinfer` command line: generate, compile, passes (list / show / diff / verify), bench generate."""
+"""`graphinfer` command line: serve, generate, compile, passes (list / show / diff / verify), bench."""
 import argparse
 import sys
 
 from graphinfer.errors import GraphinferError
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="", help="HF checkpoint dir or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    if with_model:
+        g.add_argument("--model", default="", help="HF checkpoint dir, .gguf file or preset (default: bundled SmolLM2)")
+        g.add_argument("--artifact", default=None, help="start from a `graphinfer compile` output directory")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
@@ -18,7 +20,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu")
     g.add_argument("--passes", default="default", help="'default', 'none' or a comma-separated list of pass names")
     g.add_argument("--graph-mode", default="NONE", choices=["NONE", "FULL_DECODE_ONLY"])
-    g.add_argument("--artifact", default=None, help="start from a `graphinfer compile` output directory")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -38,6 +40,20 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
+def _engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
+                passes=args.passes, graph_mode=args.graph_mode, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+
+
+def _serve(args) -> None:
+    from graphinfer.server.serve import serve
+
+    serve(args.target, args.host, args.port, args.api_key, args.served_model_name, args.max_waiting_requests,
+          **_engine_kwargs(args))
+
+
 def _generate(args) -> None:
     from graphinfer import LLM, SamplingParams
 
@@ -46,10 +62,7 @@ def _generate(args) -> None:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
         stop=args.stop, seed=args.sampling_seed, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
-              passes=args.passes, graph_mode=args.graph_mode, artifact=args.artifact)
+    llm = LLM(args.model, artifact=args.artifact, **_engine_kwargs(args))
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
     else:
@@ -112,6 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible server, from an artifact (or a model compiled in memory)")
+    srv.add_argument("target", nargs="?", default="", help="artifact dir, HF checkpoint dir, .gguf or preset "
+                                                           "(default: bundled SmolLM2)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this (+ max_num_seqs), answer 503")
+    _add_engine_args(srv, with_model=False)
+    srv.set_defaults(func=_serve)
 
     comp = sub.add_parser("compile", help="trace + optimise a model and write an artifact that generate/serve start from")
     comp.add_argument("model", nargs="?", default="", help="HF checkpoint dir, .gguf file or preset (default: bundled SmolLM2)")

@@ -35,3 +35,7 @@ class KVCacheTooSmallError(GraphinferError, ValueError):
 
 class ArtifactMismatchError(GraphinferError, ValueError):
     """A compile artifact is damaged, or was made for other weights, versions, platform or dtype."""
+
+
+class InvalidRequestError(GraphinferError, ValueError):
+    """A request's content is malformed: chat messages the template cannot render, bad token ids, ..."""

@@ -65,8 +65,8 @@ class SamplingParams:
             bad(f"stop={self.stop!r} must be a non-empty string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids={self.stop_token_ids!r} must be non-negative token ids.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed={self.seed!r} must be an integer.")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
+            bad(f"seed={self.seed!r} must be an integer in [-2**63, 2**64).")
 
     @property
     def greedy(self) -> bool:

@@ -6,8 +6,8 @@ import pytest
 
 from graphinfer import LLM, SamplingParams
 from graphinfer.cli import main
-from graphinfer.errors import (InvalidConfigError, InvalidSamplingParamsError, ModelNotFoundError,
-                               PromptTooLongError, UnsupportedArchitectureError)
+from graphinfer.errors import (InvalidConfigError, InvalidRequestError, InvalidSamplingParamsError,
+                               ModelNotFoundError, PromptTooLongError, UnsupportedArchitectureError)
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +71,11 @@ def test_prompt_longer_than_max_model_len(tiny_llm):
 
 
 def test_bad_prompts_and_engine_args(tiny_llm, tiny_checkpoint):
-    with pytest.raises(InvalidConfigError, match="ships no tokenizer: pass prompts as token ids"):
+    with pytest.raises(InvalidRequestError, match="ships no tokenizer: pass prompts as token ids"):
         tiny_llm.generate("hello", use_tqdm=False)
-    with pytest.raises(InvalidConfigError, match="no chat template"):
+    with pytest.raises(InvalidRequestError, match="no chat template"):
         tiny_llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
-    with pytest.raises(InvalidConfigError, match="token ids must be integers in"):
+    with pytest.raises(InvalidRequestError, match="token ids must be integers in"):
         tiny_llm.generate([[1, 10_000]], use_tqdm=False)
     with pytest.raises(InvalidConfigError, match="one per prompt"):
         tiny_llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)

@@ -7,6 +7,7 @@ from graphinfer.compiler.artifact import read_manifest
 from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
 from graphinfer.errors import InvalidConfigError
 from graphinfer.outputs import RequestOutput
+from graphinfer.runtime.chat_template import chat_prompt_ids
 from graphinfer.runtime.llm_engine import LLMEngine
 from graphinfer.sampling_params import SamplingParams
 
@@ -62,15 +63,9 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None):
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
-        tok = self.get_tokenizer()
-        if tok is None:
-            raise InvalidConfigError("This model ships no tokenizer, so it has no chat template; use generate() with token ids.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conv in conversations:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template)
-            prompts.append({"prompt_token_ids": tok(text, add_special_tokens=False).input_ids})
+        prompts = [{"prompt_token_ids": chat_prompt_ids(self.get_tokenizer(), conv, add_generation_prompt, chat_template)}
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, seqs, use_tqdm: bool) -> list[RequestOutput]:

@@ -10,8 +10,8 @@ from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.fingerprint import model_fingerprint
 from graphinfer.compiler.trace import rebind_buffers
 from graphinfer.config import EngineConfig, default_capture_sizes
-from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidConfigError, KVCacheTooSmallError,
-                               PromptTooLongError)
+from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidConfigError, InvalidRequestError,
+                               KVCacheTooSmallError, PromptTooLongError)
 from graphinfer.models.loader import load_model, load_tokenizer
 from graphinfer.passes import PassReport, resolve_passes
 from graphinfer.passes.utils import release_fused_sources
@@ -107,7 +107,7 @@ class LLMEngine:
     # ----- requests -----
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise InvalidConfigError(f"{self.config.model_config.model!r} ships no tokenizer: pass prompts as token ids.")
+            raise InvalidRequestError(f"{self.config.model_config.model!r} ships no tokenizer: pass prompts as token ids.")
         return self.tokenizer(prompt).input_ids
 
     def make_sequence(self, prompt: str | list[int] | dict, params: SamplingParams | None,
@@ -122,7 +122,7 @@ class LLMEngine:
             raise PromptTooLongError("The prompt is empty; give at least one token.")
         vocab = self.hf_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise InvalidConfigError(f"Prompt token ids must be integers in [0, {vocab}).")
+            raise InvalidRequestError(f"Prompt token ids must be integers in [0, {vocab}).")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"The prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}, which must leave "
@@ -137,7 +137,7 @@ class LLMEngine:
                 f"(kv_cache_memory_bytes / num_gpu_blocks_override).")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.requests:
-            raise InvalidConfigError(f"Request id {request_id!r} is already in use.")
+            raise InvalidRequestError(f"Request id {request_id!r} is already in use.")
         seq = Sequence(request_id, text, ids, params, max_tokens)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)

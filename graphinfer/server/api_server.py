@@ -1,0 +1,319 @@
+"""The OpenAI-compatible HTTP API (FastAPI), as vLLM serves it.
+
+/v1/completions, /v1/chat/completions (both with `stream` as server-sent events), /v1/models, /health,
+/version, /metrics. Errors use OpenAI's body {"error": {"message", "type", "code"}} with vLLM's status
+codes: 400 for invalid parameters, malformed JSON and over-long prompts, 401 for a bad API key, 404 for
+an unknown model, 503 when the waiting queue is full. A client that goes away aborts its requests.
+"""
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import graphinfer
+from graphinfer.errors import GraphinferError
+from graphinfer.outputs import RequestOutput
+from graphinfer.runtime.chat_template import chat_prompt_ids
+from graphinfer.server.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from graphinfer.server.metrics import Metrics
+from graphinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str):
+        self.status, self.message, self.type = status, message, type_
+
+
+def error_response(status: int, message: str, type_: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status_code=status)
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="graphinfer", version=graphinfer.__version__)
+    metrics = Metrics(served_model_name)
+    engine.on_step = metrics.update_engine
+    app.state.engine, app.state.metrics = engine, metrics
+    max_model_len = engine.engine.max_model_len
+
+    @app.middleware("http")
+    async def auth_and_count(request: Request, call_next):
+        path = request.url.path
+        if api_key and path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {api_key}":
+            response = error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                                      "authentication_error")
+        else:
+            response = await call_next(request)
+        metrics.http(path if path.startswith("/v1/") or path in ("/health", "/version", "/metrics") else "other",
+                     response.status_code)
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_, exc: RequestValidationError):
+        msgs = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                for e in exc.errors()]
+        return error_response(400, "; ".join(msgs) or "Invalid request body.", "BadRequestError")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
+
+    @app.exception_handler(APIError)
+    async def on_api(_, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type)
+
+    @app.exception_handler(EngineOverloadedError)
+    async def on_overloaded(_, exc: EngineOverloadedError):
+        resp = error_response(503, str(exc), "ServiceUnavailableError")
+        resp.headers["Retry-After"] = "1"
+        return resp
+
+    @app.exception_handler(EngineDeadError)
+    async def on_dead(_, exc: EngineDeadError):
+        return error_response(500, str(exc), "InternalServerError")
+
+    @app.exception_handler(GraphinferError)
+    async def on_graphinfer(_, exc: GraphinferError):  # the typed errors a user can cause
+        return error_response(400, str(exc), "BadRequestError")
+
+    @app.on_event("shutdown")
+    def _shutdown():
+        engine.shutdown()
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist. This server serves `{served_model_name}`.",
+                           "NotFoundError")
+
+    @app.get("/health")
+    async def health():
+        if not engine.healthy:
+            return error_response(503, f"engine loop stopped: {engine.error!r}", "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": graphinfer.__version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "graphinfer", "root": served_model_name,
+                                            "max_model_len": max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        check_model(req.model)
+        params = req.to_sampling_params()
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        prompts = req.prompts()
+        streams = engine.add_requests(prompts, params, [f"{rid}-{i}" for i in range(len(prompts))])
+        fmt = _CompletionFormat(rid, served_model_name, params)
+        if req.stream:
+            return _sse(streams, fmt, params, req.include_usage, metrics)
+        return await _collect(streams, fmt, raw, metrics)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        check_model(req.model)
+        params = req.to_sampling_params()
+        ids = chat_prompt_ids(engine.engine.tokenizer, [m.to_template() for m in req.messages], req.add_generation_prompt)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = engine.add_requests([ids], params, [rid])
+        fmt = _ChatFormat(rid, served_model_name, params)
+        if req.stream:
+            return _sse(streams, fmt, params, req.include_usage, metrics)
+        return await _collect(streams, fmt, raw, metrics)
+
+    return app
+
+
+# ----- response bodies -----
+
+class _CompletionFormat:
+    object, chunk_object = "text_completion", "text_completion"
+
+    def __init__(self, rid: str, model: str, params):
+        self.rid, self.model, self.created, self.params = rid, model, int(time.time()), params
+
+    def head(self, obj: str, choices: list, usage=None) -> dict:
+        body = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def logprobs(self, out: RequestOutput, start: int, offset: int):
+        c = out.outputs[0]
+        if c.logprobs is None:
+            return None
+        tokens, lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            tokens.append(entry[tid].decoded_token)
+            lps.append(entry[tid].logprob)
+            tops.append({e.decoded_token: e.logprob for t, e in entry.items() if e.rank <= (self.params.logprobs or 0)})
+            offsets.append(offset)
+            offset += len(entry[tid].decoded_token or "")
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def choice(self, index: int, text: str, out: RequestOutput, start: int, offset: int, finish: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": self.logprobs(out, start, offset), "finish_reason": finish,
+                "stop_reason": out.outputs[0].stop_reason if finish else None}
+
+    def chunk(self, index, text, out, start, offset, finish) -> dict:
+        return self.head(self.chunk_object, [self.choice(index, text, out, start, offset, finish)])
+
+    def first_chunks(self, n: int) -> list[dict]:
+        return []
+
+
+class _ChatFormat(_CompletionFormat):
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def logprobs(self, out: RequestOutput, start: int, offset: int):
+        c = out.outputs[0]
+        if c.logprobs is None:
+            return None
+
+        def item(e):
+            tok = e.decoded_token or ""
+            return {"token": tok, "logprob": e.logprob, "bytes": list(tok.encode())}
+
+        content = []
+        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            top = sorted((e for e in entry.values() if e.rank <= (self.params.logprobs or 0)), key=lambda e: e.rank)
+            content.append({**item(entry[tid]), "top_logprobs": [item(e) for e in top]})
+        return {"content": content}
+
+    def choice(self, index, text, out, start, offset, finish) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": self.logprobs(out, start, offset), "finish_reason": finish,
+                "stop_reason": out.outputs[0].stop_reason if finish else None}
+
+    def chunk(self, index, text, out, start, offset, finish) -> dict:
+        return self.head(self.chunk_object, [{"index": index, "delta": {"content": text},
+                                              "logprobs": self.logprobs(out, start, offset), "finish_reason": finish}])
+
+    def first_chunks(self, n: int) -> list[dict]:
+        return [self.head(self.chunk_object, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]) for i in range(n)]
+
+
+def _finish(out: RequestOutput) -> str | None:
+    reason = out.outputs[0].finish_reason
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def _usage(streams: list[RequestStream], completion_tokens: int) -> dict:
+    prompt = sum(s.num_prompt_tokens for s in streams)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+
+
+def _record(metrics: Metrics, stream: RequestStream, out: RequestOutput, first_token_at: float | None) -> None:
+    now = time.monotonic()
+    n = len(out.outputs[0].token_ids)
+    metrics.finished(out.outputs[0].finish_reason or "abort")
+    metrics.prompt_tokens.inc(stream.num_prompt_tokens)
+    metrics.generation_tokens.inc(n)
+    metrics.e2e.observe(now - stream.arrival)
+    if first_token_at is not None:
+        metrics.ttft.observe(first_token_at - stream.arrival)
+        if n > 1:
+            metrics.tpot.observe((now - first_token_at) / (n - 1))
+
+
+async def _merge(streams: list[RequestStream]):
+    """(index, output) from several request streams as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        pending = len(streams)
+        while pending:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                pending -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _collect(streams: list[RequestStream], fmt, raw: Request, metrics: Metrics) -> dict:
+    """Wait for every request to finish (aborting them all if the client disconnects)."""
+    async def watch():
+        while True:
+            await asyncio.sleep(0.25)
+            if await raw.is_disconnected():
+                for s in streams:
+                    s.abort()
+                return
+
+    watcher = asyncio.create_task(watch())
+    finals, first = {}, {}
+    try:
+        async for i, out in _merge(streams):
+            first.setdefault(i, time.monotonic())
+            if out.finished:
+                finals[i] = out
+                _record(metrics, streams[i], out, first[i])
+    finally:
+        watcher.cancel()
+        for s in streams:
+            s.abort()
+    choices = [fmt.choice(i, finals[i].outputs[0].text, finals[i], 0, 0, _finish(finals[i])) for i in sorted(finals)]
+    return fmt.head(fmt.object, choices, _usage(streams, sum(len(o.outputs[0].token_ids) for o in finals.values())))
+
+
+def _sse(streams: list[RequestStream], fmt, params, include_usage: bool, metrics: Metrics) -> StreamingResponse:
+    # A stop string is cut from the text only once complete, so text that could still become one is held back.
+    hold = max((len(s) for s in params.stop_strings), default=1) - 1
+
+    async def events():
+        sent_text, sent_tokens, first = [0] * len(streams), [0] * len(streams), {}
+        completion_tokens = 0
+        try:
+            for chunk in fmt.first_chunks(len(streams)):
+                yield f"data: {json.dumps(chunk)}\n\n"
+            async for i, out in _merge(streams):
+                first.setdefault(i, time.monotonic())
+                text, n = out.outputs[0].text, len(out.outputs[0].token_ids)
+                upto = len(text) if out.finished else max(sent_text[i], len(text) - hold)
+                finish = _finish(out) if out.finished else None
+                if upto > sent_text[i] or n > sent_tokens[i] or finish:
+                    chunk = fmt.chunk(i, text[sent_text[i]:upto], out, sent_tokens[i], sent_text[i], finish)
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                    sent_text[i], sent_tokens[i] = upto, n
+                if out.finished:
+                    completion_tokens += n
+                    _record(metrics, streams[i], out, first[i])
+            if include_usage:
+                yield f"data: {json.dumps(fmt.head(fmt.chunk_object, [], _usage(streams, completion_tokens)))}\n\n"
+            yield "data: [DONE]\n\n"
+        except EngineDeadError as e:
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'InternalServerError', 'code': 500}})}\n\n"
+        finally:  # also when the client disconnects mid-stream: free its KV blocks
+            for s in streams:
+                s.abort()
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,146 @@
+"""AsyncLLMEngine: one background thread owns the LLMEngine (scheduler, KV cache, model); the asyncio side
+submits requests and aborts through a locked inbox and receives each request's outputs on its own queue.
+
+Requests are validated and tokenized on the caller's side (make_sequence), so a bad one is rejected
+before it is queued, and the HTTP event loop never waits for a model step.
+"""
+import asyncio
+import logging
+import threading
+import time
+
+from graphinfer.errors import GraphinferError
+from graphinfer.outputs import RequestOutput
+from graphinfer.runtime.llm_engine import LLMEngine
+from graphinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(GraphinferError):
+    """The waiting queue is full: the client should retry later (HTTP 503)."""
+
+
+class EngineDeadError(GraphinferError):
+    """The engine loop stopped on an internal error; the server can no longer serve."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator. abort() (also safe after it finished) cancels it
+    and frees its KV blocks: call it when the client goes away."""
+
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str, num_prompt_tokens: int, loop):
+        self.engine, self.request_id, self.num_prompt_tokens, self.loop = engine, request_id, num_prompt_tokens, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.finished = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise EngineDeadError(f"The engine loop stopped: {item!r}") from item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024):
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._new: list = []  # sequences to add
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._stopped = False
+        self.error: BaseException | None = None
+        self.on_step = None  # callback(engine) after each step, for metrics (runs on the engine thread)
+        self._thread = threading.Thread(target=self._run, name="graphinfer-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def add_requests(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> list["RequestStream"]:
+        """Validate every prompt (typed errors, nothing queued if one is bad), then queue them all.
+        Each returned stream yields that request's outputs; the last has finished=True."""
+        if not self.healthy:
+            raise EngineDeadError(f"The engine loop has stopped: {self.error!r}")
+        seqs = [self.engine.make_sequence(p, params, rid) for p, rid in zip(prompts, request_ids)]
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(self, seq.request_id, seq.num_prompt_tokens, loop) for seq in seqs]
+        with self._lock:
+            limit = self.max_waiting_requests + self.engine.config.scheduler_config.max_num_seqs
+            if len(self._streams) + len(seqs) > limit:
+                raise EngineOverloadedError(f"The server is overloaded ({len(self._streams)} requests in flight, "
+                                            f"limit {limit}); retry later.")
+            for stream, seq in zip(streams, seqs):
+                self._streams[seq.request_id] = stream
+                self._new.append(seq)
+            self._wake.notify()
+        return streams
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._streams.pop(request_id, None) is not None:
+                self._aborts.append(request_id)
+                self._wake.notify()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopped = True
+            self._aborts.extend(self._streams)
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._lock:
+                    while not (self._new or self._aborts or self._stopped or engine.has_unfinished_requests()):
+                        self._wake.wait()
+                    new, self._new = self._new, []
+                    aborts, self._aborts = self._aborts, []
+                    stopped = self._stopped
+                for seq in new:
+                    if seq.request_id in aborts:
+                        continue
+                    engine.add_sequence(seq)
+                for request_id in aborts:
+                    engine.abort_request(request_id)
+                if stopped:
+                    return
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                if self.on_step is not None:
+                    self.on_step(engine)
+                for out in outputs:
+                    with self._lock:
+                        stream = self._streams.get(out.request_id)
+                        if stream is not None and out.finished:
+                            del self._streams[out.request_id]
+                    if stream is not None:
+                        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        except BaseException as e:  # a bug: fail every request loudly instead of hanging them
+            logger.exception("engine loop died")
+            self.error = e
+            with self._lock:
+                streams, self._streams = list(self._streams.values()), {}
+            for stream in streams:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)

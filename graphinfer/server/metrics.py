@@ -1,0 +1,51 @@
+"""Prometheus metrics, named like vLLM's (`vllm:...` -> `graphinfer:...`), on a registry per server."""
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self._labels = labels
+        self.http_requests = Counter("graphinfer:http_requests", "HTTP requests by endpoint and status code",
+                                     ["model_name", "endpoint", "status"], registry=r)
+        self.request_success = Counter("graphinfer:request_success", "Finished requests by finish reason",
+                                       ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("graphinfer:prompt_tokens", "Prompt tokens processed", ["model_name"],
+                                     registry=r).labels(**labels)
+        self.generation_tokens = Counter("graphinfer:generation_tokens", "Tokens generated", ["model_name"],
+                                         registry=r).labels(**labels)
+        self.ttft = Histogram("graphinfer:time_to_first_token_seconds", "Time to first token", ["model_name"],
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.tpot = Histogram("graphinfer:time_per_output_token_seconds", "Time per output token after the first",
+                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.e2e = Histogram("graphinfer:e2e_request_latency_seconds", "Request latency", ["model_name"],
+                             buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.running = Gauge("graphinfer:num_requests_running", "Requests in the running batch", ["model_name"],
+                             registry=r).labels(**labels)
+        self.waiting = Gauge("graphinfer:num_requests_waiting", "Requests waiting to be scheduled", ["model_name"],
+                             registry=r).labels(**labels)
+        self.kv_usage = Gauge("graphinfer:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)",
+                              ["model_name"], registry=r).labels(**labels)
+        self.preemptions = Gauge("graphinfer:num_preemptions", "Preemptions so far", ["model_name"],
+                                 registry=r).labels(**labels)
+
+    def http(self, endpoint: str, status: int) -> None:
+        self.http_requests.labels(endpoint=endpoint, status=str(status), **self._labels).inc()
+
+    def finished(self, reason: str) -> None:
+        self.request_success.labels(finished_reason=reason, **self._labels).inc()
+
+    def update_engine(self, engine) -> None:
+        """Scheduler and cache gauges; called on the engine thread after each step."""
+        sched = engine.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_usage.set(sched.block_manager.usage)
+        self.preemptions.set(sched.num_preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

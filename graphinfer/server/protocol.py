@@ -1,0 +1,109 @@
+"""Request bodies of the OpenAI API as vLLM serves it (pydantic; unknown fields are ignored)."""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from graphinfer.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extension
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        return None
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Raises InvalidSamplingParamsError (-> 400) for out-of-range values."""
+        def pick(value, default):
+            return default if value is None else value
+
+        return SamplingParams(
+            n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0), top_k=pick(self.top_k, 0),
+            min_p=pick(self.min_p, 0.0), presence_penalty=pick(self.presence_penalty, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0), repetition_penalty=pick(self.repetition_penalty, 1.0),
+            seed=self.seed, max_tokens=self._max_tokens(), min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=self._logprobs(),
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: Literal[False] = False  # echoing the prompt back is not supported
+    best_of: Literal[1] | None = None
+    suffix: None = None  # insertion is not supported
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list:
+        """A single prompt or a batch, each a string or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)) or not p:
+            return [p]
+        return list(p)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict:
+        content = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(part.text for part in self.content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
