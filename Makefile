@@ -15,9 +15,15 @@ $(STAMP): requirements.txt setup.py
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# Generate from the bundled SmolLM2-135M-Instruct on CPU and print the text.
-run: venv
-	$(BIN)/graphinfer generate --chat --prompt "Write a haiku about graph compilers." --max-tokens 64 --temperature 0
+ARTIFACT := artifacts/smollm2
+
+# Compile the bundled SmolLM2-135M-Instruct once (again when the code or the venv changes) ...
+$(ARTIFACT)/manifest.json: $(STAMP) $(shell find graphinfer -name '*.py')
+	$(BIN)/graphinfer compile -o $(ARTIFACT)
+
+# ... and serve it (OpenAI-compatible) on 127.0.0.1:8000 on CPU; it prints an example curl and openai call.
+run: venv $(ARTIFACT)/manifest.json
+	$(BIN)/graphinfer serve $(ARTIFACT) --host 127.0.0.1 --port 8000
 
 # The default suite (fast); slow / gpu / npu tests carry markers and skip by default.
 test: venv
