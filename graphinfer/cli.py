@@ -116,6 +116,18 @@ def _passes(args) -> None:
         print(tools.verify(args.model, args.passes, args.dtype, args.onnx)[0])
 
 
+def _bench_serve(args) -> None:
+    import httpx
+
+    from graphinfer.bench.serve import run
+
+    try:
+        run(args.url, [int(c) for c in args.concurrency.split(",")], args.num_prompts, args.prompt_len,
+            args.max_tokens, args.model, args.output_json, args.plot, args.seed)
+    except (RuntimeError, httpx.HTTPError) as e:  # the warm-up request failed: no server, wrong model, ...
+        raise GraphinferError(f"{args.url}: {e!r}. Is `graphinfer serve` running there?") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphinfer", description="graph-mode LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--passes", default="default", help="pass lists to compare, separated by ';' (e.g. 'default;none')")
     bg.add_argument("--output-json", default=None)
     bg.set_defaults(func=_bench_generate)
+    bs = bench.add_parser("serve", help="load an OpenAI-compatible server: throughput, TTFT / TPOT percentiles")
+    bs.add_argument("--url", default="http://127.0.0.1:8000")
+    bs.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels of requests in flight")
+    bs.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level")
+    bs.add_argument("--prompt-len", type=int, default=128, help="prompt length in (random) tokens")
+    bs.add_argument("--max-tokens", type=int, default=64)
+    bs.add_argument("--model", default=None, help="default: the server's first model")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--output-json", default=None)
+    bs.add_argument("--plot", default=None, help="PNG: throughput and latency vs concurrency")
+    bs.set_defaults(func=_bench_serve)
     return parser
 
 

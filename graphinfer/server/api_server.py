@@ -229,6 +229,14 @@ def _record(metrics: Metrics, stream: RequestStream, out: RequestOutput, first_t
             metrics.tpot.observe((now - first_token_at) / (n - 1))
 
 
+def _close(streams: list[RequestStream], metrics: Metrics) -> None:
+    """Abort whatever has not finished (the client went away, or an error) and count it."""
+    for s in streams:
+        if not s.finished:
+            metrics.finished("abort")
+            s.abort()
+
+
 async def _merge(streams: list[RequestStream]):
     """(index, output) from several request streams as they arrive."""
     if len(streams) == 1:
@@ -241,6 +249,7 @@ async def _merge(streams: list[RequestStream]):
         try:
             async for out in s:
                 await queue.put((i, out))
+            await queue.put((i, None))  # this stream ended: finished or aborted
         except BaseException as e:
             await queue.put((i, e))
 
@@ -249,11 +258,12 @@ async def _merge(streams: list[RequestStream]):
         pending = len(streams)
         while pending:
             i, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
+            if item is None:
                 pending -= 1
-            yield i, item
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
     finally:
         for t in tasks:
             t.cancel()
@@ -265,8 +275,7 @@ async def _collect(streams: list[RequestStream], fmt, raw: Request, metrics: Met
         while True:
             await asyncio.sleep(0.25)
             if await raw.is_disconnected():
-                for s in streams:
-                    s.abort()
+                _close(streams, metrics)
                 return
 
     watcher = asyncio.create_task(watch())
@@ -279,8 +288,7 @@ async def _collect(streams: list[RequestStream], fmt, raw: Request, metrics: Met
                 _record(metrics, streams[i], out, first[i])
     finally:
         watcher.cancel()
-        for s in streams:
-            s.abort()
+        _close(streams, metrics)
     choices = [fmt.choice(i, finals[i].outputs[0].text, finals[i], 0, 0, _finish(finals[i])) for i in sorted(finals)]
     return fmt.head(fmt.object, choices, _usage(streams, sum(len(o.outputs[0].token_ids) for o in finals.values())))
 
@@ -313,7 +321,6 @@ def _sse(streams: list[RequestStream], fmt, params, include_usage: bool, metrics
         except EngineDeadError as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'InternalServerError', 'code': 500}})}\n\n"
         finally:  # also when the client disconnects mid-stream: free its KV blocks
-            for s in streams:
-                s.abort()
+            _close(streams, metrics)
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -42,6 +42,8 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self.queue.get()
+        if item is None:  # aborted while we waited
+            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.finished = True
             raise EngineDeadError(f"The engine loop stopped: {item!r}") from item
@@ -49,9 +51,11 @@ class RequestStream:
         return item
 
     def abort(self) -> None:
+        """Call on the event loop that iterates this stream."""
         if not self.finished:
             self.finished = True
             self.engine.abort(self.request_id)
+            self.queue.put_nowait(None)  # wake a consumer waiting for an output that will not come
 
 
 class AsyncLLMEngine:
