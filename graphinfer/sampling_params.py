@@ -1,4 +1,5 @@
 """SamplingParams: what to generate for one request, named and defaulted as in vLLM."""
+import math
 from dataclasses import dataclass, field
 
 from graphinfer.errors import InvalidSamplingParamsError
@@ -38,6 +39,9 @@ class SamplingParams:
         def bad(msg):
             raise InvalidSamplingParamsError(msg)
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):  # NaN would pass every range check below
+                bad(f"{name}={getattr(self, name)} must be a finite number.")
         if self.n != 1:
             bad(f"n={self.n}: only n=1 is supported; submit the prompt several times with different seeds instead.")
         if self.temperature < 0:

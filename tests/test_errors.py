@@ -55,6 +55,9 @@ def test_checkpoint_without_weights(tmp_path, tiny_checkpoint):
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(n=2), "n=2"),
+    (dict(temperature=float("nan")), "finite"),
+    (dict(repetition_penalty=float("inf")), "finite"),
+    (dict(seed=2**64), "seed"),
 ])
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(InvalidSamplingParamsError, match=match):
@@ -77,6 +80,8 @@ def test_bad_prompts_and_engine_args(tiny_llm, tiny_checkpoint):
         tiny_llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="token ids must be integers in"):
         tiny_llm.generate([[1, 10_000]], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids must be token ids in"):  # would crash the sampler
+        tiny_llm.generate([[1, 2]], SamplingParams(stop_token_ids=[10**6], min_tokens=1), use_tqdm=False)
     with pytest.raises(InvalidConfigError, match="one per prompt"):
         tiny_llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
     path = tiny_checkpoint("llama")[0]

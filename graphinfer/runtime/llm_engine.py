@@ -123,6 +123,8 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"Prompt token ids must be integers in [0, {vocab}).")
+        if any(t >= vocab for t in params.stop_token_ids):  # the sampler masks them by index (min_tokens)
+            raise InvalidRequestError(f"stop_token_ids must be token ids in [0, {vocab}).")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"The prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}, which must leave "

@@ -128,7 +128,7 @@ def _filtered_probs(order_logits, scaled, top_k, top_p, min_p) -> torch.Tensor:
         s = s.masked_fill(probs < mp * probs[:, :1], float("-inf"))
     if any(top_k):
         # top_k by position in the sorted order: keeps exactly k tokens.
-        k = torch.tensor([kk if kk > 0 else V for kk in top_k], device=dev)[:, None]
+        k = torch.tensor([kk if 0 < kk < V else V for kk in top_k], device=dev)[:, None]  # also keeps huge k in int64
         s = s.masked_fill(torch.arange(V, device=dev)[None] >= k, float("-inf"))
     probs = torch.softmax(s, dim=-1)
     if any(p < 1.0 for p in top_p):

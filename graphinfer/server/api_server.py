@@ -6,6 +6,7 @@ codes: 400 for invalid parameters, malformed JSON and over-long prompts, 401 for
 an unknown model, 503 when the waiting queue is full. A client that goes away aborts its requests.
 """
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -13,6 +14,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import graphinfer
@@ -33,24 +35,54 @@ def error_response(status: int, message: str, type_: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status_code=status)
 
 
+class _AuthAndCount:
+    """Checks the API key on /v1/* and counts responses by endpoint and status."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path.startswith("/v1/") or path in ("/health", "/version", "/metrics") else "other"
+        if self.api_key and path.startswith("/v1/") and \
+                Headers(scope=scope).get("authorization") != f"Bearer {self.api_key}":
+            self.metrics.http(endpoint, 401)
+            response = error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                                      "authentication_error")
+            return await response(scope, receive, send)
+        started = False
+
+        async def send_counted(message):
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                self.metrics.http(endpoint, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            if not started:
+                self.metrics.http(endpoint, 500)
+
+
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="graphinfer", version=graphinfer.__version__)
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        engine.shutdown()  # on SIGTERM / Ctrl-C: stop the engine loop after uvicorn stops taking requests
+
+    app = FastAPI(title="graphinfer", version=graphinfer.__version__, lifespan=lifespan)
     metrics = Metrics(served_model_name)
     engine.on_step = metrics.update_engine
     app.state.engine, app.state.metrics = engine, metrics
     max_model_len = engine.engine.max_model_len
 
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next):
-        path = request.url.path
-        if api_key and path.startswith("/v1/") and request.headers.get("authorization") != f"Bearer {api_key}":
-            response = error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                                      "authentication_error")
-        else:
-            response = await call_next(request)
-        metrics.http(path if path.startswith("/v1/") or path in ("/health", "/version", "/metrics") else "other",
-                     response.status_code)
-        return response
+    # A plain ASGI middleware: Starlette's @app.middleware("http") (BaseHTTPMiddleware) hides the client's
+    # disconnect from the endpoint, so a non-streaming request would run on after its client went away.
+    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_, exc: RequestValidationError):
@@ -80,9 +112,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def on_graphinfer(_, exc: GraphinferError):  # the typed errors a user can cause
         return error_response(400, str(exc), "BadRequestError")
 
-    @app.on_event("shutdown")
-    def _shutdown():
-        engine.shutdown()
+    @app.exception_handler(Exception)
+    async def on_unexpected(_, exc: Exception):  # a bug: still answer with OpenAI's error body
+        return error_response(500, f"Internal server error: {exc!r}", "InternalServerError")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:

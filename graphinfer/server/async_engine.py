@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 
-from graphinfer.errors import GraphinferError
+from graphinfer.errors import GraphinferError, InvalidRequestError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime.llm_engine import LLMEngine
 from graphinfer.sampling_params import SamplingParams
@@ -89,8 +89,11 @@ class AsyncLLMEngine:
         seqs = [self.engine.make_sequence(p, params, rid) for p, rid in zip(prompts, request_ids)]
         loop = asyncio.get_running_loop()
         streams = [RequestStream(self, seq.request_id, seq.num_prompt_tokens, loop) for seq in seqs]
+        limit = self.max_waiting_requests + self.engine.config.scheduler_config.max_num_seqs
+        if len(seqs) > limit:  # could never be accepted: retrying would not help
+            raise InvalidRequestError(f"{len(seqs)} prompts in one request exceed the server's limit of {limit} "
+                                      f"requests in flight; send at most {limit}.")
         with self._lock:
-            limit = self.max_waiting_requests + self.engine.config.scheduler_config.max_num_seqs
             if len(self._streams) + len(seqs) > limit:
                 raise EngineOverloadedError(f"The server is overloaded ({len(self._streams)} requests in flight, "
                                             f"limit {limit}); retry later.")

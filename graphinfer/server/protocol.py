@@ -1,9 +1,25 @@
 """Request bodies of the OpenAI API as vLLM serves it (pydantic; unknown fields are ignored)."""
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graphinfer.sampling_params import SamplingParams
+
+
+def _check_utf8(value) -> None:
+    """JSON may carry lone surrogates ("\\ud800"), which no tokenizer or UTF-8 encoder accepts."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("strings must be valid Unicode (no lone surrogates)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_utf8(k)
+            _check_utf8(v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_utf8(v)
 
 
 class StreamOptions(BaseModel):
@@ -11,7 +27,8 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN / Infinity (Python's json reads them) slip through SamplingParams' range checks and poison sampling.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     temperature: float | None = None
@@ -32,6 +49,12 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        _check_utf8(data)
+        return data
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens

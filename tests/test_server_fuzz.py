@@ -1,0 +1,149 @@
+"""Schema fuzzing: schemathesis generates requests from the server's own OpenAPI document (/openapi.json),
+valid ones and invalid ones, against a real `graphinfer serve tiny-llama` process. No request may get a 5xx,
+every error has OpenAI's error body, and the engine stays alive throughout.
+
+tiny-llama has no tokenizer, so string prompts and every chat request end in a 400 (after validation);
+--max-model-len 256 bounds the requests that do generate (max_tokens=None means up to the context).
+"""
+import json
+import os
+import time
+from datetime import timedelta
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+from schemathesis.generation.modes import GenerationMode
+
+from server_utils import Server
+
+TIME_BUDGET_S = 45  # per endpoint and mode: examples beyond it are skipped (the count bounds it first, normally)
+SCALE = float(os.environ.get("GRAPHINFER_FUZZ_SCALE", "1"))  # more examples for a deeper local run
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(["tiny-llama", "--max-model-len", "256", "--max-num-seqs", "8"],
+               tmp_path_factory.mktemp("fuzz") / "server.log").launch()
+    try:
+        yield s.wait_ready(120)
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def api_schema(server):
+    return schemathesis.openapi.from_url(f"{server.url}/openapi.json", timeout=30)
+
+
+def test_openapi_document_lists_the_api(api_schema):
+    paths = {op.ok().path for op in api_schema.get_all_operations()}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version", "/metrics"} <= paths
+
+
+VOCAB = 512  # tiny-llama's
+
+# The schema gives the sampling fields no ranges, so schema-valid bodies are nearly always out of range in some
+# field (a 400 before anything runs). "steered" runs swap most fields for in-range values, so that requests get
+# through to the engine (token-id prompts, the served model name) while the rest stay as schemathesis made them.
+IN_RANGE = {  # (None last: hypothesis favours a one_of's first branches)
+    "model": st.sampled_from(["tiny-llama", None]),
+    "prompt": st.one_of(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40),
+                        st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20), min_size=1, max_size=3)),
+    "temperature": st.one_of(st.floats(0, 2), st.none()),
+    "top_p": st.one_of(st.floats(0.01, 1), st.none()),
+    "top_k": st.one_of(st.integers(-1, VOCAB + 10), st.integers(2**62, 2**70), st.none()),  # > vocab: top-k off
+    "min_p": st.one_of(st.floats(0, 1), st.none()),
+    "presence_penalty": st.one_of(st.floats(-2, 2), st.none()),
+    "frequency_penalty": st.one_of(st.floats(-2, 2), st.none()),
+    "repetition_penalty": st.one_of(st.floats(0.01, 3), st.none()),
+    "seed": st.one_of(st.integers(-2**63, 2**64 - 1), st.none()),
+    "max_tokens": st.integers(1, 33).map(lambda n: None if n == 33 else n),  # None: up to the context (slow)
+    "min_tokens": st.integers(0, 8),
+    "stop": st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3),
+                      st.none()),
+    "stop_token_ids": st.one_of(st.lists(st.integers(0, VOCAB - 1), max_size=4),
+                                st.lists(st.integers(VOCAB, 2**70), min_size=1, max_size=2),  # not in the vocab: a 400
+                                st.none()),
+    "logprobs": st.one_of(st.integers(0, 20), st.none()),
+    "stream": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "n": st.just(1),
+    "echo": st.just(False),
+    "best_of": st.sampled_from([None, 1]),
+    "suffix": st.none(),
+}
+
+
+def steer(body, data):
+    """Each field: an in-range value (mostly), schemathesis's own value, or left out."""
+    if not isinstance(body, dict):
+        return body
+    body = dict(body)
+    for key, values in IN_RANGE.items():
+        how = data.draw(st.sampled_from(["in-range"] * 3 + (["keep"] if key in ("prompt", "model") else ["keep", "drop"])),
+                        label=f"steer {key}")
+        if how == "in-range":
+            body[key] = data.draw(values, label=key)
+        elif how == "drop":
+            body.pop(key, None)
+    return body
+
+
+POS, NEG = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
+CASES = [  # (path, method, mode, steered, max_examples); the GETs take no parameters, so no invalid ones exist
+    ("/v1/completions", "POST", POS, True, 80),
+    ("/v1/completions", "POST", POS, False, 40),
+    ("/v1/completions", "POST", NEG, False, 50),
+    ("/v1/chat/completions", "POST", POS, False, 40),
+    ("/v1/chat/completions", "POST", NEG, False, 40),
+    ("/v1/models", "GET", POS, False, 2),
+    ("/version", "GET", POS, False, 2),
+]
+
+
+@pytest.mark.parametrize("path,method,mode,steered,examples", CASES,
+                         ids=[f"{c[1]}-{c[0]}-{c[2].value}{'-steered' if c[3] else ''}" for c in CASES])
+def test_fuzz_no_server_errors(server, api_schema, path, method, mode, steered, examples):
+    operation = api_schema[path][method]
+    started = time.monotonic()
+    seen = {"calls": 0, "statuses": {}}
+
+    with httpx.Client(timeout=5) as health_client:
+        @settings(max_examples=max(1, int(examples * SCALE)), deadline=timedelta(seconds=30), database=None,
+                  print_blob=True, phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy(generation_mode=mode), data=st.data())
+        def check(case, data):
+            if time.monotonic() - started > TIME_BUDGET_S * SCALE:
+                return
+            if steered:
+                case.body = steer(case.body, data)
+            response = case.call(base_url=server.url, timeout=60)
+            seen["calls"] += 1
+            seen["statuses"][response.status_code] = seen["statuses"].get(response.status_code, 0) + 1
+            case.validate_response(response, checks=[not_a_server_error])
+            assert response.status_code < 500, response.text[:500]
+            if response.status_code >= 400:
+                body = json.loads(response.content)
+                assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
+                assert body["error"]["code"] == response.status_code, body
+            # a request must never take the engine loop down for the requests after it
+            health = health_client.get(f"{server.url}/health")
+            assert health.status_code == 200, (health.status_code, health.text)
+
+        check()
+
+    print(f"\n{method} {path} [{mode.value}{' steered' if steered else ''}]: {seen['calls']} calls in "
+          f"{time.monotonic() - started:.1f} s, statuses {dict(sorted(seen['statuses'].items()))}")
+    assert seen["calls"] > 0
+    if steered:  # the steering must keep getting requests through to the engine
+        assert seen["statuses"].get(200, 0) >= seen["calls"] // 10, seen
+
+
+def test_server_healthy_after_fuzzing(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
