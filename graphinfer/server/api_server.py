@@ -190,7 +190,8 @@ class _CompletionFormat:
         for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
             tokens.append(entry[tid].decoded_token)
             lps.append(entry[tid].logprob)
-            tops.append({e.decoded_token: e.logprob for t, e in entry.items() if e.rank <= (self.params.logprobs or 0)})
+            # the top N plus the sampled token, as vLLM returns them
+            tops.append({e.decoded_token: e.logprob for t, e in entry.items() if t == tid or e.rank <= self.params.logprobs})
             offsets.append(offset)
             offset += len(entry[tid].decoded_token or "")
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
