@@ -1,4 +1,5 @@
 """Shared helpers for the server tests: `graphinfer serve` as a real process on a free loopback port."""
+import contextlib
 import json
 import os
 import signal
@@ -69,6 +70,19 @@ class Server:
             self._log.close()
             self._log = None
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_servers(specs: dict[str, list[str]], log_dir):
+    """Launch every server at once (their start-ups overlap), yield {name: Server}, stop them all."""
+    launched = {name: Server(args, log_dir / f"{name}.log") for name, args in specs.items()}
+    try:
+        for s in launched.values():
+            s.launch()
+        yield launched
+    finally:
+        for s in launched.values():
+            s.stop()
 
 
 def start_server(args: list[str], log_path, timeout: float = 120.0) -> Server:

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 import graphinfer
-from server_utils import Server, assert_openai_error, metric, metric_samples, sse_events
+from server_utils import Server, assert_openai_error, metric, metric_samples, running_servers, sse_events
 
 MODEL = "smol"
 PROMPT = "The capital of France is"
@@ -23,19 +23,12 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    d = tmp_path_factory.mktemp("servers")
-    launched = {
-        "smol": Server(["--dtype", "float32", "--max-model-len", "256", "--served-model-name", MODEL], d / "smol.log"),
-        "keyed": Server(["tiny-llama", "--api-key", "secret", "--max-model-len", "256"], d / "keyed.log"),
-        "sigterm": Server(["tiny-llama", "--max-model-len", "1024"], d / "sigterm.log"),
-    }
-    try:
-        for s in launched.values():
-            s.launch()
+    with running_servers({
+        "smol": ["--dtype", "float32", "--max-model-len", "256", "--served-model-name", MODEL],
+        "keyed": ["tiny-llama", "--api-key", "secret", "--max-model-len", "256"],
+        "sigterm": ["tiny-llama", "--max-model-len", "1024"],
+    }, tmp_path_factory.mktemp("servers")) as launched:
         yield launched
-    finally:
-        for s in launched.values():
-            s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,26 +10,18 @@ import time
 import httpx
 import pytest
 
-from server_utils import Server, assert_openai_error, metric, metric_samples, sse_events
+from server_utils import assert_openai_error, metric, metric_samples, running_servers, sse_events
 
 NUM_CLIENTS, NUM_EARLY, MAX_NUM_SEQS = 64, 16, 16
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    d = tmp_path_factory.mktemp("servers")
-    launched = {
-        "load": Server(["tiny-llama", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "512"], d / "load.log"),
-        "small": Server(["tiny-llama", "--max-waiting-requests", "0", "--max-num-seqs", "2", "--max-model-len", "256"],
-                        d / "small.log"),
-    }
-    try:
-        for s in launched.values():
-            s.launch()
+    with running_servers({
+        "load": ["tiny-llama", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "512"],
+        "small": ["tiny-llama", "--max-waiting-requests", "0", "--max-num-seqs", "2", "--max-model-len", "256"],
+    }, tmp_path_factory.mktemp("servers")) as launched:
         yield launched
-    finally:
-        for s in launched.values():
-            s.stop()
 
 
 async def _metrics(client: httpx.AsyncClient) -> dict:
