@@ -25,6 +25,11 @@ def bundled_model_path() -> str:
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def cache_dir() -> str:
+    """Where graphinfer caches converted tokenizers and weight hashes: $GRAPHINFER_CACHE_DIR or ~/.cache/graphinfer."""
+    return os.environ.get("GRAPHINFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "graphinfer")
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

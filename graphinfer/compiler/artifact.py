@@ -23,7 +23,7 @@ from graphinfer.compiler.report import histogram_table, pass_table
 from graphinfer.compiler.trace import op_histogram
 from graphinfer.errors import ArtifactMismatchError
 from graphinfer.passes import PassReport
-from graphinfer.passes.utils import release_fused_sources
+from graphinfer.passes.utils import concat_linears, release_fused_sources
 
 FORMAT = 1
 MANIFEST, GRAPH, REPORT = "manifest.json", "graph.py", "report.txt"
@@ -100,15 +100,8 @@ def verify_artifact(art_dir: str, manifest: dict, *, fingerprint: dict, device: 
 def load_graph(art_dir: str, manifest: dict, model: nn.Module) -> nn.Module:
     """The artifact's compiled forward over `model`'s modules (fused projections rebuilt from its weights)."""
     for target, sources in manifest["fused_linears"].items():
-        parts = [model.get_submodule(s) for s in sources]
-        fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                          device=parts[0].weight.device, dtype=parts[0].weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([p.weight for p in parts]))
-            if fused.bias is not None:
-                fused.bias.copy_(torch.cat([p.bias for p in parts]))
         parent, _, name = target.rpartition(".")
-        setattr(model.get_submodule(parent), name, fused)
+        setattr(model.get_submodule(parent), name, concat_linears([model.get_submodule(s) for s in sources]))
     release_fused_sources(model, manifest["fused_linears"])
     namespace: dict = {}
     with open(os.path.join(art_dir, GRAPH)) as f:

@@ -8,11 +8,8 @@ import hashlib
 import json
 import os
 
+from graphinfer.config import cache_dir
 from graphinfer.models.presets import preset_config
-
-
-def cache_dir() -> str:
-    return os.environ.get("GRAPHINFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "graphinfer")
 
 
 def _file_sha256(path: str) -> str:

@@ -14,6 +14,7 @@ import transformers
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from graphinfer.config import cache_dir
 from graphinfer.errors import UnsupportedArchitectureError
 
 _ARCHS = {  # general.architecture -> (transformers config class name, HF architectures entry)
@@ -137,8 +138,7 @@ def _tokenizer_cache_dir(path: str) -> str:
     path = os.path.abspath(path)
     st = os.stat(path)
     key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    root = os.environ.get("GRAPHINFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "graphinfer")
-    return os.path.join(root, "tokenizers", key)
+    return os.path.join(cache_dir(), "tokenizers", key)
 
 
 def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:

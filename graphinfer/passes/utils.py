@@ -21,16 +21,10 @@ def fuse_linears(gm: fx.GraphModule, nodes: list[fx.Node], new_target: str) -> f
     here, once, at compile time) and return its node; the caller rewires the old nodes' users and erases them.
     Returns None (nothing changed) when the layers cannot be concatenated (bias on some only, dtypes differ)."""
     mods = [gm.get_submodule(n.target) for n in nodes]
-    has_bias = {m.bias is not None for m in mods}
-    if len(has_bias) != 1 or len({m.weight.dtype for m in mods}) != 1 or len({m.in_features for m in mods}) != 1:
+    if len({m.bias is not None for m in mods}) != 1 or len({m.weight.dtype for m in mods}) != 1 \
+            or len({m.in_features for m in mods}) != 1:
         return None
-    w = torch.cat([m.weight.detach() for m in mods])
-    fused = nn.Linear(w.shape[1], w.shape[0], bias=has_bias.pop(), device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(w)
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([m.bias.detach() for m in mods]))
-    gm.add_submodule(new_target, fused)
+    gm.add_submodule(new_target, concat_linears(mods))
     # The recipe lets an artifact rebuild the fused weights from the checkpoint without re-running the pass.
     gm.meta.setdefault("fused_linears", {})[new_target] = [n.target for n in nodes]
     first = nodes[0].args[0]  # the shared input; the earliest of the Linears follows it in graph order
@@ -38,6 +32,17 @@ def fuse_linears(gm: fx.GraphModule, nodes: list[fx.Node], new_target: str) -> f
         first = first.next
     with gm.graph.inserting_before(first):
         return gm.graph.call_module(new_target, (nodes[0].args[0],))
+
+
+@torch.no_grad()
+def concat_linears(mods: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose outputs are the given Linears' outputs, concatenated (weights and biases stacked)."""
+    w = torch.cat([m.weight for m in mods])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=mods[0].bias is not None, device=w.device, dtype=w.dtype)
+    fused.weight.copy_(w)
+    if fused.bias is not None:
+        fused.bias.copy_(torch.cat([m.bias for m in mods]))
+    return fused
 
 
 def split_outputs(graph: fx.Graph, node: fx.Node, sizes: list[int]) -> list[fx.Node]:

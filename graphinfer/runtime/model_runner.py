@@ -38,7 +38,9 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._num_kv_blocks(cache_config)
-        self._allocate_kv_cache()
+        self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
         self.sampler = Sampler(eos_token_ids, seed=seed, device=device)
 
     def _block_bytes(self) -> int:
@@ -58,16 +60,11 @@ class ModelRunner:
                 budget = int((free - (1 - cfg.gpu_memory_utilization) * total) * 0.9)
         return max(1, budget // self._block_bytes())
 
-    def _allocate_kv_cache(self) -> None:
-        self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
-                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
-
     def prepare_inputs(self, out: SchedulerOutput):
         """Flat input_ids/positions over all scheduled tokens, the attention metadata, and the rows
         (last token of each sequence that completes its prompt or decodes) whose logits get sampled."""
         bs = self.block_size
-        input_ids, positions, query_start_loc, seq_lens, logits_indices = [], [], [0], [], []
+        input_ids, positions, query_start_loc, seq_lens, logits_indices, rows = [], [], [0], [], [], []
         for seq, n in out.scheduled:
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start:start + n])
@@ -76,6 +73,7 @@ class ModelRunner:
             seq_lens.append(start + n)
             if start + n == seq.num_tokens:
                 logits_indices.append(query_start_loc[-1] - 1)
+                rows.append(seq)
         max_blocks = max(len(seq.block_table) for seq, _ in out.scheduled)
         block_tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
         for i, (seq, _) in enumerate(out.scheduled):
@@ -89,14 +87,13 @@ class ModelRunner:
 
         md = AttentionMetadata(slot_mapping=t(slot_mapping, torch.int64), block_tables=t(block_tables, torch.int32),
                                query_start_loc=t(query_start_loc, torch.int32), seq_lens=t(seq_lens, torch.int32))
-        return t(input_ids, torch.int64), t(positions, torch.int64), md, t(logits_indices, torch.int64)
+        return t(input_ids, torch.int64), t(positions, torch.int64), md, t(logits_indices, torch.int64), rows
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run one step; returns the sequences that sample this step and the sampler's output."""
-        input_ids, positions, md, logits_indices = self.prepare_inputs(out)
+        input_ids, positions, md, logits_indices, rows = self.prepare_inputs(out)
         hidden = self.graph(input_ids, positions, md)
-        rows = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
         if not rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet
             return rows, None
         logits = self.model.compute_logits(hidden[logits_indices]).float()
