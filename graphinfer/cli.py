@@ -17,9 +17,14 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> Non
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default="auto", help="auto (the detected platform: cuda, npu or cpu) or a torch device")
     g.add_argument("--passes", default="default", help="'default', 'none' or a comma-separated list of pass names")
-    g.add_argument("--graph-mode", default="NONE", choices=["NONE", "FULL_DECODE_ONLY"])
+    g.add_argument("--graph-mode", default="NONE", choices=["NONE", "FULL_DECODE_ONLY"],
+                   help="NONE: run eagerly; FULL_DECODE_ONLY: replay captured device graphs for decode steps")
+    g.add_argument("--capture-sizes", default=None,
+                   help="comma-separated decode batch sizes to capture (default: vLLM's list up to max-num-seqs)")
+    g.add_argument("--no-capture-lm-head", dest="capture_lm_head", action="store_false",
+                   help="FULL_DECODE_ONLY: keep the LM head out of the decode graphs")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
 
 
@@ -44,7 +49,9 @@ def _engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
-                passes=args.passes, graph_mode=args.graph_mode, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                passes=args.passes, graph_mode=args.graph_mode, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                capture_sizes=[int(s) for s in args.capture_sizes.split(",")] if args.capture_sizes else None,
+                capture_lm_head=args.capture_lm_head)
 
 
 def _serve(args) -> None:
@@ -92,14 +99,17 @@ def _bench_generate(args) -> None:
 
 
 def _compile(args) -> None:
-    from graphinfer import LLM
     from graphinfer.compiler.report import pass_table
+    from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from graphinfer.runtime.llm_engine import LLMEngine
 
     sizes = [int(s) for s in args.capture_sizes.split(",")] if args.capture_sizes else None
-    llm = LLM(args.model, dtype=args.dtype, passes=args.passes, graph_mode=args.graph_mode, capture_sizes=sizes,
-              max_num_seqs=args.max_num_seqs, device=args.device, num_gpu_blocks_override=1)
-    manifest = llm.llm_engine.save_artifact(args.output)
-    print(f"{pass_table(llm.llm_engine.pass_reports)}\n\ncompiled {manifest['model']['path']} "
+    engine = LLMEngine(EngineConfig(  # a 1-block KV cache, no capture: `serve` captures on its own device
+        ModelConfig(args.model, args.dtype, device=args.device), CacheConfig(num_gpu_blocks_override=1),
+        SchedulerConfig(max_num_seqs=args.max_num_seqs), CompileConfig(args.graph_mode, args.passes, sizes),
+        capture_graphs=False))
+    manifest = engine.save_artifact(args.output)
+    print(f"{pass_table(engine.pass_reports)}\n\ncompiled {manifest['model']['path']} "
           f"({manifest['platform']}, {manifest['dtype']}, {manifest['graph_mode']}) -> {args.output}")
 
 
@@ -157,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--capture-sizes", default=None, help="comma-separated batch sizes (default: vLLM's list)")
     comp.add_argument("--max-num-seqs", type=int, default=256, help="bounds the default capture sizes")
     comp.add_argument("--dtype", default="auto")
-    comp.add_argument("--device", default="cpu")
+    comp.add_argument("--device", default="auto", help="auto (the detected platform) or a torch device")
     comp.set_defaults(func=_compile)
 
     ps = sub.add_parser("passes", help="tooling for pass developers").add_subparsers(dest="action", required=True)

@@ -46,10 +46,14 @@ class ModelConfig:
     dtype: str | torch.dtype = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"  # "auto": the current platform's device (graphinfer.platforms); or "cpu", "cuda:1", ...
 
     def __post_init__(self):
         self.model = os.path.expanduser(self.model) if self.model else bundled_model_path()
+        if self.device == "auto":
+            from graphinfer.platforms import current_platform
+
+            self.device = current_platform().device_type
         self.torch_dtype = resolve_dtype(self.dtype, self.device)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidConfigError(f"max_model_len={self.max_model_len} must be >= 2.")
@@ -99,6 +103,8 @@ class CompileConfig:
     graph_mode: str = "NONE"  # NONE: run the (fused) graph eagerly; FULL_DECODE_ONLY: replay captured decode graphs
     passes: str | list[str] = "default"  # "default", "none", "a,b,c" or a list of pass names
     capture_sizes: list[int] | None = None  # None: default_capture_sizes(max_num_seqs)
+    capture_lm_head: bool = True  # FULL_DECODE_ONLY: the LM head runs inside the decode graphs
+    kernels: str | None = None  # which op implementations the platform registers; None: its default
 
     def __post_init__(self):
         if self.graph_mode not in GRAPH_MODES:
@@ -114,3 +120,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     compile_config: CompileConfig = field(default_factory=CompileConfig)
     artifact: str | None = None  # a `graphinfer compile` output directory to start from
+    capture_graphs: bool = True  # False: FULL_DECODE_ONLY is checked and recorded but not captured (compile only)

@@ -21,15 +21,20 @@ class LLM:
     enable_prefix_caching, seed, ...). The model is traced and optimised by `passes` ("default", "none" or
     a list of names) at start-up, unless `artifact` names a `graphinfer compile` output to start from
     (its model and dtype are then the defaults).
+
+    device: "auto" picks the detected platform (cuda, npu, else cpu). graph_mode: "NONE" runs every step
+    eagerly; "FULL_DECODE_ONLY" captures one device graph per size in `capture_sizes` (vLLM's list up to
+    max_num_seqs by default; LM head inside the graphs unless capture_lm_head=False) and replays them for
+    decode steps. kernels: the platform's op implementations (None: its default; "reference": PyTorch).
     """
 
     def __init__(self, model: str = "", *, dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 num_gpu_blocks_override: int | None = None, seed: int = 0, device: str = "cpu",
+                 num_gpu_blocks_override: int | None = None, seed: int = 0, device: str = "auto",
                  passes: str | list[str] = "default", graph_mode: str = "NONE", capture_sizes: list[int] | None = None,
-                 artifact: str | None = None):
+                 capture_lm_head: bool = True, kernels: str | None = None, artifact: str | None = None):
         if artifact:
             manifest = read_manifest(artifact)
             model = model or manifest["model"]["path"]
@@ -39,7 +44,7 @@ class LLM:
             CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization,
                         num_gpu_blocks_override),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
-            CompileConfig(graph_mode, passes, capture_sizes),
+            CompileConfig(graph_mode, passes, capture_sizes, capture_lm_head, kernels),
             artifact,
         ))
 

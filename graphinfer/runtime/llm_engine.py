@@ -14,6 +14,7 @@ from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidCo
                                KVCacheTooSmallError, PromptTooLongError)
 from graphinfer.models.loader import load_model, load_tokenizer
 from graphinfer.passes import PassReport, resolve_passes
+from graphinfer.platforms import platform_for_device
 from graphinfer.passes.utils import release_fused_sources
 from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from graphinfer.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -32,6 +33,8 @@ class LLMEngine:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         torch.manual_seed(mc.seed)
         self.device = torch.device(mc.device)
+        self.platform = platform_for_device(self.device.type)
+        self.platform.activate(config.compile_config.kernels)
         self._check_graph_mode()
         self.capture_sizes = config.compile_config.capture_sizes or default_capture_sizes(sc.max_num_seqs)
         self.model, self.hf_config = load_model(mc.model, mc.torch_dtype, self.device, mc.seed)
@@ -45,22 +48,28 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         # Compile first: the fused weights then count before the KV cache takes what memory is left.
         self.graph, self.pass_reports = self._compile()
-        self.model_runner = ModelRunner(self.model, cc, self.device, self.eos_token_ids, mc.seed)
+        self.model_runner = ModelRunner(self.model, cc, self.device, self.platform, self.eos_token_ids, mc.seed)
         if isinstance(self.graph, fx.GraphModule):
             rebind_buffers(self.graph, self.model)  # onto the runner's KV cache
         self.model_runner.graph = self.graph
+        self.capture_stats = None
+        if config.compile_config.graph_mode == "FULL_DECODE_ONLY" and config.capture_graphs:
+            self.capture_stats = self.model_runner.capture_decode_graphs(
+                self.capture_sizes, self.max_model_len, config.compile_config.capture_lm_head)
         self.scheduler = Scheduler(sc, cc, self.model_runner.num_blocks)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
     def _check_graph_mode(self) -> None:
-        mode = self.config.compile_config.graph_mode
-        if mode == "FULL_DECODE_ONLY":
-            if self.device.type == "cpu":
-                raise InvalidConfigError("graph_mode='FULL_DECODE_ONLY' replays device graphs (CUDA graphs / ACL "
-                                         "graphs); the cpu platform has none. Use graph_mode='NONE' on CPU.")
-            raise InvalidConfigError("graph_mode='FULL_DECODE_ONLY' (decode graph capture) is not available in this "
-                                     "version of graphinfer yet; use graph_mode='NONE'.")
+        cc = self.config.compile_config
+        if cc.graph_mode != "FULL_DECODE_ONLY":
+            return
+        if not self.platform.supports_graph_capture:
+            raise InvalidConfigError(f"graph_mode='FULL_DECODE_ONLY' replays device graphs (CUDA graphs / ACL graphs); "
+                                     f"the {self.platform.name} platform has none. Use graph_mode='NONE' there.")
+        if cc.kernels == "reference":
+            raise InvalidConfigError("kernels='reference' runs the PyTorch reference ops, which read lengths on the "
+                                     "host and cannot be captured; use the platform's kernels or graph_mode='NONE'.")
 
     def _compile(self):
         """The forward the runner executes: traced and optimised by the passes, or read from an artifact."""

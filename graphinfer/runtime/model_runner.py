@@ -4,12 +4,15 @@ Owns the paged KV cache: one tensor [num_layers, 2, num_blocks, block_size, num_
 whose per-layer views are handed to the model's attention modules.
 """
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from graphinfer.compiler.capture import CaptureStats, DecodeGraphs
 from graphinfer.config import CacheConfig
 from graphinfer.models.layers import AttentionMetadata, PagedAttention
+from graphinfer.platforms import Platform
 from graphinfer.runtime.sampler import Sampler, SamplerOutput
 from graphinfer.runtime.scheduler import SchedulerOutput
 from graphinfer.runtime.sequence import Sequence
@@ -17,6 +20,19 @@ from graphinfer.runtime.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class HostInputs:
+    """One step's flat inputs as host arrays (see prepare_inputs)."""
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    logits_indices: np.ndarray  # [rows] int64
+    rows: list[Sequence]
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -31,10 +47,14 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model, cache_config: CacheConfig, device: torch.device, eos_token_ids: set[int], seed: int):
+    def __init__(self, model, cache_config: CacheConfig, device: torch.device, platform: Platform,
+                 eos_token_ids: set[int], seed: int):
         self.model = model
         self.graph = model  # what runs the forward: the compiled fx graph once the engine has one
         self.device = device
+        self.platform = platform
+        self.decode_graphs: DecodeGraphs | None = None  # FULL_DECODE_ONLY: set by capture_decode_graphs
+        self.lm_head_in_graph = False
         self.block_size = cache_config.block_size
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._num_kv_blocks(cache_config)
@@ -56,11 +76,11 @@ class ModelRunner:
             if self.device.type == "cpu":
                 budget = _CPU_KV_CACHE_BYTES
             else:  # what gpu_memory_utilization leaves after the weights, minus a margin for activations
-                free, total = torch.cuda.mem_get_info(self.device)
+                free, total = self.platform.mem_get_info(self.device)
                 budget = int((free - (1 - cfg.gpu_memory_utilization) * total) * 0.9)
         return max(1, budget // self._block_bytes())
 
-    def prepare_inputs(self, out: SchedulerOutput):
+    def host_inputs(self, out: SchedulerOutput) -> HostInputs:
         """Flat input_ids/positions over all scheduled tokens, the attention metadata, and the rows
         (last token of each sequence that completes its prompt or decodes) whose logits get sampled."""
         bs = self.block_size
@@ -81,17 +101,49 @@ class ModelRunner:
         positions = np.concatenate(positions)
         row = np.repeat(np.arange(len(out.scheduled)), np.diff(query_start_loc))
         slot_mapping = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+        return HostInputs(np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, block_tables,
+                          np.asarray(query_start_loc, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32),
+                          np.asarray(logits_indices, dtype=np.int64), rows)
 
-        def t(x, dtype):
-            return torch.as_tensor(np.asarray(x), dtype=dtype).to(self.device, non_blocking=True)
+    def prepare_inputs(self, out: SchedulerOutput):
+        """host_inputs moved to the device: (input_ids, positions, attention metadata, logits_indices, rows)."""
+        h = self.host_inputs(out)
 
-        md = AttentionMetadata(slot_mapping=t(slot_mapping, torch.int64), block_tables=t(block_tables, torch.int32),
-                               query_start_loc=t(query_start_loc, torch.int32), seq_lens=t(seq_lens, torch.int32))
-        return t(input_ids, torch.int64), t(positions, torch.int64), md, t(logits_indices, torch.int64), rows
+        def t(x):
+            return torch.from_numpy(x).to(self.device, non_blocking=True)
+
+        md = AttentionMetadata(t(h.slot_mapping), t(h.block_tables), t(h.query_start_loc), t(h.seq_lens))
+        return t(h.input_ids), t(h.positions), md, t(h.logits_indices), h.rows
+
+    def capture_decode_graphs(self, sizes: list[int], max_model_len: int, lm_head_in_graph: bool = True,
+                              progress: bool = True) -> CaptureStats:
+        """FULL_DECODE_ONLY: record the decode step (up to the logits, or the hidden states) per batch size."""
+        if lm_head_in_graph:
+            def forward(ids, pos, md):
+                return self.model.compute_logits(self.graph(ids, pos, md))
+        else:
+            forward = self.graph
+        self.lm_head_in_graph = lm_head_in_graph
+        self.decode_graphs = DecodeGraphs(forward, self.platform, self.device, sizes,
+                                          max_blocks_per_seq=-(-max_model_len // self.block_size))
+        return self.decode_graphs.capture(progress)
+
+    def _replayable(self, out: SchedulerOutput) -> bool:
+        g = self.decode_graphs
+        return g is not None and len(out.scheduled) <= g.max_size and all(n == 1 for _, n in out.scheduled)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run one step; returns the sequences that sample this step and the sampler's output."""
+        if self._replayable(out):
+            h = self.host_inputs(out)
+            result = self.decode_graphs.replay(h.input_ids, h.positions, h.slot_mapping, h.block_tables, h.seq_lens)
+            if not h.rows:
+                return h.rows, None
+            if len(h.rows) < len(out.scheduled):  # a 1-token prompt chunk that does not end its prompt
+                result = result[torch.from_numpy(h.logits_indices).to(self.device)]
+            logits = result if self.lm_head_in_graph else self.model.compute_logits(result)
+            return h.rows, self.sampler(logits.float(), h.rows)
         input_ids, positions, md, logits_indices, rows = self.prepare_inputs(out)
         hidden = self.graph(input_ids, positions, md)
         if not rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet

@@ -1,0 +1,82 @@
+"""The Platform interface: what graphinfer needs to know about a device family.
+
+A platform names its torch device type and device module, makes streams and device graphs, says which
+collective backend to use, and picks the implementation of each `graphinfer::` op. Activating a platform
+registers those implementations under its dispatch key, so the same fx graph runs the reference ops on
+CPU tensors and the platform's kernels on its device tensors.
+"""
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+
+class Platform:
+    name: str = ""  # what GRAPHINFER_PLATFORM selects: "cpu", "cuda", "npu", or a plugin's name
+    device_type: str = ""  # torch device type
+    dispatch_key: str = ""  # the dispatch key its op implementations register under ("CUDA", "PrivateUse1")
+    dist_backend: str = ""  # torch.distributed backend: gloo / nccl / hccl
+    supports_graph_capture: bool = False  # whether FULL_DECODE_ONLY can capture device graphs here
+
+    def __init__(self):
+        self._impl_lib: torch.library.Library | None = None
+        self.kernels: dict[str, str] = {}  # op name -> which implementation is registered (for reports)
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Detection: can this platform run here? Must not import heavy vendor modules it does not need."""
+        raise NotImplementedError
+
+    # ----- device -----
+    @property
+    def device_module(self):
+        """torch.cuda / torch.npu; None for cpu."""
+        return None
+
+    def synchronize(self) -> None:
+        if self.device_module is not None:
+            self.device_module.synchronize()
+
+    def mem_get_info(self, device: torch.device) -> tuple[int, int]:
+        """(free, total) bytes of device memory."""
+        return self.device_module.mem_get_info(device)
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return self.device_module.memory_allocated(device) if self.device_module is not None else 0
+
+    # ----- device graphs -----
+    def new_stream(self):
+        return self.device_module.Stream()
+
+    def graph_class(self) -> type:
+        raise NotImplementedError(f"the {self.name} platform has no device graphs")
+
+    def graph_pool_handle(self):
+        return self.device_module.graph_pool_handle()
+
+    def graph_capture(self, graph, pool, stream) -> contextlib.AbstractContextManager:
+        """Context manager that records the work issued inside it into `graph` (torch.cuda.graph and its kin)."""
+        raise NotImplementedError(f"the {self.name} platform has no device graphs")
+
+    # ----- ops -----
+    def op_impls(self, kernels: str | None = None) -> dict[str, Callable]:
+        """graphinfer op name -> implementation for this platform's tensors; ops left out use the reference.
+        `kernels` is a platform-specific choice (e.g. npu: "triton" or "torch_npu", or per op)."""
+        return {}
+
+    def activate(self, kernels: str | None = None) -> None:
+        """Register op_impls(kernels) under dispatch_key (replacing an earlier activation's choice)."""
+        import graphinfer.ops  # noqa: F401  (the op schemas must exist before impls attach to them)
+
+        impls = self.op_impls(kernels)
+        if self._impl_lib is not None:
+            self._impl_lib._destroy()
+            self._impl_lib = None
+        if impls:
+            self._impl_lib = torch.library.Library("graphinfer", "IMPL", self.dispatch_key)
+            for name, fn in impls.items():
+                self._impl_lib.impl(name, fn)
+        self.kernels = {name: getattr(fn, "__module__", "?") for name, fn in impls.items()}
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
