@@ -26,6 +26,9 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> Non
     g.add_argument("--no-capture-lm-head", dest="capture_lm_head", action="store_false",
                    help="FULL_DECODE_ONLY: keep the LM head out of the decode graphs")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--kernels", "--npu-kernels", dest="kernels", default=None,
+                   help="op implementations: the platform's default, 'reference', or on npu 'triton' | 'torch_npu' "
+                        "| per op, e.g. 'torch_npu,paged_attention=triton'")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +54,7 @@ def _engine_kwargs(args) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
                 passes=args.passes, graph_mode=args.graph_mode, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 capture_sizes=[int(s) for s in args.capture_sizes.split(",")] if args.capture_sizes else None,
-                capture_lm_head=args.capture_lm_head)
+                capture_lm_head=args.capture_lm_head, kernels=args.kernels)
 
 
 def _serve(args) -> None:
