@@ -55,8 +55,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, **z)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, **z)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **z)  # one query row per request
+        self.output: Tensor | None = None  # the static output all graphs write their first rows of
         self.graphs: dict[int, object] = {}
-        self.outputs: dict[int, Tensor] = {}
         self.stats: CaptureStats | None = None
 
     @property
@@ -79,11 +79,16 @@ class DecodeGraphs:
         stream = p.new_stream()
         for bs in tqdm(sorted(self.sizes, reverse=True), desc="Capturing decode graphs", disable=not progress):
             args = self._args(bs)
-            self.forward(*args)  # warm-up outside the capture: Triton compiles, library handles get created
+            out = self.forward(*args)  # warm-up outside the capture: Triton compiles, library handles get created
+            if self.output is None:
+                self.output = out.new_empty(self.max_size, *out.shape[1:])
+            del out
             p.synchronize()
             graph = p.graph_class()()
             with p.graph_capture(graph, pool, stream):
-                self.outputs[bs] = self.forward(*args)
+                # Copying into one static output (rather than keeping each graph's own output alive) lets the
+                # pool reuse every graph's memory for the next: per-bucket logits would add up to gigabytes.
+                self.output[:bs].copy_(self.forward(*args))
             self.graphs[bs] = graph
         p.synchronize()
         self.stats = CaptureStats(self.sizes, time.perf_counter() - start, free_before - p.mem_get_info(device)[0])
@@ -109,4 +114,4 @@ class DecodeGraphs:
             self.seq_lens[b:bs].zero_()
             self.block_tables[b:bs].zero_()
         self.graphs[bs].replay()
-        return self.outputs[bs][:b]
+        return self.output[:b]

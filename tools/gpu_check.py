@@ -1,0 +1,216 @@
+"""GPU checks for the kernels/capture issue; run on the H100 (device tool), summarised in docs/benchmarks.md.
+
+1. Every Triton kernel against its PyTorch reference op at real shapes (Qwen3-0.6B, SmolLM2), bf16 and
+   fp32: max abs error, time, and achieved bandwidth vs a device-to-device copy measured in the same run.
+2. NONE vs FULL_DECODE_ONLY greedy tokens on a mixed batch (prompts of different lengths, different
+   max_tokens so decode batches shrink through padded buckets) for SmolLM2 and a random Qwen3-0.6B shape.
+3. Capture time and graph memory for the default bucket list (max_num_seqs 256 and 512).
+
+    python tools/gpu_check.py --output-json OUT.json [--smollm2 PATH.gguf] [--quick]
+
+--quick uses small shapes and models (a smoke run; also works on CPU for the kernel part under
+TRITON_INTERPRET=1). Exits non-zero if any check fails.
+"""
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def bench_ms(fn, device) -> float:
+    """Median time of fn in ms (CUDA events), or wall time on CPU."""
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """Bytes read + written per second of a device-to-device copy."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), device)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def _paged_case(B, ctx, q_len, hq, hkv, d, block, dtype, device, gen):
+    """A batch of B requests with context `ctx` (+/- jitter), each with q_len new rows, in a paged cache."""
+    lens = [max(q_len, ctx - 7 * i % max(ctx // 4, 1)) for i in range(B)]
+    blocks_per = [-(-L // block) for L in lens]
+    num_blocks = sum(blocks_per) + 1
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros(B, max(blocks_per), dtype=torch.int32)
+    o = 0
+    for i, n in enumerate(blocks_per):
+        tables[i, :n] = perm[o:o + n]
+        o += n
+    kc = torch.randn(num_blocks, block, hkv, d, generator=gen).to(dtype)
+    vc = torch.randn(num_blocks, block, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(B * q_len, hq, d, generator=gen).to(dtype)
+    qsl = torch.arange(0, B * q_len + 1, q_len, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    args = [x.to(device) for x in (q, kc, vc, tables, qsl, seq_lens)] + [d ** -0.5]
+    kv_bytes = 2 * sum(lens) * hkv * d * kc.element_size()
+    return args, kv_bytes + 2 * q.numel() * q.element_size()
+
+
+def kernel_cases(shape: dict, T_list, device, dtype, gen):
+    """(label, op name, args, bytes moved) at the model's shapes."""
+    h, hq, hkv, d, inter = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inter"]
+    es = torch.empty((), dtype=dtype).element_size()
+
+    def r(*s):
+        return torch.randn(*s, generator=gen).to(dtype).to(device)
+
+    cases = []
+    for T in T_list:
+        x, res, w = r(T, h), r(T, h), r(h)
+        cases.append((f"rms_norm T={T}", "rms_norm", (x, w, 1e-6), 2 * T * h * es))
+        cases.append((f"add_rms_norm T={T}", "add_rms_norm", (x, res, w, 1e-6), 4 * T * h * es))
+        cases.append((f"silu_and_mul T={T}", "silu_and_mul", (r(T, 2 * inter),), 3 * T * inter * es))
+        pos = torch.randint(0, 4096, (T,), generator=gen).to(device)
+        cache = torch.randn(4096, d, generator=gen).float().to(device)
+        cases.append((f"rotary T={T}", "rotary_embedding", (pos, r(T, hq * d), r(T, hkv * d), d, cache, True),
+                      2 * T * (hq + hkv) * d * es))
+        nb = T // 16 + 2
+        kc, vc = r(nb, 16, hkv, d), r(nb, 16, hkv, d)
+        slots = torch.randperm(nb * 16, generator=gen)[:T].to(device)
+        cases.append((f"reshape_and_cache T={T}", "reshape_and_cache", (r(T, hkv, d), r(T, hkv, d), kc, vc, slots),
+                       4 * T * hkv * d * es))
+    for B, ctx in ((1, 1024), (64, 1024), (256, 512)):
+        args, nbytes = _paged_case(B, ctx, 1, hq, hkv, d, 16, dtype, device, gen)
+        cases.append((f"paged_attention decode B={B} ctx~{ctx}", "paged_attention", args, nbytes))
+    args, nbytes = _paged_case(4, 1024, 256, hq, hkv, d, 16, dtype, device, gen)
+    cases.append(("paged_attention prefill 4x256 rows over ~1024", "paged_attention", args, nbytes))
+    return cases
+
+
+def check_kernels(shapes: dict, T_list, device, bandwidth: float) -> list[dict]:
+    import graphinfer.ops  # noqa: F401  (the reference ops)
+    from graphinfer.ops.triton import TRITON_OPS
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for model, shape in shapes.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            for label, name, args, nbytes in kernel_cases(shape, T_list, device, dtype, gen):
+                ref_op = getattr(torch.ops.graphinfer, name).default
+                fast = TRITON_OPS[name]
+                if name == "reshape_and_cache":  # mutating: compare the caches each one writes
+                    k1, v1 = args[2].clone(), args[3].clone()
+                    ref_op(args[0], args[1], k1, v1, args[4])
+                    k2, v2 = args[2].clone(), args[3].clone()
+                    fast(args[0], args[1], k2, v2, args[4])
+                    ref, out = (k1, v1), (k2, v2)
+                else:
+                    ref, out = ref_op(*args), fast(*args)
+                ref = ref if isinstance(ref, tuple) else (ref,)
+                out = out if isinstance(out, tuple) else (out,)
+                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, out))
+                scale = max(b.float().abs().max().item() for b in ref) or 1.0
+                tol = 2e-3 if dtype == torch.float32 else 3e-2
+                ms = bench_ms(lambda: fast(*args), device)
+                rows.append(dict(model=model, dtype=str(dtype).removeprefix("torch."), case=label,
+                                 max_abs_err=err, rel_err=err / scale, ok=err / scale <= tol, ms=ms,
+                                 gbps=nbytes / (ms * 1e-3) / 1e9, bw_fraction=nbytes / (ms * 1e-3) / bandwidth))
+                r = rows[-1]
+                print(f"{'ok ' if r['ok'] else 'BAD'} {model:8s} {r['dtype']:8s} {label:48s} err {err:.2e} "
+                      f"{ms * 1e3:9.1f} us {r['gbps']:8.1f} GB/s ({100 * r['bw_fraction']:.0f}% of copy)", flush=True)
+    return rows
+
+
+MIXED_PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 33, 64, 120, 7, 250, 12, 90, 41, 3, 500)]
+
+
+def greedy_tokens(model: str, graph_mode: str, dtype: str, **kw) -> list[list[int]]:
+    from graphinfer import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, graph_mode=graph_mode, **kw)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(len(MIXED_PROMPTS))]
+    out = [o.outputs[0].token_ids for o in llm.generate(MIXED_PROMPTS, params, use_tqdm=False)]
+    stats = llm.llm_engine.capture_stats
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out, stats
+
+
+def check_graph_modes(models: dict) -> list[dict]:
+    rows = []
+    for name, (path, dtype) in models.items():
+        none, _ = greedy_tokens(path, "NONE", dtype, max_num_seqs=16)
+        full, stats = greedy_tokens(path, "FULL_DECODE_ONLY", dtype, max_num_seqs=16)
+        same = none == full
+        rows.append(dict(model=name, dtype=dtype, requests=len(MIXED_PROMPTS), identical=same,
+                         first_diff=None if same else next(i for i, (a, b) in enumerate(zip(none, full)) if a != b)))
+        print(f"{'ok ' if same else 'BAD'} NONE vs FULL_DECODE_ONLY {name} {dtype}: identical greedy tokens = {same} "
+              f"({stats.summary()})", flush=True)
+    return rows
+
+
+def capture_cost(path: str, dtype: str) -> list[dict]:
+    from graphinfer import LLM
+
+    rows = []
+    for max_num_seqs in (256, 512):
+        t = time.perf_counter()
+        llm = LLM(path, dtype=dtype, graph_mode="FULL_DECODE_ONLY", max_num_seqs=max_num_seqs)
+        s = llm.llm_engine.capture_stats
+        rows.append(dict(model=path, dtype=dtype, max_num_seqs=max_num_seqs, num_graphs=len(s.sizes),
+                         capture_s=s.seconds, graph_mib=s.memory_bytes / 2**20, startup_s=time.perf_counter() - t))
+        print(f"capture {path} max_num_seqs={max_num_seqs}: {s.summary()}; engine start {rows[-1]['startup_s']:.1f} s",
+              flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--output-json", default="gpu_check.json")
+    ap.add_argument("--smollm2", default="", help="SmolLM2 GGUF path (default: the bundled one)")
+    ap.add_argument("--quick", action="store_true", help="small shapes and tiny models (smoke run)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,modes,capture")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    skip = set(filter(None, args.skip.split(",")))
+    result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                  torch=torch.__version__)
+    bw = copy_bandwidth(device, (1 << 31) if device.type == "cuda" and not args.quick else 1 << 24)
+    result["copy_bandwidth_tbps"] = bw / 1e12
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s", flush=True)
+    shapes = {"qwen3-0.6b": dict(hidden=1024, heads=16, kv_heads=8, head_dim=128, inter=3072),
+              "smollm2": dict(hidden=576, heads=9, kv_heads=3, head_dim=64, inter=1536)}
+    if args.quick:
+        shapes = {"tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=32, inter=96)}
+    if "kernels" not in skip:
+        result["kernels"] = check_kernels(shapes, [3] if args.quick else [1, 64, 256, 4096], device, bw)
+    if device.type == "cuda":
+        models = {"tiny-qwen3": ("tiny-qwen3", "float32")} if args.quick else {
+            "smollm2 (fp32)": (args.smollm2, "float32"), "smollm2 (bf16)": (args.smollm2, "bfloat16"),
+            "qwen3-0.6b (random, bf16)": ("qwen3-0.6b", "bfloat16")}
+        if "modes" not in skip:
+            result["graph_modes"] = check_graph_modes(models)
+        if "capture" not in skip:
+            result["capture"] = capture_cost("tiny-qwen3" if args.quick else "qwen3-0.6b", "bfloat16")
+    with open(args.output_json, "w") as f:
+        json.dump(result, f, indent=2)
+    bad = [r for r in result.get("kernels", []) if not r["ok"]] + \
+          [r for r in result.get("graph_modes", []) if not r["identical"]]
+    print(f"\n{len(bad)} failing checks; wrote {args.output_json}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
