@@ -1,0 +1,93 @@
+"""Platform selection (GRAPHINFER_PLATFORM, detection, entry-point plugins) and op-impl registration."""
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import graphinfer.platforms as platforms
+from graphinfer.errors import InvalidConfigError
+from graphinfer.platforms import Platform, current_platform, get_platform, platform_for_device
+
+
+@pytest.fixture(autouse=True)
+def fresh_platform_cache():
+    get_platform.cache_clear()
+    yield
+    get_platform.cache_clear()
+
+
+def test_detection_on_this_machine(monkeypatch):
+    monkeypatch.delenv("GRAPHINFER_PLATFORM", raising=False)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert current_platform().name == expected
+    assert platform_for_device("cpu").name == "cpu" and platform_for_device("cuda").dist_backend == "nccl"
+    assert get_platform("npu").dist_backend == "hccl" and get_platform("cpu").dist_backend == "gloo"
+
+
+def test_env_var_selects_and_unknown_names_fail(monkeypatch):
+    monkeypatch.setenv("GRAPHINFER_PLATFORM", "cpu")
+    assert current_platform().name == "cpu"
+    monkeypatch.setenv("GRAPHINFER_PLATFORM", "tpu")
+    with pytest.raises(InvalidConfigError, match="Unknown platform 'tpu'; available: .*cuda"):
+        current_platform()
+    with pytest.raises(InvalidConfigError, match="No graphinfer platform runs torch device type 'xla'"):
+        platform_for_device("xla")
+
+
+class _PluginPlatform(Platform):
+    name = "myaccel"
+    device_type = "cpu"
+    dispatch_key = "CPU"
+
+    @classmethod
+    def is_available(cls):
+        return True
+
+
+def _entry_points(value):
+    ep = SimpleNamespace(name="myaccel", value="my_pkg:Plat", load=lambda: value)
+    return lambda group: [ep] if group == "graphinfer.platforms" else []
+
+
+def test_plugin_platform_from_entry_points_is_detected_first(monkeypatch):
+    monkeypatch.delenv("GRAPHINFER_PLATFORM", raising=False)
+    monkeypatch.setattr(platforms, "entry_points", _entry_points(_PluginPlatform))
+    assert list(platforms.available_platforms())[0] == "myaccel"
+    assert isinstance(current_platform(), _PluginPlatform)
+
+
+def test_broken_plugin_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(platforms, "entry_points", _entry_points(object))
+    with pytest.raises(InvalidConfigError, match="not a graphinfer.platforms.Platform subclass"):
+        platforms.available_platforms()
+
+
+def test_activate_registers_and_replaces_impls_under_the_dispatch_key():
+    """A platform's impls take over for its dispatch key; a second activation replaces the first."""
+    import graphinfer.ops  # noqa: F401
+
+    x = torch.randn(3, 8)
+
+    class Doubled(_PluginPlatform):
+        def op_impls(self, kernels=None):
+            return {} if kernels == "reference" else {"silu_and_mul": lambda t: torch.full_like(t[:, :4], 7.0)}
+
+    p = Doubled()
+    try:
+        p.activate()
+        assert torch.equal(torch.ops.graphinfer.silu_and_mul(x), torch.full((3, 4), 7.0))
+        p.activate("reference")
+        expected = torch.nn.functional.silu(x[:, :4]) * x[:, 4:]
+        assert torch.allclose(torch.ops.graphinfer.silu_and_mul(x), expected)
+    finally:
+        p.activate("reference")
+
+
+def test_importing_graphinfer_does_not_import_torch_npu_or_triton():
+    code = ("import sys, graphinfer, graphinfer.platforms, graphinfer.ops; "
+            "from graphinfer.platforms import current_platform; current_platform(); "
+            "print('torch_npu' in sys.modules, 'triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
