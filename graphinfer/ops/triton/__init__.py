@@ -1,0 +1,57 @@
+"""Triton kernels for the graphinfer:: ops, one source for CUDA and Triton-Ascend.
+
+TRITON_OPS maps op name -> a wrapper with exactly the reference op's signature; a platform registers them
+per dispatch key (`lib.impl(name, fn, "CUDA")`). On CPU the same kernels run under TRITON_INTERPRET=1.
+"""
+import os
+from typing import Callable
+
+
+def _backport_interpreter_index_fix() -> None:
+    """Let interpreted kernels use runtime loop bounds (`for t in range(lo, hi)` with tensor lo/hi).
+
+    Triton <= 3.6's interpreter turns a scalar into a loop bound with int(array) on a 1-element array,
+    which numpy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream by #9172). Compiled kernels and
+    Triton-Ascend's interpreter are unaffected; this re-applies the upstream fix so the kernels can keep
+    the efficient loop form instead of being rewritten for an interpreter bug.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_graphinfer_backport", False):
+        return
+
+    def patched(tensor, *args, **kwargs):
+        patch(tensor, *args, **kwargs)
+        # Set after the interpreter's own patch; its scope (if any) still restores the original afterwards.
+        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+
+    patched._graphinfer_backport = True
+    interpreter._patch_lang_tensor = patched
+
+
+_backport_interpreter_index_fix()
+
+from graphinfer.ops.triton.activation import silu_and_mul  # noqa: E402
+from graphinfer.ops.triton.attention import paged_attention  # noqa: E402
+from graphinfer.ops.triton.fused_moe import fused_moe  # noqa: E402
+from graphinfer.ops.triton.kv_cache import reshape_and_cache  # noqa: E402
+from graphinfer.ops.triton.norm import add_rms_norm, rms_norm  # noqa: E402
+from graphinfer.ops.triton.rotary import rotary_embedding  # noqa: E402
+
+TRITON_OPS: dict[str, Callable] = {
+    "rms_norm": rms_norm,
+    "add_rms_norm": add_rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_and_mul": silu_and_mul,
+    "reshape_and_cache": reshape_and_cache,
+    "paged_attention": paged_attention,
+    "fused_moe": fused_moe,
+}
+
+__all__ = ["TRITON_OPS", "add_rms_norm", "fused_moe", "paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding",
+           "silu_and_mul"]

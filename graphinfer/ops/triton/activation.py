@@ -1,0 +1,47 @@
+"""SwiGLU kernel: silu_and_mul(x) = silu(x[..., :d]) * x[..., d:] -> [..., d].
+
+Each program covers a [BLOCK_R rows, BLOCK_C columns] tile of the [rows, d] output; the 2-D tiling is
+flattened into a 1-D grid of cdiv(rows, BLOCK_R) * cdiv(d, BLOCK_C) programs (Triton-Ascend merges
+multi-dimensional grids anyway and caps the grid at 65535, so a long prefill packs rows per program).
+Rounding follows the reference: silu in fp32 rounded to x's dtype, then the product rounded again.
+"""
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_TILE = 4096  # output elements per program
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_rows, d, stride_x, stride_o,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    n_col_blocks = tl.cdiv(d, BLOCK_C)
+    rows = (pid // n_col_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (pid % n_col_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
+    gate_ptrs = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + d, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """x is [..., 2 * d] = cat(gate, up); returns silu(gate) * up, [..., d] (vLLM's layout)."""
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    o2 = out.view(-1, d)
+    n_rows = x2.shape[0]
+    block_c = min(triton.next_power_of_2(d), 1024)
+    block_r = max(1, min(_TILE // block_c, triton.next_power_of_2(n_rows)))
+    grid = triton.cdiv(n_rows, block_r) * triton.cdiv(d, block_c)
+    _silu_and_mul_kernel[(grid,)](x2, o2, n_rows, d, x2.stride(0), o2.stride(0),
+                                  BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return out

@@ -1,0 +1,249 @@
+"""The Triton kernels (graphinfer.ops.triton) against the reference ops, on small shapes.
+
+Without a CUDA GPU the kernels run under TRITON_INTERPRET=1 (upstream Triton, or Triton-Ascend's
+interpreter in the .venv-ascend venv); with one, the same tests run compiled on "cuda" tensors. The
+reference is always the op's PyTorch implementation run on CPU copies of the inputs.
+This module imports only torch, pytest, graphinfer.ops and graphinfer.ops.triton (the Ascend venv has no more).
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads it when @triton.jit decorates: set before import
+
+import graphinfer.ops as ref_ops  # noqa: E402
+from graphinfer.ops.triton import TRITON_OPS  # noqa: E402
+from graphinfer.ops.triton.attention import paged_attention_impl  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _cpu(*ts):
+    return [t.cpu() if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+def _close(actual, expected, dtype, **kw):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual.cpu().float(), expected.cpu().float(), **{**TOL[dtype], **kw})
+
+
+def test_registry_has_every_op():
+    assert set(TRITON_OPS) == {"rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul", "reshape_and_cache",
+                               "paged_attention"}
+
+
+# ---- norms -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(7, 48), (3, 5, 100), (2, 1000)])
+def test_rms_norm(shape, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+    out = TRITON_OPS["rms_norm"](x.to(DEVICE), w.to(DEVICE), 1e-6)
+    _close(out, ref_ops.rms_norm(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 48), (3, 5, 100), (1, 1000)])
+def test_add_rms_norm(shape, dtype):
+    g = torch.Generator().manual_seed(1)
+    x, r = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+    out, res = TRITON_OPS["add_rms_norm"](x.to(DEVICE), r.to(DEVICE), w.to(DEVICE), 1e-5)
+    ref_out, ref_res = ref_ops.add_rms_norm(x, r, w, 1e-5)
+    # The same rounded add; the interpreters truncate fp32 -> bf16 where devices round, so exact only in fp32.
+    _close(res, ref_res, dtype, **(dict(atol=0, rtol=0) if dtype == torch.float32 else {}))
+    _close(out, ref_out, dtype)
+
+
+def test_rms_norm_strided_rows():
+    """A row-strided view (a slice of a wider activation) is read in place."""
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(6, 80, generator=g)
+    w = torch.randn(48, generator=g)
+    out = TRITON_OPS["rms_norm"](wide.to(DEVICE)[:, 16:64], w.to(DEVICE), 1e-6)
+    _close(out, ref_ops.rms_norm(wide[:, 16:64], w, 1e-6), torch.float32)
+
+
+# ---- silu_and_mul ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 96), (2, 3, 200), (3, 3000)])
+def test_silu_and_mul(shape, dtype):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    _close(TRITON_OPS["silu_and_mul"](x.to(DEVICE)), ref_ops.silu_and_mul(x), dtype)
+
+
+# ---- rotary ------------------------------------------------------------------------------------------------------
+
+def _cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rot_dim", [32, 16])
+@pytest.mark.parametrize("layout", ["flat", "heads"])
+def test_rotary_embedding(layout, rot_dim, is_neox, dtype):
+    g = torch.Generator().manual_seed(4)
+    n_tokens, n_q, n_kv, head = 6, 4, 2, 32  # GQA 2:1; rot_dim 16 = partial rotary
+    positions = torch.randint(0, 64, (n_tokens,), generator=g)
+    cache = _cos_sin_cache(64, rot_dim)
+    q = torch.randn(n_tokens, n_q, head, generator=g).to(dtype)
+    k = torch.randn(n_tokens, n_kv, head, generator=g).to(dtype)
+    if layout == "flat":
+        q, k = q.flatten(1), k.flatten(1)
+    args = (positions, q, k, head, cache, is_neox)
+    q_out, k_out = TRITON_OPS["rotary_embedding"](*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
+    q_ref, k_ref = ref_ops.rotary_embedding(*args)
+    _close(q_out, q_ref, dtype)
+    _close(k_out, k_ref, dtype)
+
+
+def test_rotary_embedding_qkv_slices():
+    """query/key as column slices of one fused qkv activation (the fuse_qkv layout): strided rows."""
+    g = torch.Generator().manual_seed(5)
+    n_tokens, n_q, n_kv, head = 5, 4, 1, 64
+    qkv = torch.randn(n_tokens, (n_q + 2 * n_kv) * head, generator=g)
+    q, k = qkv[:, :n_q * head], qkv[:, n_q * head:(n_q + n_kv) * head]
+    positions = torch.tensor([0, 1, 2, 40, 99])
+    cache = _cos_sin_cache(100, 64, base=500000.0)
+    d_qkv = qkv.to(DEVICE)
+    d_q, d_k = d_qkv[:, :n_q * head], d_qkv[:, n_q * head:(n_q + n_kv) * head]
+    q_out, k_out = TRITON_OPS["rotary_embedding"](positions.to(DEVICE), d_q, d_k, head, cache.to(DEVICE), True)
+    q_ref, k_ref = ref_ops.rotary_embedding(positions, q, k, head, cache, True)
+    _close(q_out, q_ref, torch.float32)
+    _close(k_out, k_ref, torch.float32)
+
+
+# ---- reshape_and_cache -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_reshape_and_cache(block_size, dtype):
+    g = torch.Generator().manual_seed(6)
+    n_tokens, n_kv, head, n_blocks = 9, 2, 32, 5
+    key = torch.randn(n_tokens, n_kv, head, generator=g)
+    value = torch.randn(n_tokens, n_kv, head, generator=g)
+    slots = torch.randperm(n_blocks * block_size, generator=g)[:n_tokens]
+    slots[[2, 5]] = -1  # padded rows: write nothing
+    key_cache = torch.randn(n_blocks, block_size, n_kv, head, generator=g).to(dtype)
+    value_cache = torch.randn(n_blocks, block_size, n_kv, head, generator=g).to(dtype)
+    kc, vc = key_cache.to(DEVICE), value_cache.to(DEVICE)
+    assert TRITON_OPS["reshape_and_cache"](key.to(DEVICE), value.to(DEVICE), kc, vc, slots.to(DEVICE)) is None
+    ref_ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    _close(kc, key_cache, dtype, atol=0, rtol=0)
+    _close(vc, value_cache, dtype, atol=0, rtol=0)
+
+
+def test_reshape_and_cache_strided_kv():
+    """key/value as views of a fused qkv activation, int32 slots."""
+    g = torch.Generator().manual_seed(7)
+    n_tokens, n_q, n_kv, head, bs = 4, 2, 2, 16, 4
+    qkv = torch.randn(n_tokens, (n_q + 2 * n_kv) * head, generator=g)
+    slots = torch.tensor([3, -1, 8, 0], dtype=torch.int32)
+    caches = [torch.zeros(3, bs, n_kv, head) for _ in range(2)]
+    dev_caches = [c.to(DEVICE) for c in caches]
+
+    def split(t):
+        return (t[:, n_q * head:(n_q + n_kv) * head].view(n_tokens, n_kv, head),
+                t[:, (n_q + n_kv) * head:].view(n_tokens, n_kv, head))
+
+    TRITON_OPS["reshape_and_cache"](*split(qkv.to(DEVICE)), *dev_caches, slots.to(DEVICE))
+    ref_ops.reshape_and_cache(*split(qkv), *caches, slots)
+    for got, want in zip(dev_caches, caches):
+        _close(got, want, torch.float32, atol=0, rtol=0)
+
+
+# ---- paged attention ---------------------------------------------------------------------------------------------
+
+def _paged_batch(q_lens, seq_lens, n_q, n_kv, head, block_size, dtype, seed=0, spare_pages=2, index_dtype=torch.int32):
+    """Random paged caches, shuffled block tables (wider than needed) and a flat query for the given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // block_size) for n in seq_lens]
+    width = max(pages) + spare_pages
+    n_blocks = sum(pages) + 3
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    block_tables = torch.zeros(len(seq_lens), width, dtype=index_dtype)
+    for i, n in enumerate(pages):
+        block_tables[i, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=index_dtype)
+    key_cache = torch.randn(n_blocks, block_size, n_kv, head, generator=g).to(dtype)
+    value_cache = torch.randn(n_blocks, block_size, n_kv, head, generator=g).to(dtype)
+    query = torch.randn(sum(q_lens), n_q, head, generator=g).to(dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=index_dtype)
+    return query, key_cache, value_cache, block_tables, qsl, torch.tensor(seq_lens, dtype=index_dtype)
+
+
+def _check_attention(args, dtype, **tiling):
+    scale = args[0].shape[-1] ** -0.5
+    dev = [a.to(DEVICE) for a in args]
+    out = paged_attention_impl(*dev, scale, **tiling) if tiling else TRITON_OPS["paged_attention"](*dev, scale)
+    _close(out, ref_ops.paged_attention(*args, scale), dtype)
+    return out
+
+
+DECODE_LENS = [5, 17, 0, 33]  # the 0 is a padded row of a captured batch: output zeros
+
+
+@pytest.mark.parametrize("n_q,n_kv,head,block_size", [(8, 2, 32, 4), (4, 4, 64, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_decode(n_q, n_kv, head, block_size, dtype):
+    args = _paged_batch([1] * len(DECODE_LENS), DECODE_LENS, n_q, n_kv, head, block_size, dtype)
+    out = _check_attention(args, dtype)
+    assert (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 16)])
+def test_paged_attention_decode_splits(num_splits, block_n):
+    """Split-KV decode (incl. more splits than a request has tiles) equals the one-pass result."""
+    args = _paged_batch([1] * len(DECODE_LENS), DECODE_LENS, 8, 2, 32, 4, torch.float32, seed=1)
+    _check_attention(args, torch.float32, num_splits=num_splits, decode_block_n=block_n)
+
+
+def test_paged_attention_decode_padded_qsl():
+    """Padded requests given 0 query rows in query_start_loc still get zeros in the pure-decode path."""
+    query, kc, vc, bt, _, lens = _paged_batch([1, 1, 1], [9, 0, 0], 4, 2, 32, 4, torch.float32, seed=2)
+    qsl = torch.tensor([0, 1, 1, 1], dtype=torch.int32)
+    out = TRITON_OPS["paged_attention"](*(a.to(DEVICE) for a in (query, kc, vc, bt, qsl, lens)), 32 ** -0.5)
+    _close(out, ref_ops.paged_attention(query, kc, vc, bt, qsl, lens, 32 ** -0.5), torch.float32)
+
+
+# decodes (one padded), a chunk over a cached prefix, a fresh prefill, a long chunk spanning several query tiles
+MIXED_Q = [1, 7, 1, 12, 1, 21]
+MIXED_L = [9, 20, 0, 12, 3, 30]
+
+
+@pytest.mark.parametrize("n_q,n_kv,head,block_size", [(8, 2, 32, 4), (4, 4, 64, 16), (4, 1, 32, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_mixed(n_q, n_kv, head, block_size, dtype):
+    args = _paged_batch(MIXED_Q, MIXED_L, n_q, n_kv, head, block_size, dtype, seed=3)
+    out = _check_attention(args, dtype)
+    assert (out[8] == 0).all()  # the padded decode row (request 2)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16)])
+def test_paged_attention_mixed_tiling(block_m, block_n):
+    """Small query/KV tiles: many query tiles per chunk, tiles straddling pages and the causal diagonal."""
+    args = _paged_batch(MIXED_Q, MIXED_L, 8, 2, 32, 4, torch.float32, seed=4)
+    _check_attention(args, torch.float32, prefill_block_m=block_m, prefill_block_n=block_n, num_splits=2,
+                     decode_block_n=16)
+
+
+def test_paged_attention_prefill_only():
+    """A batch of prefill chunks only (no decode rows)."""
+    args = _paged_batch([5, 18], [5, 40], 4, 2, 32, 16, torch.float32, seed=5)
+    _check_attention(args, torch.float32)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", [([1] * 4, DECODE_LENS), (MIXED_Q, MIXED_L)])
+def test_paged_attention_int64_metadata(q_lens, seq_lens):
+    """int64 block tables / query_start_loc / seq_lens work like int32 ones."""
+    args = _paged_batch(q_lens, seq_lens, 4, 2, 32, 4, torch.float16, seed=6, index_dtype=torch.int64)
+    _check_attention(args, torch.float16)
