@@ -23,6 +23,12 @@ def tiny_hf_config(arch: str):
         return Qwen2Config(**TINY, tie_word_embeddings=False)
     if arch == "qwen3":
         return Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True)
+    if arch.startswith("qwen3_moe"):  # qwen3_moe: renormalised top-k and a dense layer; _nonorm: all sparse
+        from transformers import Qwen3MoeConfig
+
+        norm = arch == "qwen3_moe"
+        return Qwen3MoeConfig(**TINY, head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                              norm_topk_prob=norm, mlp_only_layers=[1] if norm else [], tie_word_embeddings=False)
     raise ValueError(arch)
 
 

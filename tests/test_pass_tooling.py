@@ -88,7 +88,7 @@ def test_show_diff_verify():
     assert "after fuse_qkv -> fuse_gate_up" in d and "4 matches" in d
     assert "+ add_rms_norm_default = call_function graphinfer::add_rms_norm" in d
     text, reports = tools.verify("tiny-qwen2")
-    assert [r.name for r in reports] == ["fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "cleanup"]
+    assert [r.name for r in reports] == ["fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_moe", "cleanup"]
     assert all(r.max_abs_error <= 1e-5 for r in reports) and "| fuse_qkv | 2 |" in text
 
 

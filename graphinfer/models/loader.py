@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -45,25 +46,62 @@ def _safetensors_weights(path: str):
                 yield name, f.get_tensor(name)
 
 
+_PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_STACKED_EXPERT = re.compile(r"(.+\.experts)\.(gate_up_proj|down_proj)")
+_HALF = {"gate_proj": 0, "up_proj": 1, "down_proj": None}
+
+
+def _expert_target(name: str, params: dict) -> tuple[str, int | None, int | None] | None:
+    """Where an expert tensor goes in the stacked w13_weight [E, 2I, H] / w2_weight [E, H, I]:
+    (parameter, expert or None for all, half of w13 (0 gate, 1 up) or None). Two layouts: one tensor per
+    expert and projection, `...experts.{e}.gate_proj.weight` (hub checkpoints and transformers' save_pretrained),
+    and transformers' in-memory 3-D `...experts.gate_up_proj` / `...experts.down_proj` (already stacked)."""
+    if m := _PER_EXPERT.fullmatch(name):
+        prefix, e, proj = m.groups()
+        target, expert, half = f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}_weight", int(e), _HALF[proj]
+    elif m := _STACKED_EXPERT.fullmatch(name):
+        prefix, proj = m.groups()
+        target, expert, half = f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}_weight", None, None
+    else:
+        return None
+    return (target, expert, half) if target in params else None
+
+
 def load_weights(model: nn.Module, weights, tied: bool) -> None:
-    """Copy named tensors into the model's parameters; every parameter must be covered exactly once."""
+    """Copy named tensors into the model's parameters; every parameter must be covered exactly once.
+    Per-expert tensors are copied into their slice of the stacked expert weights (see _expert_target)."""
     params = dict(model.named_parameters())  # a tied lm_head shares (and so omits) the embedding's entry
     missing = set(params)
+    pieces: dict[str, set] = {}  # stacked expert weight -> (expert, half) slices loaded so far
     for name, tensor in weights:
+        target, expert, half = name, None, None
         if name not in params:
-            if tied and name == "lm_head.weight":
-                continue
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            raise ModelNotFoundError(f"Checkpoint tensor {name!r} has no parameter in {type(model).__name__}; "
-                                     f"the checkpoint does not match its config.")
-        param = params[name]
-        if param.shape != tensor.shape:
-            raise ModelNotFoundError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(param.shape)}; the checkpoint does not match its config.")
+            if (found := _expert_target(name, params)) is None:
+                if tied and name == "lm_head.weight":
+                    continue
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise ModelNotFoundError(f"Checkpoint tensor {name!r} has no parameter in {type(model).__name__}; "
+                                         f"the checkpoint does not match its config.")
+            target, expert, half = found
+        param = params[target]
+        if expert is not None and expert >= param.shape[0]:
+            raise ModelNotFoundError(f"Checkpoint tensor {name!r} is for expert {expert}, the model has "
+                                     f"{param.shape[0]}; the checkpoint does not match its config.")
+        dest = param if expert is None else param[expert]
+        if half is not None:
+            dest = dest.chunk(2)[half]
+        if dest.shape != tensor.shape:
+            raise ModelNotFoundError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                                     f"expects {tuple(dest.shape)}; the checkpoint does not match its config.")
         with torch.no_grad():
-            param.copy_(tensor)
-        missing.discard(name)
+            dest.copy_(tensor)
+        if expert is not None:
+            got = pieces.setdefault(target, set())
+            got.add((expert, half))
+            if len(got) < param.shape[0] * (1 if half is None else 2):
+                continue
+        missing.discard(target)
     if missing:
         raise ModelNotFoundError(f"Checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}.")
 

@@ -7,12 +7,14 @@ _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
 
 
 def _config(name: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     presets = {
         "tiny-llama": lambda: LlamaConfig(**_TINY),
         "tiny-qwen2": lambda: Qwen2Config(**_TINY),
         "tiny-qwen3": lambda: Qwen3Config(**_TINY, head_dim=32),
+        "tiny-qwen3-moe": lambda: Qwen3MoeConfig(**_TINY, head_dim=32, moe_intermediate_size=32, num_experts=8,
+                                                 num_experts_per_tok=2, norm_topk_prob=True),
         # Real shapes (random weights): timing does not depend on the values.
         "smollm2-135m": lambda: LlamaConfig(
             vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -28,7 +30,8 @@ def _config(name: str):
     return config
 
 
-PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "smollm2-135m", "qwen3-0.6b")
+# No qwen3-30b-a3b: presets materialise fp32 random weights on the host (120 GB for 30B parameters).
+PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m", "qwen3-0.6b")
 
 
 def preset_config(name: str):

@@ -13,10 +13,11 @@ from graphinfer.passes.base import Pass
 from graphinfer.passes.cleanup import CleanupPass
 from graphinfer.passes.fuse_add_rmsnorm import FuseAddRMSNormPass
 from graphinfer.passes.fuse_gate_up import FuseGateUpPass
+from graphinfer.passes.fuse_moe import FuseMoEPass
 from graphinfer.passes.fuse_qkv import FuseQKVPass
 
-BUILTIN_PASSES: tuple[type[Pass], ...] = (FuseQKVPass, FuseGateUpPass, FuseAddRMSNormPass, CleanupPass)
-DEFAULT_PASSES = ("fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "cleanup")
+BUILTIN_PASSES: tuple[type[Pass], ...] = (FuseQKVPass, FuseGateUpPass, FuseAddRMSNormPass, FuseMoEPass, CleanupPass)
+DEFAULT_PASSES = ("fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_moe", "cleanup")
 
 
 @dataclass
