@@ -141,6 +141,58 @@ def _bench_serve(args) -> None:
         raise GraphinferError(f"{args.url}: {e!r}. Is `graphinfer serve` running there?") from None
 
 
+def _csv(text: str, cast=str) -> list:
+    return [cast(v.strip()) for v in text.split(",") if v.strip()]
+
+
+_SWEEPS = {"max-num-seqs": ("max_num_seqs", int), "graph-mode": ("graph_mode", str)}
+
+
+def _bench_throughput(args) -> None:
+    from graphinfer.bench.throughput import run
+
+    grid = {"max_num_seqs": [args.max_num_seqs], "graph_mode": [args.graph_mode]}
+    for spec in args.sweep or []:  # --sweep max-num-seqs=16,32 --sweep graph-mode=NONE,FULL_DECODE_ONLY: a grid
+        key, _, values = spec.partition("=")
+        if key not in _SWEEPS or not values:
+            raise GraphinferError(f"--sweep {spec!r}: use {' or '.join(k + '=V1,V2,...' for k in _SWEEPS)}.")
+        name, cast = _SWEEPS[key]
+        grid[name] = _csv(values, cast)
+    if bad := [m for m in grid["graph_mode"] if m not in ("NONE", "FULL_DECODE_ONLY")]:
+        raise GraphinferError(f"graph modes {bad}: use NONE or FULL_DECODE_ONLY.")
+    run(args.model, dtype=args.dtype, device=args.device, graph_modes=grid["graph_mode"],
+        max_num_seqs=grid["max_num_seqs"], capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
+        passes=args.passes, num_prompts=args.num_prompts, min_len=args.min_len, max_len=args.max_len,
+        fixed_output_len=args.fixed_output_len, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, temperature=args.temperature, seed=args.seed,
+        compare_hf=args.compare == "hf", hf_cuda_graph=args.hf_cuda_graph, output_json=args.output_json,
+        plot_path=args.plot)
+
+
+def _bench_latency(args) -> None:
+    from graphinfer.bench.latency import run
+
+    run(args.model, dtype=args.dtype, device=args.device, batch_sizes=_csv(args.batch_sizes, int),
+        graph_modes=_csv(args.graph_modes), capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
+        passes=args.passes, prompt_len=args.prompt_len, warmup_steps=args.warmup_steps, num_steps=args.num_steps,
+        max_model_len=args.max_model_len, temperature=args.temperature, seed=args.seed,
+        output_json=args.output_json, plot_path=args.plot)
+
+
+def _add_offline_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen3-0.6b", help="HF checkpoint dir, .gguf, or a preset shape with random "
+                                                         "weights (qwen3-0.6b, smollm2-135m, tiny-llama, ...)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on accelerators, fp32 on CPU) | bfloat16 | ...")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--passes", default="default", help="compiler passes: 'default', 'none' or a comma-separated list")
+    p.add_argument("--capture-sizes", default=None, help="FULL_DECODE_ONLY batch sizes (default: vLLM's list)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="clamped to the model's context")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphinfer", description="graph-mode LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -212,6 +264,33 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--output-json", default=None)
     bs.add_argument("--plot", default=None, help="PNG: throughput and latency vs concurrency")
     bs.set_defaults(func=_bench_serve)
+
+    bt = bench.add_parser("throughput", help="nano-vllm's offline workload (256 prompts, 100-1024 in/out): tok/s, "
+                                             "prefill/decode split, memory roofline; sweeps; vs HF generate_batch")
+    _add_offline_bench_args(bt)
+    bt.add_argument("--graph-mode", default="NONE", choices=["NONE", "FULL_DECODE_ONLY"])
+    bt.add_argument("--max-num-seqs", type=int, default=256)
+    bt.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    bt.add_argument("--num-prompts", type=int, default=256)
+    bt.add_argument("--min-len", type=int, default=100, help="shortest prompt and output (tokens)")
+    bt.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (tokens)")
+    bt.add_argument("--fixed-output-len", type=int, default=None, help="every request generates N tokens "
+                                                                       "(the fixed-512 variant)")
+    bt.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
+                    help="max-num-seqs=16,32,... or graph-mode=NONE,FULL_DECODE_ONLY (repeat both for a grid)")
+    bt.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' generate_batch "
+                                                                    "(fixed output length: 512 unless given)")
+    bt.add_argument("--hf-cuda-graph", action="store_true", help="HF: use_cuda_graph=True, max_memory_percent=0.5")
+    bt.set_defaults(func=_bench_throughput)
+
+    bl = bench.add_parser("latency", help="decode step latency per batch size, NONE vs FULL_DECODE_ONLY")
+    _add_offline_bench_args(bl)
+    bl.add_argument("--batch-sizes", default="1,8,64,256")
+    bl.add_argument("--graph-modes", default="NONE,FULL_DECODE_ONLY")
+    bl.add_argument("--prompt-len", type=int, default=32)
+    bl.add_argument("--warmup-steps", type=int, default=5, help="decode steps dropped before timing")
+    bl.add_argument("--num-steps", type=int, default=30, help="decode steps timed (the median is reported)")
+    bl.set_defaults(func=_bench_latency)
     return parser
 
 

@@ -43,7 +43,8 @@ def test_greedy_is_argmax_in_mixed_batch():
 def test_input_dtype_and_logits_untouched():
     logits = rand_logits(3).to(torch.bfloat16)
     before = logits.clone()
-    out = Sampler(EOS)(logits, [row(temperature=0.0, repetition_penalty=2.0, prompt=range(10)) for _ in range(3)])
+    out = Sampler(EOS)(logits, [row(temperature=0.0, repetition_penalty=2.0, prompt=range(10), logprobs=0)
+                                for _ in range(3)])
     assert torch.equal(logits, before)
     assert out.sampled_logprobs.dtype == torch.float32
 
@@ -114,7 +115,7 @@ def test_logprobs_ranks_and_topk_are_raw():
 
 def test_no_topk_when_nobody_asks():
     out = Sampler(EOS)(rand_logits(2), [row(), row(temperature=0.0)])
-    assert out.topk_token_ids is None and out.topk_logprobs is None
+    assert out.topk_token_ids is None and out.topk_logprobs is None and out.sampled_logprobs is None
 
 
 def sample_many(logits_row, n, **kw):

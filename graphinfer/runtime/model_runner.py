@@ -143,10 +143,9 @@ class ModelRunner:
             if len(h.rows) < len(out.scheduled):  # a 1-token prompt chunk that does not end its prompt
                 result = result[torch.from_numpy(h.logits_indices).to(self.device)]
             logits = result if self.lm_head_in_graph else self.model.compute_logits(result)
-            return h.rows, self.sampler(logits.float(), h.rows)
+            return h.rows, self.sampler(logits, h.rows)
         input_ids, positions, md, logits_indices, rows = self.prepare_inputs(out)
         hidden = self.graph(input_ids, positions, md)
         if not rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet
             return rows, None
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
-        return rows, self.sampler(logits, rows)
+        return rows, self.sampler(self.model.compute_logits(hidden[logits_indices]), rows)

@@ -1,8 +1,9 @@
 """Batched next-token sampler, following vLLM v1's Sampler.
 
 Order: raw logprobs -> min_tokens mask -> penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p
--> exponential-race sampling. Everything is batched over rows except the per-row noise draw, which uses the
-row's own generator so a seeded request samples the same tokens whatever else is in the batch.
+-> exponential-race sampling. Everything is batched over rows except the noise of seeded rows, each drawn
+from the row's own generator so a seeded request samples the same tokens whatever else is in the batch.
+Logprobs are computed only when some row asks for them.
 """
 from dataclasses import dataclass
 
@@ -11,10 +12,11 @@ import torch
 
 @dataclass
 class SamplerOutput:
+    """On the host (one device-to-host copy per step). The logprob fields are None when no row asked."""
     sampled_token_ids: torch.Tensor  # [B] int64
-    sampled_logprobs: torch.Tensor  # [B] float32, raw log_softmax at the sampled token
-    sampled_ranks: torch.Tensor  # [B] int64, 1 = most likely under the raw logits
-    topk_token_ids: torch.Tensor | None  # [B, N] int64, N = max requested logprobs; None if no row asked
+    sampled_logprobs: torch.Tensor | None  # [B] float32, raw log_softmax at the sampled token
+    sampled_ranks: torch.Tensor | None  # [B] int64, 1 = most likely under the raw logits
+    topk_token_ids: torch.Tensor | None  # [B, N] int64, N = max requested logprobs (0 if none asked)
     topk_logprobs: torch.Tensor | None  # [B, N] float32, raw log_softmax
 
 
@@ -32,7 +34,8 @@ class Sampler:
         dev = x.device
 
         # vLLM's default logprobs_mode is raw_logprobs: before penalties, temperature and filtering.
-        raw_lp = torch.log_softmax(x, dim=-1)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        raw_lp = torch.log_softmax(x, dim=-1) if asked else None
 
         self._apply_min_tokens(x, rows, params)
         self._apply_penalties(x, rows, params)
@@ -50,20 +53,22 @@ class Sampler:
                 [params[i].top_p for i in rand],
                 [params[i].min_p for i in rand],
             )
-            # Exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i.
+            # Exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i. Seeded rows
+            # draw from their own generator; the rest share one batched draw (one launch, not one per row).
             q = torch.empty_like(probs)
-            for j, i in enumerate(rand):
-                g = getattr(rows[i], "generator", None)
-                q[j].exponential_(generator=self.generator if g is None else g)
+            seeded = [j for j, i in enumerate(rand) if getattr(rows[i], "generator", None) is not None]
+            if len(seeded) < len(rand):
+                q.exponential_(generator=self.generator)
+            for j in seeded:
+                q[j].exponential_(generator=rows[rand[j]].generator)
             sampled[idx] = probs.div_(q.clamp_(min=1e-30)).argmax(dim=-1)  # clamp: E == 0 would give 0/0
 
+        if not asked:
+            return SamplerOutput(sampled.cpu(), None, None, None, None)
         sampled_lp = raw_lp.gather(1, sampled[:, None])
         ranks = torch.count_nonzero(raw_lp > sampled_lp, dim=-1) + 1
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        topk_lp = topk_ids = None
-        if asked:
-            topk_lp, topk_ids = torch.topk(raw_lp, min(max(asked), raw_lp.shape[-1]), dim=-1)
-        return SamplerOutput(sampled, sampled_lp[:, 0], ranks, topk_ids, topk_lp)
+        topk_lp, topk_ids = torch.topk(raw_lp, min(max(asked), raw_lp.shape[-1]), dim=-1)
+        return SamplerOutput(sampled.cpu(), sampled_lp[:, 0].cpu(), ranks.cpu(), topk_ids.cpu(), topk_lp.cpu())
 
     def _apply_min_tokens(self, x, rows, params):
         # Like vLLM, eos is masked even with ignore_eos (it's in the request's stop set either way).

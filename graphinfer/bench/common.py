@@ -1,0 +1,161 @@
+"""Shared by the offline benchmarks: engine lifecycle, a recorded engine-step loop, environment, tables."""
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import torch
+
+from graphinfer.bench.roofline import row_kv_tokens
+
+
+def model_context_len(model: str) -> int | None:
+    """The model's own context length (max_position_embeddings), when it can be read without loading weights."""
+    from graphinfer.models.presets import preset_config
+
+    config = preset_config(model)
+    if config is None and os.path.isfile(os.path.join(model, "config.json")):
+        with open(os.path.join(model, "config.json")) as f:
+            return json.load(f).get("max_position_embeddings")
+    return getattr(config, "max_position_embeddings", None)
+
+
+def clamp_max_model_len(model: str, requested: int) -> int:
+    """The standard 4096 unless the model's context is shorter (tiny presets: 1024)."""
+    ctx = model_context_len(model)
+    if ctx is not None and ctx < requested:
+        print(f"note: max_model_len {requested} > {model}'s context {ctx}; using {ctx}")
+        return ctx
+    return requested
+
+
+def release(device: torch.device | str) -> None:
+    """Call after dropping the last reference to an LLM: collect it and return its device memory."""
+    gc.collect()
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "npu" and hasattr(torch, "npu"):
+        torch.npu.empty_cache()
+
+
+def synchronize(device: torch.device | str) -> None:
+    from graphinfer.platforms import platform_for_device
+
+    platform_for_device(torch.device(device).type).synchronize()
+
+
+def environment(device: torch.device | str) -> dict:
+    import graphinfer
+
+    device = torch.device(device)
+    name = platform.processor() or platform.machine()
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "npu" and hasattr(torch, "npu"):
+        name = torch.npu.get_device_name(device)
+    return {"device": str(device), "device_name": name, "torch": torch.__version__,
+            "graphinfer": graphinfer.__version__, "threads": torch.get_num_threads(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+@dataclass
+class StepRecord:
+    kind: str  # "prefill" (any row computes prompt tokens or more than one token), "decode", "idle"
+    seconds: float
+    rows: int
+    tokens: int
+    kv_tokens: int  # roofline.row_kv_tokens summed over rows
+
+
+@dataclass
+class StepLog:
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def seconds(self, kind: str) -> float:
+        return sum(s.seconds for s in self.steps if s.kind == kind)
+
+    def of(self, kind: str) -> list[StepRecord]:
+        return [s for s in self.steps if s.kind == kind]
+
+    def summary(self) -> dict:
+        dec, pre = self.of("decode"), self.of("prefill")
+        med = lambda xs: statistics.median(xs) * 1e3 if xs else None  # noqa: E731
+        return {"num_steps": len(self.steps), "num_prefill_steps": len(pre), "num_decode_steps": len(dec),
+                "prefill_s": self.seconds("prefill"), "decode_s": self.seconds("decode"),
+                "mean_decode_batch": sum(s.rows for s in dec) / len(dec) if dec else None,
+                "median_decode_step_ms": med([s.seconds for s in dec]),
+                "median_prefill_step_ms": med([s.seconds for s in pre])}
+
+
+def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
+    """LLM.generate's loop over engine.step(), timing each step and classifying it by what was scheduled.
+
+    The classification wraps this engine's scheduler.schedule (an instance attribute, undone on exit), so
+    the runtime is measured as is. engine.step() ends with the sampled ids' .tolist(), a device sync, so a
+    step's wall time covers its device work; `sync` (the device's synchronize) also brackets each step.
+    `until(outputs)` may stop the loop early. Returns the finished RequestOutputs."""
+    sched = engine.scheduler
+    current: list = []
+
+    def schedule():
+        out = sched.__class__.schedule(sched)
+        rows = [(seq.num_computed_tokens, n, seq.num_prompt_tokens) for seq, n in out.scheduled]
+        prefill = any(start < prompt or n > 1 for start, n, prompt in rows)
+        kind = "prefill" if prefill else "decode" if rows else "idle"
+        current.append(StepRecord(kind, 0.0, len(rows), out.num_tokens,
+                                  sum(row_kv_tokens(start, n) for start, n, _ in rows)))
+        return out
+
+    finished = []
+    sched.schedule = schedule
+    try:
+        while engine.has_unfinished_requests():
+            if sync:
+                sync()
+            t = time.perf_counter()
+            outs = engine.step()
+            if sync:
+                sync()
+            dt = time.perf_counter() - t
+            rec = current.pop()
+            rec.seconds = dt
+            log.steps.append(rec)
+            finished.extend(o for o in outs if o.finished)
+            if until is not None and until(outs):
+                break
+    finally:
+        del sched.schedule
+    return finished
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    """Cells as given (strings), None as '-', floats with one decimal."""
+    fmt = lambda v: "-" if v is None else f"{v:,.1f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---:|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def save_plot(plot_fn, result: dict, path: str | None) -> None:
+    """plot_fn(result, path), or a note when matplotlib is missing (device images): the JSON can be plotted later."""
+    if not path:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"note: matplotlib is not installed, no {path}; plot the JSON later with "
+              f"{plot_fn.__module__}.{plot_fn.__name__}(json.load(open(JSON)), PNG)")
+        return
+    plot_fn(result, path)

@@ -1,0 +1,139 @@
+"""`graphinfer bench latency`: decode step latency per batch size, NONE vs FULL_DECODE_ONLY.
+
+For each graph mode one engine (max_num_seqs = the largest batch); for each batch size B, B requests
+with a short random prompt, ignore_eos and enough max_tokens are added, the prefill step(s) run, and
+then engine.step() is timed, device synchronised before and after, over pure decode steps of exactly
+B rows: `warmup_steps` are dropped, the median of the next `num_steps` is the step latency. A graph
+mode the platform cannot run (FULL_DECODE_ONLY on CPU) is reported as unavailable.
+"""
+import random
+import statistics
+
+from graphinfer.bench import common
+from graphinfer.errors import GraphinferError, InvalidConfigError
+
+
+def measure_batch(llm, batch: int, prompt_len: int, warmup_steps: int, num_steps: int, temperature: float,
+                  seed: int) -> dict:
+    from graphinfer import SamplingParams
+
+    engine = llm.llm_engine
+    rng = random.Random(seed + batch)  # fresh ids per batch: no prefix-cache hits from the previous one
+    vocab = engine.hf_config.vocab_size
+    params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=warmup_steps + num_steps + 2)
+    seqs = [engine.make_sequence([rng.randrange(vocab) for _ in range(prompt_len)], params) for _ in range(batch)]
+    for seq in seqs:
+        engine.add_sequence(seq)
+    log = common.StepLog()
+    need = warmup_steps + num_steps
+    try:
+        common.run_steps(engine, log, until=lambda _: len(log.of("decode")) >= need, sync=engine.platform.synchronize)
+    finally:
+        for seq in seqs:
+            engine.abort_request(seq.request_id)
+    steps = log.of("decode")[warmup_steps:need]
+    if len(steps) < num_steps or any(s.rows != batch for s in steps):
+        raise GraphinferError(f"batch {batch}: got {len(steps)} decode steps with rows "
+                              f"{sorted({s.rows for s in steps})}, wanted {num_steps} of {batch} rows; "
+                              f"is the KV cache large enough?")
+    ms = sorted(s.seconds * 1e3 for s in steps)
+    med = statistics.median(ms)
+    return {"batch": batch, "median_ms": med, "mean_ms": statistics.fmean(ms), "min_ms": ms[0],
+            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "tok_s": batch / med * 1e3, "steps": len(ms)}
+
+
+def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1, 8, 64, 256),
+        graph_modes=("NONE", "FULL_DECODE_ONLY"), capture_sizes: list[int] | None = None, passes: str = "default",
+        prompt_len: int = 32, warmup_steps: int = 5, num_steps: int = 30, max_model_len: int = 4096,
+        temperature: float = 0.6, seed: int = 0, output_json: str | None = None, plot_path: str | None = None) -> dict:
+    from graphinfer import LLM
+    from graphinfer.config import resolve_dtype
+    from graphinfer.platforms import current_platform
+
+    if device == "auto":
+        device = current_platform().device_type
+    batch_sizes = sorted(batch_sizes)
+    max_model_len = common.clamp_max_model_len(model, max_model_len)  # as the throughput runs: same graph shapes
+    result = {"benchmark": "latency", "model": model, "dtype": str(resolve_dtype(dtype, device)).replace("torch.", ""),
+              "env": common.environment(device), "batch_sizes": batch_sizes, "graph_modes": list(graph_modes),
+              "prompt_len": prompt_len, "warmup_steps": warmup_steps, "num_steps": num_steps,
+              "temperature": temperature, "modes": {}}
+    for mode in graph_modes:
+        try:
+            llm = LLM(model, dtype=dtype, device=device, graph_mode=mode, max_num_seqs=batch_sizes[-1],
+                      capture_sizes=capture_sizes, passes=passes, max_model_len=max_model_len, seed=seed)
+        except InvalidConfigError as e:  # FULL_DECODE_ONLY on a platform without device graphs
+            result["modes"][mode] = {"unavailable": str(e)}
+            print(f"{mode}: unavailable ({e})")
+            continue
+        stats = llm.llm_engine.capture_stats
+        entry = {"capture_s": stats.seconds if stats else None, "batches": []}
+        for b in batch_sizes:
+            m = measure_batch(llm, b, prompt_len, warmup_steps, num_steps, temperature, seed)
+            entry["batches"].append(m)
+            print(f"{mode} batch {b}: decode step median {m['median_ms']:.3f} ms ({m['tok_s']:,.0f} tok/s)", flush=True)
+        result["modes"][mode] = entry
+        common.write_json(output_json, result)  # so far: a run cut off by a time limit keeps its results
+        del llm
+        common.release(device)
+    result["rows"] = _rows(result)
+    print("\n" + table(result))
+    common.write_json(output_json, result)
+    common.save_plot(plot, result, plot_path)
+    return result
+
+
+def _rows(result: dict) -> list[dict]:
+    """Per batch: each mode's median ms and, with both modes measured, NONE / FULL_DECODE_ONLY."""
+    rows = []
+    for i, b in enumerate(result["batch_sizes"]):
+        row = {"batch": b}
+        for mode, entry in result["modes"].items():
+            row[f"{mode}_ms"] = entry["batches"][i]["median_ms"] if "batches" in entry else None
+        if row.get("NONE_ms") and row.get("FULL_DECODE_ONLY_ms"):
+            row["ratio_none_over_full"] = row["NONE_ms"] / row["FULL_DECODE_ONLY_ms"]
+        rows.append(row)
+    return rows
+
+
+def table(result: dict) -> str:
+    modes = list(result["modes"])
+    ratio = "NONE" in modes and "FULL_DECODE_ONLY" in modes
+    headers = ["batch"] + [f"{m} step ms (tok/s)" for m in modes] + (["NONE / FULL_DECODE_ONLY"] if ratio else [])
+    rows = []
+    for i, r in enumerate(result["rows"]):
+        cells = [r["batch"]]
+        for m in modes:
+            e = result["modes"][m]
+            if "unavailable" in e:
+                cells.append("unavailable")
+            else:
+                b = e["batches"][i]
+                cells.append(f"{b['median_ms']:.3f} ({b['tok_s']:,.0f})")
+        if ratio:
+            cells.append(f"{r['ratio_none_over_full']:.2f}x" if "ratio_none_over_full" in r else None)
+        rows.append(cells)
+    return common.markdown_table(headers, rows)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # headless: no display on servers / CI
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bs = result["batch_sizes"]
+    for mode, entry in result["modes"].items():
+        if "batches" in entry:
+            ax.plot(bs, [b["median_ms"] for b in entry["batches"]], "o-", label=mode)
+    if len(bs) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.set(xlabel="decode batch size", ylabel="decode step latency, median (ms)", ylim=(0, None))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.suptitle(f"graphinfer bench latency: {result['model']} {result['dtype']} on {result['env']['device_name']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,338 @@
+"""`graphinfer bench throughput`: the offline workload of nano-vllm's bench.py (docs/benchmarks.md).
+
+random.seed(0); 256 prompts of randint(100, 1024) tokens drawn from randint(0, 10000); then each
+request's max_tokens = randint(100, 1024) (142,827 prompt / 133,966 output tokens); temperature 0.6,
+ignore_eos, max_model_len 4096; one warm-up generate; throughput = output tokens / wall time of the
+whole generate. The generate is LLM.generate's own loop over engine.step(), with each step timed and
+classed as prefill (any prompt token scheduled) or decode, so the run also splits its time and gets
+compared with a memory roofline (graphinfer/bench/roofline.py) at a bandwidth measured in the same run.
+Several configurations (max_num_seqs x graph mode) run one after another in one process.
+"""
+import random
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from graphinfer.bench import common, roofline
+from graphinfer.bench.roofline import ModelShape, ideal_roofline, measure_bandwidth, step_bytes
+from graphinfer.errors import InvalidConfigError
+
+TOKEN_ID_MAX = 10000
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def standard_workload(num_prompts: int = 256, min_len: int = 100, max_len: int = 1024,
+                      fixed_output_len: int | None = None, seed: int = 0, vocab_size: int | None = None) -> Workload:
+    """bench.py's draws, in its order (all prompts, then all max_tokens). A vocabulary smaller than the
+    token-id range (tiny presets) takes ids modulo its size, so the lengths stay the standard's."""
+    rng = random.Random(seed)  # the same stream as random.seed(seed) + random.randint
+    prompts = [[rng.randint(0, TOKEN_ID_MAX) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)]
+    max_tokens = [rng.randint(min_len, max_len) for _ in range(num_prompts)]
+    if fixed_output_len is not None:
+        max_tokens = [fixed_output_len] * num_prompts
+    if vocab_size is not None and vocab_size <= TOKEN_ID_MAX:
+        prompts = [[t % vocab_size for t in p] for p in prompts]
+    return Workload(prompts, max_tokens)
+
+
+def warmup_workload(num: int, min_len: int, vocab_size: int, max_model_len: int, seed: int = 1) -> Workload:
+    """Short prompts (other ids than the timed ones: no prefix-cache hits) whose decode batch shrinks 40..1
+    after the first steps, plus one of 255 tokens (a 16-block table): Triton kernel variants that depend on
+    the batch size (attention splits) or on block-table strides compile here, not in the timed run."""
+    rng = random.Random(seed)
+    lens = [min_len + i % 17 for i in range(num)]
+    lens[0] = max(lens[0], min(255, max_model_len // 2))
+    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in lens]
+    return Workload(prompts, [2 + max(0, 40 - i) for i in range(num)])
+
+
+def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, common.StepLog]:
+    """LLM.generate(prompts, params) timed as a whole and per engine step."""
+    from graphinfer import SamplingParams
+
+    engine = llm.llm_engine
+    sync = engine.platform.synchronize
+    log = common.StepLog()
+    preemptions = engine.scheduler.num_preemptions
+    sync()
+    start = time.perf_counter()
+    seqs = [engine.make_sequence(p, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m))
+            for p, m in zip(workload.prompts, workload.max_tokens)]
+    for seq in seqs:
+        engine.add_sequence(seq)
+    try:
+        finished = common.run_steps(engine, log, sync=sync)
+    finally:  # as LLM.generate: an interrupted run must not leak KV blocks
+        for seq in seqs:
+            engine.abort_request(seq.request_id)
+    sync()
+    total = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
+    return {"total_s": total, "output_tokens": out_tokens, "output_tok_s": out_tokens / total,
+            "num_preemptions": engine.scheduler.num_preemptions - preemptions, **log.summary()}, log
+
+
+def roofline_report(engine, shape: ModelShape, workload: Workload, log: common.StepLog, stats: dict,
+                    bandwidth: float) -> dict:
+    ideal = ideal_roofline(shape, list(map(len, workload.prompts)), workload.max_tokens,
+                           engine.config.scheduler_config.max_num_batched_tokens, bandwidth)
+    ran = sum(step_bytes(shape, s.kv_tokens) for s in log.steps if s.kind != "idle") / bandwidth
+    decode = sum(step_bytes(shape, s.kv_tokens) for s in log.of("decode")) / bandwidth
+    return {"ideal_s": ideal["seconds"], "ideal_tok_s": ideal["output_tok_s"], "ideal_bytes": ideal["bytes"],
+            "fraction": ideal["seconds"] / stats["total_s"],  # = achieved tok/s / ideal tok/s
+            # The same model over the steps that actually ran (all, and the pure-decode ones vs their time).
+            "schedule_s": ran, "schedule_fraction": ran / stats["total_s"],
+            "decode_steps_s": decode, "decode_fraction": decode / stats["decode_s"] if stats["decode_s"] else None,
+            "bandwidth_bytes_per_s": bandwidth}
+
+
+def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature: float, bandwidth: float,
+               min_len: int) -> dict:
+    from graphinfer import LLM
+
+    t = time.perf_counter()
+    llm = LLM(model, **engine_kwargs)
+    engine = llm.llm_engine
+    row = {"init_s": time.perf_counter() - t,
+           "capture_s": engine.capture_stats.seconds if engine.capture_stats else None,
+           "num_kv_blocks": engine.model_runner.num_blocks}
+    warm = warmup_workload(min(len(workload.prompts), engine.config.scheduler_config.max_num_seqs), min_len,
+                           engine.hf_config.vocab_size, engine.max_model_len)
+    t = time.perf_counter()
+    timed_generate(llm, warm, temperature)
+    row["warmup_s"] = time.perf_counter() - t
+    stats, log = timed_generate(llm, workload, temperature)
+    shape = ModelShape.from_engine(engine)
+    row.update(stats, roofline=roofline_report(engine, shape, workload, log, stats, bandwidth),
+               model_shape=shape.to_dict())
+    del llm, engine
+    return row
+
+
+def _fmt_row(r: dict) -> str:
+    if "unavailable" in r:
+        return f"{r['graph_mode']} max_num_seqs={r['max_num_seqs']}: unavailable ({r['unavailable']})"
+    rf = r["roofline"]
+    dec = f", decode steps at {rf['decode_fraction']:.1%} of their roofline" if rf["decode_fraction"] else ""
+    return (f"{r['graph_mode']} max_num_seqs={r['max_num_seqs']}: {r['output_tokens']:,} output tokens in "
+            f"{r['total_s']:.2f} s = {r['output_tok_s']:,.1f} tok/s (prefill {r['prefill_s']:.2f} s / "
+            f"{r['num_prefill_steps']} steps, decode {r['decode_s']:.2f} s / {r['num_decode_steps']} steps, mean "
+            f"decode batch {r['mean_decode_batch'] or 0:.1f}); {rf['fraction']:.1%} of the memory roofline "
+            f"({rf['ideal_tok_s']:,.0f} tok/s){dec}")
+
+
+def table(result: dict) -> str:
+    hf = result.get("hf") if "output_tok_s" in result.get("hf", {}) else None
+    headers = ["graph mode", "max_num_seqs", "time (s)", "output tok/s", "prefill s", "decode s", "steps",
+               "mean decode batch", "roofline %"] + (["vs HF"] if hf else [])
+    rows = []
+    for r in result["runs"]:
+        if "unavailable" in r:
+            why = "failed" if r["unavailable"].startswith("failed") else "unavailable"
+            rows.append([r["graph_mode"], r["max_num_seqs"], why] + [None] * (len(headers) - 3))
+            continue
+        rows.append([r["graph_mode"], r["max_num_seqs"], f"{r['total_s']:.2f}", f"{r['output_tok_s']:,.2f}",
+                     f"{r['prefill_s']:.2f}", f"{r['decode_s']:.2f}", r["num_steps"], r["mean_decode_batch"],
+                     f"{100 * r['roofline']['fraction']:.1f}"] + ([f"{r['vs_hf']:.2f}x"] if hf else []))
+    if hf:
+        rows.append(["HF generate_batch", "-", f"{hf['total_s']:.2f}", f"{hf['output_tok_s']:,.2f}"]
+                    + [None] * (len(headers) - 4))
+    return common.markdown_table(headers, rows)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # headless: no display on servers / CI
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    runs = [r for r in result["runs"] if "unavailable" not in r]
+    xs = sorted({r["max_num_seqs"] for r in runs})
+    for mode in dict.fromkeys(r["graph_mode"] for r in runs):
+        pts = sorted((r["max_num_seqs"], r["output_tok_s"]) for r in runs if r["graph_mode"] == mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"graphinfer {mode}")
+    if "output_tok_s" in result.get("hf", {}):
+        ax.axhline(result["hf"]["output_tok_s"], color="gray", ls="--", label="HF generate_batch")
+    if runs:
+        ideal = runs[0]["roofline"]["ideal_tok_s"]
+        ax.set_title(f"memory roofline {ideal:,.0f} tok/s at {result['bandwidth']['bytes_per_s'] / 1e9:,.0f} GB/s "
+                     f"(copy)", fontsize=9)
+    if len(xs) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set(xlabel="max_num_seqs", ylabel="output throughput (tok/s)", ylim=(0, None))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    w = result["workload"]
+    fig.suptitle(f"graphinfer bench throughput: {result['model']} {result['dtype']} on {result['env']['device_name']}\n"
+                 f"{w['num_prompts']} prompts, {w['prompt_tokens']:,} prompt / {w['output_tokens']:,} output tokens",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----- HF transformers' continuous batching (generate_batch) on the same weights and prompts -----
+def same_weights_checkpoint(model: str, dtype: torch.dtype, seed: int, tmp: str) -> str:
+    """A checkpoint both engines load: a preset becomes a saved random HF model; paths are used as they are."""
+    from graphinfer.models.presets import preset_config
+
+    config = preset_config(model)
+    if config is None:
+        return model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(tmp)
+    print(f"note: preset {model} saved with random weights to {tmp} for both engines")
+    return tmp
+
+
+def run_hf(path: str, dtype: torch.dtype, device: str, workload: Workload, temperature: float,
+           cuda_graph: bool) -> dict:
+    """model.generate_batch on the workload (one max_new_tokens for all, EOS disabled), after a small warm-up."""
+    import os
+
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
+    from graphinfer.errors import GraphinferError
+
+    kw = dict(dtype=dtype, attn_implementation="paged|sdpa")
+    if path.endswith(".gguf"):
+        path, kw["gguf_file"] = os.path.split(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, **kw).to(device).eval()
+    if not hasattr(hf, "generate_batch"):
+        raise GraphinferError("--compare hf needs transformers' continuous batching (model.generate_batch, "
+                              "transformers >= 4.56); upgrade transformers.")
+    new = workload.max_tokens[0]
+    gen = GenerationConfig(max_new_tokens=new, do_sample=temperature > 0, temperature=temperature or None,
+                           eos_token_id=-1, pad_token_id=0)  # eos -1: none, like ignore_eos
+
+    def cb_config():
+        if device != "cpu":  # the defaults, as measured in docs/benchmarks.md (CUDA graphs: opt-in)
+            return ContinuousBatchingConfig(use_cuda_graph=True, max_memory_percent=0.5) if cuda_graph else None
+        # On CPU the defaults size the cache from host memory (minutes); size it to the workload instead.
+        blocks = sum(-(-(len(p) + new) // 16) for p in workload.prompts) + 16
+        return ContinuousBatchingConfig(block_size=16, num_blocks=blocks, max_batch_tokens=2048)
+
+    sync = common.synchronize
+    warm = [p[:16] for p in workload.prompts[:2]]
+    hf.generate_batch(inputs=warm, generation_config=gen, continuous_batching_config=cb_config(), max_new_tokens=8)
+    sync(device)
+    start = time.perf_counter()
+    res = hf.generate_batch(inputs=workload.prompts, generation_config=gen, continuous_batching_config=cb_config())
+    sync(device)
+    total = time.perf_counter() - start
+    failed = [r.error for r in res.values() if r.error is not None]
+    if len(res) < len(workload.prompts) or failed:
+        raise GraphinferError(f"transformers generate_batch finished {len(res) - len(failed)} of "
+                              f"{len(workload.prompts)} requests (first error: {failed[:1]}); see its log above.")
+    tokens = sum(len(r.generated_tokens) for r in res.values())
+    del hf
+    return {"total_s": total, "output_tokens": tokens, "output_tok_s": tokens / total, "max_new_tokens": new,
+            "attn_implementation": "paged|sdpa", "use_cuda_graph": cuda_graph, "do_sample": temperature > 0,
+            "temperature": temperature}
+
+
+def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("NONE",), max_num_seqs=(256,),
+        capture_sizes: list[int] | None = None, passes: str = "default", num_prompts: int = 256, min_len: int = 100,
+        max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
+        max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
+        hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None) -> dict:
+    """Every (graph mode, max_num_seqs) configuration on the same workload; optionally HF on it too."""
+    import tempfile
+
+    from graphinfer.config import resolve_dtype
+    from graphinfer.platforms import current_platform
+
+    if device == "auto":
+        device = current_platform().device_type
+    torch_dtype = resolve_dtype(dtype, device)
+    if compare_hf and fixed_output_len is None:  # transformers' generate_batch takes one max_new_tokens
+        print("note: --compare hf runs the fixed-output variant; using --fixed-output-len 512")
+        fixed_output_len = 512
+    with tempfile.TemporaryDirectory(prefix="graphinfer-bench-") as tmp:
+        # HF needs a checkpoint with graphinfer's weights; a sweep saves re-drawing a preset's random weights.
+        configs = [(mode, mns) for mode in graph_modes for mns in max_num_seqs]
+        gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) if compare_hf or len(configs) > 1 else model
+        max_model_len = common.clamp_max_model_len(gi_model, max_model_len)
+        vocab = _vocab_size(gi_model)
+        workload = standard_workload(num_prompts, min_len, max_len, fixed_output_len, seed, vocab)
+        bandwidth = measure_bandwidth(device)  # before any engine: the copy buffers need free memory
+        common.release(device)
+        result = {"benchmark": "throughput", "model": model, "dtype": str(torch_dtype).replace("torch.", ""),
+                  "env": common.environment(device), "bandwidth": bandwidth, "roofline_model": roofline.MODEL,
+                  "workload": {"num_prompts": num_prompts, "min_len": min_len, "max_len": max_len,
+                               "fixed_output_len": fixed_output_len, "seed": seed, "temperature": temperature,
+                               "ignore_eos": True, "max_model_len": max_model_len,
+                               "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
+                  "runs": []}
+        print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
+              f"tokens; copy bandwidth {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s on {result['env']['device_name']}")
+        for mode, mns in configs:
+            sizes = ([s for s in capture_sizes if s <= mns] or None) if capture_sizes else None
+            kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
+                      passes=passes, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                      seed=seed)
+            row = {"graph_mode": mode, "max_num_seqs": mns, "capture_sizes": sizes}
+            try:
+                row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len))
+            except InvalidConfigError as e:  # e.g. FULL_DECODE_ONLY on CPU: no device graphs there
+                row["unavailable"] = str(e)
+            except Exception as e:  # noqa: BLE001 (a sweep keeps going, e.g. past an OOM, and still writes its JSON)
+                if len(configs) == 1:
+                    raise
+                traceback.print_exc()
+                row["unavailable"] = f"failed: {type(e).__name__}: {e}"
+            common.release(device)
+            result["runs"].append(row)
+            print(_fmt_row(row), flush=True)
+            common.write_json(output_json, result)  # so far: a run cut off by a time limit keeps its results
+        if compare_hf:
+            try:
+                hf = run_hf(gi_model, torch_dtype, device, workload, temperature, hf_cuda_graph)
+                print(f"HF generate_batch: {hf['output_tokens']:,} output tokens in {hf['total_s']:.2f} s "
+                      f"= {hf['output_tok_s']:,.1f} tok/s")
+                for r in result["runs"]:
+                    if "unavailable" not in r:
+                        r["vs_hf"] = r["output_tok_s"] / hf["output_tok_s"]
+            except Exception as e:  # noqa: BLE001 (keep graphinfer's numbers: the JSON is still written)
+                traceback.print_exc()
+                hf = {"error": f"{type(e).__name__}: {e}"}
+            result["hf"] = hf
+            common.release(device)
+    print("\n" + table(result))
+    common.write_json(output_json, result)
+    if not any("unavailable" not in r for r in result["runs"]):
+        raise InvalidConfigError("; ".join(dict.fromkeys(r["unavailable"] for r in result["runs"])))
+    common.save_plot(plot, result, plot_path)
+    return result
+
+
+def _vocab_size(model: str) -> int | None:
+    from graphinfer.models.presets import preset_config
+
+    config = preset_config(model)
+    if config is not None:
+        return config.vocab_size
+    try:
+        from graphinfer.models.loader import load_hf_config
+
+        return load_hf_config(model).vocab_size
+    except Exception:  # noqa: BLE001 (a .gguf: its vocabulary is larger than the standard's ids anyway)
+        return None

@@ -1,0 +1,162 @@
+"""`graphinfer bench throughput` / `bench latency` on CPU: the standard workload, the roofline model, the CLI."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from graphinfer.bench.roofline import ModelShape, ideal_roofline, step_bytes
+from graphinfer.bench.throughput import standard_workload
+
+BIN = os.path.join(os.path.dirname(sys.executable), "graphinfer")
+# One thread: tiny models on the shared 2-core VM run faster and steadier without OpenMP barriers.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TINY_RUN = ["--model", "tiny-llama", "--num-prompts", "4", "--min-len", "8", "--max-len", "16"]
+
+
+def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    res = subprocess.run([BIN, "bench", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res
+
+
+def test_standard_workload_reproduces_bench_py():
+    w = standard_workload()
+    assert (len(w.prompts), w.prompt_tokens, w.output_tokens) == (256, 142_827, 133_966)
+    assert min(map(len, w.prompts)) == 107 and max(map(len, w.prompts)) == 1024
+    assert all(0 <= t <= 10_000 for p in w.prompts for t in p)
+    fixed = standard_workload(fixed_output_len=512)  # the fixed-512 variant keeps the same prompts
+    assert fixed.prompts == w.prompts and fixed.output_tokens == 131_072
+    small_vocab = standard_workload(vocab_size=512)  # ids folded into the vocabulary, lengths unchanged
+    assert list(map(len, small_vocab.prompts)) == list(map(len, w.prompts))
+    assert max(max(p) for p in small_vocab.prompts) < 512
+
+
+def _meta_model(config):
+    from graphinfer.models import get_model_class
+
+    with torch.device("meta"):
+        return get_model_class(config.architectures)(config)
+
+
+def test_roofline_model_by_hand():
+    from graphinfer.models.presets import preset_config
+
+    shape = ModelShape.from_model(_meta_model(preset_config("tiny-llama")))  # fp32, tied embeddings
+    # vocab 512, hidden 64, intermediate 128, 2 layers, 4 heads / 2 KV heads of 16
+    embed = 512 * 64
+    layer = 64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64  # q, k, v, o, gate/up/down, 2 norms
+    params = embed + 2 * layer + 64
+    assert shape.num_params == params and shape.param_bytes == 4 * params
+    assert shape.weight_bytes_per_step == 4 * params  # tied: the table is read whole as the LM head
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (2, 2, 16)
+    assert shape.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K and V, layers, kv heads, head_dim, fp32
+
+    # Prompts 3 and 5, outputs 2 and 4, 4 tokens per step: 2 prefill steps + 3 decode steps read W.
+    # KV tokens: prefill reads + writes each prompt (2 * 8); decodes read p + j and write 1:
+    # request 1: (3 + 1) + 1; request 2: (5 + 1) + (5 + 2) + (5 + 3) + 3.
+    r = ideal_roofline(shape, [3, 5], [2, 4], max_num_batched_tokens=4, bandwidth=1e9)
+    kv = 16 + 5 + 24
+    assert (r["prefill_steps"], r["decode_steps"], r["kv_tokens"]) == (2, 3, kv)
+    assert r["bytes"] == 5 * 4 * params + kv * shape.kv_bytes_per_token
+    assert r["seconds"] == pytest.approx(r["bytes"] / 1e9)
+    assert step_bytes(shape, 10) == 4 * params + 10 * shape.kv_bytes_per_token
+
+
+def test_roofline_untied_embedding_is_not_streamed():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config.architectures = ["LlamaForCausalLM"]
+    shape = ModelShape.from_model(_meta_model(config))
+    assert shape.param_bytes - shape.weight_bytes_per_step == 4 * 512 * 64
+
+
+def test_roofline_matches_the_h100_reference_figure():
+    """docs: fixed-512 Qwen3-0.6B bf16 at 3.02 TB/s -> about 4.25 s, ~30,800 tok/s."""
+    from graphinfer.models.presets import preset_config
+
+    shape = ModelShape.from_model(_meta_model(preset_config("qwen3-0.6b")).to(torch.bfloat16))
+    assert shape.num_params == 596_049_920 and shape.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2
+    w = standard_workload(fixed_output_len=512)
+    r = ideal_roofline(shape, list(map(len, w.prompts)), w.max_tokens, 8192, 3.02e12)
+    assert 4.2 < r["seconds"] < 4.3 and 30_000 < r["output_tok_s"] < 31_500
+
+
+def test_shape_from_engine_counts_fused_weights_once():
+    from graphinfer import LLM
+
+    engine = LLM("tiny-llama", max_model_len=256, num_gpu_blocks_override=8).llm_engine
+    assert ModelShape.from_engine(engine).param_bytes == ModelShape.from_model(
+        _meta_model(engine.hf_config)).param_bytes
+
+
+def _check_run(run: dict, workload: dict) -> None:
+    assert run["output_tokens"] == workload["output_tokens"] and run["output_tok_s"] > 0
+    assert run["prefill_s"] > 0 and run["decode_s"] > 0
+    assert run["prefill_s"] + run["decode_s"] <= run["total_s"]
+    assert run["num_steps"] == run["num_prefill_steps"] + run["num_decode_steps"]
+    assert 0 < run["roofline"]["fraction"] <= 1 and 0 < run["roofline"]["decode_fraction"] <= 1
+
+
+def test_cli_throughput_writes_sane_json(tmp_path):
+    out = tmp_path / "t.json"
+    res = _cli("throughput", *TINY_RUN, "--output-json", str(out))
+    result = json.loads(out.read_text())
+    w = result["workload"]
+    assert (w["num_prompts"], w["prompt_tokens"], w["max_model_len"]) == (4, 55, 1024)  # clamped to tiny's context
+    [run] = result["runs"]
+    assert run["graph_mode"] == "NONE" and run["max_num_seqs"] == 256
+    _check_run(run, w)
+    assert result["bandwidth"]["bytes_per_s"] > 0 and run["model_shape"]["num_layers"] == 2
+    assert "| NONE | 256 |" in res.stdout and "tok/s" in res.stdout
+
+
+def test_cli_throughput_sweep_grid_and_plot(tmp_path):
+    import matplotlib.image
+
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    res = _cli("throughput", *TINY_RUN, "--sweep", "max-num-seqs=2,4", "--sweep", "graph-mode=NONE,FULL_DECODE_ONLY",
+               "--output-json", str(out), "--plot", str(png))
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["graph_mode"], r["max_num_seqs"]) for r in runs] == [
+        ("NONE", 2), ("NONE", 4), ("FULL_DECODE_ONLY", 2), ("FULL_DECODE_ONLY", 4)]
+    for r in runs[:2]:
+        _check_run(r, json.loads(out.read_text())["workload"])
+    assert runs[0]["mean_decode_batch"] <= 2 < runs[1]["mean_decode_batch"]  # max_num_seqs caps the batch
+    assert all("no device graphs" in r["unavailable"] or "has none" in r["unavailable"] for r in runs[2:])
+    assert "| NONE | 2 |" in res.stdout and "| FULL_DECODE_ONLY | 4 | unavailable |" in res.stdout
+    assert matplotlib.image.imread(str(png)).shape[0] > 100
+
+
+def test_cli_throughput_compare_hf(tmp_path):
+    out = tmp_path / "hf.json"
+    res = _cli("throughput", *TINY_RUN, "--compare", "hf", "--fixed-output-len", "8", "--output-json", str(out))
+    result = json.loads(out.read_text())
+    assert result["workload"]["output_tokens"] == 32
+    assert result["hf"]["output_tokens"] == 32 and result["hf"]["output_tok_s"] > 0  # EOS disabled on HF too
+    run = result["runs"][0]
+    assert run["vs_hf"] == pytest.approx(run["output_tok_s"] / result["hf"]["output_tok_s"])
+    assert "HF generate_batch" in res.stdout
+
+
+def test_cli_latency_cpu_reports_full_decode_only_unavailable(tmp_path):
+    out, png = tmp_path / "l.json", tmp_path / "l.png"
+    res = _cli("latency", "--model", "tiny-llama", "--batch-sizes", "1,4", "--num-steps", "5", "--warmup-steps", "2",
+               "--output-json", str(out), "--plot", str(png))
+    result = json.loads(out.read_text())
+    assert "unavailable" in result["modes"]["FULL_DECODE_ONLY"]
+    none = result["modes"]["NONE"]["batches"]
+    assert [b["batch"] for b in none] == [1, 4] and all(b["median_ms"] > 0 and b["steps"] == 5 for b in none)
+    assert [r["batch"] for r in result["rows"]] == [1, 4] and "ratio_none_over_full" not in result["rows"][0]
+    assert "| 1 |" in res.stdout and "unavailable" in res.stdout and png.exists()
+
+
+def test_cli_bad_sweep_is_a_clear_error(capsys):
+    from graphinfer.cli import main
+
+    assert main(["bench", "throughput", "--sweep", "block-size=16"]) == 2
+    assert "--sweep 'block-size=16'" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# H100 driver for the issue "Benchmarks": Qwen3-0.6B shape (random bf16 weights), nano-vllm's workload.
+#
+#   tools/h100_bench.sh [STEP ...]     STEP: throughput | sweep | hf | latency   (default: all four, ~18 min)
+#
+#   throughput  standard workload, max_num_seqs 256, FULL_DECODE_ONLY and NONE           (~3 min)
+#   sweep       standard workload, max_num_seqs 16..256 x {NONE, FULL_DECODE_ONLY}     (~8 min)
+#   hf          fixed 512 output tokens, graphinfer FULL_DECODE_ONLY vs transformers'
+#               generate_batch (paged|sdpa, default ContinuousBatchingConfig)          (~5 min)
+#   latency     decode step latency at batch 1/8/64/256, NONE vs FULL_DECODE_ONLY       (~2 min)
+#
+# Through the device tool (10 min per command, the machine goes back after ~30 s idle) run one step per
+# call, back to back:  run(command="tools/h100_bench.sh throughput"), then sweep, hf, latency.
+# Each call installs graphinfer first (pip --no-deps: the image has torch 2.11 / triton 3.6 / transformers
+# 5.17). Results (JSON written as each configuration finishes, logs, PNGs when matplotlib exists) go
+# to $OUT, else ./bench-out. Without matplotlib, plot the JSON on any machine afterwards:
+#   python -c "import json; from graphinfer.bench.throughput import plot; plot(json.load(open('sweep.json')), 'sweep.png')"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT_DIR="${OUT:-./bench-out}"
+PY="${PYTHON:-python3}"
+MODEL="${MODEL:-qwen3-0.6b}"
+mkdir -p "$OUT_DIR"
+COMMON=(--model "$MODEL" --dtype bfloat16 --device cuda)
+SMALL_THROUGHPUT=() SMALL_LATENCY=()  # SMOKE=1: a short CPU rehearsal of every command (tiny-llama, no install)
+if [ "${SMOKE:-0}" = 1 ]; then
+    COMMON=(--model "${MODEL/qwen3-0.6b/tiny-llama}" --device cpu)
+    SMALL_THROUGHPUT=(--num-prompts 4 --min-len 8 --max-len 16 --fixed-output-len 8 --graph-mode NONE)
+    SMALL_LATENCY=(--batch-sizes 1,4 --num-steps 5)
+fi
+
+install() {
+    if [ "${SMOKE:-0}" = 1 ]; then return; fi
+    # --no-build-isolation: the device has no network to fetch setuptools into an isolated build env.
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3 \
+        || echo "pip install failed; running from the source tree (PYTHONPATH)"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    {
+        date -u +%FT%TZ
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv || true
+        "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'triton', triton.__version__, 'transformers', transformers.__version__)" || true
+        "$PY" -c "import matplotlib" 2>/dev/null && echo "matplotlib: yes" || echo "matplotlib: no (no PNGs)"
+    } 2>&1 | tee "$OUT_DIR/env.txt"
+}
+
+bench() {  # bench NAME SUBCOMMAND ARGS...: graphinfer bench SUBCOMMAND ARGS..., logged to $OUT_DIR/NAME.log
+    local name=$1 sub=$2
+    shift 2
+    if [ "$sub" = latency ]; then set -- "$@" ${SMALL_LATENCY[@]+"${SMALL_LATENCY[@]}"}
+    else set -- "$@" ${SMALL_THROUGHPUT[@]+"${SMALL_THROUGHPUT[@]}"}; fi
+    echo "=== $name: graphinfer bench $sub $*"
+    set -o pipefail
+    "$PY" -m graphinfer.cli bench "$sub" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+}
+
+step_throughput() {
+    bench throughput throughput "${COMMON[@]}" --max-num-seqs 256 --sweep graph-mode=FULL_DECODE_ONLY,NONE \
+        --output-json "$OUT_DIR/throughput.json" --plot "$OUT_DIR/throughput.png"
+}
+
+step_sweep() {
+    bench sweep throughput "${COMMON[@]}" --sweep max-num-seqs=16,32,64,128,256 \
+        --sweep graph-mode=NONE,FULL_DECODE_ONLY --output-json "$OUT_DIR/sweep.json" --plot "$OUT_DIR/sweep.png"
+}
+
+step_hf() {
+    bench hf throughput "${COMMON[@]}" --graph-mode FULL_DECODE_ONLY --max-num-seqs 256 --fixed-output-len 512 \
+        --compare hf --output-json "$OUT_DIR/hf_fixed512.json" --plot "$OUT_DIR/hf_fixed512.png"
+}
+
+step_latency() {
+    bench latency latency "${COMMON[@]}" --batch-sizes 1,8,64,256 --graph-modes NONE,FULL_DECODE_ONLY \
+        --output-json "$OUT_DIR/latency.json" --plot "$OUT_DIR/latency.png"
+}
+
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(throughput sweep hf latency)
+for s in "${steps[@]}"; do
+    case "$s" in
+        throughput | sweep | hf | latency) ;;
+        *) echo "unknown step '$s' (throughput | sweep | hf | latency)" >&2; exit 2 ;;
+    esac
+done
+install
+for s in "${steps[@]}"; do
+    start=$SECONDS
+    "step_$s"
+    echo "=== $s took $((SECONDS - start)) s" | tee -a "$OUT_DIR/timings.txt"
+done
