@@ -2,7 +2,8 @@
 
 The kernel tests compare each kernel with its reference op; this checks what they are given by the real
 graph (strided q/k/v slices of the fused projection, chunked prefill over cached blocks, mixed batches):
-greedy tokens with the Triton kernels equal those with the reference ops. A subprocess, because triton
+greedy tokens with the Triton kernels equal those with the reference ops, also when decode steps replay
+padded buckets. A subprocess, because triton
 reads TRITON_INTERPRET when kernels are defined and op registration is process-wide.
 """
 import os
@@ -13,15 +14,27 @@ import pytest
 import torch
 
 SCRIPT = """
+import sys
+sys.path.insert(0, {tests_dir!r})
+import graphinfer.runtime.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
+from test_capture import OpTapePlatform
+
 prompts = [[1, 5, 9, 3], [7] * 11, list(range(2, 40)), [4, 4, 8]]
 params = [SamplingParams(temperature=0, max_tokens=5 + 2 * i, ignore_eos=True) for i in range(4)]
 # Small token budget and blocks: prompts are chunked and decodes share steps with prefill chunks.
 kw = dict(max_num_seqs=8, num_gpu_blocks_override=64, block_size=4, dtype="float32", max_num_batched_tokens=16)
+refs = {{}}
 for model in {models!r}:
-    ref = [o.outputs[0].token_ids for o in LLM(model, **kw).generate(prompts, params, use_tqdm=False)]
+    refs[model] = [o.outputs[0].token_ids for o in LLM(model, **kw).generate(prompts, params, use_tqdm=False)]
     tri = [o.outputs[0].token_ids for o in LLM(model, kernels="triton", **kw).generate(prompts, params, use_tqdm=False)]
-    print(model, ref == tri, ref, tri)
+    print(model, refs[model] == tri, refs[model], tri)
+# The Triton kernels replayed through padded decode buckets (test_capture's CPU stand-in for device graphs).
+llm_engine.platform_for_device = lambda device_type: OpTapePlatform()
+model = {models!r}[0]
+llm = LLM(model, kernels="triton", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4], **kw)
+tri = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+print("FULL_DECODE_ONLY", refs[model] == tri, tri)
 """
 
 
@@ -29,11 +42,11 @@ for model in {models!r}:
 def test_triton_kernels_give_reference_tokens_in_models():
     models = ["tiny-qwen3", "tiny-qwen3-moe"]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(models=models)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    script = SCRIPT.format(models=models, tests_dir=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert [line.split()[:2] for line in lines] == [[m, "True"] for m in models], out.stdout
+    assert [line.split()[:2] for line in lines] == [[m, "True"] for m in [*models, "FULL_DECODE_ONLY"]], out.stdout
 
 
 def test_triton_kernels_on_cpu_need_the_interpreter(monkeypatch):
