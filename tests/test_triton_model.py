@@ -3,8 +3,8 @@
 The kernel tests compare each kernel with its reference op; this checks what they are given by the real
 graph (strided q/k/v slices of the fused projection, chunked prefill over cached blocks, mixed batches):
 greedy tokens with the Triton kernels equal those with the reference ops, also when decode steps replay
-padded buckets. A subprocess, because triton
-reads TRITON_INTERPRET when kernels are defined and op registration is process-wide.
+padded buckets. A subprocess, because triton reads TRITON_INTERPRET when kernels are defined and op
+registration is process-wide.
 """
 import os
 import subprocess
