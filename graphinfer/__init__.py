@@ -4,6 +4,14 @@ The public names load lazily, so `import graphinfer.ops` (the kernel tests under
 interpreter run in a venv with only torch and triton) does not pull in transformers and the runtime.
 """
 import importlib
+import importlib.util
+import os
+
+# torch >= 2.5 autoloads device backends at `import torch`; with torch_npu installed but CANN not sourced that
+# import fails. NPU cannot work then anyway, so turn autoload off (the npu platform imports torch_npu itself).
+if importlib.util.find_spec("torch_npu") and not any(
+        os.environ.get(v) for v in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")):
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 __version__ = "0.1.0"
 _EXPORTS = {

@@ -29,6 +29,8 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> Non
     g.add_argument("--kernels", "--npu-kernels", dest="kernels", default=None,
                    help="op implementations: the platform's default, 'reference', or on npu 'triton' | 'torch_npu' "
                         "| per op, e.g. 'torch_npu,paged_attention=triton'")
+    g.add_argument("--npu-compiler", default=None, choices=["torchair", "torchair:reduce-overhead"],
+                   help="npu: hand the fused graph to torchair (ACL graphs; use with --graph-mode NONE)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +56,7 @@ def _engine_kwargs(args) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
                 passes=args.passes, graph_mode=args.graph_mode, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 capture_sizes=[int(s) for s in args.capture_sizes.split(",")] if args.capture_sizes else None,
-                capture_lm_head=args.capture_lm_head, kernels=args.kernels)
+                capture_lm_head=args.capture_lm_head, kernels=args.kernels, npu_compiler=args.npu_compiler)
 
 
 def _serve(args) -> None:

@@ -105,10 +105,16 @@ class CompileConfig:
     capture_sizes: list[int] | None = None  # None: default_capture_sizes(max_num_seqs)
     capture_lm_head: bool = True  # FULL_DECODE_ONLY: the LM head runs inside the decode graphs
     kernels: str | None = None  # which op implementations the platform registers; None: its default
+    npu_compiler: str | None = None  # "torchair" / "torchair:reduce-overhead": torchair compiles the graph (npu)
 
     def __post_init__(self):
         if self.graph_mode not in GRAPH_MODES:
             raise InvalidConfigError(f"graph_mode={self.graph_mode!r}: use one of {', '.join(GRAPH_MODES)}.")
+        if self.npu_compiler not in (None, "torchair", "torchair:npugraph_ex", "torchair:reduce-overhead"):
+            raise InvalidConfigError(f"npu_compiler={self.npu_compiler!r}: use 'torchair' (npugraph_ex mode) or "
+                                     f"'torchair:reduce-overhead'.")
+        if self.npu_compiler and self.graph_mode != "NONE":
+            raise InvalidConfigError("npu_compiler='torchair' captures its own ACL graphs: use it with graph_mode='NONE'.")
         if self.capture_sizes is not None and (not self.capture_sizes or min(self.capture_sizes) < 1):
             raise InvalidConfigError(f"capture_sizes={self.capture_sizes} must be positive batch sizes.")
 

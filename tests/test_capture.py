@@ -40,14 +40,24 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        schema = func._schema
-        mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        is_view = any(r.alias_info is not None for r in schema.returns)
+        mutates = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
         if mutates:
             self.graph.tape.append((func, args, kwargs, None))  # in-place: re-run it, its target is the output
-        elif not is_view:  # views alias storage that replay refreshes in place
+        elif not _aliases_an_input(out, args, kwargs):  # views see what replay refreshes in place
             self.graph.tape.append((func, args, kwargs, out))
         return out
+
+
+def _storages(x) -> set[int]:
+    items = x if isinstance(x, (tuple, list)) else [x]
+    return {t.untyped_storage().data_ptr() for t in items if isinstance(t, torch.Tensor)}
+
+
+def _aliases_an_input(out, args, kwargs) -> bool:
+    """By storage, not schema: to / reshape / contiguous declare "may alias" but often copy."""
+    inputs = set().union(*(_storages(a) for a in [*args, *kwargs.values()]))
+    outs = _storages(out)
+    return bool(outs) and outs <= inputs
 
 
 class OpTapePlatform(CpuPlatform):

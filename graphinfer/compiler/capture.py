@@ -113,5 +113,8 @@ class DecodeGraphs:
             self.slot_mapping[b:bs].fill_(-1)
             self.seq_lens[b:bs].zero_()
             self.block_tables[b:bs].zero_()
+        host_lens = np.zeros(bs, dtype=np.int32)
+        host_lens[:b] = seq_lens
+        self.platform.before_graph_replay(self.graphs[bs], host_lens)  # e.g. Ascend: patch FIA's host lengths
         self.graphs[bs].replay()
         return self.output[:b]

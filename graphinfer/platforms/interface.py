@@ -58,6 +58,11 @@ class Platform:
         """Context manager that records the work issued inside it into `graph` (torch.cuda.graph and its kin)."""
         raise NotImplementedError(f"the {self.name} platform has no device graphs")
 
+    def before_graph_replay(self, graph, seq_lens) -> None:
+        """Called right before `graph.replay()` with the step's host seq_lens for the graph's batch (numpy,
+        padded rows 0). For kernels whose captured launches bake host-side arguments (Ascend FIA's lengths):
+        patch them here. Default: nothing (CUDA kernels read their lengths from the static device buffers)."""
+
     # ----- ops -----
     def op_impls(self, kernels: str | None = None) -> dict[str, Callable]:
         """graphinfer op name -> implementation for this platform's tensors; ops left out use the reference.

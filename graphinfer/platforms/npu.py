@@ -1,49 +1,174 @@
-"""Ascend NPU: torch.npu devices and streams, ACL graphs (torch.npu.NPUGraph), HCCL.
+"""Ascend NPU: torch.npu devices and streams, ACL graphs (torch.npu.NPUGraph), HCCL, torch_npu fused ops.
 
-torch_npu is imported only when this platform is used (is_available() looks for the package and a CANN
-toolkit without importing it). Ops use the same Triton kernels as CUDA by default (they run through
-Triton-Ascend; attention reads its lengths on device, so plain capture works).
-Not run on NPU hardware by this project: written against the documented torch_npu APIs.
+torch_npu is imported only once this platform is used (activate(), or its device module), never by
+detection: is_available() looks for the package and a sourced CANN toolkit without importing it. That
+matters because torch >= 2.5 autoloads device backends at `import torch` (entry point group
+torch.backends): with torch_npu installed but CANN not sourced, `import torch` itself fails unless
+TORCH_DEVICE_BACKEND_AUTOLOAD=0; graphinfer then still loads torch_npu explicitly when npu is selected.
+
+Kernels (CompileConfig.kernels / --kernels): None = torch_npu fused ops for every op they cover except
+paged_attention, which stays the Triton kernel (Triton-Ascend): it reads its lengths on device, so plain
+capture works. "torch_npu" puts attention on FIA too (FULL_DECODE_ONLY then patches FIA's host lengths
+before each replay, see graphinfer.ops.npu.FiaGraphParams); "triton"; "reference"; or per-op overrides:
+"torch_npu,paged_attention=triton", "rms_norm=triton".
+Not run on NPU hardware by this project: written against the documented torch_npu APIs (docs/ascend.md).
 """
+import contextlib
 import importlib.util
 import os
+from collections.abc import Callable
 
+import numpy as np
+
+from graphinfer.errors import InvalidConfigError
 from graphinfer.platforms.interface import Platform
 
-_CANN_ENV = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
+CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")  # set by CANN's set_env.sh
+KERNEL_CHOICES = ("torch_npu", "triton", "reference")
 
 
 def import_torch_npu():
-    import torch_npu  # noqa: F401  (registers the "npu" device and torch.npu)
-    import torch
+    """Import torch_npu (registers the "npu" device, torch.npu and the "hccl" backend) with a clear error."""
+    try:
+        import torch_npu
+    except Exception as e:  # ImportError, or OSError / RuntimeError from missing CANN libraries
+        raise InvalidConfigError(
+            f"The npu platform needs torch_npu with a matching CANN toolkit ({type(e).__name__}: {e}). Install the "
+            f"versions in docs/ascend.md and `source <CANN>/set_env.sh`, or pick another device.") from e
+    return torch_npu
 
-    return torch.npu
+
+def _all_ops() -> tuple[str, ...]:
+    import graphinfer.ops
+
+    return tuple(graphinfer.ops.__all__)
+
+
+def _triton_ops() -> dict:
+    try:
+        from graphinfer.ops.triton import TRITON_OPS
+    except ImportError as e:
+        raise InvalidConfigError(f"These kernels use Triton kernels (Triton-Ascend on npu), which do not import ({e}); "
+                                 f"install triton-ascend (docs/ascend.md) or use kernels='torch_npu'.") from e
+    return TRITON_OPS
+
+
+def parse_kernels(spec: str | None, npu_ops: tuple[str, ...], triton_ops: Callable = _triton_ops) -> dict[str, str]:
+    """CompileConfig.kernels -> {op: "torch_npu" | "triton"} (ops left out run the reference).
+
+    spec: None (default), one base choice, and/or comma-separated per-op overrides "op=choice"."""
+    ops = _all_ops()
+    base, overrides = None, {}
+    for item in [s.strip() for s in (spec or "").split(",") if s.strip()]:
+        name, sep, choice = item.partition("=")
+        name, choice = (name.strip(), choice.strip()) if sep else (None, name.strip())
+        if choice not in KERNEL_CHOICES:
+            raise InvalidConfigError(f"kernels={spec!r}: unknown kernel choice {choice!r}; use one of "
+                                     f"{', '.join(KERNEL_CHOICES)}, optionally with per-op overrides like "
+                                     f"'torch_npu,paged_attention=triton'.")
+        if name is None:
+            if base is not None:
+                raise InvalidConfigError(f"kernels={spec!r}: give one base choice ({base!r} or {choice!r}), "
+                                         f"then per-op overrides op=choice.")
+            base = choice
+        elif name not in ops:
+            raise InvalidConfigError(f"kernels={spec!r}: unknown op {name!r}; graphinfer ops: {', '.join(ops)}.")
+        else:
+            overrides[name] = choice
+    if base is None:  # the default: torch_npu fused ops, attention on the Triton kernel (device-side lengths)
+        chosen = {op: "torch_npu" for op in npu_ops} | {"paged_attention": "triton"}
+    elif base == "reference":
+        chosen = {}
+    else:
+        available = npu_ops if base == "torch_npu" else tuple(triton_ops())
+        chosen = {op: base for op in available}
+    for op, choice in overrides.items():
+        chosen.pop(op, None)
+        if choice == "reference":
+            continue
+        available = npu_ops if choice == "torch_npu" else tuple(triton_ops())
+        if op not in available:
+            raise InvalidConfigError(f"kernels={spec!r}: {op} has no {choice} implementation; choices for {op}: "
+                                     f"{', '.join(_choices_for(op, npu_ops, triton_ops))}.")
+        chosen[op] = choice
+    return chosen
+
+
+def _choices_for(op: str, npu_ops: tuple[str, ...], triton_ops: Callable) -> list[str]:
+    try:
+        has_triton = op in triton_ops()
+    except InvalidConfigError:
+        has_triton = False
+    return [c for c, ok in (("torch_npu", op in npu_ops), ("triton", has_triton), ("reference", True)) if ok]
 
 
 class NpuPlatform(Platform):
     name = "npu"
     device_type = "npu"
     dispatch_key = "PrivateUse1"  # torch_npu's device registers as the PrivateUse1 backend
-    dist_backend = "hccl"
+    dist_backend = "hccl"  # registered with torch.distributed by `import torch_npu`
     supports_graph_capture = True
+
+    def __init__(self, torch_npu=None):
+        """torch_npu: the module to call (tests pass tests/npu_emulation.py); None: import it on first use."""
+        super().__init__()
+        self._torch_npu = torch_npu
+        self._ops = None
 
     @classmethod
     def is_available(cls) -> bool:
-        return importlib.util.find_spec("torch_npu") is not None and any(os.environ.get(v) for v in _CANN_ENV)
+        return importlib.util.find_spec("torch_npu") is not None and any(os.environ.get(v) for v in CANN_ENV_VARS)
+
+    @property
+    def torch_npu(self):
+        if self._torch_npu is None:
+            self._torch_npu = import_torch_npu()
+        return self._torch_npu
 
     @property
     def device_module(self):
-        return import_torch_npu()
+        return self.torch_npu.npu  # the module torch_npu installs as torch.npu
 
+    @property
+    def ops(self):
+        """The torch_npu adapters (graphinfer.ops.npu.NpuOps) bound to this platform's torch_npu."""
+        if self._ops is None:
+            from graphinfer.ops.npu import NpuOps
+
+            self._ops = NpuOps(self._torch_npu)
+        return self._ops
+
+    def activate(self, kernels: str | None = None) -> None:
+        self.torch_npu  # noqa: B018  (the npu device must exist before anything uses it)
+        super().activate(kernels)
+
+    # ----- device graphs -----
     def graph_class(self) -> type:
         return self.device_module.NPUGraph
 
+    @contextlib.contextmanager
     def graph_capture(self, graph, pool, stream):
-        return self.device_module.graph(graph, pool=pool, stream=stream)
+        try:
+            with self.device_module.graph(graph, pool=pool, stream=stream), self.ops.graph_params.capturing(graph):
+                yield
+        except RuntimeError as e:  # vllm-ascend's translations of the two usual capture failures
+            msg = str(e).lower()
+            if "207008" in msg or "stream resources are insufficient" in msg:
+                raise InvalidConfigError(f"ACL graph capture ran out of NPU streams ({e}); capture fewer sizes "
+                                         f"(--capture-sizes / lower --max-num-seqs).") from e
+            if "alloc sq cq fail" in msg:
+                raise InvalidConfigError(f"ACL graph capture failed ({e}); this needs Ascend HDK >= 25.5.1.") from e
+            raise
 
+    def before_graph_replay(self, graph, seq_lens: np.ndarray) -> None:
+        if self._ops is not None:  # FIA tasks captured in `graph` get this step's KV lengths
+            self._ops.graph_params.update(graph, seq_lens)
+
+    # ----- ops -----
     def op_impls(self, kernels: str | None = None):
-        if kernels == "reference":
-            return {}
-        from graphinfer.ops.triton import TRITON_OPS
+        from graphinfer.ops.npu import NPU_OPS
 
-        return dict(TRITON_OPS)
+        chosen = parse_kernels(kernels, NPU_OPS)
+        npu_table = self.ops.table() if "torch_npu" in chosen.values() else {}
+        triton_table = _triton_ops() if "triton" in chosen.values() else {}
+        return {op: (npu_table if choice == "torch_npu" else triton_table)[op] for op, choice in chosen.items()}

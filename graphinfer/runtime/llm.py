@@ -26,6 +26,7 @@ class LLM:
     eagerly; "FULL_DECODE_ONLY" captures one device graph per size in `capture_sizes` (vLLM's list up to
     max_num_seqs by default; LM head inside the graphs unless capture_lm_head=False) and replays them for
     decode steps. kernels: the platform's op implementations (None: its default; "reference": PyTorch).
+    npu_compiler="torchair": torchair compiles the fused graph and captures ACL graphs (npu, graph_mode NONE).
     """
 
     def __init__(self, model: str = "", *, dtype: str = "auto", max_model_len: int | None = None,
@@ -34,7 +35,8 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: int | None = None, seed: int = 0, device: str = "auto",
                  passes: str | list[str] = "default", graph_mode: str = "NONE", capture_sizes: list[int] | None = None,
-                 capture_lm_head: bool = True, kernels: str | None = None, artifact: str | None = None):
+                 capture_lm_head: bool = True, kernels: str | None = None, npu_compiler: str | None = None,
+                 artifact: str | None = None):
         if artifact:
             manifest = read_manifest(artifact)
             model = model or manifest["model"]["path"]
@@ -44,7 +46,7 @@ class LLM:
             CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization,
                         num_gpu_blocks_override),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
-            CompileConfig(graph_mode, passes, capture_sizes, capture_lm_head, kernels),
+            CompileConfig(graph_mode, passes, capture_sizes, capture_lm_head, kernels, npu_compiler),
             artifact,
         ))
 

@@ -32,9 +32,11 @@ class LLMEngine:
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         torch.manual_seed(mc.seed)
-        self.device = torch.device(mc.device)
-        self.platform = platform_for_device(self.device.type)
+        # Platform first: activating it loads its torch backend (npu: torch_npu), so "npu" parses below even
+        # with TORCH_DEVICE_BACKEND_AUTOLOAD=0.
+        self.platform = platform_for_device(str(mc.device).split(":")[0])
         self.platform.activate(config.compile_config.kernels)
+        self.device = torch.device(mc.device)
         self._check_graph_mode()
         self.capture_sizes = config.compile_config.capture_sizes or default_capture_sizes(sc.max_num_seqs)
         self.model, self.hf_config = load_model(mc.model, mc.torch_dtype, self.device, mc.seed)
@@ -52,6 +54,8 @@ class LLMEngine:
         if isinstance(self.graph, fx.GraphModule):
             rebind_buffers(self.graph, self.model)  # onto the runner's KV cache
         self.model_runner.graph = self.graph
+        if config.compile_config.npu_compiler:
+            self.model_runner.graph = self._torchair(config.compile_config.npu_compiler)
         self.capture_stats = None
         if config.compile_config.graph_mode == "FULL_DECODE_ONLY" and config.capture_graphs:
             self.capture_stats = self.model_runner.capture_decode_graphs(
@@ -70,6 +74,16 @@ class LLMEngine:
         if cc.kernels == "reference":
             raise InvalidConfigError("kernels='reference' runs the PyTorch reference ops, which read lengths on the "
                                      "host and cannot be captured; use the platform's kernels or graph_mode='NONE'.")
+
+    def _torchair(self, spec: str):
+        """The fused graph handed to torchair (it captures ACL graphs itself); self.graph stays the fx module."""
+        from graphinfer.compiler.torchair_backend import compile_with_torchair
+
+        if self.platform.name != "npu":
+            raise InvalidConfigError(f"npu_compiler={spec!r} needs the npu platform; this engine runs on "
+                                     f"{self.platform.name}. Drop npu_compiler or use device='npu'.")
+        mode = spec.partition(":")[2] or "npugraph_ex"
+        return compile_with_torchair(self.graph, mode, kernels=self.platform.kernels)
 
     def _compile(self):
         """The forward the runner executes: traced and optimised by the passes, or read from an artifact."""

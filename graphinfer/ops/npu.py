@@ -1,0 +1,258 @@
+"""torch_npu fused-op implementations of the graphinfer:: ops (Ascend), as thin adapters.
+
+Each adapter has exactly its graphinfer op's signature and marshals arguments (layouts, dtypes, host
+lists) for one torch_npu op or op chain; the semantics relied on are the torch_npu / CANN documentation and
+vllm-ascend's use of each op (docs/ascend.md lists them with sources). `NpuOps(torch_npu)` takes the module
+to call, or looks `torch_npu` up on first use: importing this file never imports torch_npu, and the tests
+pass the emulation in tests/npu_emulation.py instead.
+
+Not run on NPU hardware by this project: verified against that emulation only (tools/npu_smoke.py checks
+every adapter against the reference ops on an Atlas A2/A3).
+"""
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+NPU_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul", "reshape_and_cache", "paged_attention",
+           "fused_moe")
+MASK_SIZE = 2048  # FIA sparse_mode 2/3/4 take this fixed-size compressed causal mask
+
+
+class NpuOps:
+    """The adapters, bound to one torch_npu module; `table()` maps graphinfer op name -> adapter."""
+
+    def __init__(self, torch_npu=None):
+        self._torch_npu = torch_npu
+        self._masks: dict[torch.device, Tensor] = {}
+        self.graph_params = FiaGraphParams(self)
+
+    @property
+    def torch_npu(self):
+        if self._torch_npu is None:
+            import torch_npu
+
+            self._torch_npu = torch_npu
+        return self._torch_npu
+
+    def table(self) -> dict[str, Callable]:
+        return {name: getattr(self, name) for name in NPU_OPS}
+
+    # ----- norms, activation -----
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self.torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]  # -> (y, rstd)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        y, _, new_residual = self.torch_npu.npu_add_rms_norm(x, residual, weight, epsilon=eps)  # -> (y, rstd, x1 + x2)
+        return y, new_residual
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        return self.torch_npu.npu_swiglu(x, dim=-1)  # silu(first half) * second half: w13 = cat(gate, up)
+
+    # ----- rotary -----
+    def rotary_embedding(self, positions: Tensor, query: Tensor, key: Tensor, head_size: int, cos_sin_cache: Tensor,
+                         is_neox: bool) -> tuple[Tensor, Tensor]:
+        # npu_rotary_mul, not npu_apply_rotary_pos_emb: it is out-of-place like this op, has an 'interleave'
+        # (GPT-J) mode besides 'half' (neox), and no head_dim limit (apply_rotary_pos_emb: D 64/128, 'half' only).
+        cos, sin = cos_sin_cache[positions].to(query.dtype).chunk(2, dim=-1)  # [T, rot_dim / 2] each
+        if is_neox:
+            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        else:
+            cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+        r1, r2 = cos[None, :, None, :], sin[None, :, None, :]  # 1S1D for a BSND input with B = 1, S = T
+        mode = "half" if is_neox else "interleave"
+        return self._rope(query, r1, r2, head_size, mode), self._rope(key, r1, r2, head_size, mode)
+
+    def _rope(self, x: Tensor, r1: Tensor, r2: Tensor, head_size: int, mode: str) -> Tensor:
+        rot_dim = r1.shape[-1]
+        heads = x.reshape(x.shape[0], -1, head_size)
+        out = self.torch_npu.npu_rotary_mul(heads[..., :rot_dim].contiguous().unsqueeze(0), r1, r2, rotary_mode=mode)[0]
+        if rot_dim < head_size:  # partial rotary: the tail of each head passes through
+            out = torch.cat((out, heads[..., rot_dim:]), dim=-1)
+        return out.reshape(x.shape)
+
+    # ----- KV cache write -----
+    def reshape_and_cache(self, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+                          slot_mapping: Tensor) -> None:
+        # npu_scatter_pa_kv_cache documents slots in [0, num_blocks * block_size - 1] and does not document skipping
+        # -1 (vllm-ascend relies on it anyway). Padded rows are redirected, on device, to a write of the same call:
+        # the first real row's slot with that row's K/V, or (no real row) slot 0 with what slot 0 already holds.
+        valid = slot_mapping >= 0
+        first = torch.argmax(valid.to(torch.int32))  # the first real row, 0 if none
+        any_real = valid[first]
+        k_flat, v_flat = key_cache.view(-1, *key_cache.shape[2:]), value_cache.view(-1, *value_cache.shape[2:])
+        pad_slot = torch.where(any_real, slot_mapping[first], torch.zeros_like(slot_mapping[first]))
+        pad_k = torch.where(any_real, key[first].to(key_cache.dtype), k_flat[0])
+        pad_v = torch.where(any_real, value[first].to(value_cache.dtype), v_flat[0])
+        rows = valid[:, None, None]
+        self.torch_npu.npu_scatter_pa_kv_cache(
+            torch.where(rows, key.to(key_cache.dtype), pad_k).contiguous(),
+            torch.where(rows, value.to(value_cache.dtype), pad_v).contiguous(),
+            key_cache, value_cache, torch.where(valid, slot_mapping, pad_slot).contiguous(),
+            cache_mode="Norm")  # ND cache [num_blocks, block_size, num_kv_heads, head_size]
+
+    # ----- attention -----
+    def paged_attention(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                        query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+        """npu_fused_infer_attention_score as vllm-ascend calls it: TND query, paged KV viewed as
+        (num_blocks, block_size, num_kv_heads * head_size), cumulative query lengths, per-request KV lengths,
+        sparse_mode 3 (right-down causal) with the 2048x2048 compressed mask."""
+        num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+        paged = (num_blocks, block_size, -1)  # (blocknum, blocksize, H = kv_heads * head_size)
+        kwargs = dict(key=key_cache.view(paged), value=value_cache.view(paged),
+                      atten_mask=self._causal_mask(query.device), block_table=block_tables, input_layout="TND",
+                      block_size=block_size, num_heads=query.shape[1], num_key_value_heads=num_kv_heads,
+                      scale=scale, sparse_mode=3)
+        if self.graph_params.is_capturing:
+            out = self.graph_params.capture(query, kwargs, num_reqs=seq_lens.shape[0])
+            return torch.where((seq_lens > 0)[:, None, None], out, 0.0)  # decode graphs: row i is request i
+        if self.torch_npu.npu.is_current_stream_capturing():
+            raise RuntimeError("graphinfer's torch_npu paged_attention (FIA) takes host lengths: it can be captured "
+                               "only through graphinfer's FULL_DECODE_ONLY decode graphs, which patch them per replay. "
+                               "Use kernels='torch_npu,paged_attention=triton' under other graph capture.")
+        q_cum, kv_lens, q_lens, empty = self._host_lengths(query_start_loc, seq_lens)
+        out, _ = self.torch_npu.npu_fused_infer_attention_score(
+            query.contiguous(), **kwargs, actual_seq_lengths=q_cum, actual_seq_lengths_kv=kv_lens)
+        if not empty.any():
+            return out
+        # Requests with no context (padded rows) attend to nothing; FIA got a length of >= 1 for them: zero their rows.
+        keep = torch.from_numpy(np.repeat(~empty, q_lens)).to(out.device, non_blocking=True)
+        return torch.where(keep[:, None, None], out, 0.0)
+
+    def _causal_mask(self, device: torch.device) -> Tensor:
+        if device not in self._masks:  # 1 = masked (the strict upper triangle), int8 as vllm-ascend passes it
+            self._masks[device] = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, device=device), diagonal=1).to(torch.int8)
+        return self._masks[device]
+
+    @staticmethod
+    def _host_lengths(query_start_loc: Tensor, seq_lens: Tensor):
+        """(cumulative query lengths, per-request KV lengths >= 1, query lengths, empty-request mask) on the host:
+        FIA takes host lists (SymInt[]). One device-to-host copy per call: graphinfer's attention metadata holds
+        device tensors only (a host copy there would spare eager steps this per-layer sync)."""
+        both = torch.cat((query_start_loc.to(seq_lens.dtype), seq_lens)).cpu().numpy().astype(np.int64)
+        starts, lens = both[:query_start_loc.shape[0]], both[query_start_loc.shape[0]:]
+        q_lens = np.diff(starts)
+        empty = lens <= 0
+        kv = np.where(empty, np.maximum(q_lens, 1), lens)  # a padded row reads its (zeroed) block-table row instead
+        return starts[1:].tolist(), kv.tolist(), q_lens, empty
+
+    # ----- MoE -----
+    def fused_moe(self, hidden: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
+                  renormalize: bool) -> Tensor:
+        tnpu = self.torch_npu
+        num_tokens, num_experts = hidden.shape[0], w13.shape[0]
+        # Softmax routing: npu_moe_gating_top_k_softmax is exactly softmax -> top-k (npu_moe_gating_top_k targets
+        # grouped / sigmoid routing and supports renorm=0 only). fp32 in, as the reference routes in fp32.
+        weights, ids, _ = tnpu.npu_moe_gating_top_k_softmax(router_logits.float(), None, k=top_k)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(hidden.dtype)
+        # Dropless dispatch: rows sorted by expert; per-expert counts (expert_tokens_num_type=1) for the matmuls.
+        x, row_idx, counts, _ = tnpu.npu_moe_init_routing_v2(
+            hidden, ids, active_num=num_tokens * top_k, expert_num=num_experts, expert_tokens_num_type=1,
+            expert_tokens_num_flag=True, active_expert_range=[0, num_experts], quant_mode=-1)
+        # weight i is (K, N) for x @ w: pass transposed views of w13 [E, 2I, H] / w2 [E, H, I] (gmm accepts them).
+        gate_up = tnpu.npu_grouped_matmul([x], [w13.transpose(1, 2)], group_list=counts, group_list_type=1,
+                                          group_type=0, split_item=2)[0]
+        down = tnpu.npu_grouped_matmul([tnpu.npu_swiglu(gate_up, dim=-1)], [w2.transpose(1, 2)], group_list=counts,
+                                       group_list_type=1, group_type=0, split_item=2)[0]
+        return tnpu.npu_moe_token_unpermute(down, row_idx, probs=weights)
+
+
+@dataclass
+class _FiaTask:
+    handle: object  # from graph_task_group_end
+    event: object  # the ExternalEvent the captured task waits on
+    kwargs: dict  # the captured call minus the lengths (same tensors: the update must re-issue on them)
+    q_cum: list[int]
+
+
+class FiaGraphParams:
+    """FIA inside ACL graphs (vllm-ascend's GraphParams + full_graph_fia / update_graph_params).
+
+    FIA's lengths are host lists feeding host-side tiling, baked into a captured task. So each FIA call of a
+    FULL_DECODE_ONLY graph is captured as a task group behind an ExternalEvent, with a workspace precomputed
+    per bucket; before each replay, `update(graph, seq_lens)` re-issues every task of that graph on a side
+    stream with the step's lengths (graph_task_update_begin/end) and records the event that releases it.
+    Queries and outputs go through buffers shared by all layers and graphs, so the captured tasks keep no
+    per-graph activations alive in the graph pool.
+    """
+
+    def __init__(self, ops: NpuOps):
+        self.ops = ops
+        self.tasks: dict[object, list[_FiaTask]] = {}  # graph -> its FIA tasks in capture order
+        self.workspaces: dict[int, Tensor] = {}  # num_tokens -> workspace (shared by the layers of a bucket)
+        self._buffers: dict[tuple, Tensor] = {}
+        self._current: list[_FiaTask] | None = None
+        self._update_stream = None
+
+    @property
+    def is_capturing(self) -> bool:
+        return self._current is not None
+
+    @contextmanager
+    def capturing(self, graph):
+        """While `graph` is being captured, FIA calls are recorded as its tasks."""
+        self._current = self.tasks.setdefault(graph, [])
+        try:
+            yield
+        finally:
+            self._current = None
+
+    def _buffer(self, name: str, like: Tensor) -> Tensor:
+        key = (name, like.dtype, like.device, tuple(like.shape[1:]))
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < like.shape[0]:  # a larger bucket: a new buffer (earlier tasks keep theirs)
+            buf = self._buffers[key] = torch.empty_like(like)
+        return buf[:like.shape[0]]
+
+    def capture(self, query: Tensor, kwargs: dict, num_reqs: int) -> Tensor:
+        tnpu = self.ops.torch_npu
+        npu = tnpu.npu
+        num_tokens = query.shape[0]
+        if num_tokens != num_reqs:
+            raise RuntimeError(f"FIA capture expects a uniform decode batch (one query row per request), got "
+                               f"{num_tokens} rows for {num_reqs} requests.")
+        q = self._buffer("query", query)
+        q.copy_(query)
+        out = self._buffer("out", query)
+        lse = self._buffer("lse", query.new_empty(1))  # softmax_lse_flag=False: a [1] placeholder
+        q_cum = list(range(1, num_tokens + 1))
+        lengths = dict(actual_seq_lengths=q_cum, actual_seq_lengths_kv=[1] * num_tokens)  # patched before each replay
+        workspace = self.workspaces.get(num_tokens)
+        if workspace is None:
+            workspace = self.workspaces[num_tokens] = tnpu._npu_fused_infer_attention_score_get_max_workspace(
+                q, **kwargs, **lengths)
+        stream = npu.current_stream()
+        event = npu.ExternalEvent()
+        event.wait(stream)  # captured: at replay the task waits until update() has patched it
+        event.reset(stream)
+        npu.graph_task_group_begin(stream)
+        call = dict(query=q, **kwargs, workspace=workspace, out=[out, lse])
+        tnpu.npu_fused_infer_attention_score.out(**call, **lengths)
+        self._current.append(_FiaTask(npu.graph_task_group_end(stream), event, call, q_cum))
+        return out
+
+    def update(self, graph, seq_lens: np.ndarray) -> None:
+        """Patch the KV lengths of `graph`'s FIA tasks to this step's (padded rows: 0 -> 1, their rows are zeroed)."""
+        tasks = self.tasks.get(graph)
+        if not tasks:
+            return
+        npu = self.ops.torch_npu.npu
+        kv_lens = [max(int(n), 1) for n in seq_lens]
+        if self._update_stream is None:
+            self._update_stream = npu.Stream()
+        stream = self._update_stream
+        npu.current_stream().synchronize()  # the previous replay must be done before its tasks are rewritten
+        with npu.stream(stream):
+            for task in tasks:
+                if len(kv_lens) != len(task.q_cum):
+                    raise ValueError(f"graph captured for {len(task.q_cum)} requests, got {len(kv_lens)} lengths")
+                npu.graph_task_update_begin(stream, task.handle)
+                self.ops.torch_npu.npu_fused_infer_attention_score.out(
+                    **task.kwargs, actual_seq_lengths=task.q_cum, actual_seq_lengths_kv=kv_lens)
+                npu.graph_task_update_end(stream)
+                task.event.record(stream)
