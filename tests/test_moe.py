@@ -16,6 +16,7 @@ from graphinfer.models.loader import load_model
 from graphinfer.ops import moe
 from graphinfer.passes import PassManager, tools
 from graphinfer.passes.fuse_moe import FuseMoEPass
+from test_model_parity import _RecordingSampler  # records the logits the sampler sees
 
 OPS = torch.ops.graphinfer
 
@@ -106,16 +107,6 @@ def test_moe_dispatch_is_stable_and_fake_shapes_are_static():
 
 
 # ----- model vs HF -----
-
-class _RecordingSampler:
-    def __init__(self, sampler):
-        self.sampler, self.records = sampler, []
-
-    def __call__(self, logits, rows):
-        for seq, row in zip(rows, logits):
-            self.records.append((list(seq.token_ids), row.clone()))
-        return self.sampler(logits, rows)
-
 
 def _moe_layers(hf) -> int:
     return sum(hasattr(layer.mlp, "experts") for layer in hf.model.layers)
