@@ -1,10 +1,18 @@
 """SamplingParams: what to generate for one request, named and defaulted as in vLLM."""
+import enum
 import math
 from dataclasses import dataclass, field
 
 from graphinfer.errors import InvalidSamplingParamsError
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's: CUMULATIVE gives an output every step (streaming); FINAL_ONLY only when the request ends
+    (LLM.generate uses it, saving a RequestOutput per request per step)."""
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -26,6 +34,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):

@@ -148,3 +148,21 @@ def test_max_num_seqs_and_preemption_order():
     assert [s.request_id for s, _ in out.scheduled] == ["0"]
     assert [s.request_id for s in sched.waiting] == ["1", "2"]
     assert sched.waiting[0].num_computed_tokens == 0 and not sched.waiting[0].block_table
+
+
+def test_output_kind_final_only_reports_once_and_generate_leaves_params_alone(llama_path):
+    from graphinfer.sampling_params import RequestOutputKind
+
+    llm = LLM(llama_path, dtype="float32")
+    engine = llm.llm_engine
+    final = SamplingParams(temperature=0, max_tokens=4, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("final", [1, 2, 3], final)
+    engine.add_request("every", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
+    seen = {"final": [], "every": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out.finished)
+    assert seen == {"final": [True], "every": [False, False, False, True]}
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate([[1, 2]], params, use_tqdm=False)
+    assert params.output_kind == RequestOutputKind.CUMULATIVE

@@ -1,5 +1,6 @@
 """The offline API, shaped like vLLM's: LLM(model=...).generate(prompts, sampling_params)."""
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
@@ -9,7 +10,7 @@ from graphinfer.errors import InvalidConfigError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime.chat_template import chat_prompt_ids
 from graphinfer.runtime.llm_engine import LLMEngine
-from graphinfer.sampling_params import SamplingParams
+from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -65,6 +66,7 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidConfigError(f"Got {len(prompts)} prompts but {len(params)} SamplingParams; "
                                          f"pass one SamplingParams or one per prompt.")
+        params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]  # only the ends are read
         return self._run([self.llm_engine.make_sequence(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -22,7 +22,7 @@ from graphinfer.runtime.model_runner import ModelRunner
 from graphinfer.runtime.sampler import SamplerOutput
 from graphinfer.runtime.scheduler import Scheduler
 from graphinfer.runtime.sequence import Sequence, SequenceStatus
-from graphinfer.sampling_params import SamplingParams
+from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +189,8 @@ class LLMEngine:
 
     # ----- stepping -----
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample one step. Returns an output for each request that got a token
-        (finished ones included, after which the engine forgets them)."""
+        """Schedule, run and sample one step. Returns an output for each request that got a token (with
+        output_kind FINAL_ONLY: only once it finished), after which the engine forgets finished ones."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_unfinished() and not sched.preempted:
@@ -205,7 +205,8 @@ class LLMEngine:
             tokens = sampled.sampled_token_ids.tolist()
             for i, seq in enumerate(rows):
                 self._append(seq, tokens[i], sampled, i)
-                outputs.append(self._output(seq))
+                if seq.is_finished or seq.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    outputs.append(self._output(seq))
                 if seq.is_finished:
                     del self.requests[seq.request_id]
         return outputs

@@ -85,25 +85,30 @@ class ModelRunner:
         (last token of each sequence that completes its prompt or decodes) whose logits get sampled."""
         bs = self.block_size
         input_ids, positions, query_start_loc, seq_lens, logits_indices, rows = [], [], [0], [], [], []
-        for seq, n in out.scheduled:
+        tables = []
+        for seq, n in out.scheduled:  # plain lists: per-row numpy calls cost more than they save at batch 256
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.append(np.arange(start, start + n))
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+            else:
+                input_ids.extend(seq.token_ids[start:start + n])
+                positions.extend(range(start, start + n))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(start + n)
+            tables.append(seq.block_table)
             if start + n == seq.num_tokens:
                 logits_indices.append(query_start_loc[-1] - 1)
                 rows.append(seq)
-        max_blocks = max(len(seq.block_table) for seq, _ in out.scheduled)
-        block_tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
-        for i, (seq, _) in enumerate(out.scheduled):
-            block_tables[i, :len(seq.block_table)] = seq.block_table
-        positions = np.concatenate(positions)
-        row = np.repeat(np.arange(len(out.scheduled)), np.diff(query_start_loc))
+        block_tables = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+        for i, table in enumerate(tables):
+            block_tables[i, :len(table)] = table
+        positions = np.array(positions, dtype=np.int64)
+        query_start_loc = np.array(query_start_loc, dtype=np.int32)
+        row = np.repeat(np.arange(len(tables)), np.diff(query_start_loc))
         slot_mapping = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
-        return HostInputs(np.asarray(input_ids, dtype=np.int64), positions, slot_mapping, block_tables,
-                          np.asarray(query_start_loc, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32),
-                          np.asarray(logits_indices, dtype=np.int64), rows)
+        return HostInputs(np.array(input_ids, dtype=np.int64), positions, slot_mapping, block_tables, query_start_loc,
+                          np.array(seq_lens, dtype=np.int32), np.array(logits_indices, dtype=np.int64), rows)
 
     def prepare_inputs(self, out: SchedulerOutput):
         """host_inputs moved to the device: (input_ids, positions, attention metadata, logits_indices, rows)."""
