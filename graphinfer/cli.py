@@ -1,5 +1,7 @@
 """`graphinfer` command line: serve, generate, compile, passes (list / show / diff / verify), bench."""
 import argparse
+import logging
+import os
 import sys
 
 from graphinfer.errors import GraphinferError
@@ -298,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Start-up facts (KV cache size, decode-graph capture time and memory) are INFO logs, on stderr.
+    logging.basicConfig(level=os.environ.get("GRAPHINFER_LOG_LEVEL", "INFO"),
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)
     except GraphinferError as e:
