@@ -64,6 +64,7 @@ def warmup_workload(num: int, min_len: int, vocab_size: int, max_model_len: int,
 def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, common.StepLog]:
     """LLM.generate(prompts, params) timed as a whole and per engine step."""
     from graphinfer import SamplingParams
+    from graphinfer.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
     sync = engine.platform.synchronize
@@ -71,7 +72,8 @@ def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, c
     preemptions = engine.scheduler.num_preemptions
     sync()
     start = time.perf_counter()
-    seqs = [engine.make_sequence(p, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m))
+    seqs = [engine.make_sequence(p, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m,
+                                                   output_kind=RequestOutputKind.FINAL_ONLY))  # as LLM.generate
             for p, m in zip(workload.prompts, workload.max_tokens)]
     for seq in seqs:
         engine.add_sequence(seq)
