@@ -21,8 +21,9 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> Non
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto (the detected platform: cuda, npu or cpu) or a torch device")
     g.add_argument("--passes", default="default", help="'default', 'none' or a comma-separated list of pass names")
-    g.add_argument("--graph-mode", default="NONE", choices=["NONE", "FULL_DECODE_ONLY"],
-                   help="NONE: run eagerly; FULL_DECODE_ONLY: replay captured device graphs for decode steps")
+    g.add_argument("--graph-mode", default=None, choices=["NONE", "FULL_DECODE_ONLY"],
+                   help="NONE (default; an artifact's own mode): run eagerly; FULL_DECODE_ONLY: replay captured "
+                        "device graphs for decode steps")
     g.add_argument("--capture-sizes", default=None,
                    help="comma-separated decode batch sizes to capture (default: vLLM's list up to max-num-seqs)")
     g.add_argument("--no-capture-lm-head", dest="capture_lm_head", action="store_false",

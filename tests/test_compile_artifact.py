@@ -62,6 +62,13 @@ def test_round_trip_gives_in_memory_tokens_without_tracing(qwen2_artifact, monke
     assert not hasattr(loaded.llm_engine.model.model.layers[0].self_attn, "q_proj")  # unfused weights freed
 
 
+def test_artifact_graph_mode_and_capture_sizes_are_the_defaults(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("qwen2")[0]
+    LLM(path, capture_sizes=[1, 2]).llm_engine.save_artifact(str(tmp_path / "art"))
+    engine = LLM(artifact=str(tmp_path / "art")).llm_engine
+    assert engine.capture_sizes == [1, 2] and engine.config.compile_config.graph_mode == "NONE"
+
+
 def _copy(art, tmp_path):
     dst = str(tmp_path / "copy")
     shutil.copytree(art, dst)

@@ -21,9 +21,9 @@ class LLM:
     keep vLLM's names (dtype, max_model_len, block_size, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, seed, ...). The model is traced and optimised by `passes` ("default", "none" or
     a list of names) at start-up, unless `artifact` names a `graphinfer compile` output to start from
-    (its model and dtype are then the defaults).
+    (its model, dtype, graph mode and capture sizes are then the defaults).
 
-    device: "auto" picks the detected platform (cuda, npu, else cpu). graph_mode: "NONE" runs every step
+    device: "auto" picks the detected platform (cuda, npu, else cpu). graph_mode: "NONE" (default) runs every step
     eagerly; "FULL_DECODE_ONLY" captures one device graph per size in `capture_sizes` (vLLM's list up to
     max_num_seqs by default; LM head inside the graphs unless capture_lm_head=False) and replays them for
     decode steps. kernels: the platform's op implementations (None: its default; "reference": PyTorch).
@@ -35,13 +35,16 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: int | None = None, seed: int = 0, device: str = "auto",
-                 passes: str | list[str] = "default", graph_mode: str = "NONE", capture_sizes: list[int] | None = None,
+                 passes: str | list[str] = "default", graph_mode: str | None = None, capture_sizes: list[int] | None = None,
                  capture_lm_head: bool = True, kernels: str | None = None, npu_compiler: str | None = None,
                  artifact: str | None = None):
         if artifact:
             manifest = read_manifest(artifact)
             model = model or manifest["model"]["path"]
             dtype = manifest["dtype"] if dtype == "auto" else dtype
+            graph_mode = graph_mode or manifest["graph_mode"]
+            capture_sizes = capture_sizes or manifest["capture_sizes"]
+        graph_mode = graph_mode or "NONE"
         self.llm_engine = LLMEngine(EngineConfig(
             ModelConfig(model, dtype, max_model_len, seed, device),
             CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization,
