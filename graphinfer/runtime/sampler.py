@@ -40,15 +40,17 @@ class Sampler:
         self._apply_min_tokens(x, rows, params)
         self._apply_penalties(x, rows, params)
 
-        sampled = x.argmax(dim=-1)  # greedy rows keep this
         rand = [i for i, p in enumerate(params) if not p.greedy]
+        sampled = x.argmax(dim=-1) if len(rand) < len(rows) else None  # greedy rows keep this
         if rand:
-            idx = torch.tensor(rand, device=dev)
-            sub = x[idx]
-            temp = torch.tensor([params[i].temperature for i in rand], device=dev)
+            # Fewer host->device copies in the common cases: every row sampled, one temperature for all.
+            idx = torch.tensor(rand, device=dev) if sampled is not None else None
+            sub = x[idx] if idx is not None else x
+            temps = [params[i].temperature for i in rand]
+            temp = temps[0] if len(set(temps)) == 1 else torch.tensor(temps, device=dev)[:, None]
             probs = _filtered_probs(
                 sub,
-                sub / temp[:, None],
+                sub / temp,
                 [params[i].top_k for i in rand],
                 [params[i].top_p for i in rand],
                 [params[i].min_p for i in rand],
@@ -61,7 +63,11 @@ class Sampler:
                 q.exponential_(generator=self.generator)
             for j in seeded:
                 q[j].exponential_(generator=rows[rand[j]].generator)
-            sampled[idx] = probs.div_(q.clamp_(min=1e-30)).argmax(dim=-1)  # clamp: E == 0 would give 0/0
+            drawn = probs.div_(q.clamp_(min=1e-30)).argmax(dim=-1)  # clamp: E == 0 would give 0/0
+            if sampled is None:
+                sampled = drawn
+            else:
+                sampled[idx] = drawn
 
         if not asked:
             return SamplerOutput(sampled.cpu(), None, None, None, None)
