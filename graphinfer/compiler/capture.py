@@ -46,15 +46,18 @@ class DecodeGraphs:
         self.forward = forward
         self.platform = platform
         self.sizes = sorted(set(sizes))
-        n = self.sizes[-1]
-        z = dict(device=device)
-        # The static inputs every graph reads; replay copies a step's inputs into their first rows.
-        self.input_ids = torch.zeros(n, dtype=torch.int64, **z)
-        self.positions = torch.zeros(n, dtype=torch.int64, **z)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, **z)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, **z)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, **z)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **z)  # one query row per request
+        n, w = self.sizes[-1], max_blocks_per_seq
+        # The static inputs every graph reads, as views of two device buffers that replay fills with one
+        # host-to-device copy each (padding included): [input_ids | positions | slot_mapping] (int64) and
+        # [seq_lens | block_tables] (int32). The host arrays persist so stale block-table columns cost nothing.
+        self._host64 = np.zeros(3 * n, dtype=np.int64)
+        self._host64[2 * n:] = -1
+        self._host32 = np.zeros(n + n * w, dtype=np.int32)
+        self._dev64 = torch.from_numpy(self._host64).to(device, copy=True)
+        self._dev32 = torch.from_numpy(self._host32).to(device, copy=True)
+        self.input_ids, self.positions, self.slot_mapping = self._dev64.view(3, n)
+        self.seq_lens, self.block_tables = self._dev32[:n], self._dev32[n:].view(n, w)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one query row per request
         self.output: Tensor | None = None  # the static output all graphs write their first rows of
         self.graphs: dict[int, object] = {}
         self.stats: CaptureStats | None = None
@@ -105,16 +108,16 @@ class DecodeGraphs:
         """Run the graph for a decode batch given as host arrays; returns the first B rows of its output."""
         b, width = block_tables.shape
         bs = self.bucket(b)
-        for static, host in ((self.input_ids, input_ids), (self.positions, positions),
-                             (self.slot_mapping, slot_mapping), (self.seq_lens, seq_lens)):
-            static[:b].copy_(torch.from_numpy(host), non_blocking=True)
-        self.block_tables[:b, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
-        if bs > b:  # padded rows: no KV write, no context (stale ids/positions are harmless)
-            self.slot_mapping[b:bs].fill_(-1)
-            self.seq_lens[b:bs].zero_()
-            self.block_tables[b:bs].zero_()
-        host_lens = np.zeros(bs, dtype=np.int32)
-        host_lens[:b] = seq_lens
-        self.platform.before_graph_replay(self.graphs[bs], host_lens)  # e.g. Ascend: patch FIA's host lengths
+        n, w = self.max_size, self.block_tables.shape[1]
+        ids, pos, slots = self._host64.reshape(3, n)
+        ids[:b], pos[:b], slots[:b] = input_ids, positions, slot_mapping
+        slots[b:bs] = -1  # padded rows write no KV ...
+        lens, tables = self._host32[:n], self._host32[n:].reshape(n, w)
+        lens[:b], lens[b:bs] = seq_lens, 0  # ... and attend to nothing
+        tables[:b, :width] = block_tables
+        tables[b:bs] = 0
+        self._dev64.copy_(torch.from_numpy(self._host64))
+        self._dev32[:n + bs * w].copy_(torch.from_numpy(self._host32[:n + bs * w]))
+        self.platform.before_graph_replay(self.graphs[bs], lens[:bs].copy())  # e.g. Ascend: patch FIA's lengths
         self.graphs[bs].replay()
         return self.output[:b]
