@@ -8,6 +8,8 @@
 #   hf          fixed 512 output tokens, graphinfer FULL_DECODE_ONLY vs transformers'
 #               generate_batch (paged|sdpa, default ContinuousBatchingConfig)          (~5 min)
 #   latency     decode step latency at batch 1/8/64/256, NONE vs FULL_DECODE_ONLY       (~2 min)
+#   check       GPU tests (kernels, fused MoE, CUDA graphs vs eager) + tools/gpu_check.py (not in the default)
+#   moe         tools/moe_layer_bench.py: one Qwen3-30B-A3B MoE layer, unfused vs fused   (not in the default)
 #
 # Through the device tool (10 min per command, the machine goes back after ~30 s idle) run one step per
 # call, back to back:  run(command="tools/h100_bench.sh throughput"), then sweep, hf, latency.
@@ -75,12 +77,24 @@ step_latency() {
         --output-json "$OUT_DIR/latency.json" --plot "$OUT_DIR/latency.png"
 }
 
+step_check() {  # the kernels/capture issue's GPU checks: kernel + capture tests compiled for real, tools/gpu_check.py
+    set -o pipefail
+    "$PY" -m pytest -q -m "gpu or not slow" tests/test_triton_kernels.py tests/test_triton_fused_moe.py \
+        tests/test_capture.py 2>&1 | tee "$OUT_DIR/pytest_gpu.log" || echo "=== pytest failed (see pytest_gpu.log)"
+    "$PY" tools/gpu_check.py --output-json "$OUT_DIR/gpu_check.json" 2>&1 | tee "$OUT_DIR/gpu_check.log"
+}
+
+step_moe() {  # the MoE issue's layer benchmark: Qwen3-30B-A3B layer, unfused vs fused vs HF
+    set -o pipefail
+    "$PY" tools/moe_layer_bench.py --output-json "$OUT_DIR/moe_layer.json" 2>&1 | tee "$OUT_DIR/moe_layer.log"
+}
+
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(throughput sweep hf latency)
 for s in "${steps[@]}"; do
     case "$s" in
-        throughput | sweep | hf | latency) ;;
-        *) echo "unknown step '$s' (throughput | sweep | hf | latency)" >&2; exit 2 ;;
+        throughput | sweep | hf | latency | check | moe) ;;
+        *) echo "unknown step '$s' (throughput | sweep | hf | latency | check | moe)" >&2; exit 2 ;;
     esac
 done
 install
