@@ -42,20 +42,22 @@ def test_logits_match_hf_through_prefill_and_decode(arch, tiny_checkpoint):
     assert llm.llm_engine.scheduler.block_manager.num_free_blocks == runner.num_blocks
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_prefill_logits_close_to_hf(dtype, tiny_checkpoint):
-    path, hf32 = tiny_checkpoint("qwen3")
+@pytest.mark.parametrize("arch,dtype", [("qwen3", torch.bfloat16), ("qwen3", torch.float16),
+                                        ("qwen3_moe", torch.bfloat16)])
+def test_half_precision_prefill_logits_close_to_hf(arch, dtype, tiny_checkpoint):
+    path, hf32 = tiny_checkpoint(arch)
     hf = type(hf32)(hf32.config).to(dtype).eval()
     hf.load_state_dict(hf32.state_dict())
     llm = LLM(path, dtype=str(dtype).split(".")[1])
     assert llm.llm_engine.model.lm_head.weight.dtype == dtype
+    assert all(p.dtype == dtype for p in llm.llm_engine.model.parameters())  # stacked experts included
     runner = llm.llm_engine.model_runner
     runner.sampler = rec = _RecordingSampler(runner.sampler)
     prompt = list(range(3, 40))
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1].float()
-    assert (rec.records[0][1] - ref).abs().max().item() < 0.05  # a few ulps of the logits' scale in 16-bit
+    assert (rec.records[0][1].float() - ref).abs().max().item() < 0.05  # a few ulps of the logits' scale in 16-bit
 
 
 def test_sharded_safetensors_checkpoint(tiny_checkpoint, tmp_path):

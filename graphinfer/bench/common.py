@@ -148,6 +148,22 @@ def write_json(path: str | None, result: dict) -> None:
             json.dump(result, f, indent=2)
 
 
+def finish_plot(fig, ax, xs: list, xlabel: str, ylabel: str, title: str, path: str) -> None:
+    """The benchmarks' shared axes (log2 x over the measured points, y from 0), legend, title, PNG."""
+    import matplotlib.pyplot as plt
+
+    if len(xs) > 1:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set(xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def save_plot(plot_fn, result: dict, path: str | None) -> None:
     """plot_fn(result, path), or a note when matplotlib is missing (device images): the JSON can be plotted later."""
     if not path:

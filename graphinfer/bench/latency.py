@@ -126,14 +126,6 @@ def plot(result: dict, path: str) -> None:
     for mode, entry in result["modes"].items():
         if "batches" in entry:
             ax.plot(bs, [b["median_ms"] for b in entry["batches"]], "o-", label=mode)
-    if len(bs) > 1:
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(bs, [str(b) for b in bs])
-    ax.set(xlabel="decode batch size", ylabel="decode step latency, median (ms)", ylim=(0, None))
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.suptitle(f"graphinfer bench latency: {result['model']} {result['dtype']} on {result['env']['device_name']}",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.finish_plot(fig, ax, bs, "decode batch size", "decode step latency, median (ms)",
+                       f"graphinfer bench latency: {result['model']} {result['dtype']} on "
+                       f"{result['env']['device_name']}", path)

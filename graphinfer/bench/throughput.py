@@ -174,19 +174,11 @@ def plot(result: dict, path: str) -> None:
         ideal = runs[0]["roofline"]["ideal_tok_s"]
         ax.set_title(f"memory roofline {ideal:,.0f} tok/s at {result['bandwidth']['bytes_per_s'] / 1e9:,.0f} GB/s "
                      f"(copy)", fontsize=9)
-    if len(xs) > 1:
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set(xlabel="max_num_seqs", ylabel="output throughput (tok/s)", ylim=(0, None))
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
     w = result["workload"]
-    fig.suptitle(f"graphinfer bench throughput: {result['model']} {result['dtype']} on {result['env']['device_name']}\n"
-                 f"{w['num_prompts']} prompts, {w['prompt_tokens']:,} prompt / {w['output_tokens']:,} output tokens",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.finish_plot(fig, ax, xs, "max_num_seqs", "output throughput (tok/s)",
+                       f"graphinfer bench throughput: {result['model']} {result['dtype']} on "
+                       f"{result['env']['device_name']}\n{w['num_prompts']} prompts, {w['prompt_tokens']:,} prompt / "
+                       f"{w['output_tokens']:,} output tokens", path)
 
 
 # ----- HF transformers' continuous batching (generate_batch) on the same weights and prompts -----

@@ -60,7 +60,6 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one query row per request
         self.output: Tensor | None = None  # the static output all graphs write their first rows of
         self.graphs: dict[int, object] = {}
-        self.stats: CaptureStats | None = None
 
     @property
     def max_size(self) -> int:
@@ -94,9 +93,9 @@ class DecodeGraphs:
                 self.output[:bs].copy_(self.forward(*args))
             self.graphs[bs] = graph
         p.synchronize()
-        self.stats = CaptureStats(self.sizes, time.perf_counter() - start, free_before - p.mem_get_info(device)[0])
-        logger.info(self.stats.summary())
-        return self.stats
+        stats = CaptureStats(self.sizes, time.perf_counter() - start, free_before - p.mem_get_info(device)[0])
+        logger.info(stats.summary())
+        return stats
 
     def bucket(self, batch: int) -> int | None:
         """The capture size a batch of `batch` rows replays, or None (run eagerly)."""
