@@ -18,6 +18,8 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> Non
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch each step while the previous one runs on the device")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto (the detected platform: cuda, npu or cpu) or a torch device")
     g.add_argument("--passes", default="default", help="'default', 'none' or a comma-separated list of pass names")
@@ -56,7 +58,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
+                enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
+                seed=args.seed, device=args.device,
                 passes=args.passes, graph_mode=args.graph_mode, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 capture_sizes=[int(s) for s in args.capture_sizes.split(",")] if args.capture_sizes else None,
                 capture_lm_head=args.capture_lm_head, kernels=args.kernels, npu_compiler=args.npu_compiler)
@@ -150,13 +153,21 @@ def _csv(text: str, cast=str) -> list:
     return [cast(v.strip()) for v in text.split(",") if v.strip()]
 
 
-_SWEEPS = {"max-num-seqs": ("max_num_seqs", int), "graph-mode": ("graph_mode", str)}
+def _on_off(value: str) -> bool:
+    if value.lower() not in ("on", "off", "true", "false", "1", "0"):
+        raise GraphinferError(f"{value!r}: use on or off.")
+    return value.lower() in ("on", "true", "1")
+
+
+_SWEEPS = {"max-num-seqs": ("max_num_seqs", int), "graph-mode": ("graph_mode", str),
+           "async-scheduling": ("async_scheduling", _on_off)}
 
 
 def _bench_throughput(args) -> None:
     from graphinfer.bench.throughput import run
 
-    grid = {"max_num_seqs": [args.max_num_seqs], "graph_mode": [args.graph_mode]}
+    grid = {"max_num_seqs": [args.max_num_seqs], "graph_mode": [args.graph_mode],
+            "async_scheduling": [args.async_scheduling]}
     for spec in args.sweep or []:  # --sweep max-num-seqs=16,32 --sweep graph-mode=NONE,FULL_DECODE_ONLY: a grid
         key, _, values = spec.partition("=")
         if key not in _SWEEPS or not values:
@@ -166,7 +177,7 @@ def _bench_throughput(args) -> None:
     if bad := [m for m in grid["graph_mode"] if m not in ("NONE", "FULL_DECODE_ONLY")]:
         raise GraphinferError(f"graph modes {bad}: use NONE or FULL_DECODE_ONLY.")
     run(args.model, dtype=args.dtype, device=args.device, graph_modes=grid["graph_mode"],
-        max_num_seqs=grid["max_num_seqs"], capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
+        max_num_seqs=grid["max_num_seqs"], async_scheduling=grid["async_scheduling"], capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
         passes=args.passes, num_prompts=args.num_prompts, min_len=args.min_len, max_len=args.max_len,
         fixed_output_len=args.fixed_output_len, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, temperature=args.temperature, seed=args.seed,
@@ -275,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_offline_bench_args(bt)
     bt.add_argument("--graph-mode", default="NONE", choices=["NONE", "FULL_DECODE_ONLY"])
     bt.add_argument("--max-num-seqs", type=int, default=256)
+    bt.add_argument("--async-scheduling", action="store_true",
+                    help="schedule and launch each step while the previous one runs on the device")
     bt.add_argument("--max-num-batched-tokens", type=int, default=8192)
     bt.add_argument("--num-prompts", type=int, default=256)
     bt.add_argument("--min-len", type=int, default=100, help="shortest prompt and output (tokens)")
@@ -282,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--fixed-output-len", type=int, default=None, help="every request generates N tokens "
                                                                        "(the fixed-512 variant)")
     bt.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
-                    help="max-num-seqs=16,32,... or graph-mode=NONE,FULL_DECODE_ONLY (repeat both for a grid)")
+                    help="max-num-seqs=16,32,..., graph-mode=NONE,FULL_DECODE_ONLY or async-scheduling=off,on "
+                         "(repeat for a grid)")
     bt.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' generate_batch "
                                                                     "(fixed output length: 512 unless given)")
     bt.add_argument("--hf-cuda-graph", action="store_true", help="HF: use_cuda_graph=True, max_memory_percent=0.5")

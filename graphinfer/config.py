@@ -81,6 +81,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False  # schedule and launch step N+1 while step N runs (vLLM's --async-scheduling)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

@@ -132,6 +132,16 @@ def test_cli_throughput_sweep_grid_and_plot(tmp_path):
     assert matplotlib.image.imread(str(png)).shape[0] > 100
 
 
+def test_cli_throughput_sweep_async_scheduling(tmp_path):
+    out = tmp_path / "a.json"
+    res = _cli("throughput", *TINY_RUN, "--sweep", "async-scheduling=off,on", "--output-json", str(out))
+    result = json.loads(out.read_text())
+    assert [r["async_scheduling"] for r in result["runs"]] == [False, True]
+    for r in result["runs"]:
+        _check_run(r, result["workload"])
+    assert "| NONE | 256 |" in res.stdout and "| NONE + async | 256 |" in res.stdout
+
+
 def test_cli_throughput_compare_hf(tmp_path):
     out = tmp_path / "hf.json"
     res = _cli("throughput", *TINY_RUN, "--compare", "hf", "--fixed-output-len", "8", "--output-json", str(out))
@@ -160,3 +170,5 @@ def test_cli_bad_sweep_is_a_clear_error(capsys):
 
     assert main(["bench", "throughput", "--sweep", "block-size=16"]) == 2
     assert "--sweep 'block-size=16'" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--sweep", "async-scheduling=maybe"]) == 2
+    assert "'maybe': use on or off" in capsys.readouterr().err

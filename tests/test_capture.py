@@ -98,8 +98,8 @@ def test_capture_sizes_default_to_vllm_list():
     assert default_capture_sizes(1000)[-1] == 512 and default_capture_sizes(12) == [1, 2, 4, 8]
 
 
-@pytest.mark.parametrize("capture_lm_head", [True, False])
-def test_full_decode_only_matches_none_with_padding_and_eager_fallback(monkeypatch, capture_lm_head):
+@pytest.mark.parametrize("capture_lm_head,async_scheduling", [(True, False), (False, False), (True, True)])
+def test_full_decode_only_matches_none_with_padding_and_eager_fallback(monkeypatch, capture_lm_head, async_scheduling):
     import graphinfer.runtime.llm_engine as llm_engine
 
     kw = dict(max_num_seqs=16, num_gpu_blocks_override=64, block_size=4, dtype="float32")
@@ -107,12 +107,12 @@ def test_full_decode_only_matches_none_with_padding_and_eager_fallback(monkeypat
 
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
     llm = LLM("tiny-qwen3", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4, 8],
-              capture_lm_head=capture_lm_head, **kw)
+              capture_lm_head=capture_lm_head, async_scheduling=async_scheduling, **kw)
     graphs = llm.llm_engine.model_runner.decode_graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 8] and llm.llm_engine.capture_stats.sizes == [1, 2, 4, 8]
     replays = []
     replay = graphs.replay
-    monkeypatch.setattr(graphs, "replay", lambda *a: replays.append(len(a[0])) or replay(*a))
+    monkeypatch.setattr(graphs, "replay", lambda *a, **k: replays.append(len(a[0])) or replay(*a, **k))
     assert _tokens(llm, _params()) == expected
     assert {3, 5, 8} <= set(replays)  # padded buckets were replayed; 10-row decodes (> 8) ran eagerly
     assert max(replays) <= 8
@@ -164,4 +164,8 @@ def test_cuda_graphs_match_eager(model):
     kw = dict(max_num_seqs=16, device="cuda", dtype="float32")
     expected = _tokens(LLM(path, **kw), _params())
     llm = LLM(path, graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4, 8], **kw)
+    assert _tokens(llm, _params()) == expected
+    del llm
+    # Async scheduling: input ids come from the previous step's tokens on the device, copies are pinned.
+    llm = LLM(path, graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4, 8], async_scheduling=True, **kw)
     assert _tokens(llm, _params()) == expected

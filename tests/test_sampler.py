@@ -17,6 +17,10 @@ class Row:
     output_token_ids: list = field(default_factory=list)
     generator: torch.Generator | None = None
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
 
 def row(prompt=(), output=(), **kw):
     p = SamplingParams(**kw)

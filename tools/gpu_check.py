@@ -2,7 +2,7 @@
 
 1. Every Triton kernel against its PyTorch reference op at real shapes (Qwen3-0.6B, SmolLM2), bf16 and
    fp32: max abs error, time, and achieved bandwidth vs a device-to-device copy measured in the same run.
-2. NONE vs FULL_DECODE_ONLY greedy tokens on a mixed batch (prompts of different lengths, different
+2. NONE vs FULL_DECODE_ONLY (with and without async scheduling) greedy tokens on a mixed batch (prompts of different lengths, different
    max_tokens so decode batches shrink through padded buckets) for SmolLM2 and a random Qwen3-0.6B shape.
 3. Capture time and graph memory for the default bucket list (max_num_seqs 256 and 512).
 
@@ -149,12 +149,15 @@ def check_graph_modes(models: dict) -> list[dict]:
     rows = []
     for name, (path, dtype) in models.items():
         none, _ = greedy_tokens(path, "NONE", dtype, max_num_seqs=16)
-        full, stats = greedy_tokens(path, "FULL_DECODE_ONLY", dtype, max_num_seqs=16)
-        same = none == full
-        rows.append(dict(model=name, dtype=dtype, requests=len(MIXED_PROMPTS), identical=same,
-                         first_diff=None if same else next(i for i, (a, b) in enumerate(zip(none, full)) if a != b)))
-        print(f"{'ok ' if same else 'BAD'} NONE vs FULL_DECODE_ONLY {name} {dtype}: identical greedy tokens = {same} "
-              f"({stats.summary()})", flush=True)
+        for async_scheduling in (False, True):
+            full, stats = greedy_tokens(path, "FULL_DECODE_ONLY", dtype, max_num_seqs=16,
+                                        async_scheduling=async_scheduling)
+            same = none == full
+            mode = "FULL_DECODE_ONLY" + (" + async scheduling" if async_scheduling else "")
+            rows.append(dict(model=name, dtype=dtype, mode=mode, requests=len(MIXED_PROMPTS), identical=same,
+                             first_diff=None if same else next(i for i, (a, b) in enumerate(zip(none, full)) if a != b)))
+            print(f"{'ok ' if same else 'BAD'} NONE vs {mode} {name} {dtype}: identical greedy tokens = {same} "
+                  f"({stats.summary()})", flush=True)
     return rows
 
 

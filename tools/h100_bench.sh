@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # H100 driver for the issue "Benchmarks": Qwen3-0.6B shape (random bf16 weights), nano-vllm's workload.
 #
-#   tools/h100_bench.sh [STEP ...]     STEP: throughput | sweep | hf | latency   (default: all four, ~18 min)
+#   tools/h100_bench.sh [STEP ...]     STEP: throughput | sweep | hf | latency   (default: all four, ~20 min)
 #
-#   throughput  standard workload, max_num_seqs 256, FULL_DECODE_ONLY and NONE           (~3 min)
+#   throughput  standard workload, max_num_seqs 256, FULL_DECODE_ONLY and NONE, each
+#               without and with async scheduling                                        (~5 min)
 #   sweep       standard workload, max_num_seqs 16..256 x {NONE, FULL_DECODE_ONLY}     (~8 min)
 #   hf          fixed 512 output tokens, graphinfer FULL_DECODE_ONLY vs transformers'
 #               generate_batch (paged|sdpa, default ContinuousBatchingConfig)          (~5 min)
@@ -59,7 +60,7 @@ bench() {  # bench NAME SUBCOMMAND ARGS...: graphinfer bench SUBCOMMAND ARGS...,
 
 step_throughput() {
     bench throughput throughput "${COMMON[@]}" --max-num-seqs 256 --sweep graph-mode=FULL_DECODE_ONLY,NONE \
-        --output-json "$OUT_DIR/throughput.json" --plot "$OUT_DIR/throughput.png"
+        --sweep async-scheduling=off,on --output-json "$OUT_DIR/throughput.json" --plot "$OUT_DIR/throughput.png"
 }
 
 step_sweep() {

@@ -25,12 +25,13 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--graph-mode", default="NONE")
+    ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--torch-profile", default=None, help="also write a torch.profiler trace (chrome JSON) here")
     args = ap.parse_args()
     llm = LLM(args.model, max_num_seqs=args.batch, device=args.device, dtype=args.dtype, graph_mode=args.graph_mode,
-              max_model_len=1024, num_gpu_blocks_override=args.batch * 16)
+              max_model_len=1024, num_gpu_blocks_override=args.batch * 16, async_scheduling=args.async_scheduling)
     engine = llm.llm_engine
     params = SamplingParams(temperature=args.temperature, max_tokens=1000, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)  # as LLM.generate

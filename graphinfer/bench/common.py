@@ -98,6 +98,8 @@ def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
     The classification wraps this engine's scheduler.schedule (an instance attribute, undone on exit), so
     the runtime is measured as is. engine.step() ends with the sampled ids' .tolist(), a device sync, so a
     step's wall time covers its device work; `sync` (the device's synchronize) also brackets each step.
+    (With async scheduling a step ends by waiting for the previous step's tokens, so its time is that of
+    the device work it overlapped; pass no `sync` then.)
     `until(outputs)` may stop the loop early. Returns the finished RequestOutputs."""
     sched = engine.scheduler
     current: list = []

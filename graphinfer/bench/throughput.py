@@ -78,7 +78,8 @@ def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, c
     for seq in seqs:
         engine.add_sequence(seq)
     try:
-        finished = common.run_steps(engine, log, sync=sync)
+        # Async scheduling overlaps a step's host work with the previous step's device work: no per-step sync.
+        finished = common.run_steps(engine, log, sync=None if engine.async_scheduling else sync)
     finally:  # as LLM.generate: an interrupted run must not leak KV blocks
         for seq in seqs:
             engine.abort_request(seq.request_id)
@@ -126,12 +127,16 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
     return row
 
 
+def _mode(r: dict) -> str:
+    return r["graph_mode"] + (" + async" if r.get("async_scheduling") else "")
+
+
 def _fmt_row(r: dict) -> str:
     if "unavailable" in r:
-        return f"{r['graph_mode']} max_num_seqs={r['max_num_seqs']}: unavailable ({r['unavailable']})"
+        return f"{_mode(r)} max_num_seqs={r['max_num_seqs']}: unavailable ({r['unavailable']})"
     rf = r["roofline"]
     dec = f", decode steps at {rf['decode_fraction']:.1%} of their roofline" if rf["decode_fraction"] else ""
-    return (f"{r['graph_mode']} max_num_seqs={r['max_num_seqs']}: {r['output_tokens']:,} output tokens in "
+    return (f"{_mode(r)} max_num_seqs={r['max_num_seqs']}: {r['output_tokens']:,} output tokens in "
             f"{r['total_s']:.2f} s = {r['output_tok_s']:,.1f} tok/s (prefill {r['prefill_s']:.2f} s / "
             f"{r['num_prefill_steps']} steps, decode {r['decode_s']:.2f} s / {r['num_decode_steps']} steps, mean "
             f"decode batch {r['mean_decode_batch'] or 0:.1f}); {rf['fraction']:.1%} of the memory roofline "
@@ -146,9 +151,9 @@ def table(result: dict) -> str:
     for r in result["runs"]:
         if "unavailable" in r:
             why = "failed" if r["unavailable"].startswith("failed") else "unavailable"
-            rows.append([r["graph_mode"], r["max_num_seqs"], why] + [None] * (len(headers) - 3))
+            rows.append([_mode(r), r["max_num_seqs"], why] + [None] * (len(headers) - 3))
             continue
-        rows.append([r["graph_mode"], r["max_num_seqs"], f"{r['total_s']:.2f}", f"{r['output_tok_s']:,.2f}",
+        rows.append([_mode(r), r["max_num_seqs"], f"{r['total_s']:.2f}", f"{r['output_tok_s']:,.2f}",
                      f"{r['prefill_s']:.2f}", f"{r['decode_s']:.2f}", r["num_steps"], r["mean_decode_batch"],
                      f"{100 * r['roofline']['fraction']:.1f}"] + ([f"{r['vs_hf']:.2f}x"] if hf else []))
     if hf:
@@ -165,8 +170,8 @@ def plot(result: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     runs = [r for r in result["runs"] if "unavailable" not in r]
     xs = sorted({r["max_num_seqs"] for r in runs})
-    for mode in dict.fromkeys(r["graph_mode"] for r in runs):
-        pts = sorted((r["max_num_seqs"], r["output_tok_s"]) for r in runs if r["graph_mode"] == mode)
+    for mode in dict.fromkeys(map(_mode, runs)):
+        pts = sorted((r["max_num_seqs"], r["output_tok_s"]) for r in runs if _mode(r) == mode)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"graphinfer {mode}")
     if "output_tok_s" in result.get("hf", {}):
         ax.axhline(result["hf"]["output_tok_s"], color="gray", ls="--", label="HF generate_batch")
@@ -244,11 +249,11 @@ def run_hf(path: str, dtype: torch.dtype, device: str, workload: Workload, tempe
 
 
 def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("NONE",), max_num_seqs=(256,),
-        capture_sizes: list[int] | None = None, passes: str = "default", num_prompts: int = 256, min_len: int = 100,
+        async_scheduling=(False,), capture_sizes: list[int] | None = None, passes: str = "default", num_prompts: int = 256, min_len: int = 100,
         max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
         hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None) -> dict:
-    """Every (graph mode, max_num_seqs) configuration on the same workload; optionally HF on it too."""
+    """Every (graph mode, async scheduling, max_num_seqs) configuration on the same workload; optionally HF too."""
     import tempfile
 
     from graphinfer.config import resolve_dtype
@@ -262,7 +267,7 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         fixed_output_len = 512
     with tempfile.TemporaryDirectory(prefix="graphinfer-bench-") as tmp:
         # HF needs a checkpoint with graphinfer's weights; a sweep saves re-drawing a preset's random weights.
-        configs = [(mode, mns) for mode in graph_modes for mns in max_num_seqs]
+        configs = [(mode, a, mns) for mode in graph_modes for a in async_scheduling for mns in max_num_seqs]
         gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) if compare_hf or len(configs) > 1 else model
         max_model_len = common.clamp_max_model_len(gi_model, max_model_len)
         vocab = _vocab_size(gi_model)
@@ -278,12 +283,12 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                   "runs": []}
         print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
               f"tokens; copy bandwidth {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s on {result['env']['device_name']}")
-        for mode, mns in configs:
+        for mode, a, mns in configs:
             sizes = ([s for s in capture_sizes if s <= mns] or None) if capture_sizes else None
             kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
-                      passes=passes, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                      seed=seed)
-            row = {"graph_mode": mode, "max_num_seqs": mns, "capture_sizes": sizes}
+                      async_scheduling=a, passes=passes, max_model_len=max_model_len,
+                      max_num_batched_tokens=max_num_batched_tokens, seed=seed)
+            row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "capture_sizes": sizes}
             try:
                 row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len))
             except InvalidConfigError as e:  # e.g. FULL_DECODE_ONLY on CPU: no device graphs there

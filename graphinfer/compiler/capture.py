@@ -61,6 +61,12 @@ class DecodeGraphs:
         self.output: Tensor | None = None  # the static output all graphs write their first rows of
         self.graphs: dict[int, object] = {}
 
+    def _staged(self, x: np.ndarray) -> Tensor:
+        # A pinned copy (the caching host allocator holds it until the copy ran): the persistent host arrays
+        # can be rewritten for the next step while this one's copy still waits in the stream.
+        t = torch.from_numpy(x)
+        return t.pin_memory() if self._dev64.device.type != "cpu" else t
+
     @property
     def max_size(self) -> int:
         return self.sizes[-1]
@@ -103,8 +109,10 @@ class DecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def replay(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-               block_tables: np.ndarray, seq_lens: np.ndarray) -> Tensor:
-        """Run the graph for a decode batch given as host arrays; returns the first B rows of its output."""
+               block_tables: np.ndarray, seq_lens: np.ndarray,
+               fill_pending: Callable[[Tensor], None] | None = None) -> Tensor:
+        """Run the graph for a decode batch given as host arrays; returns the first B rows of its output.
+        fill_pending(static input_ids) writes ids that are still on the device (async scheduling)."""
         b, width = block_tables.shape
         bs = self.bucket(b)
         n, w = self.max_size, self.block_tables.shape[1]
@@ -115,8 +123,10 @@ class DecodeGraphs:
         lens[:b], lens[b:bs] = seq_lens, 0  # ... and attend to nothing
         tables[:b, :width] = block_tables
         tables[b:bs] = 0
-        self._dev64.copy_(torch.from_numpy(self._host64))
-        self._dev32[:n + bs * w].copy_(torch.from_numpy(self._host32[:n + bs * w]))
+        self._dev64.copy_(self._staged(self._host64), non_blocking=True)
+        self._dev32[:n + bs * w].copy_(self._staged(self._host32[:n + bs * w]), non_blocking=True)
+        if fill_pending is not None:
+            fill_pending(self.input_ids)
         self.platform.before_graph_replay(self.graphs[bs], lens[:bs].copy())  # e.g. Ascend: patch FIA's lengths
         self.graphs[bs].replay()
         return self.output[:b]

@@ -44,6 +44,15 @@ class Platform:
     def memory_allocated(self, device: torch.device) -> int:
         return self.device_module.memory_allocated(device) if self.device_module is not None else 0
 
+    def record_event(self, device: torch.device):
+        """An event recorded on the current stream, for waiting on the work issued so far alone (async
+        scheduling); None where work is done when the call returns (a cpu device)."""
+        if device.type == "cpu":
+            return None
+        event = self.device_module.Event()
+        event.record()
+        return event
+
     # ----- device graphs -----
     def new_stream(self):
         return self.device_module.Stream()

@@ -28,11 +28,12 @@ class LLM:
     max_num_seqs by default; LM head inside the graphs unless capture_lm_head=False) and replays them for
     decode steps. kernels: the platform's op implementations (None: its default; "reference": PyTorch).
     npu_compiler="torchair": torchair compiles the fused graph and captures ACL graphs (npu, graph_mode NONE).
+    async_scheduling: prepare and launch each step while the previous one runs (see LLMEngine).
     """
 
     def __init__(self, model: str = "", *, dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, async_scheduling: bool = False,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: int | None = None, seed: int = 0, device: str = "auto",
                  passes: str | list[str] = "default", graph_mode: str | None = None, capture_sizes: list[int] | None = None,
@@ -49,7 +50,7 @@ class LLM:
             ModelConfig(model, dtype, max_model_len, seed, device),
             CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization,
                         num_gpu_blocks_override),
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, async_scheduling),
             CompileConfig(graph_mode, passes, capture_sizes, capture_lm_head, kernels, npu_compiler),
             artifact,
         ))

@@ -1,6 +1,14 @@
-"""LLMEngine: requests in, one scheduled + executed + sampled step at a time, RequestOutputs out."""
+"""LLMEngine: requests in, one scheduled + executed + sampled step at a time, RequestOutputs out.
+
+With async scheduling (vLLM's --async-scheduling) the host does not wait for a step's sampled tokens before
+scheduling and launching the next: step N+1 is prepared and launched while step N runs on the device, its
+input ids taken from step N's sampled tokens on the device, and step N's tokens are then appended, checked
+for stops and returned while step N+1 runs. The price: a request that stops on a token (eos, stop ids or
+strings) has computed one more row, which is dropped; requests that stop on length never do.
+"""
 import itertools
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -20,11 +28,21 @@ from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from graphinfer.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
 from graphinfer.runtime.model_runner import ModelRunner
 from graphinfer.runtime.sampler import SamplerOutput
-from graphinfer.runtime.scheduler import Scheduler
+from graphinfer.runtime.scheduler import Scheduler, SchedulerOutput
 from graphinfer.runtime.sequence import Sequence, SequenceStatus
 from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens are not yet read on the host (async scheduling)."""
+    sched: SchedulerOutput
+    rows: list[Sequence]  # the sequences that sample, row i of `sampled`
+    sampled: SamplerOutput  # on the device: the next step's pending input ids come from here
+    host: SamplerOutput  # its non-blocking host copy, valid once `event` has completed
+    event: object  # None on cpu
 
 
 class LLMEngine:
@@ -61,6 +79,8 @@ class LLMEngine:
             self.capture_stats = self.model_runner.capture_decode_graphs(
                 self.capture_sizes, self.max_model_len, config.compile_config.capture_lm_head)
         self.scheduler = Scheduler(sc, cc, self.model_runner.num_blocks)
+        self.async_scheduling = sc.async_scheduling
+        self._in_flight: _InFlight | None = None
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
@@ -190,25 +210,83 @@ class LLMEngine:
     # ----- stepping -----
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step. Returns an output for each request that got a token (with
-        output_kind FINAL_ONLY: only once it finished), after which the engine forgets finished ones."""
-        sched = self.scheduler.schedule()
+        output_kind FINAL_ONLY: only once it finished), after which the engine forgets finished ones.
+        With async scheduling, the tokens returned are the previous step's."""
+        if self.async_scheduling:
+            return self._step_async()
+        sched = self._schedule()
         if not sched.scheduled:
-            if self.scheduler.has_unfinished() and not sched.preempted:
-                raise GraphinferError("Scheduler made no progress with requests pending; this is a bug.")
             return []
         rows, sampled = self.model_runner.execute_model(sched)
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            self.scheduler.block_manager.cache_full_blocks(seq)
+        self._advance(sched)
+        if sampled is None:
+            return []
+        return self._process(rows, sampled.to_host())
+
+    def _step_async(self) -> list[RequestOutput]:
         outputs = []
-        if sampled is not None:
-            tokens = sampled.sampled_token_ids.tolist()
-            for i, seq in enumerate(rows):
-                self._append(seq, tokens[i], sampled, i)
-                if seq.is_finished or seq.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
-                    outputs.append(self._output(seq))
-                if seq.is_finished:
-                    del self.requests[seq.request_id]
+        if self._in_flight is not None and self._needs_host_tokens():
+            outputs = self._finish_in_flight()  # penalties count output tokens: they must be on the host
+        sched = self._schedule(in_flight=self._in_flight is not None)
+        launched = None
+        if sched.scheduled:
+            prev = self._in_flight.sampled.sampled_token_ids if self._in_flight is not None else None
+            rows, sampled = self.model_runner.execute_model(sched, prev)
+            for seq, n in sched.scheduled:
+                seq.num_computed_tokens += n
+            if sampled is not None:
+                for i, seq in enumerate(rows):
+                    seq.num_pending += 1
+                    seq.pending_row = i
+                launched = _InFlight(sched, rows, sampled, sampled.to_host(non_blocking=True),
+                                     self.platform.record_event(self.device))
+            else:  # only mid-prompt chunks: nothing to wait for
+                self._advance(sched, computed=False)
+        outputs += self._finish_in_flight()
+        self._in_flight = launched
+        return outputs
+
+    def _needs_host_tokens(self) -> bool:
+        return any(seq.num_pending and seq.sampling_params.has_penalties for seq in self.scheduler.running)
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return []
+        if step.event is not None:
+            step.event.synchronize()
+        for seq in step.rows:
+            seq.num_pending -= 1
+        outputs = self._process(step.rows, step.host)
+        self._advance(step.sched, computed=False)  # after the tokens landed: full blocks can be hashed
+        return outputs
+
+    def _schedule(self, in_flight: bool = False) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled and not in_flight and self.scheduler.has_unfinished() and not sched.preempted:
+            raise GraphinferError("Scheduler made no progress with requests pending; this is a bug.")
+        return sched
+
+    def _advance(self, sched: SchedulerOutput, computed: bool = True) -> None:
+        """After a step ran: count its tokens as computed, and offer newly full blocks to the prefix cache."""
+        for seq, n in sched.scheduled:
+            if computed:
+                seq.num_computed_tokens += n
+            if not seq.is_finished:
+                self.scheduler.block_manager.cache_full_blocks(seq)
+
+    def _process(self, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+        """Append each row's sampled token (on the host), check stops, and build the outputs."""
+        outputs = []
+        tokens = sampled.sampled_token_ids.tolist()
+        for i, seq in enumerate(rows):
+            if seq.is_finished:  # aborted, or stopped a step earlier (async scheduling): its token is dropped
+                continue
+            self._append(seq, tokens[i], sampled, i)
+            if seq.is_finished or seq.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(seq))
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
         return outputs
 
     def _append(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int) -> None:
@@ -241,7 +319,7 @@ class LLMEngine:
                 if hit is not None:
                     seq.output_text, seq.stop_reason = hit
                     return "stop"
-        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(seq.output_token_ids) >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 

@@ -33,6 +33,17 @@ class HostInputs:
     seq_lens: np.ndarray  # [B] int32
     logits_indices: np.ndarray  # [rows] int64
     rows: list[Sequence]
+    # Async scheduling: input_ids[pending_dst[i]] is row pending_src[i] of the in-flight step's sampled tokens,
+    # which are still on the device (input_ids holds 0 there until the device fills it in).
+    pending_dst: list[int]
+    pending_src: list[int]
+
+    def pending_index(self) -> np.ndarray | None:
+        """[2, P] int64 (dst; src), or None when the pending ids are simply the first P sampled ones, in order."""
+        n = len(self.pending_dst)
+        if self.pending_dst == self.pending_src == list(range(n)):
+            return None
+        return np.array([self.pending_dst, self.pending_src], dtype=np.int64)
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -85,11 +96,16 @@ class ModelRunner:
         (last token of each sequence that completes its prompt or decodes) whose logits get sampled."""
         bs = self.block_size
         input_ids, positions, query_start_loc, seq_lens, logits_indices, rows = [], [], [0], [], [], []
-        tables = []
+        tables, pending_dst, pending_src = [], [], []
         for seq, n in out.scheduled:  # plain lists: per-row numpy calls cost more than they save at batch 256
             start = seq.num_computed_tokens
             if n == 1:
-                input_ids.append(seq.token_ids[start])
+                if start == len(seq.token_ids):  # sampled by the in-flight step: the device fills it in
+                    pending_dst.append(len(input_ids))
+                    pending_src.append(seq.pending_row)
+                    input_ids.append(0)
+                else:
+                    input_ids.append(seq.token_ids[start])
                 positions.append(start)
             else:
                 input_ids.extend(seq.token_ids[start:start + n])
@@ -108,17 +124,34 @@ class ModelRunner:
         row = np.repeat(np.arange(len(tables)), np.diff(query_start_loc))
         slot_mapping = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
         return HostInputs(np.array(input_ids, dtype=np.int64), positions, slot_mapping, block_tables, query_start_loc,
-                          np.array(seq_lens, dtype=np.int32), np.array(logits_indices, dtype=np.int64), rows)
+                          np.array(seq_lens, dtype=np.int32), np.array(logits_indices, dtype=np.int64), rows,
+                          pending_dst, pending_src)
 
-    def prepare_inputs(self, out: SchedulerOutput):
+    def to_device(self, x: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(x)
+        # Pinned staging (the caching host allocator keeps the block until the copy ran): no host stall.
+        return (t.pin_memory() if self.device.type != "cpu" else t).to(self.device, non_blocking=True)
+
+    def fill_pending(self, input_ids: torch.Tensor, h: HostInputs, prev_tokens: torch.Tensor | None) -> None:
+        """Async scheduling: write the in-flight step's sampled ids into input_ids, on the device."""
+        if not h.pending_dst:
+            return
+        index = h.pending_index()
+        if index is None:
+            n = len(h.pending_dst)
+            input_ids[:n].copy_(prev_tokens[:n])
+        else:
+            dst, src = self.to_device(index)
+            input_ids[dst] = prev_tokens[src]
+
+    def prepare_inputs(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None):
         """host_inputs moved to the device: (input_ids, positions, attention metadata, logits_indices, rows)."""
         h = self.host_inputs(out)
-
-        def t(x):
-            return torch.from_numpy(x).to(self.device, non_blocking=True)
-
+        t = self.to_device
+        input_ids = t(h.input_ids)
+        self.fill_pending(input_ids, h, prev_tokens)
         md = AttentionMetadata(t(h.slot_mapping), t(h.block_tables), t(h.query_start_loc), t(h.seq_lens))
-        return t(h.input_ids), t(h.positions), md, t(h.logits_indices), h.rows
+        return input_ids, t(h.positions), md, t(h.logits_indices), h.rows
 
     def capture_decode_graphs(self, sizes: list[int], max_model_len: int, lm_head_in_graph: bool = True,
                               progress: bool = True) -> CaptureStats:
@@ -138,18 +171,21 @@ class ModelRunner:
         return g is not None and len(out.scheduled) <= g.max_size and all(n == 1 for _, n in out.scheduled)
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput | None]:
-        """Run one step; returns the sequences that sample this step and the sampler's output."""
+    def execute_model(self, out: SchedulerOutput,
+                      prev_tokens: torch.Tensor | None = None) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Run one step; returns the sequences that sample this step and the sampler's output, on the device
+        (nothing here waits for the device). prev_tokens: the in-flight step's sampled ids (async scheduling)."""
         if self._replayable(out):
             h = self.host_inputs(out)
-            result = self.decode_graphs.replay(h.input_ids, h.positions, h.slot_mapping, h.block_tables, h.seq_lens)
+            result = self.decode_graphs.replay(h.input_ids, h.positions, h.slot_mapping, h.block_tables, h.seq_lens,
+                                               fill_pending=lambda ids: self.fill_pending(ids, h, prev_tokens))
             if not h.rows:
                 return h.rows, None
             if len(h.rows) < len(out.scheduled):  # a 1-token prompt chunk that does not end its prompt
-                result = result[torch.from_numpy(h.logits_indices).to(self.device)]
+                result = result[self.to_device(h.logits_indices)]
             logits = result if self.lm_head_in_graph else self.model.compute_logits(result)
             return h.rows, self.sampler(logits, h.rows)
-        input_ids, positions, md, logits_indices, rows = self.prepare_inputs(out)
+        input_ids, positions, md, logits_indices, rows = self.prepare_inputs(out, prev_tokens)
         hidden = self.graph(input_ids, positions, md)
         if not rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet
             return rows, None

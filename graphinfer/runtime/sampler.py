@@ -5,19 +5,24 @@ Order: raw logprobs -> min_tokens mask -> penalties -> greedy argmax | temperatu
 from the row's own generator so a seeded request samples the same tokens whatever else is in the batch.
 Logprobs are computed only when some row asks for them.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 
 @dataclass
 class SamplerOutput:
-    """On the host (one device-to-host copy per step). The logprob fields are None when no row asked."""
+    """On the sampler's device; to_host() copies it over. The logprob fields are None when no row asked."""
     sampled_token_ids: torch.Tensor  # [B] int64
     sampled_logprobs: torch.Tensor | None  # [B] float32, raw log_softmax at the sampled token
     sampled_ranks: torch.Tensor | None  # [B] int64, 1 = most likely under the raw logits
     topk_token_ids: torch.Tensor | None  # [B, N] int64, N = max requested logprobs (0 if none asked)
     topk_logprobs: torch.Tensor | None  # [B, N] float32, raw log_softmax
+
+    def to_host(self, non_blocking: bool = False) -> "SamplerOutput":
+        """Host copies. non_blocking: into pinned memory, valid once the device has done the work issued so far."""
+        return SamplerOutput(*(None if t is None else t.to("cpu", non_blocking=non_blocking)
+                               for t in (getattr(self, f.name) for f in fields(self))))
 
 
 class Sampler:
@@ -70,17 +75,17 @@ class Sampler:
                 sampled[idx] = drawn
 
         if not asked:
-            return SamplerOutput(sampled.cpu(), None, None, None, None)
+            return SamplerOutput(sampled, None, None, None, None)
         sampled_lp = raw_lp.gather(1, sampled[:, None])
         ranks = torch.count_nonzero(raw_lp > sampled_lp, dim=-1) + 1
         topk_lp, topk_ids = torch.topk(raw_lp, min(max(asked), raw_lp.shape[-1]), dim=-1)
-        return SamplerOutput(sampled.cpu(), sampled_lp[:, 0].cpu(), ranks.cpu(), topk_ids.cpu(), topk_lp.cpu())
+        return SamplerOutput(sampled, sampled_lp[:, 0], ranks, topk_ids, topk_lp)
 
     def _apply_min_tokens(self, x, rows, params):
         # Like vLLM, eos is masked even with ignore_eos (it's in the request's stop set either way).
         r_idx, t_idx = [], []
         for i, (row, p) in enumerate(zip(rows, params)):
-            if len(row.output_token_ids) < p.min_tokens:
+            if row.num_output_tokens < p.min_tokens:  # counting a token still on its way to the host
                 stops = set(p.stop_token_ids) | self.eos_token_ids
                 r_idx += [i] * len(stops)
                 t_idx += sorted(stops)

@@ -8,6 +8,10 @@ sequence needs a block and none is free, the most recently admitted one is preem
 freed (their hashes kept, so its recompute is mostly prefix-cache hits) and it goes back to the front
 of the waiting queue. A request that could never fit is refused at admission (engine), so a sequence
 running alone always has room and the scheduler always makes progress.
+
+With async scheduling a sequence may have a token still on its way from the device (num_pending): it is
+scheduled as a decode all the same, except when that token is its last (max_tokens), and after a
+preemption it is not re-admitted before the token lands.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,6 +51,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and seq.num_output_tokens >= seq.max_tokens:
+                i += 1  # async scheduling: its last token is on the way; it ends on length once that lands
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, n):
                 victim = self.running.pop()
@@ -65,6 +72,8 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with a token on its way (async scheduling): admit it once it lands
+                break
             cached = self.block_manager.find_cached_blocks(seq)
             n = seq.num_tokens - len(cached) * self.block_manager.block_size
             if n > budget and not self.config.enable_chunked_prefill:

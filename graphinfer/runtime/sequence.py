@@ -25,6 +25,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served by prefix-cache hits at the first schedule
+        # Async scheduling: tokens sampled on the device but not yet seen on the host (they count in num_tokens,
+        # so the next step can be scheduled; their ids reach the next forward on the device).
+        self.num_pending = 0
+        self.pending_row = 0  # the row of the in-flight step's sampled tokens that holds the pending one
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
         self.generator: torch.Generator | None = None  # set by the engine (on its device) for a seeded request
@@ -37,7 +41,11 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:
