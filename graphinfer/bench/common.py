@@ -126,7 +126,10 @@ def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
             dt = time.perf_counter() - t
             rec = current.pop()
             rec.seconds = dt
-            log.steps.append(rec)
+            if rec.kind == "idle" and log.steps:  # it only waited for the step before (async scheduling)
+                log.steps[-1].seconds += dt
+            else:
+                log.steps.append(rec)
             finished.extend(o for o in outs if o.finished)
             if until is not None and until(outs):
                 break
