@@ -1,6 +1,7 @@
 """The OpenAI-compatible server as a real `graphinfer serve` process on loopback.
 
-One SmolLM2 server (fp32, --max-model-len 256) answers the official `openai` client and the bad inputs;
+One SmolLM2 server (fp32, --max-model-len 256, --async-scheduling, so that the answers are also checked
+against the synchronous offline engine) answers the official `openai` client and the bad inputs;
 a tiny-llama server with --api-key checks authentication; another tiny-llama server is stopped with SIGTERM.
 All three start together at the beginning of the module, so their start-up overlaps.
 """
@@ -24,7 +25,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     with running_servers({
-        "smol": ["--dtype", "float32", "--max-model-len", "256", "--served-model-name", MODEL],
+        "smol": ["--dtype", "float32", "--max-model-len", "256", "--served-model-name", MODEL, "--async-scheduling"],
         "keyed": ["tiny-llama", "--api-key", "secret", "--max-model-len", "256"],
         "sigterm": ["tiny-llama", "--max-model-len", "1024"],
     }, tmp_path_factory.mktemp("servers")) as launched:
