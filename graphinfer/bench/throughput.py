@@ -249,8 +249,8 @@ def run_hf(path: str, dtype: torch.dtype, device: str, workload: Workload, tempe
 
 
 def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("NONE",), max_num_seqs=(256,),
-        async_scheduling=(False,), capture_sizes: list[int] | None = None, passes: str = "default", num_prompts: int = 256, min_len: int = 100,
-        max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
+        async_scheduling=(False,), capture_sizes: list[int] | None = None, passes: str = "default",
+        num_prompts: int = 256, min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
         hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None) -> dict:
     """Every (graph mode, async scheduling, max_num_seqs) configuration on the same workload; optionally HF too."""

@@ -27,6 +27,13 @@ from graphinfer.platforms import Platform
 logger = logging.getLogger(__name__)
 
 
+def staged(x: np.ndarray, device: torch.device) -> Tensor:
+    """x as the source of a non-blocking copy to `device`: a pinned copy off cpu (the caching host allocator
+    holds it until the copy ran), so the host can rewrite x, or go on, while the copy waits in the stream."""
+    t = torch.from_numpy(x)
+    return t.pin_memory() if device.type != "cpu" else t
+
+
 @dataclass
 class CaptureStats:
     sizes: list[int]
@@ -60,12 +67,6 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one query row per request
         self.output: Tensor | None = None  # the static output all graphs write their first rows of
         self.graphs: dict[int, object] = {}
-
-    def _staged(self, x: np.ndarray) -> Tensor:
-        # A pinned copy (the caching host allocator holds it until the copy ran): the persistent host arrays
-        # can be rewritten for the next step while this one's copy still waits in the stream.
-        t = torch.from_numpy(x)
-        return t.pin_memory() if self._dev64.device.type != "cpu" else t
 
     @property
     def max_size(self) -> int:
@@ -123,8 +124,9 @@ class DecodeGraphs:
         lens[:b], lens[b:bs] = seq_lens, 0  # ... and attend to nothing
         tables[:b, :width] = block_tables
         tables[b:bs] = 0
-        self._dev64.copy_(self._staged(self._host64), non_blocking=True)
-        self._dev32[:n + bs * w].copy_(self._staged(self._host32[:n + bs * w]), non_blocking=True)
+        device = self._dev64.device
+        self._dev64.copy_(staged(self._host64, device), non_blocking=True)
+        self._dev32[:n + bs * w].copy_(staged(self._host32[:n + bs * w], device), non_blocking=True)
         if fill_pending is not None:
             fill_pending(self.input_ids)
         self.platform.before_graph_replay(self.graphs[bs], lens[:bs].copy())  # e.g. Ascend: patch FIA's lengths

@@ -96,8 +96,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        # Only blocks whose tokens are all known: under async scheduling the last computed one may be in flight.
-        for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, len(seq.token_ids)) // bs):
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = hash((seq.block_hashes[-1] if seq.block_hashes else None, tokens))
             seq.block_hashes.append(h)

@@ -218,14 +218,16 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         rows, sampled = self.model_runner.execute_model(sched)
-        self._advance(sched)
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+        self._cache_full_blocks(sched)
         if sampled is None:
             return []
         return self._process(rows, sampled.to_host())
 
     def _step_async(self) -> list[RequestOutput]:
         outputs = []
-        if self._in_flight is not None and self._needs_host_tokens():
+        if self._in_flight is not None and any(s.sampling_params.has_penalties for s in self._in_flight.rows):
             outputs = self._finish_in_flight()  # penalties count output tokens: they must be on the host
         sched = self._schedule(in_flight=self._in_flight is not None)
         launched = None
@@ -241,13 +243,10 @@ class LLMEngine:
                 launched = _InFlight(sched, rows, sampled, sampled.to_host(non_blocking=True),
                                      self.platform.record_event(self.device))
             else:  # only mid-prompt chunks: nothing to wait for
-                self._advance(sched, computed=False)
+                self._cache_full_blocks(sched)
         outputs += self._finish_in_flight()
         self._in_flight = launched
         return outputs
-
-    def _needs_host_tokens(self) -> bool:
-        return any(seq.num_pending and seq.sampling_params.has_penalties for seq in self.scheduler.running)
 
     def _finish_in_flight(self) -> list[RequestOutput]:
         step, self._in_flight = self._in_flight, None
@@ -258,7 +257,7 @@ class LLMEngine:
         for seq in step.rows:
             seq.num_pending -= 1
         outputs = self._process(step.rows, step.host)
-        self._advance(step.sched, computed=False)  # after the tokens landed: full blocks can be hashed
+        self._cache_full_blocks(step.sched)  # only now: a block's last token may have been in flight
         return outputs
 
     def _schedule(self, in_flight: bool = False) -> SchedulerOutput:
@@ -267,11 +266,9 @@ class LLMEngine:
             raise GraphinferError("Scheduler made no progress with requests pending; this is a bug.")
         return sched
 
-    def _advance(self, sched: SchedulerOutput, computed: bool = True) -> None:
-        """After a step ran: count its tokens as computed, and offer newly full blocks to the prefix cache."""
-        for seq, n in sched.scheduled:
-            if computed:
-                seq.num_computed_tokens += n
+    def _cache_full_blocks(self, sched: SchedulerOutput) -> None:
+        """Offer the blocks a step filled with known tokens to the prefix cache."""
+        for seq, _ in sched.scheduled:
             if not seq.is_finished:
                 self.scheduler.block_manager.cache_full_blocks(seq)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphinfer.compiler.capture import CaptureStats, DecodeGraphs
+from graphinfer.compiler.capture import CaptureStats, DecodeGraphs, staged
 from graphinfer.config import CacheConfig
 from graphinfer.models.layers import AttentionMetadata, PagedAttention
 from graphinfer.platforms import Platform
@@ -128,9 +128,7 @@ class ModelRunner:
                           pending_dst, pending_src)
 
     def to_device(self, x: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(x)
-        # Pinned staging (the caching host allocator keeps the block until the copy ran): no host stall.
-        return (t.pin_memory() if self.device.type != "cpu" else t).to(self.device, non_blocking=True)
+        return staged(x, self.device).to(self.device, non_blocking=True)
 
     def fill_pending(self, input_ids: torch.Tensor, h: HostInputs, prev_tokens: torch.Tensor | None) -> None:
         """Async scheduling: write the in-flight step's sampled ids into input_ids, on the device."""

@@ -64,6 +64,20 @@ def _attend_tile(q, m, l, acc, allowed, tok, tok_mask, page_row_ptr, k_cache_ptr
 
 
 @triton.jit
+def _decode_row(qsl_ptr, req, MIXED: tl.constexpr):
+    """(query row of request req, whether it is a decode). Mixed batch: only q_len 1 requests are the decode
+    kernels' (the prefill kernel writes the others). Pure decode: row i is request i, whatever query_start_loc
+    says about padded requests."""
+    if MIXED:
+        row = tl.load(qsl_ptr + req)
+        is_decode = tl.load(qsl_ptr + req + 1) - row == 1
+    else:
+        row = req
+        is_decode = req >= 0
+    return row, is_decode
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
                    part_acc_ptr, part_ml_ptr, qk_scale, n_kv_heads, group, head_size, block_size, num_splits,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
@@ -74,14 +88,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, s
     split = pid % num_splits
     kv_head = (pid // num_splits) % n_kv_heads
     req = pid // num_splits // n_kv_heads
-    seq_len = tl.load(seq_lens_ptr + req)
-    if MIXED:  # only q_len 1 requests are ours; the prefill kernel writes the others
-        row = tl.load(qsl_ptr + req)
-        is_decode = tl.load(qsl_ptr + req + 1) - row == 1
-        seq_len = tl.where(is_decode, seq_len, 0)
-    else:  # pure decode: row i is request i, whatever query_start_loc says about padded requests
-        row = req
-        is_decode = req >= 0
+    row, is_decode = _decode_row(qsl_ptr, req, MIXED)
+    seq_len = tl.where(is_decode, tl.load(seq_lens_ptr + req), 0)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -124,12 +132,7 @@ def _combine_kernel(part_acc_ptr, part_ml_ptr, qsl_ptr, out_ptr, n_q_heads, head
     pid = tl.program_id(0)  # = request * Hq + head, the partials' row
     req = pid // n_q_heads
     head = pid % n_q_heads
-    if MIXED:
-        row = tl.load(qsl_ptr + req)
-        is_decode = tl.load(qsl_ptr + req + 1) - row == 1
-    else:
-        row = req
-        is_decode = req >= 0
+    row, is_decode = _decode_row(qsl_ptr, req, MIXED)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < num_splits
