@@ -4,6 +4,7 @@ import logging
 import os
 import sys
 
+from graphinfer.config import GRAPH_MODES
 from graphinfer.errors import GraphinferError
 
 
@@ -23,19 +24,29 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> Non
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto (the detected platform: cuda, npu or cpu) or a torch device")
     g.add_argument("--passes", default="default", help="'default', 'none' or a comma-separated list of pass names")
-    g.add_argument("--graph-mode", default=None, choices=["NONE", "FULL_DECODE_ONLY"],
-                   help="NONE (default; an artifact's own mode): run eagerly; FULL_DECODE_ONLY: replay captured "
-                        "device graphs for decode steps")
-    g.add_argument("--capture-sizes", default=None,
-                   help="comma-separated decode batch sizes to capture (default: vLLM's list up to max-num-seqs)")
+    _add_graph_mode_args(g)
     g.add_argument("--no-capture-lm-head", dest="capture_lm_head", action="store_false",
-                   help="FULL_DECODE_ONLY: keep the LM head out of the decode graphs")
+                   help="full decode graphs: keep the LM head out of them")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--kernels", "--npu-kernels", dest="kernels", default=None,
                    help="op implementations: the platform's default, 'reference', or on npu 'triton' | 'torch_npu' "
                         "| per op, e.g. 'torch_npu,paged_attention=triton'")
     g.add_argument("--npu-compiler", default=None, choices=["torchair", "torchair:reduce-overhead"],
                    help="npu: hand the fused graph to torchair (ACL graphs; use with --graph-mode NONE)")
+
+
+def _add_graph_mode_args(g) -> None:
+    g.add_argument("--graph-mode", default=None, choices=GRAPH_MODES,
+                   help="default: the artifact's mode, else the platform's (FULL_AND_PIECEWISE on cuda / npu, NONE on "
+                        "cpu). NONE: eager; PIECEWISE: the graph split at attention, pieces replayed per token "
+                        "count; FULL_DECODE_ONLY: full graphs for decode steps; FULL_AND_PIECEWISE: both")
+    g.add_argument("--capture-sizes", default=None,
+                   help="comma-separated sizes to capture: decode batch sizes (full graphs, those <= max-num-seqs) "
+                        "and token counts (pieces); default: vLLM's list up to --max-capture-size")
+    g.add_argument("--max-capture-size", type=int, default=None,
+                   help="largest default capture size (default: min(2 * max-num-seqs, 512))")
+    g.add_argument("--splitting-ops", default=None,
+                   help="comma-separated ops that run eagerly between the pieces (default: graphinfer::paged_attention)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -61,8 +72,13 @@ def _engine_kwargs(args) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
                 seed=args.seed, device=args.device,
                 passes=args.passes, graph_mode=args.graph_mode, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                capture_sizes=[int(s) for s in args.capture_sizes.split(",")] if args.capture_sizes else None,
+                capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
+                max_capture_size=args.max_capture_size, splitting_ops=_splitting_ops(args),
                 capture_lm_head=args.capture_lm_head, kernels=args.kernels, npu_compiler=args.npu_compiler)
+
+
+def _splitting_ops(args) -> list[str] | None:
+    return _csv(args.splitting_ops) if args.splitting_ops else None
 
 
 def _serve(args) -> None:
@@ -114,10 +130,12 @@ def _compile(args) -> None:
     from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
     from graphinfer.runtime.llm_engine import LLMEngine
 
-    sizes = [int(s) for s in args.capture_sizes.split(",")] if args.capture_sizes else None
+    sizes = _csv(args.capture_sizes, int) if args.capture_sizes else None
     engine = LLMEngine(EngineConfig(  # a 1-block KV cache, no capture: `serve` captures on its own device
         ModelConfig(args.model, args.dtype, device=args.device), CacheConfig(num_gpu_blocks_override=1),
-        SchedulerConfig(max_num_seqs=args.max_num_seqs), CompileConfig(args.graph_mode, args.passes, sizes),
+        SchedulerConfig(max_num_seqs=args.max_num_seqs),
+        CompileConfig(args.graph_mode, args.passes, sizes, max_capture_size=args.max_capture_size,
+                      splitting_ops=_splitting_ops(args)),
         capture_graphs=False))
     manifest = engine.save_artifact(args.output)
     print(f"{pass_table(engine.pass_reports)}\n\ncompiled {manifest['model']['path']} "
@@ -130,7 +148,7 @@ def _passes(args) -> None:
     if args.action == "list":
         print(tools.list_passes())
     elif args.action == "show":
-        print(tools.show(args.model, args.after, args.dtype, args.onnx))
+        print(tools.show(args.model, args.after, args.dtype, args.onnx, split=args.split))
     elif args.action == "diff":
         print(tools.diff(args.model, args.pass_name, args.dtype))
     else:
@@ -174,8 +192,8 @@ def _bench_throughput(args) -> None:
             raise GraphinferError(f"--sweep {spec!r}: use {' or '.join(k + '=V1,V2,...' for k in _SWEEPS)}.")
         name, cast = _SWEEPS[key]
         grid[name] = _csv(values, cast)
-    if bad := [m for m in grid["graph_mode"] if m not in ("NONE", "FULL_DECODE_ONLY")]:
-        raise GraphinferError(f"graph modes {bad}: use NONE or FULL_DECODE_ONLY.")
+    if bad := [m for m in grid["graph_mode"] if m not in GRAPH_MODES]:
+        raise GraphinferError(f"graph modes {bad}: use {', '.join(GRAPH_MODES)}.")
     run(args.model, dtype=args.dtype, device=args.device, graph_modes=grid["graph_mode"],
         max_num_seqs=grid["max_num_seqs"], async_scheduling=grid["async_scheduling"], capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
         passes=args.passes, num_prompts=args.num_prompts, min_len=args.min_len, max_len=args.max_len,
@@ -201,7 +219,7 @@ def _add_offline_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on accelerators, fp32 on CPU) | bfloat16 | ...")
     p.add_argument("--device", default="auto")
     p.add_argument("--passes", default="default", help="compiler passes: 'default', 'none' or a comma-separated list")
-    p.add_argument("--capture-sizes", default=None, help="FULL_DECODE_ONLY batch sizes (default: vLLM's list)")
+    p.add_argument("--capture-sizes", default=None, help="batch sizes / token counts to capture (default: vLLM's list)")
     p.add_argument("--max-model-len", type=int, default=4096, help="clamped to the model's context")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=0)
@@ -233,9 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="trace + optimise a model and write an artifact that generate/serve start from")
     comp.add_argument("model", nargs="?", default="", help="HF checkpoint dir, .gguf file or preset (default: bundled SmolLM2)")
     comp.add_argument("-o", "--output", required=True, help="artifact directory to write")
-    comp.add_argument("--graph-mode", default="NONE", choices=["NONE", "FULL_DECODE_ONLY"])
+    _add_graph_mode_args(comp)
     comp.add_argument("--passes", default="default", help="'default', 'none' or a comma-separated list of pass names")
-    comp.add_argument("--capture-sizes", default=None, help="comma-separated batch sizes (default: vLLM's list)")
     comp.add_argument("--max-num-seqs", type=int, default=256, help="bounds the default capture sizes")
     comp.add_argument("--dtype", default="auto")
     comp.add_argument("--device", default="auto", help="auto (the detected platform) or a torch device")
@@ -250,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="auto")
         if name == "show":
             p.add_argument("--after", default=None, help="show the graph after this pass (default: as traced)")
+            p.add_argument("--split", action="store_true",
+                           help="also split the graph at attention as PIECEWISE capture does and show the pieces")
         if name == "diff":
             p.add_argument("--pass", dest="pass_name", required=True)
         if name == "verify":
@@ -284,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt = bench.add_parser("throughput", help="nano-vllm's offline workload (256 prompts, 100-1024 in/out): tok/s, "
                                              "prefill/decode split, memory roofline; sweeps; vs HF generate_batch")
     _add_offline_bench_args(bt)
-    bt.add_argument("--graph-mode", default="NONE", choices=["NONE", "FULL_DECODE_ONLY"])
+    bt.add_argument("--graph-mode", default="NONE", choices=GRAPH_MODES)
     bt.add_argument("--max-num-seqs", type=int, default=256)
     bt.add_argument("--async-scheduling", action="store_true",
                     help="schedule and launch each step while the previous one runs on the device")
@@ -295,14 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--fixed-output-len", type=int, default=None, help="every request generates N tokens "
                                                                        "(the fixed-512 variant)")
     bt.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
-                    help="max-num-seqs=16,32,..., graph-mode=NONE,FULL_DECODE_ONLY or async-scheduling=off,on "
+                    help="max-num-seqs=16,32,..., graph-mode=NONE,FULL_AND_PIECEWISE,... or async-scheduling=off,on "
                          "(repeat for a grid)")
     bt.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' generate_batch "
                                                                     "(fixed output length: 512 unless given)")
     bt.add_argument("--hf-cuda-graph", action="store_true", help="HF: use_cuda_graph=True, max_memory_percent=0.5")
     bt.set_defaults(func=_bench_throughput)
 
-    bl = bench.add_parser("latency", help="decode step latency per batch size, NONE vs FULL_DECODE_ONLY")
+    bl = bench.add_parser("latency", help="decode step latency per batch size and graph mode")
     _add_offline_bench_args(bl)
     bl.add_argument("--batch-sizes", default="1,8,64,256")
     bl.add_argument("--graph-modes", default="NONE,FULL_DECODE_ONLY")

@@ -90,34 +90,42 @@ class SchedulerConfig:
             raise InvalidConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1.")
 
 
-GRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+# vLLM's CUDAGraphMode names. NONE: eager; FULL_DECODE_ONLY: one full graph per batch size for uniform decode
+# steps; PIECEWISE: the graph split at attention, pieces captured per token count; FULL_AND_PIECEWISE: both.
+GRAPH_MODES = ("NONE", "PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+FULL_GRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+PIECEWISE_GRAPH_MODES = ("PIECEWISE", "FULL_AND_PIECEWISE")
 
 
-def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM's list: [1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16), max = min(max_num_seqs, 512)."""
-    top = min(max_num_seqs, 512)
+def default_capture_sizes(max_size: int) -> list[int]:
+    """vLLM's list: [1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16), max = min(max_size, 512)."""
+    top = min(max_size, 512)
     return [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)] if s <= top]
 
 
 @dataclass
 class CompileConfig:
-    graph_mode: str = "NONE"  # NONE: run the (fused) graph eagerly; FULL_DECODE_ONLY: replay captured decode graphs
+    graph_mode: str | None = None  # one of GRAPH_MODES; None: the platform's default (NONE on cpu)
     passes: str | list[str] = "default"  # "default", "none", "a,b,c" or a list of pass names
-    capture_sizes: list[int] | None = None  # None: default_capture_sizes(max_num_seqs)
-    capture_lm_head: bool = True  # FULL_DECODE_ONLY: the LM head runs inside the decode graphs
+    capture_sizes: list[int] | None = None  # None: default_capture_sizes(max_capture_size)
+    capture_lm_head: bool = True  # full decode graphs: the LM head runs inside them
     kernels: str | None = None  # which op implementations the platform registers; None: its default
     npu_compiler: str | None = None  # "torchair" / "torchair:reduce-overhead": torchair compiles the graph (npu)
+    max_capture_size: int | None = None  # largest default capture size; None: min(2 * max_num_seqs, 512) (vLLM)
+    splitting_ops: list[str] | None = None  # PIECEWISE: ops that run eagerly between pieces; None: attention
 
     def __post_init__(self):
-        if self.graph_mode not in GRAPH_MODES:
+        if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:
             raise InvalidConfigError(f"graph_mode={self.graph_mode!r}: use one of {', '.join(GRAPH_MODES)}.")
         if self.npu_compiler not in (None, "torchair", "torchair:npugraph_ex", "torchair:reduce-overhead"):
             raise InvalidConfigError(f"npu_compiler={self.npu_compiler!r}: use 'torchair' (npugraph_ex mode) or "
                                      f"'torchair:reduce-overhead'.")
-        if self.npu_compiler and self.graph_mode != "NONE":
+        if self.npu_compiler and self.graph_mode not in (None, "NONE"):
             raise InvalidConfigError("npu_compiler='torchair' captures its own ACL graphs: use it with graph_mode='NONE'.")
         if self.capture_sizes is not None and (not self.capture_sizes or min(self.capture_sizes) < 1):
             raise InvalidConfigError(f"capture_sizes={self.capture_sizes} must be positive batch sizes.")
+        if self.max_capture_size is not None and self.max_capture_size < 1:
+            raise InvalidConfigError(f"max_capture_size={self.max_capture_size} must be >= 1.")
 
 
 @dataclass
@@ -127,4 +135,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     compile_config: CompileConfig = field(default_factory=CompileConfig)
     artifact: str | None = None  # a `graphinfer compile` output directory to start from
-    capture_graphs: bool = True  # False: FULL_DECODE_ONLY is checked and recorded but not captured (compile only)
+    capture_graphs: bool = True  # False: the graph mode is checked and recorded but nothing is captured (compile only)

@@ -66,8 +66,9 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1
             result["modes"][mode] = {"unavailable": str(e)}
             print(f"{mode}: unavailable ({e})")
             continue
-        stats = llm.llm_engine.capture_stats
-        entry = {"capture_s": stats.seconds if stats else None, "batches": []}
+        engine = llm.llm_engine
+        entry = {"capture_s": sum(s.seconds for s in (engine.capture_stats, engine.piecewise_capture_stats) if s) or None,
+                 "batches": []}
         for b in batch_sizes:
             m = measure_batch(llm, b, prompt_len, warmup_steps, num_steps, temperature, seed)
             entry["batches"].append(m)

@@ -112,7 +112,7 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
     llm = LLM(model, **engine_kwargs)
     engine = llm.llm_engine
     row = {"init_s": time.perf_counter() - t,
-           "capture_s": engine.capture_stats.seconds if engine.capture_stats else None,
+           "capture_s": sum(s.seconds for s in (engine.capture_stats, engine.piecewise_capture_stats) if s) or None,
            "num_kv_blocks": engine.model_runner.num_blocks}
     warm = warmup_workload(min(len(workload.prompts), engine.config.scheduler_config.max_num_seqs), min_len,
                            engine.hf_config.vocab_size, engine.max_model_len)
@@ -284,7 +284,7 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
               f"tokens; copy bandwidth {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s on {result['env']['device_name']}")
         for mode, a, mns in configs:
-            sizes = ([s for s in capture_sizes if s <= mns] or None) if capture_sizes else None
+            sizes = capture_sizes  # the engine keeps the sizes each kind of graph can use
             kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
                       async_scheduling=a, passes=passes, max_model_len=max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens, seed=seed)

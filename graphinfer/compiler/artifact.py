@@ -2,7 +2,8 @@
 start from without tracing the model or running passes again.
 
   manifest.json  what the graph was compiled for (model fingerprint, versions, platform, dtype, graph mode,
-                 capture sizes, passes with matches and max_abs_error) and how to rebuild fused weights
+                 capture sizes, passes with matches and max_abs_error, the piecewise split) and how to
+                 rebuild fused weights
   graph.py       the fused graph's Python code (torch.fx codegen with its import block)
   report.txt     the pass table and op histogram, for people
 
@@ -10,6 +11,7 @@ Loading rebuilds each fused projection from the checkpoint's weights by the reco
 concatenation, no pass logic) and executes graph.py over the model's modules. An artifact made for other
 weights, graphinfer / torch / python versions, platform or dtype, or whose files were edited, is refused.
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,6 +22,7 @@ from torch import fx, nn
 
 import graphinfer
 from graphinfer.compiler.report import histogram_table, pass_table
+from graphinfer.compiler.split import SplitInfo
 from graphinfer.compiler.trace import op_histogram
 from graphinfer.errors import ArtifactMismatchError
 from graphinfer.passes import PassReport
@@ -45,7 +48,8 @@ def graph_source(gm: fx.GraphModule) -> str:
 
 
 def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *, fingerprint: dict,
-                  device: torch.device, dtype: torch.dtype, graph_mode: str, capture_sizes: list[int]) -> dict:
+                  device: torch.device, dtype: torch.dtype, graph_mode: str, capture_sizes: list[int],
+                  split: SplitInfo | None = None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     source = graph_source(gm)
     manifest = {
@@ -53,6 +57,7 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
         "graph_mode": graph_mode, "capture_sizes": capture_sizes, "passes": [r.to_json() for r in reports],
         "fused_linears": gm.meta.get("fused_linears", {}),
         "graph_sha256": hashlib.sha256(source.encode()).hexdigest(),
+        "split": dataclasses.asdict(split) if split is not None else None,  # PIECEWISE: the pieces around attention
     }
     with open(os.path.join(out_dir, GRAPH), "w") as f:
         f.write(source)
@@ -61,7 +66,8 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
     with open(os.path.join(out_dir, REPORT), "w") as f:
         f.write(f"graphinfer compile report\n\nmodel: {fingerprint['path']}\nplatform: {device.type}, dtype: "
                 f"{manifest['dtype']}, graph mode: {graph_mode}\n\n## Passes\n\n{pass_table(reports)}\n\n"
-                f"## Nodes in the compiled graph ({len(gm.graph.nodes)})\n\n{histogram_table(op_histogram(gm))}\n")
+                f"## Nodes in the compiled graph ({len(gm.graph.nodes)})\n\n{histogram_table(op_histogram(gm))}\n"
+                + (f"\n## Piecewise split\n\n{split.summary()}\n" if split is not None else ""))
     return manifest
 
 

@@ -39,9 +39,10 @@ class CaptureStats:
     sizes: list[int]
     seconds: float
     memory_bytes: int  # device memory the graphs' pool took (free memory before - after)
+    kind: str = "decode graphs"
 
     def summary(self) -> str:
-        return (f"captured {len(self.sizes)} decode graphs (batch sizes {self.sizes[0]}..{self.sizes[-1]}) in "
+        return (f"captured {self.kind} for {len(self.sizes)} sizes ({self.sizes[0]}..{self.sizes[-1]}) in "
                 f"{self.seconds:.1f} s, {self.memory_bytes / 2**20:.0f} MiB")
 
 

@@ -114,13 +114,16 @@ class NpuOps:
                                "only through graphinfer's FULL_DECODE_ONLY decode graphs, which patch them per replay. "
                                "Use kernels='torch_npu,paged_attention=triton' under other graph capture.")
         q_cum, kv_lens, q_lens, empty = self._host_lengths(query_start_loc, seq_lens)
+        rows = q_cum[-1] if q_cum else 0  # query rows past the last request (piecewise padding) come out 0
         out, _ = self.torch_npu.npu_fused_infer_attention_score(
-            query.contiguous(), **kwargs, actual_seq_lengths=q_cum, actual_seq_lengths_kv=kv_lens)
-        if not empty.any():
-            return out
-        # Requests with no context (padded rows) attend to nothing; FIA got a length of >= 1 for them: zero their rows.
-        keep = torch.from_numpy(np.repeat(~empty, q_lens)).to(out.device, non_blocking=True)
-        return torch.where(keep[:, None, None], out, 0.0)
+            query[:rows].contiguous(), **kwargs, actual_seq_lengths=q_cum, actual_seq_lengths_kv=kv_lens)
+        if empty.any():
+            # Requests with no context (padded rows) attend to nothing; FIA got a length of >= 1 for them: zero them.
+            keep = torch.from_numpy(np.repeat(~empty, q_lens)).to(out.device, non_blocking=True)
+            out = torch.where(keep[:, None, None], out, 0.0)
+        if rows < query.shape[0]:
+            out = torch.cat((out, out.new_zeros(query.shape[0] - rows, *out.shape[1:])))
+        return out
 
     def _causal_mask(self, device: torch.device) -> Tensor:
         if device not in self._masks:  # 1 = masked (the strict upper triangle), int8 as vllm-ascend passes it

@@ -44,12 +44,30 @@ def _export(gm: fx.GraphModule, onnx: str | None) -> str:
     return f"\nONNX view written to {onnx} (graphinfer:: ops in the 'graphinfer' domain; open it in Netron)\n"
 
 
-def show(model: str, after: str | None = None, dtype: str = "auto", onnx: str | None = None) -> str:
+def show(model: str, after: str | None = None, dtype: str = "auto", onnx: str | None = None, split: bool = False) -> str:
     passes = pipeline_through(after)
     gm, _ = _compile(model, passes, dtype, check=False)
     title = f"after {' -> '.join(passes)}" if passes else "as traced (no passes)"
     return (f"# {model}: graph {title}, {len(gm.graph.nodes)} nodes\n{gm.code}\n## Op histogram\n\n"
-            f"{histogram_table(op_histogram(gm))}\n{_export(gm, onnx)}")
+            f"{histogram_table(op_histogram(gm))}\n{_export(gm, onnx)}" + (show_split(gm) if split else ""))
+
+
+def show_split(gm: fx.GraphModule) -> str:
+    """The pieces PIECEWISE capture records: the top-level module, a table of pieces, the code of each distinct one."""
+    from graphinfer.compiler.split import split_graph
+
+    s = split_graph(gm)
+    group_of = {i: g[0] for g in s.info.identical_groups for i in g}
+    rows = []
+    for i, piece in enumerate(s.pieces):
+        phs = [n for n in piece.graph.nodes if n.op == "placeholder"]
+        outs = next(n for n in piece.graph.nodes if n.op == "output").args[0]
+        same = "" if group_of[i] == i else f"as piece {group_of[i]}"
+        rows.append(f"| {i} | {s.info.nodes_per_piece[i]} | {len(phs)} | {len(outs)} | {same} |")
+    distinct = "\n".join(f"### piece {i}\n{s.pieces[i].code}" for i in sorted(set(group_of.values())))
+    return (f"\n## Piecewise split\n\n{s.info.summary()}\n\n### top level (runs the pieces and, eagerly, the "
+            f"splitting ops)\n{s.module.code}\n| piece | nodes | inputs | outputs | identical structure |\n"
+            f"|---|---|---|---|---|\n" + "\n".join(rows) + f"\n\n{distinct}")
 
 
 def _describe(node: fx.Node) -> str:

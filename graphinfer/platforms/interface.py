@@ -16,7 +16,8 @@ class Platform:
     device_type: str = ""  # torch device type
     dispatch_key: str = ""  # the dispatch key its op implementations register under ("CUDA", "PrivateUse1")
     dist_backend: str = ""  # torch.distributed backend: gloo / nccl / hccl
-    supports_graph_capture: bool = False  # whether FULL_DECODE_ONLY can capture device graphs here
+    supports_graph_capture: bool = False  # whether graph modes other than NONE can capture device graphs here
+    max_capture_graphs: int | None = None  # device graphs capturable in all (Ascend: its stream budget); None: no limit
 
     def __init__(self):
         self._impl_lib: torch.library.Library | None = None
@@ -54,6 +55,10 @@ class Platform:
         return event
 
     # ----- device graphs -----
+    def default_graph_mode(self, kernels: str | None = None) -> str:
+        """vLLM's default where graphs can be captured: full graphs for decode, pieces for everything else."""
+        return "FULL_AND_PIECEWISE" if self.supports_graph_capture and kernels != "reference" else "NONE"
+
     def new_stream(self):
         return self.device_module.Stream()
 

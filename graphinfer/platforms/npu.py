@@ -108,6 +108,8 @@ class NpuPlatform(Platform):
     dispatch_key = "PrivateUse1"  # torch_npu's device registers as the PrivateUse1 backend
     dist_backend = "hccl"  # registered with torch.distributed by `import torch_npu`
     supports_graph_capture = True
+    # vllm-ascend's budget: ~2048 streams, 1,800 usable for graphs; a piecewise size costs a graph per piece.
+    max_capture_graphs = 1800
 
     def __init__(self, torch_npu=None):
         """torch_npu: the module to call (tests pass tests/npu_emulation.py); None: import it on first use."""

@@ -23,10 +23,14 @@ class LLM:
     a list of names) at start-up, unless `artifact` names a `graphinfer compile` output to start from
     (its model, dtype, graph mode and capture sizes are then the defaults).
 
-    device: "auto" picks the detected platform (cuda, npu, else cpu). graph_mode: "NONE" (default) runs every step
-    eagerly; "FULL_DECODE_ONLY" captures one device graph per size in `capture_sizes` (vLLM's list up to
-    max_num_seqs by default; LM head inside the graphs unless capture_lm_head=False) and replays them for
-    decode steps. kernels: the platform's op implementations (None: its default; "reference": PyTorch).
+    device: "auto" picks the detected platform (cuda, npu, else cpu). graph_mode (vLLM's CUDAGraphMode names;
+    default: the platform's, FULL_AND_PIECEWISE on cuda / npu and NONE on cpu): "NONE" runs every step eagerly;
+    "FULL_DECODE_ONLY" captures one device graph of the whole forward per decode batch size in `capture_sizes`
+    (LM head inside unless capture_lm_head=False) and replays it for uniform decode steps; "PIECEWISE" splits
+    the graph at attention (`splitting_ops`) and captures the pieces per token count, so any step up to the
+    largest size replays them with attention run eagerly in between; "FULL_AND_PIECEWISE" does both. Capture
+    sizes default to vLLM's list up to max_capture_size (min(2 * max_num_seqs, 512)).
+    kernels: the platform's op implementations (None: its default; "reference": PyTorch).
     npu_compiler="torchair": torchair compiles the fused graph and captures ACL graphs (npu, graph_mode NONE).
     async_scheduling: prepare and launch each step while the previous one runs (see LLMEngine).
     """
@@ -38,6 +42,7 @@ class LLM:
                  num_gpu_blocks_override: int | None = None, seed: int = 0, device: str = "auto",
                  passes: str | list[str] = "default", graph_mode: str | None = None, capture_sizes: list[int] | None = None,
                  capture_lm_head: bool = True, kernels: str | None = None, npu_compiler: str | None = None,
+                 max_capture_size: int | None = None, splitting_ops: list[str] | None = None,
                  artifact: str | None = None):
         if artifact:
             manifest = read_manifest(artifact)
@@ -45,13 +50,14 @@ class LLM:
             dtype = manifest["dtype"] if dtype == "auto" else dtype
             graph_mode = graph_mode or manifest["graph_mode"]
             capture_sizes = capture_sizes or manifest["capture_sizes"]
-        graph_mode = graph_mode or "NONE"
+            splitting_ops = splitting_ops or (manifest.get("split") or {}).get("splitting_ops")
         self.llm_engine = LLMEngine(EngineConfig(
             ModelConfig(model, dtype, max_model_len, seed, device),
             CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization,
                         num_gpu_blocks_override),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, async_scheduling),
-            CompileConfig(graph_mode, passes, capture_sizes, capture_lm_head, kernels, npu_compiler),
+            CompileConfig(graph_mode, passes, capture_sizes, capture_lm_head, kernels, npu_compiler, max_capture_size,
+                          splitting_ops),
             artifact,
         ))
 

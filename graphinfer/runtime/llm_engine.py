@@ -16,8 +16,10 @@ from torch import fx
 from graphinfer.compiler import artifact
 from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.fingerprint import model_fingerprint
-from graphinfer.compiler.trace import rebind_buffers
-from graphinfer.config import EngineConfig, default_capture_sizes
+from graphinfer.compiler.piecewise import fit_graph_budget
+from graphinfer.compiler.split import DEFAULT_SPLITTING_OPS, split_graph
+from graphinfer.compiler.trace import rebind_buffers, trace_model
+from graphinfer.config import FULL_GRAPH_MODES, PIECEWISE_GRAPH_MODES, EngineConfig, default_capture_sizes
 from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidConfigError, InvalidRequestError,
                                KVCacheTooSmallError, PromptTooLongError)
 from graphinfer.models.loader import load_model, load_tokenizer
@@ -55,8 +57,12 @@ class LLMEngine:
         self.platform = platform_for_device(str(mc.device).split(":")[0])
         self.platform.activate(config.compile_config.kernels)
         self.device = torch.device(mc.device)
+        comp = config.compile_config
+        if comp.graph_mode is None:
+            comp.graph_mode = self.platform.default_graph_mode(comp.kernels)
         self._check_graph_mode()
-        self.capture_sizes = config.compile_config.capture_sizes or default_capture_sizes(sc.max_num_seqs)
+        self.capture_sizes = comp.capture_sizes or default_capture_sizes(
+            comp.max_capture_size or min(2 * sc.max_num_seqs, 512))
         self.model, self.hf_config = load_model(mc.model, mc.torch_dtype, self.device, mc.seed)
         self.tokenizer = load_tokenizer(mc.model)
         self.max_model_len = self._resolve_max_model_len(mc.max_model_len)
@@ -72,12 +78,19 @@ class LLMEngine:
         if isinstance(self.graph, fx.GraphModule):
             rebind_buffers(self.graph, self.model)  # onto the runner's KV cache
         self.model_runner.graph = self.graph
-        if config.compile_config.npu_compiler:
-            self.model_runner.graph = self._torchair(config.compile_config.npu_compiler)
-        self.capture_stats = None
-        if config.compile_config.graph_mode == "FULL_DECODE_ONLY" and config.capture_graphs:
+        if comp.npu_compiler:
+            self.model_runner.graph = self._torchair(comp.npu_compiler)
+        self.capture_stats = self.piecewise_capture_stats = None
+        if comp.graph_mode in FULL_GRAPH_MODES and config.capture_graphs:
             self.capture_stats = self.model_runner.capture_decode_graphs(
-                self.capture_sizes, self.max_model_len, config.compile_config.capture_lm_head)
+                self._decode_capture_sizes(), self.max_model_len, comp.capture_lm_head)
+        self.split = None
+        if comp.graph_mode in PIECEWISE_GRAPH_MODES:
+            self.split = split_graph(self._fx_graph(), comp.splitting_ops or DEFAULT_SPLITTING_OPS)
+            logger.info("split: %s", self.split.info.summary())
+            if config.capture_graphs:
+                self.piecewise_capture_stats = self.model_runner.capture_piecewise_graphs(
+                    self.split, self._piecewise_capture_sizes(self.split.info.num_pieces))
         self.scheduler = Scheduler(sc, cc, self.model_runner.num_blocks)
         self.async_scheduling = sc.async_scheduling
         self._in_flight: _InFlight | None = None
@@ -86,14 +99,37 @@ class LLMEngine:
 
     def _check_graph_mode(self) -> None:
         cc = self.config.compile_config
-        if cc.graph_mode != "FULL_DECODE_ONLY":
+        if cc.graph_mode == "NONE":
             return
         if not self.platform.supports_graph_capture:
-            raise InvalidConfigError(f"graph_mode='FULL_DECODE_ONLY' replays device graphs (CUDA graphs / ACL graphs); "
+            raise InvalidConfigError(f"graph_mode={cc.graph_mode!r} replays device graphs (CUDA graphs / ACL graphs); "
                                      f"the {self.platform.name} platform has none. Use graph_mode='NONE' there.")
         if cc.kernels == "reference":
             raise InvalidConfigError("kernels='reference' runs the PyTorch reference ops, which read lengths on the "
                                      "host and cannot be captured; use the platform's kernels or graph_mode='NONE'.")
+
+    def _decode_capture_sizes(self) -> list[int]:
+        """Full decode graphs: the capture sizes a decode batch can have (at most max_num_seqs rows)."""
+        mns = self.config.scheduler_config.max_num_seqs
+        return [s for s in self.capture_sizes if s <= mns] or [min(self.capture_sizes)]
+
+    def _piecewise_capture_sizes(self, num_pieces: int) -> list[int]:
+        """Piecewise graphs: the capture sizes a step can have (at most max_num_batched_tokens tokens), within the
+        platform's graph budget (Ascend: its streams) after the full decode graphs took theirs."""
+        mbt = self.config.scheduler_config.max_num_batched_tokens
+        sizes = [s for s in self.capture_sizes if s <= mbt] or [min(self.capture_sizes)]
+        budget = self.platform.max_capture_graphs
+        if budget is None:
+            return sizes
+        if self.config.compile_config.graph_mode in FULL_GRAPH_MODES:
+            budget -= len(self._decode_capture_sizes())
+        return fit_graph_budget(sizes, num_pieces, budget)
+
+    def _fx_graph(self) -> fx.GraphModule:
+        """The fused forward as an fx graph (an artifact's graph.py is re-traced: same nodes, no passes)."""
+        if isinstance(self.graph, fx.GraphModule):
+            return self.graph
+        return trace_model(self.graph)
 
     def _torchair(self, spec: str):
         """The fused graph handed to torchair (it captures ACL graphs itself); self.graph stays the fx module."""
@@ -130,7 +166,7 @@ class LLMEngine:
         return artifact.save_artifact(
             out_dir, self.graph, self.pass_reports, fingerprint=model_fingerprint(mc.model, self.hf_config, mc.seed),
             device=self.device, dtype=mc.torch_dtype, graph_mode=self.config.compile_config.graph_mode,
-            capture_sizes=self.capture_sizes)
+            capture_sizes=self.capture_sizes, split=self.split.info if self.split is not None else None)
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from graphinfer.compiler.capture import CaptureStats, DecodeGraphs, staged
+from graphinfer.compiler.piecewise import PiecewiseGraphs
+from graphinfer.compiler.split import SplitGraph
 from graphinfer.config import CacheConfig
 from graphinfer.models.layers import AttentionMetadata, PagedAttention
 from graphinfer.platforms import Platform
@@ -24,7 +26,7 @@ _CPU_KV_CACHE_BYTES = 1 << 30
 
 @dataclass
 class HostInputs:
-    """One step's flat inputs as host arrays (see prepare_inputs)."""
+    """One step's flat inputs as host arrays (see host_inputs)."""
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
     slot_mapping: np.ndarray  # [T] int64
@@ -64,7 +66,8 @@ class ModelRunner:
         self.graph = model  # what runs the forward: the compiled fx graph once the engine has one
         self.device = device
         self.platform = platform
-        self.decode_graphs: DecodeGraphs | None = None  # FULL_DECODE_ONLY: set by capture_decode_graphs
+        self.decode_graphs: DecodeGraphs | None = None  # FULL_DECODE_ONLY / FULL_AND_PIECEWISE: capture_decode_graphs
+        self.piecewise_graphs: PiecewiseGraphs | None = None  # PIECEWISE / FULL_AND_PIECEWISE: capture_piecewise_graphs
         self.lm_head_in_graph = False
         self.block_size = cache_config.block_size
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
@@ -142,15 +145,6 @@ class ModelRunner:
             dst, src = self.to_device(index)
             input_ids[dst] = prev_tokens[src]
 
-    def prepare_inputs(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None):
-        """host_inputs moved to the device: (input_ids, positions, attention metadata, logits_indices, rows)."""
-        h = self.host_inputs(out)
-        t = self.to_device
-        input_ids = t(h.input_ids)
-        self.fill_pending(input_ids, h, prev_tokens)
-        md = AttentionMetadata(t(h.slot_mapping), t(h.block_tables), t(h.query_start_loc), t(h.seq_lens))
-        return input_ids, t(h.positions), md, t(h.logits_indices), h.rows
-
     def capture_decode_graphs(self, sizes: list[int], max_model_len: int, lm_head_in_graph: bool = True,
                               progress: bool = True) -> CaptureStats:
         """FULL_DECODE_ONLY: record the decode step (up to the logits, or the hidden states) per batch size."""
@@ -164,6 +158,11 @@ class ModelRunner:
                                           max_blocks_per_seq=-(-max_model_len // self.block_size))
         return self.decode_graphs.capture(progress)
 
+    def capture_piecewise_graphs(self, split: SplitGraph, sizes: list[int], progress: bool = True) -> CaptureStats:
+        """PIECEWISE: record the split graph's pieces per token count; attention runs eagerly between them."""
+        self.piecewise_graphs = PiecewiseGraphs(split, self.platform, self.device, sizes)
+        return self.piecewise_graphs.capture(progress)
+
     def _replayable(self, out: SchedulerOutput) -> bool:
         g = self.decode_graphs
         return g is not None and len(out.scheduled) <= g.max_size and all(n == 1 for _, n in out.scheduled)
@@ -172,19 +171,30 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput,
                       prev_tokens: torch.Tensor | None = None) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run one step; returns the sequences that sample this step and the sampler's output, on the device
-        (nothing here waits for the device). prev_tokens: the in-flight step's sampled ids (async scheduling)."""
+        (nothing here waits for the device). prev_tokens: the in-flight step's sampled ids (async scheduling).
+
+        A uniform decode batch replays a full decode graph if there is one of its size; any other step up to
+        the largest piecewise size replays the pieces; the rest run the graph eagerly."""
+        h = self.host_inputs(out)
+        fill_pending = lambda ids: self.fill_pending(ids, h, prev_tokens)  # noqa: E731
+        logits_ready = False
         if self._replayable(out):
-            h = self.host_inputs(out)
-            result = self.decode_graphs.replay(h.input_ids, h.positions, h.slot_mapping, h.block_tables, h.seq_lens,
-                                               fill_pending=lambda ids: self.fill_pending(ids, h, prev_tokens))
-            if not h.rows:
-                return h.rows, None
-            if len(h.rows) < len(out.scheduled):  # a 1-token prompt chunk that does not end its prompt
-                result = result[self.to_device(h.logits_indices)]
-            logits = result if self.lm_head_in_graph else self.model.compute_logits(result)
-            return h.rows, self.sampler(logits, h.rows)
-        input_ids, positions, md, logits_indices, rows = self.prepare_inputs(out, prev_tokens)
-        hidden = self.graph(input_ids, positions, md)
-        if not rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet
-            return rows, None
-        return rows, self.sampler(self.model.compute_logits(hidden[logits_indices]), rows)
+            hidden = self.decode_graphs.replay(h.input_ids, h.positions, h.slot_mapping, h.block_tables, h.seq_lens,
+                                               fill_pending=fill_pending)
+            logits_ready = self.lm_head_in_graph
+        elif self.piecewise_graphs is not None and self.piecewise_graphs.bucket(len(h.input_ids)) is not None:
+            t = self.to_device
+            hidden = self.piecewise_graphs.run(h.input_ids, h.positions, h.slot_mapping, t(h.block_tables),
+                                               t(h.query_start_loc), t(h.seq_lens), fill_pending=fill_pending)
+        else:
+            t = self.to_device
+            input_ids = t(h.input_ids)
+            fill_pending(input_ids)
+            md = AttentionMetadata(t(h.slot_mapping), t(h.block_tables), t(h.query_start_loc), t(h.seq_lens))
+            hidden = self.graph(input_ids, t(h.positions), md)
+        if not h.rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet
+            return h.rows, None
+        if len(h.rows) < len(h.input_ids):  # some rows are not the last of their sequence's scheduled tokens
+            hidden = hidden[self.to_device(h.logits_indices)]
+        logits = hidden if logits_ready else self.model.compute_logits(hidden)
+        return h.rows, self.sampler(logits, h.rows)
