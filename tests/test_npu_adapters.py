@@ -340,7 +340,7 @@ def test_models_through_the_adapters_match_reference(model, monkeypatch):
     platform = EmulatedNpuPlatform(make_torch_npu())
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: platform)
     try:
-        assert _tokens(LLM(model, kernels="torch_npu", **kw)) == expected
+        assert _tokens(LLM(model, kernels="torch_npu", graph_mode="NONE", **kw)) == expected
         llm = LLM(model, kernels="torch_npu", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4], **kw)
         assert _tokens(llm) == expected
         calls = platform.torch_npu.emulation_state.calls
@@ -348,6 +348,12 @@ def test_models_through_the_adapters_match_reference(model, monkeypatch):
         if model.endswith("moe"):
             assert "npu_moe_init_routing_v2" in calls
         assert sorted(len(t) for t in platform.ops.graph_params.tasks.values()) == [2, 2, 2]  # 2 layers per graph
+        # The platform's default, FULL_AND_PIECEWISE: pieces as NPUGraphs, FIA eager (host lengths) on padded
+        # token counts between them; the decode graphs as above.
+        llm = LLM(model, kernels="torch_npu", capture_sizes=[1, 2, 4, 8, 32, 64], **kw)
+        assert llm.llm_engine.config.compile_config.graph_mode == "FULL_AND_PIECEWISE"
+        assert _tokens(llm) == expected
+        assert sorted(llm.llm_engine.model_runner.piecewise_graphs.captured_sizes) == [1, 2, 4, 8, 32, 64]
     finally:
         platform._impl_lib._destroy()  # the CPU key gets the reference ops back
 

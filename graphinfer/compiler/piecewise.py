@@ -133,6 +133,7 @@ class PiecewiseGraphs:
     def _install_runners(self) -> None:
         """Swap each `piece_i` of the split module for a PieceRunner that knows its inputs and outputs' lifetimes."""
         module = self.split.module
+        self.runners: list[PieceRunner] = []
         nodes = list(module.graph.nodes)
         order = {node: i for i, node in enumerate(nodes)}
         for node in nodes:
@@ -144,7 +145,13 @@ class PiecewiseGraphs:
             for user in node.users:  # getitem(piece call, j)
                 assert user.target is operator.getitem
                 ends[user.args[1]] = max(order[u] for u in user.users) if user.users else order[user]
-            setattr(module, node.target, PieceRunner(i, self.split.pieces[i], self, order[node], copied, ends))
+            runner = PieceRunner(i, self.split.pieces[i], self, order[node], copied, ends)
+            setattr(module, node.target, runner)
+            self.runners.append(runner)
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self.runners[0].graphs)
 
     @property
     def max_size(self) -> int:

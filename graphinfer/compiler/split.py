@@ -89,6 +89,9 @@ def split_graph(gm: fx.GraphModule, splitting_ops: tuple[str, ...] | list[str] =
                 inputs[dst].append(node)
             if src is not None and node not in outputs[src]:
                 outputs[src].append(node)
+    order = {n: i for i, n in enumerate(nodes)}
+    for needed in inputs:  # graph inputs and metadata first, so pieces of the same structure take the same args
+        needed.sort(key=lambda n: (n in piece_of or not (n.op == "placeholder" or is_metadata_read(n)), order[n]))
     for i, needed in enumerate(inputs):
         for node in needed:
             if is_metadata_read(node) and node.args[1] not in TOKEN_INDEXED_FIELDS:
