@@ -87,6 +87,15 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = p.graph_pool_handle()
         stream = p.new_stream()
+        with p.capture_session():
+            self._capture_all(pool, stream, progress)
+        p.synchronize()
+        stats = CaptureStats(self.sizes, time.perf_counter() - start, free_before - p.mem_get_info(device)[0])
+        logger.info(stats.summary())
+        return stats
+
+    def _capture_all(self, pool, stream, progress: bool) -> None:
+        p = self.platform
         for bs in tqdm(sorted(self.sizes, reverse=True), desc="Capturing decode graphs", disable=not progress):
             args = self._args(bs)
             out = self.forward(*args)  # warm-up outside the capture: Triton compiles, library handles get created
@@ -100,10 +109,6 @@ class DecodeGraphs:
                 # pool reuse every graph's memory for the next: per-bucket logits would add up to gigabytes.
                 self.output[:bs].copy_(self.forward(*args))
             self.graphs[bs] = graph
-        p.synchronize()
-        stats = CaptureStats(self.sizes, time.perf_counter() - start, free_before - p.mem_get_info(device)[0])
-        logger.info(stats.summary())
-        return stats
 
     def bucket(self, batch: int) -> int | None:
         """The capture size a batch of `batch` rows replays, or None (run eagerly)."""

@@ -179,9 +179,11 @@ class PiecewiseGraphs:
         self.pool, self.stream = p.graph_pool_handle(), p.new_stream()
         self.capturing = True
         try:
-            for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing piecewise graphs", disable=not progress):
-                self.active_size = size
-                self.split.module(self.input_ids[:size], self.positions[:size], self._dummy_metadata(size))
+            with p.capture_session():
+                for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing piecewise graphs",
+                                 disable=not progress):
+                    self.active_size = size
+                    self.split.module(self.input_ids[:size], self.positions[:size], self._dummy_metadata(size))
         finally:
             self.capturing, self.active_size = False, None
         p.synchronize()

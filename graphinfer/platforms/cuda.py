@@ -1,4 +1,8 @@
-"""CUDA: Triton kernels for every graphinfer op, CUDA graphs for FULL_DECODE_ONLY, NCCL."""
+"""CUDA: Triton kernels for every graphinfer op, CUDA graphs (full decode graphs and pieces), NCCL."""
+import contextlib
+import gc
+from unittest import mock
+
 import torch
 
 from graphinfer.platforms.interface import Platform
@@ -24,6 +28,16 @@ class CudaPlatform(Platform):
 
     def graph_capture(self, graph, pool, stream):
         return torch.cuda.graph(graph, pool=pool, stream=stream)
+
+    @contextlib.contextmanager
+    def capture_session(self):
+        """Empty the caches once for the whole loop: torch.cuda.graph empties the allocator's cache (and, where
+        force_cudagraph_gc is set, runs gc.collect) on entering every capture, which adds up over the ~1,500
+        piecewise graphs of the default sizes. vLLM patches the same two calls while it captures."""
+        gc.collect()
+        torch.cuda.empty_cache()
+        with mock.patch("gc.collect", lambda *args, **kwargs: 0), mock.patch("torch.cuda.empty_cache", lambda: None):
+            yield
 
     def op_impls(self, kernels: str | None = None):
         if kernels == "reference":  # debugging aid: PyTorch reference ops (not capture-safe: they sync the host)

@@ -65,6 +65,10 @@ class Platform:
     def graph_class(self) -> type:
         raise NotImplementedError(f"the {self.name} platform has no device graphs")
 
+    def capture_session(self) -> contextlib.AbstractContextManager:
+        """Around a loop that captures many graphs (one per size, or per piece and size)."""
+        return contextlib.nullcontext()
+
     def graph_pool_handle(self):
         return self.device_module.graph_pool_handle()
 
