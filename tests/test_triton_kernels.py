@@ -232,10 +232,10 @@ def test_paged_attention_mixed(n_q, n_kv, head, block_size, dtype):
 
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16)])
 def test_paged_attention_mixed_tiling(block_m, block_n):
-    """Small query/KV tiles: many query tiles per chunk, tiles straddling pages and the causal diagonal."""
+    """Small query/KV tiles: many query tiles per chunk, tiles straddling pages and the causal diagonal.
+    (More flash-kernel cases: tests/test_triton_prefill_attention.py.)"""
     args = _paged_batch(MIXED_Q, MIXED_L, 8, 2, 32, 4, torch.float32, seed=4)
-    _check_attention(args, torch.float32, prefill_block_m=block_m, prefill_block_n=block_n, num_splits=2,
-                     decode_block_n=16)
+    _check_attention(args, torch.float32, block_m=block_m, block_n=block_n)
 
 
 def test_paged_attention_prefill_only():

@@ -8,13 +8,20 @@
    agreement only where NONE's top-2 log-probs are within 1e-3: random bf16 weights produce exact ties).
 3. Capture time and graph memory of the default sizes (FULL_DECODE_ONLY and FULL_AND_PIECEWISE, max_num_seqs
    256 and 512).
+4. Prefill attention (issue 19): the Triton paged_attention op on prompt-shaped batches (1 x 8,192 causal,
+   4 x 256 new rows over 1,024, 16 x 512, 1 x 2,048, and 64 decode rows + one 2,048 chunk), bf16,
+   Qwen3-0.6B heads (16 q / 8 kv heads, head dim 128, block size 16): time and TFLOP/s against torch's
+   scaled_dot_product_attention (flash backend where it applies) on the same tensors made contiguous.
+   FLOPs count the causal part only (4 * head_dim * q_heads per visible (query, key) pair).
 
     python tools/gpu_check.py --output-json OUT.json [--smollm2 PATH.gguf] [--quick]
+    python tools/gpu_check.py --prefill-attention --output-json OUT.json [--quick]     (part 4 alone)
 
---quick uses small shapes and models (a smoke run; also works on CPU for the kernel part under
-TRITON_INTERPRET=1). Exits non-zero if any check fails.
+--quick uses small shapes and models (a smoke run; also works on CPU for the kernel and prefill parts
+under TRITON_INTERPRET=1). Exits non-zero if any check fails.
 """
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -132,6 +139,149 @@ def check_kernels(shapes: dict, T_list, device, bandwidth: float) -> list[dict]:
     return rows
 
 
+# ---- 4. prefill attention (issue 19) ------------------------------------------------------------------------------
+
+# (label, [(q_len, seq_len)] per request (seq_len includes the q_len new rows), target TFLOP/s on the H100)
+PREFILL_CASES = [
+    ("1 x 8192 causal", [(8192, 8192)], 300),
+    ("4 x 256 new rows over 1024", [(256, 1024)] * 4, 100),
+    ("16 x 512 causal", [(512, 512)] * 16, 100),
+    ("1 x 2048 causal", [(2048, 2048)], 100),
+    ("mixed: 64 decode rows (ctx 1024) + one 2048 chunk", [(1, 1024)] * 64 + [(2048, 2048)], None),
+]
+QUICK_PREFILL_CASES = [  # the same kinds of batch, small enough for the CPU interpreter
+    ("1 x 96 causal", [(96, 96)], None),
+    ("4 x 16 new rows over 64", [(16, 64)] * 4, None),
+    ("4 x 32 causal", [(32, 32)] * 4, None),
+    ("mixed: 6 decode rows (ctx 40) + one 48 chunk", [(1, 40)] * 6 + [(48, 48)], None),
+]
+
+
+def causal_flops(reqs, q_heads: int, head_dim: int) -> int:
+    """QK^T and PV multiply-adds (2 FLOPs each) over the (query, key) pairs the causal mask lets through."""
+    pairs = sum(n * (L - n) + n * (n + 1) // 2 for n, L in reqs)
+    return 4 * head_dim * q_heads * pairs
+
+
+def _prefill_batch(reqs, hq, hkv, d, block, dtype, device, gen):
+    """The paged op's arguments for [(q_len, seq_len)] (shuffled pages), and each request's K/V made contiguous
+    ([1, Hkv, seq_len, D] each)."""
+    pages = [-(-L // block) for _, L in reqs]
+    perm = torch.randperm(sum(pages), generator=gen)
+    tables = torch.zeros(len(reqs), max(pages), dtype=torch.int32)
+    o = 0
+    for i, n in enumerate(pages):
+        tables[i, :n] = perm[o:o + n]
+        o += n
+    kc = torch.randn(sum(pages), block, hkv, d, generator=gen).to(dtype).to(device)
+    vc = torch.randn(sum(pages), block, hkv, d, generator=gen).to(dtype).to(device)
+    q = torch.randn(sum(n for n, _ in reqs), hq, d, generator=gen).to(dtype).to(device)
+    qsl = torch.tensor([0] + [n for n, _ in reqs]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([L for _, L in reqs], dtype=torch.int32)
+    tables = tables.to(device)
+
+    def contiguous(cache, i, L):
+        pos = torch.arange(L, device=device)
+        slots = tables[i, pos // block].long() * block + pos % block
+        return cache.reshape(-1, hkv, d)[slots].transpose(0, 1).unsqueeze(0).contiguous()
+
+    kv = [(contiguous(kc, i, L), contiguous(vc, i, L)) for i, (_, L) in enumerate(reqs)]
+    return (q, kc, vc, tables, qsl.to(device), seq_lens.to(device)), kv, qsl.tolist()
+
+
+def _sdpa_groups(q, starts, reqs, kv):
+    """Requests of equal (q_len, seq_len) batched for SDPA: [(flat rows, q [B,Hq,n,D], k, v [B,Hkv,L,D], n, L)]."""
+    by_shape = {}
+    for i, shape in enumerate(reqs):
+        by_shape.setdefault(shape, []).append(i)
+    groups = []
+    for (n, L), idx in by_shape.items():
+        rows = torch.cat([torch.arange(starts[i], starts[i] + n) for i in idx]).to(q.device)
+        qg = q[rows].view(len(idx), n, *q.shape[1:]).transpose(1, 2).contiguous()
+        kg = torch.cat([kv[i][0] for i in idx]).contiguous()
+        vg = torch.cat([kv[i][1] for i in idx]).contiguous()
+        groups.append((rows, qg, kg, vg, n, L))
+    return groups
+
+
+def _sdpa_runner(groups, scale, device):
+    """(fn: SDPA over every group -> outputs, the backend that ran). Tries the flash backend alone first (GQA
+    native; causal square, or lower-right for a chunk over a prefix), then torch's own choice, then K/V
+    expanded to the q heads."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    def call(qg, kg, vg, n, L, expand):
+        if expand and kg.shape[1] != qg.shape[1]:
+            rep = qg.shape[1] // kg.shape[1]
+            kg, vg = kg.repeat_interleave(rep, 1), vg.repeat_interleave(rep, 1)
+        kw = dict(scale=scale, enable_gqa=kg.shape[1] != qg.shape[1])
+        if n > 1 and n == L:
+            kw["is_causal"] = True
+        elif n > 1:
+            kw["attn_mask"] = causal_lower_right(n, L)  # query row j sits at position L - n + j
+        return F.scaled_dot_product_attention(qg, kg, vg, **kw)
+
+    last = None
+    for name, backends, expand in (("flash", [SDPBackend.FLASH_ATTENTION], False), ("default", None, False),
+                                   ("default, K/V expanded", None, True)):
+        if device.type != "cuda" and backends is not None:
+            continue
+
+        def run(backends=backends, expand=expand):
+            with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                return [call(qg, kg, vg, n, L, expand) for _, qg, kg, vg, n, L in groups]
+        try:
+            run()
+            return run, name
+        except (RuntimeError, TypeError, ValueError) as e:  # this backend does not take these shapes or masks
+            last = e
+    raise RuntimeError(f"no SDPA backend ran these shapes: {last}")
+
+
+def bench_prefill_attention(device, quick: bool) -> list[dict]:
+    """Part 4: the Triton paged_attention op vs SDPA on prompt-shaped batches (see the module docstring)."""
+    import graphinfer.ops  # noqa: F401
+    from graphinfer.ops.triton import TRITON_OPS
+    from graphinfer.ops.triton.attention import _flash_config
+
+    hq, hkv, d, block = (4, 2, 32, 16) if quick else (16, 8, 128, 16)
+    dtype = torch.bfloat16
+    fast = TRITON_OPS["paged_attention"]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for label, reqs, target in (QUICK_PREFILL_CASES if quick else PREFILL_CASES):
+        args, kv, starts = _prefill_batch(reqs, hq, hkv, d, block, dtype, device, gen)
+        scale = d ** -0.5
+        groups = _sdpa_groups(args[0], starts, reqs, kv)
+        sdpa, backend = _sdpa_runner(groups, scale, device)
+        out = fast(*args, scale)
+        ref = torch.zeros_like(out)
+        for (flat_rows, *_), o in zip(groups, sdpa()):
+            ref[flat_rows] = o.transpose(1, 2).reshape(-1, hq, d)
+        err = (out.float() - ref.float()).abs().max().item()
+        flops = causal_flops(reqs, hq, d)
+        t_ms = bench_ms(lambda: fast(*args, scale), device)
+        s_ms = bench_ms(sdpa, device)
+        n_rows = args[0].shape[0]
+        bm, bn, warps, stages = _flash_config(dtype, d, n_rows, hq)
+        tflops = flops / (t_ms * 1e-3) / 1e12
+        r = dict(case=label, requests=len(reqs), query_rows=n_rows, q_heads=hq, kv_heads=hkv, head_dim=d,
+                 block_size=block, dtype="bfloat16", causal_tflop=flops / 1e12,
+                 kernel="decode" if n_rows == len(reqs) else "flash",
+                 flash_config=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages),
+                 triton_ms=t_ms, triton_tflops=tflops, sdpa_backend=backend, sdpa_ms=s_ms,
+                 sdpa_tflops=flops / (s_ms * 1e-3) / 1e12, max_abs_err=err, ok=err <= 3e-2, target_tflops=target,
+                 meets_target=None if target is None or device.type != "cuda" else tflops >= target)
+        rows.append(r)
+        goal = f" (target {target})" if target else ""
+        print(f"{'ok ' if r['ok'] else 'BAD'} prefill attention {label:50s} err {err:.1e} | "
+              f"triton {t_ms * 1e3:8.1f} us {tflops:6.1f} TFLOP/s{goal} | "
+              f"SDPA [{backend}] {s_ms * 1e3:8.1f} us {r['sdpa_tflops']:6.1f} TFLOP/s", flush=True)
+    return rows
+
+
 MIXED_PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 33, 64, 120, 7, 250, 12, 90, 41, 3, 500)]
 
 
@@ -222,10 +372,14 @@ def main() -> int:
     ap.add_argument("--output-json", default="gpu_check.json")
     ap.add_argument("--smollm2", default="", help="SmolLM2 GGUF path (default: the bundled one)")
     ap.add_argument("--quick", action="store_true", help="small shapes and tiny models (smoke run)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,modes,capture")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,modes,capture,prefill")
+    ap.add_argument("--prefill-attention", action="store_true",
+                    help="run only part 4, prefill attention vs SDPA (= --skip kernels,modes,capture)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     skip = set(filter(None, args.skip.split(",")))
+    if args.prefill_attention:
+        skip |= {"kernels", "modes", "capture"}
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   torch=torch.__version__)
     bw = copy_bandwidth(device, (1 << 31) if device.type == "cuda" and not args.quick else 1 << 24)
@@ -237,6 +391,8 @@ def main() -> int:
         shapes = {"tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=32, inter=96)}
     if "kernels" not in skip:
         result["kernels"] = check_kernels(shapes, [3] if args.quick else [1, 64, 256, 4096], device, bw)
+    if "prefill" not in skip:
+        result["prefill_attention"] = bench_prefill_attention(device, args.quick)
     if device.type == "cuda":
         models = {"tiny-qwen3": ("tiny-qwen3", "float32")} if args.quick else {
             "smollm2 (fp32)": (args.smollm2, "float32"), "smollm2 (bf16)": (args.smollm2, "bfloat16"),
@@ -254,7 +410,8 @@ def main() -> int:
     with open(args.output_json, "w") as f:
         json.dump(result, f, indent=2)
     bad = [r for r in result.get("kernels", []) if not r["ok"]] + \
-          [r for r in result.get("graph_modes", []) if not r["ok"]]
+          [r for r in result.get("graph_modes", []) if not r["ok"]] + \
+          [r for r in result.get("prefill_attention", []) if not r["ok"]]
     print(f"\n{len(bad)} failing checks; wrote {args.output_json}")
     return 1 if bad else 0
 

@@ -16,6 +16,8 @@
 #               from a FULL_AND_PIECEWISE artifact, --async-scheduling                     (~5 min, not in the default)
 #   check       GPU tests (kernels, fused MoE, CUDA graphs vs eager) + tools/gpu_check.py (not in the default)
 #   moe         tools/moe_layer_bench.py: one Qwen3-30B-A3B MoE layer, unfused vs fused   (not in the default)
+#   prefill     issue 19: the flash-attention kernel's and the no-host-sync tests compiled on the GPU, then
+#               tools/gpu_check.py --prefill-attention (TFLOP/s vs SDPA)                 (~3 min, not in the default)
 #
 # Through the device tool (10 min per command, the machine goes back after ~30 s idle) run one step per
 # call, back to back:  run(command="tools/h100_bench.sh throughput"), then sweep, hf, latency.
@@ -123,6 +125,16 @@ step_check() {  # the kernels/capture issue's GPU checks: kernel + capture tests
 step_moe() {  # the MoE issue's layer benchmark: Qwen3-30B-A3B layer, unfused vs fused vs HF
     set -o pipefail
     "$PY" tools/moe_layer_bench.py --output-json "$OUT_DIR/moe_layer.json" 2>&1 | tee "$OUT_DIR/moe_layer.log"
+}
+
+step_prefill() {  # issue 19: prefill attention kernel (its tests compiled for the GPU, then TFLOP/s vs SDPA)
+    set -o pipefail
+    local quick=()
+    if [ "${SMOKE:-0}" = 1 ]; then quick=(--quick); fi
+    "$PY" -m pytest -q -m "gpu or not slow" tests/test_triton_prefill_attention.py tests/test_no_host_sync.py 2>&1 \
+        | tee "$OUT_DIR/pytest_prefill.log" || echo "=== pytest failed (see pytest_prefill.log)"
+    "$PY" tools/gpu_check.py --prefill-attention ${quick[@]+"${quick[@]}"} \
+        --output-json "$OUT_DIR/prefill_attention.json" 2>&1 | tee "$OUT_DIR/prefill_attention.log"
 }
 
 steps=("$@")

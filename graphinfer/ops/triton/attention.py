@@ -4,23 +4,50 @@ Cache layout [num_blocks, block_size, Hkv, D]; request i owns query rows query_s
 query row j of a q_len-row chunk sits at position seq_lens[i] - q_len + j (see graphinfer/ops/attention.py).
 Scores use exp2 with scale*log2(e) folded in; softmax and accumulation run in fp32 (online softmax).
 
-Decode kernel (capture-safe): one program per (request, kv head, kv split), 1-D grid of B * Hkv * splits.
+Which kernel runs when (decided from shapes alone, so the choice itself reads nothing on the host):
+  - pure decode (as many query rows as requests, T == B: every row is one request's decode, padded
+    requests of a captured batch have seq_len 0): the split-K decode kernel (+ combine). It splits long
+    contexts across programs, which one-row queries need to fill the GPU, and is faster there.
+  - anything else (prefill only, mixed prefill chunks + decode rows, chunked prefill over a cached prefix,
+    decode rows padded past query_start_loc[-1]): the flash-attention kernel, one launch for the batch.
+Neither reads a tensor on the host (no .item()/.tolist()): both are CUDA/ACL-graph capture-safe and let
+async scheduling run ahead of mixed steps too. tests/test_no_host_sync.py checks this in whole models.
+
+Decode kernel: one program per (request, kv head, kv split), 1-D grid of B * Hkv * splits.
   The program holds the whole GQA group as a [BLOCK_G >= 16, BLOCK_D] tile and walks its share of the
   context in BLOCK_N-token tiles, gathering each token's page from block_tables on the device; two tl.dots
   per tile. The number of splits comes from shapes only (batch, heads, block_tables.shape[1]); with more
-  than one split a combine kernel (grid B * Hq) merges the partial (max, sum, acc). Nothing reads a
-  tensor on the host, so it replays inside a CUDA/ACL graph; seq_len 0 writes zeros.
-Prefill kernel (mixed batches; may sync the host): one program per (query tile, kv head). A tile packs
-  BLOCK_M // BLOCK_G consecutive query rows of one request times its GQA group into BLOCK_M rows (the
-  host builds the tile -> (request, first row) map), and walks the context up to its last row's position
-  with a causal mask. In a mixed batch the decode kernel handles the q_len 1 requests.
+  than one split a combine kernel (grid B * Hq) merges the partial (max, sum, acc); seq_len 0 writes zeros.
+Flash-attention kernel (prefill and mixed batches; the design of vLLM's kernel_unified_attention_2d):
+  one program per (query tile, kv head). A query tile packs BLOCK_Q = BLOCK_M // group consecutive query
+  rows of one request times the GQA group of one KV head into the BLOCK_M rows of the tile, so a KV tile
+  read from the cache serves every query head that shares it. The grid is T // BLOCK_Q + B + 1 tiles
+  times Hkv, a bound from shapes: request i's tiles start at query_start_loc[i] // BLOCK_Q + i, each
+  program finds its request on the device by counting the requests whose first tile is at or below its
+  own (one vector load of query_start_loc per 128 requests), and programs past their request's rows
+  compute nothing. Pseudo-request B covers the rows past query_start_loc[-1] (padding of a piecewise
+  graph) and writes zeros there, as does any request with seq_len 0, so no memset runs before the kernel.
+  Per tile: Q @ K^T and P @ V with tl.dot, K and V gathered page by page through the block table; KV tiles
+  wholly below the causal diagonal run without masks, the diagonal tiles with the causal mask, and the
+  loop stops at the tile's last query position (fully masked KV tiles are never visited). Programs are
+  issued heaviest (latest) tile first. Decode rows of a mixed batch are one-row queries of the same kernel.
 
-Triton-Ascend: 1-D grids only; every ragged access masked; tl.dot operands are >= 16 in every dim (its
-interpreter refuses smaller ones); no fp64 (scale is a fp32 argument); block sizes are parameters.
-Both interpreters mis-compute bf16 tl.dot (numpy has no bf16), so on CPU the dots take fp32 operands
-(DOT_F32); fp32 caches use fp32 'ieee' dots everywhere, bf16/fp16 caches native 16-bit dots on devices.
-KV loops run between device-side bounds (from seq_lens), the efficient form both compilers and Triton-Ascend's
-interpreter accept; upstream Triton 3.6's interpreter needs the backported fix in __init__.py for it.
+Tile sizes (BLOCK_M/BLOCK_N/num_warps/num_stages, _flash_config) are picked per dtype, head dim and
+token count for an H100 (16-bit, head dim <= 128: BLOCK_M 128 x BLOCK_N 64, 8 warps, 3 stages from ~4k
+query rows of 16 heads, else BLOCK_M 64 with 4 warps) and are UNTUNED: no GPU has run this kernel yet.
+Compiled offline for sm_90 (triton 3.6, ptxas -v) these configs use wgmma, pipeline the K/V gathers with
+cp.async and do not spill (e.g. 182 registers, 97 KiB shared memory for bf16 head dim 128, BLOCK_M 128);
+speed is unmeasured. Targets (issue 19): >= 300 TFLOP/s on 1 x 8,192 causal and >= 100 TFLOP/s on 4 x 256
+rows over 1,024, 16 x 512 and 1 x 2,048 (`python tools/gpu_check.py --prefill-attention`).
+
+Triton-Ascend: 1-D grids only; every ragged access masked (loads of whole tiles below the diagonal are
+unmasked because every index is in range); tl.dot operands are >= 16 in every dim (its interpreter refuses
+smaller ones); no fp64 (scale is a fp32 argument); block sizes are parameters; no while loops. Both
+interpreters mis-compute bf16 tl.dot (numpy has no bf16), so on CPU the dots take fp32 operands (DOT_F32);
+fp32 caches use fp32 'ieee' dots everywhere, bf16/fp16 caches native 16-bit dots on devices. KV loops
+(and the flash kernel's request search) run between device-side bounds, the efficient form both compilers
+and Triton-Ascend's interpreter accept; upstream Triton 3.6's interpreter needs the backported fix in
+__init__.py for it.
 """
 import torch
 import triton
@@ -30,6 +57,8 @@ from torch import Tensor
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 256  # decode: split the context until about two waves of an H100's 132 SMs are busy
 _MAX_SPLITS = 32  # e.g. 3 KV heads (SmolLM2) at batch 1 -> 96 programs
+_FLASH_SEARCH_BLOCK = 128  # flash: query_start_loc entries a program scans per vector load to find its request
+_FLASH_MIN_PROGRAMS = 512  # flash: below this many BLOCK_M 128 programs (~4 per H100 SM), use BLOCK_M 64
 _NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so an empty split or padded row never makes inf - inf
 
 
@@ -41,6 +70,8 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     else:
         return tl.dot(a.to(b.dtype), b)
 
+
+# ---- decode: split-K over the context, pure-decode batches ----------------------------------------------------
 
 @triton.jit
 def _attend_tile(q, m, l, acc, allowed, tok, tok_mask, page_row_ptr, k_cache_ptr, v_cache_ptr, kv_head, d, d_mask,
@@ -64,32 +95,18 @@ def _attend_tile(q, m, l, acc, allowed, tok, tok_mask, page_row_ptr, k_cache_ptr
 
 
 @triton.jit
-def _decode_row(qsl_ptr, req, MIXED: tl.constexpr):
-    """(query row of request req, whether it is a decode). Mixed batch: only q_len 1 requests are the decode
-    kernels' (the prefill kernel writes the others). Pure decode: row i is request i, whatever query_start_loc
-    says about padded requests."""
-    if MIXED:
-        row = tl.load(qsl_ptr + req)
-        is_decode = tl.load(qsl_ptr + req + 1) - row == 1
-    else:
-        row = req
-        is_decode = req >= 0
-    return row, is_decode
-
-
-@triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
                    part_acc_ptr, part_ml_ptr, qk_scale, n_kv_heads, group, head_size, block_size, num_splits,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                   SPLIT: tl.constexpr, MIXED: tl.constexpr, DOT_F32: tl.constexpr,
+                   SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Pure decode: query row `req` is request req's only row (whatever query_start_loc says of padding)."""
     pid = tl.program_id(0)
     split = pid % num_splits
     kv_head = (pid // num_splits) % n_kv_heads
     req = pid // num_splits // n_kv_heads
-    row, is_decode = _decode_row(qsl_ptr, req, MIXED)
-    seq_len = tl.where(is_decode, tl.load(seq_lens_ptr + req), 0)
+    seq_len = tl.load(seq_lens_ptr + req)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -97,7 +114,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, s
     d_mask = d < head_size
     q_heads = kv_head * group + g
     q_mask = g_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + row * stride_qt + q_heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_ptr + req * stride_qt + q_heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
 
     # This split's share of the context, in whole tiles, from the device-side seq_len.
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -122,17 +139,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, s
         tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask)
     else:
         o = acc / tl.where(l > 0, l, 1.0)[:, None]  # seq_len 0: acc is 0, so the row is 0
-        tl.store(out_ptr + row * stride_ot + q_heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=q_mask & is_decode)
+        tl.store(out_ptr + req * stride_ot + q_heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
-def _combine_kernel(part_acc_ptr, part_ml_ptr, qsl_ptr, out_ptr, n_q_heads, head_size, num_splits,
-                    stride_ot, stride_oh, MIXED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0)  # = request * Hq + head, the partials' row
+def _combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, n_q_heads, head_size, num_splits,
+                    stride_ot, stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)  # = request * Hq + head, the partials' row; the request's row is the request
     req = pid // n_q_heads
     head = pid % n_q_heads
-    row, is_decode = _decode_row(qsl_ptr, req, MIXED)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < num_splits
@@ -145,55 +161,122 @@ def _combine_kernel(part_acc_ptr, part_ml_ptr, qsl_ptr, out_ptr, n_q_heads, head
     w = tl.exp2(m - tl.max(m, axis=0))  # empty splits have l = 0 and acc = 0: they add nothing
     total = tl.sum(w * l, axis=0)
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask & is_decode)
+    tl.store(out_ptr + req * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+# ---- flash attention: prefill, chunked prefill and mixed batches ------------------------------------------------
+
+@triton.jit
+def _find_request(qsl_ptr, tile, n_reqs, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The request owning query tile `tile`: the largest i in [0, n_reqs] whose first tile,
+    query_start_loc[i] // BLOCK_Q + i, is <= tile (i = n_reqs: the padding rows past query_start_loc[-1]).
+
+    First tiles increase with i, so that i is the count of i' in [1, n_reqs] at or below the tile: one
+    vector load and a sum per BLOCK_R requests (a single pass up to BLOCK_R - 1 requests) rather than a
+    chain of dependent loads of a binary search.
+    """
+    count = tile * 0
+    for start in range(0, n_reqs + 1, BLOCK_R):
+        i = start + tl.arange(0, BLOCK_R)
+        valid = (i > 0) & (i <= n_reqs)
+        first = tl.load(qsl_ptr + i, mask=valid, other=0) // BLOCK_Q + i
+        count += tl.sum((valid & (first <= tile)).to(tl.int32), axis=0)
+    return count
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, seq_lens_ptr, tile_req_ptr,
-                    tile_q0_ptr, out_ptr, qk_scale, n_kv_heads, group, head_size, block_size,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _flash_step(q, m, l, acc, t, q_pos, kv_end, page_row_ptr, k_base, v_base, d, d_mask, qk_scale,
+                stride_kb, stride_ks, stride_vb, stride_vs, DIAGONAL: tl.constexpr, EVEN_D: tl.constexpr,
+                DOT_F32: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax over KV tile t. DIAGONAL: the tile crosses the causal diagonal or the context end
+    (masked loads, causal mask); otherwise every token of it is visible to every row of the query tile."""
+    tok = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    slot = tok % BLOCK_SIZE
+    if DIAGONAL:
+        tok_mask = tok < kv_end
+        page = tl.load(page_row_ptr + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+    else:
+        page = tl.load(page_row_ptr + tok // BLOCK_SIZE).to(tl.int64)
+    k_ptrs = k_base + page[None, :] * stride_kb + slot[None, :] * stride_ks + d[:, None]  # K^T: [BLOCK_D, BLOCK_N]
+    v_ptrs = v_base + page[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :]  # V: [BLOCK_N, BLOCK_D]
+    if DIAGONAL:
+        k = tl.load(k_ptrs, mask=d_mask[:, None] & tok_mask[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=tok_mask[:, None] & d_mask[None, :], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+    s = _dot(q, k, DOT_F32) * qk_scale
+    if DIAGONAL:  # a valid row's position is < kv_end, so this also hides the tokens past the context
+        s = tl.where(tok[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    acc = acc * alpha[:, None] + _dot(p, v, DOT_F32)
+    return m_new, l * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _flash_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+                  qk_scale, n_reqs, n_rows, n_tiles,
+                  stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
-    tile = pid // n_kv_heads
-    kv_head = pid % n_kv_heads
-    req = tl.load(tile_req_ptr + tile)
-    q0 = tl.load(tile_q0_ptr + tile)  # first query row of this tile, within the request's chunk
+    kv_head = pid % N_KV_HEADS
+    tile = n_tiles - 1 - pid // N_KV_HEADS  # latest (longest) query tiles first: causal load balance
+    req = _find_request(qsl_ptr, tile, n_reqs, BLOCK_Q, BLOCK_R)
+    is_pad = req == n_reqs  # the rows past query_start_loc[-1]: zeros
     q_start = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + req)
-    ctx = seq_len - q_len  # cached prefix before the chunk
+    q_end = tl.where(is_pad, n_rows, tl.load(qsl_ptr + tl.minimum(req + 1, n_reqs)))
+    seq_len = tl.where(is_pad, 0, tl.load(seq_lens_ptr + tl.minimum(req, n_reqs - 1)))
+    q_len = q_end - q_start
+    ctx = seq_len - q_len  # cached prefix before this chunk
+    q0 = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q  # this tile's first row within the chunk
 
-    # Row r of the tile = query row q0 + r // BLOCK_G, head kv_head * group + r % BLOCK_G.
+    # Row r of the tile = query row q0 + r // GROUP, query head kv_head * GROUP + r % GROUP.
     r = tl.arange(0, BLOCK_M)
-    qi = q0 + r // BLOCK_G
-    g = r % BLOCK_G
-    row_mask = (qi < q_len) & (g < group)
+    qi = q0 + r // GROUP
+    row_mask = (qi < q_len) & (r < BLOCK_Q * GROUP)
     q_pos = ctx + qi
-    heads = kv_head * group + g
+    heads = kv_head * GROUP + r % GROUP
     d = tl.arange(0, BLOCK_D)
-    d_mask = d < head_size
+    d_mask = d < HEAD_SIZE
     io_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + (q_start + qi)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=io_mask, other=0.0)
+    rows = (q_start + qi).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
 
-    kv_end = tl.minimum(seq_len, ctx + tl.minimum(q0 + BLOCK_Q, q_len))  # last row's position + 1
+    # KV bounds: tokens < kv_end (the tile's last position + 1) are visible to some row; tiles below
+    # n_full hold only tokens <= the tile's first position, visible to every row. Empty tiles: none.
+    has_rows = q0 < q_len
+    kv_end = tl.where(has_rows, tl.maximum(tl.minimum(seq_len, ctx + tl.minimum(q0 + BLOCK_Q, q_len)), 0), 0)
+    n_full = tl.minimum(tl.where(has_rows, tl.maximum(ctx + q0 + 1, 0), 0), kv_end) // BLOCK_N
+    n_kv = tl.cdiv(kv_end, BLOCK_N)
+
     m = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     page_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
-    for t in range(0, tl.cdiv(kv_end, BLOCK_N)):
-        tok = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        tok_mask = tok < kv_end
-        causal = (tok[None, :] <= q_pos[:, None]) & tok_mask[None, :]
-        m, l, acc = _attend_tile(q, m, l, acc, causal, tok, tok_mask, page_row_ptr, k_cache_ptr, v_cache_ptr,
-                                 kv_head, d, d_mask, qk_scale, block_size, stride_kb, stride_ks, stride_kh,
-                                 stride_vb, stride_vs, stride_vh, DOT_F32)
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    for t in range(0, n_full):
+        m, l, acc = _flash_step(q, m, l, acc, t, q_pos, kv_end, page_row_ptr, k_base, v_base, d, d_mask, qk_scale,
+                                stride_kb, stride_ks, stride_vb, stride_vs, False, BLOCK_D == HEAD_SIZE, DOT_F32,
+                                BLOCK_SIZE, BLOCK_N)
+    for t in range(n_full, n_kv):
+        m, l, acc = _flash_step(q, m, l, acc, t, q_pos, kv_end, page_row_ptr, k_base, v_base, d, d_mask, qk_scale,
+                                stride_kb, stride_ks, stride_vb, stride_vs, True, BLOCK_D == HEAD_SIZE, DOT_F32,
+                                BLOCK_SIZE, BLOCK_N)
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # seq_len 0 or padding: acc is 0, so the row is 0
+    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
+
+# ---- launch ------------------------------------------------------------------------------------------------------
 
 def _num_splits(n_reqs: int, n_kv_heads: int, max_context: int, block_n: int) -> int:
     """Shape-only choice (capture-safe): split the context while the grid is below _TARGET_PROGRAMS."""
@@ -201,11 +284,35 @@ def _num_splits(n_reqs: int, n_kv_heads: int, max_context: int, block_n: int) ->
     return max(1, min(_MAX_SPLITS, max_tiles, _TARGET_PROGRAMS // max(1, n_reqs * n_kv_heads)))
 
 
+def _flash_config(dtype: torch.dtype, head_size: int, n_rows: int, n_q_heads: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes. UNTUNED: chosen for an H100, not yet measured.
+
+    16-bit, head dim <= 128: BLOCK_M 128 x BLOCK_N 64, 8 warps, 3 stages (Triton's flash-attention tutorial
+    on Hopper), or BLOCK_M 64 with 4 warps where BLOCK_M 128 would give fewer than _FLASH_MIN_PROGRAMS
+    programs (short prompts and chunks: 4 x 256, 1 x 2,048). Head dim 256 halves the tiles. fp32 'ieee'
+    dots are FMA-based and bulkier in registers: BLOCK_M 32 (16 x 16 tiles at head dim 256). Offline sm_90
+    compiles of each of these (bf16 / fp32, head dims 64, 128, 256) do not spill registers.
+    """
+    if dtype == torch.float32:
+        return (32, 64, 8, 2) if head_size <= 128 else (16, 16, 4, 2)
+    if head_size > 128:
+        return 64, 32, 8, 2
+    if n_rows * n_q_heads < _FLASH_MIN_PROGRAMS * 128:
+        return 64, 64, 4, 3
+    return 128, 64, 8, 3
+
+
 def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                         query_start_loc: Tensor, seq_lens: Tensor, scale: float, *, num_splits: int | None = None,
-                         decode_block_n: int | None = None, prefill_block_m: int | None = None,
-                         prefill_block_n: int | None = None) -> Tensor:
-    """paged_attention with the tiling exposed (tests pin splits / block sizes; None = the default choice)."""
+                         query_start_loc: Tensor, seq_lens: Tensor, scale: float, *, kernel: str | None = None,
+                         num_splits: int | None = None, decode_block_n: int | None = None, block_m: int | None = None,
+                         block_n: int | None = None, num_warps: int | None = None,
+                         num_stages: int | None = None) -> Tensor:
+    """paged_attention with the choices exposed (tests and benchmarks pin them; None = the default choice).
+
+    kernel: "decode" (split-K; only for pure-decode batches, T == B) or "flash"; None picks decode for
+    T == B, else flash. num_splits / decode_block_n: the decode kernel's; block_m / block_n / num_warps /
+    num_stages: the flash kernel's (block_m is rounded up to the next power of 2 >= the GQA group).
+    """
     n_rows, n_q_heads, head_size = query.shape
     n_reqs = seq_lens.shape[0]
     block_size, n_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -214,38 +321,30 @@ def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
         query = query.contiguous()
     assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "caches need a contiguous head dim"
     # Every request has exactly one row iff the row count equals the request count (0-row requests are
-    # never scheduled): the capture-safe path, decided from shapes alone.
+    # never scheduled; a captured batch's padded requests have one row and seq_len 0): decided from shapes.
     pure_decode = n_rows == n_reqs
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device) if pure_decode else torch.zeros(
-        query.shape, dtype=query.dtype, device=query.device)
-    if n_rows == 0 or n_reqs == 0:
+    kernel = kernel or ("decode" if pure_decode else "flash")
+    if kernel not in ("decode", "flash") or (kernel == "decode" and not pure_decode):
+        raise ValueError(f"kernel={kernel!r}: 'decode' needs one query row per request (T == B), else 'flash'")
+    # Both kernels write every row (zeros where nothing is attended), so no memset.
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if n_rows == 0:
+        return out
+    if n_reqs == 0:  # every row is padding
         return out.zero_()
 
     qk_scale = float(scale) * _LOG2E
     fp32_cache = key_cache.dtype == torch.float32
     dot_f32 = fp32_cache or query.device.type == "cpu"  # CPU = interpreter: no bf16 dot
-    # Tiles sized so that sm_90 builds keep everything in registers (fp32 'ieee' dots are FMA-based, bulkier).
-    decode_block_n = decode_block_n or (32 if head_size > (64 if fp32_cache else 128) else 64)
-    prefill_block_m = prefill_block_m or (32 if fp32_cache else 64)
-    prefill_block_n = prefill_block_n or 64
-    prefill_warps = 8 if fp32_cache else 4
     block_d = max(16, triton.next_power_of_2(head_size))
     strides = dict(stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0),
                    stride_oh=out.stride(1), stride_bt=block_tables.stride(0),
                    stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
                    stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2))
 
-    has_decode, n_prefill_tiles = True, 0
-    if not pure_decode:  # host sync allowed here: this path never runs inside a graph
-        block_g = triton.next_power_of_2(group)
-        block_m = max(prefill_block_m, block_g)
-        block_q = block_m // block_g
-        q_lens = query_start_loc[1:] - query_start_loc[:-1]
-        tiles = torch.where(q_lens > 1, (q_lens + block_q - 1) // block_q, 0)
-        n_decode, n_prefill_tiles = (int(v) for v in torch.stack([(q_lens == 1).sum(), tiles.sum()]).tolist())
-        has_decode = n_decode > 0
-
-    if has_decode:
+    if kernel == "decode":
+        # Tiles sized so that sm_90 builds keep everything in registers (fp32 'ieee' dots are FMA-based, bulkier).
+        decode_block_n = decode_block_n or (32 if head_size > (64 if fp32_cache else 128) else 64)
         splits = num_splits or _num_splits(n_reqs, n_kv_heads, block_tables.shape[1] * block_size, decode_block_n)
         split = splits > 1
         part_acc = torch.empty((n_reqs * n_q_heads * splits * head_size) if split else 1, dtype=torch.float32,
@@ -253,25 +352,26 @@ def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
         part_ml = torch.empty((n_reqs * n_q_heads * splits * 2) if split else 1, dtype=torch.float32,
                               device=query.device)
         _decode_kernel[(n_reqs * n_kv_heads * splits,)](
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, part_acc, part_ml,
+            query, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_ml,
             qk_scale, n_kv_heads, group, head_size, block_size, splits, **strides,
-            SPLIT=split, MIXED=not pure_decode, DOT_F32=dot_f32,
+            SPLIT=split, DOT_F32=dot_f32,
             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=decode_block_n, BLOCK_D=block_d, num_warps=4)
         if split:
             _combine_kernel[(n_reqs * n_q_heads,)](
-                part_acc, part_ml, query_start_loc, out, n_q_heads, head_size, splits, out.stride(0), out.stride(1),
-                MIXED=not pure_decode, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+                part_acc, part_ml, out, n_q_heads, head_size, splits, out.stride(0), out.stride(1),
+                BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+        return out
 
-    if not pure_decode and n_prefill_tiles:
-        tile_req = torch.repeat_interleave(torch.arange(n_reqs, device=query.device), tiles,
-                                           output_size=n_prefill_tiles)
-        first_tile = torch.cumsum(tiles, 0) - tiles
-        tile_q0 = (torch.arange(n_prefill_tiles, device=query.device) - first_tile[tile_req]) * block_q
-        _prefill_kernel[(n_prefill_tiles * n_kv_heads,)](
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, tile_req.to(torch.int32),
-            tile_q0.to(torch.int32), out, qk_scale, n_kv_heads, group, head_size, block_size, **strides,
-            DOT_F32=dot_f32, BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=prefill_block_n,
-            BLOCK_D=block_d, num_warps=prefill_warps, num_stages=2)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _flash_config(key_cache.dtype, head_size, n_rows, n_q_heads)
+    bm = max(triton.next_power_of_2(block_m or cfg_m), triton.next_power_of_2(group), 16)
+    block_q = bm // group
+    n_tiles = n_rows // block_q + n_reqs + 1  # >= sum over requests of cdiv(q_len, BLOCK_Q), + the padding rows
+    launch = dict(num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
+    _flash_kernel[(n_tiles * n_kv_heads,)](
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, qk_scale, n_reqs, n_rows,
+        n_tiles, **strides, N_KV_HEADS=n_kv_heads, GROUP=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+        DOT_F32=dot_f32, BLOCK_R=_FLASH_SEARCH_BLOCK,
+        BLOCK_M=bm, BLOCK_Q=block_q, BLOCK_N=block_n or cfg_n, BLOCK_D=block_d, **launch)
     return out
 
 
