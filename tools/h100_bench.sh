@@ -18,6 +18,9 @@
 #   moe         tools/moe_layer_bench.py: one Qwen3-30B-A3B MoE layer, unfused vs fused   (not in the default)
 #   prefill     issue 19: the flash-attention kernel's and the no-host-sync tests compiled on the GPU, then
 #               tools/gpu_check.py --prefill-attention (TFLOP/s vs SDPA)                 (~3 min, not in the default)
+#   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
+#               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
+#               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
 #
 # Through the device tool (10 min per command, the machine goes back after ~30 s idle) run one step per
 # call, back to back:  run(command="tools/h100_bench.sh throughput"), then sweep, hf, latency.
@@ -125,6 +128,21 @@ step_check() {  # the kernels/capture issue's GPU checks: kernel + capture tests
 step_moe() {  # the MoE issue's layer benchmark: Qwen3-30B-A3B layer, unfused vs fused vs HF
     set -o pipefail
     "$PY" tools/moe_layer_bench.py --output-json "$OUT_DIR/moe_layer.json" 2>&1 | tee "$OUT_DIR/moe_layer.log"
+}
+
+step_launch() {  # issue 19 item 2: cheap launches for the eager path (graphinfer/ops/triton/launch.py)
+    set -o pipefail
+    local fast
+    for fast in 1 0; do
+        (export GRAPHINFER_TRITON_FAST_LAUNCH=$fast
+         bench "launch_fast$fast" latency "${COMMON[@]}" --batch-sizes 1,64,256 --graph-modes NONE \
+             --output-json "$OUT_DIR/launch_fast$fast.json")
+    done
+    local check_args=(--skip modes,capture)  # the check step runs gpu_check whole, fast launch on by default
+    if [ "${SMOKE:-0}" = 1 ]; then check_args=(--quick --skip modes,capture); fi
+    echo "=== launch_check: GRAPHINFER_TRITON_FAST_LAUNCH=check tools/gpu_check.py ${check_args[*]}"
+    GRAPHINFER_TRITON_FAST_LAUNCH=check "$PY" tools/gpu_check.py "${check_args[@]}" \
+        --output-json "$OUT_DIR/gpu_check_fast_launch.json" 2>&1 | tee "$OUT_DIR/gpu_check_fast_launch.log"
 }
 
 step_prefill() {  # issue 19: prefill attention kernel (its tests compiled for the GPU, then TFLOP/s vs SDPA)

@@ -5,10 +5,13 @@ flattened into a 1-D grid of cdiv(rows, BLOCK_R) * cdiv(d, BLOCK_C) programs (Tr
 multi-dimensional grids anyway and caps the grid at 65535, so a long prefill packs rows per program).
 Rounding follows the reference: silu in fp32 rounded to x's dtype, then the product rounded again.
 """
-import torch
+import functools
+
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from graphinfer.ops.triton.launch import Launcher, cdiv, next_power_of_2
 
 _TILE = 4096  # output elements per program
 
@@ -28,20 +31,31 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_rows, d, stride_x, stride_o,
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_SILU_AND_MUL = Launcher(_silu_and_mul_kernel)
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_params(n_rows: int, d: int) -> tuple[tuple[int], int, int]:
+    """(grid, BLOCK_R, BLOCK_C), once per shape."""
+    block_c = min(next_power_of_2(d), 1024)
+    block_r = max(1, min(_TILE // block_c, next_power_of_2(n_rows)))
+    return (cdiv(n_rows, block_r) * cdiv(d, block_c),), block_r, block_c
+
+
 def silu_and_mul(x: Tensor) -> Tensor:
     """x is [..., 2 * d] = cat(gate, up); returns silu(gate) * up, [..., d] (vLLM's layout)."""
     d = x.shape[-1] // 2
-    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+    if x.dim() == 2:
+        n_rows = x.shape[0]
+        out = x.new_empty((n_rows, d))
+    else:
+        out = x.new_empty((*x.shape[:-1], d))
+        x = x.reshape(-1, x.shape[-1])
+        n_rows = x.shape[0]
     if out.numel() == 0:
         return out
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    o2 = out.view(-1, d)
-    n_rows = x2.shape[0]
-    block_c = min(triton.next_power_of_2(d), 1024)
-    block_r = max(1, min(_TILE // block_c, triton.next_power_of_2(n_rows)))
-    grid = triton.cdiv(n_rows, block_r) * triton.cdiv(d, block_c)
-    _silu_and_mul_kernel[(grid,)](x2, o2, n_rows, d, x2.stride(0), o2.stride(0),
-                                  BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    grid, block_r, block_c = _launch_params(n_rows, d)
+    _SILU_AND_MUL.launch(grid, x, out, n_rows, d, x.stride(0), d, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return out

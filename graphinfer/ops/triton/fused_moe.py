@@ -69,10 +69,14 @@ Triton-Ascend accommodations
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from graphinfer.ops.triton.launch import Launcher, cdiv
 
 
 @triton.jit
@@ -182,19 +186,39 @@ def _moe_down_kernel(
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+_GATE_UP = Launcher(_moe_gate_up_kernel)
+_DOWN = Launcher(_moe_down_kernel)
+
+
 def _interpreted() -> bool:
     """True when the kernels were decorated under TRITON_INTERPRET=1 (triton decides at @jit time)."""
     return not isinstance(_moe_gate_up_kernel, triton.runtime.JITFunction)
 
 
-def get_default_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
-    """Block sizes by average rows per expert (see the module docstring for the reasoning)."""
+@functools.lru_cache(maxsize=1024)
+def _default_config(num_tokens: int, top_k: int, num_experts: int) -> tuple:
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     if rows_per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4)
+        return (("BLOCK_M", 16), ("BLOCK_N", 64), ("BLOCK_K", 64), ("GROUP_M", 1), ("num_warps", 4), ("num_stages", 4))
     if rows_per_expert <= 48:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return (("BLOCK_M", 32), ("BLOCK_N", 64), ("BLOCK_K", 64), ("GROUP_M", 4), ("num_warps", 4), ("num_stages", 4))
+    return (("BLOCK_M", 64), ("BLOCK_N", 128), ("BLOCK_K", 64), ("GROUP_M", 8), ("num_warps", 8), ("num_stages", 3))
+
+
+def get_default_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
+    """Block sizes by average rows per expert (see the module docstring for the reasoning)."""
+    return dict(_default_config(num_tokens, top_k, num_experts))
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_options(device_type: str, dtype: torch.dtype, num_warps: int, num_stages: int) -> tuple:
+    """(num_warps/num_stages kwargs, DOT_PRECISION, UPCAST) for a device type and activation dtype, once.
+    num_warps / num_stages are only passed on CUDA (Ascend ignores them). fp32 must not silently become tf32
+    on GPUs; for 16-bit inputs leave the backend default (Ascend refuses "tf32", CUDA ignores the setting for
+    bf16/fp16)."""
+    launch = dict(num_warps=num_warps, num_stages=num_stages) if device_type == "cuda" else {}
+    precision = "ieee" if dtype == torch.float32 else None
+    return launch, precision, _interpreted() and dtype == torch.bfloat16
 
 
 def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -220,7 +244,7 @@ def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int) -> tu
     dest = pad_start[sorted_e] + torch.arange(num_rows, device=dev) - cnt_start[sorted_e]
 
     max_rows = num_rows + min(num_experts, num_rows) * (block_m - 1)
-    num_blocks = triton.cdiv(max_rows, block_m)
+    num_blocks = cdiv(max_rows, block_m)
     sorted_ids = torch.full((num_blocks * block_m,), num_rows, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
 
@@ -240,37 +264,32 @@ def fused_experts(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: T
     assert H13 == H and w2.shape == (E, H, I), (hidden.shape, w13.shape, w2.shape)
     if T == 0:
         return hidden.new_empty(0, H)
-    cfg = dict(config or get_default_config(T, K, E))
-    bm, bn, bk, gm = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
-    launch = {}
-    if hidden.device.type == "cuda":
-        launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
-    # fp32 must not silently become tf32 on GPUs; for 16-bit inputs leave the backend default (Ascend
-    # refuses "tf32", CUDA ignores the setting for bf16/fp16).
-    precision = "ieee" if hidden.dtype == torch.float32 else None
-    upcast = _interpreted() and hidden.dtype == torch.bfloat16
+    if not config:
+        bm, bn, bk, gm, num_warps, num_stages = (v for _, v in _default_config(T, K, E))
+    else:
+        bm, bn, bk, gm = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["GROUP_M"]
+        num_warps, num_stages = config.get("num_warps", 4), config.get("num_stages", 3)
+    launch, precision, upcast = _launch_options(hidden.device.type, hidden.dtype, num_warps, num_stages)
 
     num_rows = T * K
     sorted_ids, block_expert = moe_align_block_size(topk_ids, E, bm)
-    num_m = block_expert.numel()
-    weights = topk_weights.reshape(-1).contiguous()
+    num_m = block_expert.shape[0]
+    weights = topk_weights.reshape(-1)
+    if weights.stride(0) != 1:
+        weights = weights.contiguous()
+    hs, w13s, w2s = hidden.stride(), w13.stride(), w2.stride()
 
-    inter = hidden.new_empty(num_rows, I)
-    _moe_gate_up_kernel[(num_m * triton.cdiv(I, bn),)](
-        hidden, w13, inter, sorted_ids, block_expert,
-        num_rows, num_m,
-        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-        inter.stride(0), inter.stride(1),
-        H=H, I=I, TOP_K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=precision, UPCAST=upcast, **launch,
-    )
-    out_k = hidden.new_empty(num_rows, H)
-    _moe_down_kernel[(num_m * triton.cdiv(H, bn),)](
-        inter, w2, out_k, weights, sorted_ids, block_expert,
-        num_rows, num_m,
-        inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        out_k.stride(0), out_k.stride(1),
-        H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=precision, UPCAST=upcast, **launch,
-    )
+    inter = hidden.new_empty((num_rows, I))
+    _GATE_UP.launch(
+        (num_m * cdiv(I, bn),), hidden, w13, inter, sorted_ids, block_expert, num_rows, num_m,
+        hs[0], hs[1], w13s[0], w13s[1], w13s[2], I, 1,
+        H=H, I=I, TOP_K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=precision, UPCAST=upcast,
+        **launch)
+    out_k = hidden.new_empty((num_rows, H))
+    _DOWN.launch(
+        (num_m * cdiv(H, bn),), inter, w2, out_k, weights, sorted_ids, block_expert, num_rows, num_m,
+        I, 1, w2s[0], w2s[1], w2s[2], H, 1,
+        H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_PRECISION=precision, UPCAST=upcast, **launch)
     return out_k.view(T, K, H).sum(dim=1)
 
 

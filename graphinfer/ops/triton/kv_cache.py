@@ -6,9 +6,13 @@ row) is a masked-off store rather than a branch, so captured graphs need no host
 to int64 before scaling by the block stride: a layer's cache can exceed 2^31 elements.
 Triton-Ascend: 1-D grid of T (<= 65535 tokens per step), masked head/dim tails, no control flow.
 """
+import functools
+
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from graphinfer.ops.triton.launch import Launcher, next_power_of_2
 
 
 @triton.jit
@@ -34,6 +38,14 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr
     tl.store(v_dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
+_RESHAPE_AND_CACHE = Launcher(_reshape_and_cache_kernel)
+
+
+@functools.lru_cache(maxsize=256)
+def _blocks(n_heads: int, head_size: int) -> tuple[int, int]:
+    return next_power_of_2(n_heads), next_power_of_2(head_size)
+
+
 def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write key/value [T, num_kv_heads, head_size] into the paged caches at slot_mapping [T]; skip slot -1."""
     n_tokens, n_heads, head_size = key.shape
@@ -43,11 +55,11 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "caches need a contiguous head dim"
-    _reshape_and_cache_kernel[(n_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping, n_heads, head_size, key_cache.shape[1],
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_size), num_warps=4)
+    ks, vs, kcs, vcs = key.stride(), value.stride(), key_cache.stride(), value_cache.stride()
+    assert kcs[-1] == 1 and vcs[-1] == 1, "caches need a contiguous head dim"
+    block_h, block_d = _blocks(n_heads, head_size)
+    _RESHAPE_AND_CACHE.launch(
+        (n_tokens,), key, value, key_cache, value_cache, slot_mapping, n_heads, head_size, key_cache.shape[1],
+        ks[0], ks[1], vs[0], vs[1], kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2],
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
     return None

@@ -9,10 +9,14 @@ loads its rotation partner p(d) and its frequency index directly:
   gptj: p(d) = d xor 1,         freq = d // 2,           out = x*cos - x[p]*sin (even d),     + (odd d)
 Outputs are new contiguous tensors of the input's shape ([T, H*D] or [T, H, D]), as the reference returns.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from graphinfer.ops.triton.launch import Launcher, next_power_of_2
 
 
 @triton.jit
@@ -59,31 +63,49 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cache_ptr,
                   IS_NEOX, BLOCK_HK, BLOCK_D)
 
 
-def _heads_view(x: Tensor, head_size: int) -> Tensor:
-    """[T, H*D] or [T, H, D] -> [T, H, D] with a unit last stride (a view when possible)."""
+_ROTARY = Launcher(_rotary_kernel)
+
+
+@functools.lru_cache(maxsize=256)
+def _blocks(n_q_heads: int, n_k_heads: int, head_size: int) -> tuple[int, int, int]:
+    return next_power_of_2(n_q_heads), next_power_of_2(n_k_heads), next_power_of_2(head_size)
+
+
+def _heads(x: Tensor, head_size: int) -> tuple[Tensor, int, int, int]:
+    """x [T, H*D] or [T, H, D] -> (x, H, token stride, head stride) with a unit last stride; no view made."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    strides = x.stride()
+    if x.dim() == 2:
+        return x, x.shape[1] // head_size, strides[0], head_size
+    if x.dim() == 3 and x.shape[2] == head_size:
+        return x, x.shape[1], strides[0], strides[1]
     try:
-        return x.view(x.shape[0], -1, head_size)
+        x = x.view(x.shape[0], -1, head_size)
     except RuntimeError:
-        return x.reshape(x.shape[0], -1, head_size)
+        x = x.reshape(x.shape[0], -1, head_size)
+    return x, x.shape[1], x.stride(0), x.stride(1)
+
+
+def _empty_like(x: Tensor) -> Tensor:
+    """A new contiguous tensor of x's shape and dtype."""
+    return torch.empty_like(x) if x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def rotary_embedding(positions: Tensor, query: Tensor, key: Tensor, head_size: int, cos_sin_cache: Tensor,
                      is_neox: bool) -> tuple[Tensor, Tensor]:
     """Rotate query [T, Hq * head_size] (or [T, Hq, head_size]) and key likewise by each token's position."""
-    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    q_out, k_out = _empty_like(query), _empty_like(key)
     n_tokens = query.shape[0]
     if n_tokens == 0:
         return q_out, k_out
-    q, k = _heads_view(query, head_size), _heads_view(key, head_size)
+    q, n_q_heads, stride_qt, stride_qh = _heads(query, head_size)
+    k, n_k_heads, stride_kt, stride_kh = _heads(key, head_size)
     if cos_sin_cache.stride(-1) != 1:
         cos_sin_cache = cos_sin_cache.contiguous()
-    _rotary_kernel[(n_tokens,)](
-        positions, q, k, q_out, k_out, cos_sin_cache, q.shape[1], k.shape[1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        head_size, cos_sin_cache.shape[-1], IS_NEOX=bool(is_neox),
-        BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        BLOCK_D=triton.next_power_of_2(head_size), num_warps=4)
+    block_hq, block_hk, block_d = _blocks(n_q_heads, n_k_heads, head_size)
+    _ROTARY.launch((n_tokens,), positions, q, k, q_out, k_out, cos_sin_cache, n_q_heads, n_k_heads,
+                   stride_qt, stride_qh, stride_kt, stride_kh, cos_sin_cache.stride(0), head_size,
+                   cos_sin_cache.shape[-1], IS_NEOX=bool(is_neox), BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+                   BLOCK_D=block_d, num_warps=4)
     return q_out, k_out
