@@ -135,30 +135,34 @@ def ops_mode(args) -> None:
             for _ in range(args.forwards):
                 timed(*inputs)
             total = (time.perf_counter() - start) / args.forwards
-        results[label] = (total, {k: (timer.calls[k] / args.forwards, timer.seconds[k] / args.forwards)
-                                  for k in timer.calls})
+        if label not in results or total < results[label][0]:  # the best round counts (a shared, loaded VM)
+            results[label] = (total, {k: (timer.calls[k] / args.forwards, timer.seconds[k] / args.forwards)
+                                      for k in timer.calls})
 
     measure("reference")
     lib = torch.library.Library("graphinfer", "IMPL", "CPU")
     for name, fn in TRITON_OPS.items():
         lib.impl(name, fn)
+    counts = {}
     try:
-        for label, mode in (("triton, normal launch", "off"), ("triton, fast launch", "on")):
-            previous = set_fast_launch(mode)
-            with stub_triton_runtime() as rt:
-                measure(label)
-                runs0, launches0 = rt.jit_runs, rt.launches
-                with torch.inference_mode():
-                    timed(*inputs)
-                results[label] += (rt.launches - launches0, rt.jit_runs - runs0)
-            set_fast_launch(previous)
+        with stub_triton_runtime() as rt:
+            for _ in range(args.rounds):  # alternate the two launch paths
+                for label, mode in (("triton, normal launch", "off"), ("triton, fast launch", "on")):
+                    previous = set_fast_launch(mode)
+                    measure(label)
+                    runs0, launches0 = rt.jit_runs, rt.launches
+                    with torch.inference_mode():
+                        timed(*inputs)
+                    counts[label] = (rt.launches - launches0, rt.jit_runs - runs0)
+                    set_fast_launch(previous)
     finally:
         lib._destroy()
 
     labels = list(results)
     ops = sorted({k for _, per_op in (r[:2] for r in results.values()) for k in per_op})
     print(f"{args.model}{'' if args.keep_dims else ' (hidden 64, intermediate 128, vocab 512)'}: eager decode forward, "
-          f"batch {args.batch}, {args.dtype}, mean of {args.forwards} forwards, on {torch.get_num_threads()} threads")
+          f"batch {args.batch}, {args.dtype}, {torch.get_num_threads()} thread; mean of {args.forwards} forwards, "
+          f"the best of {args.rounds} alternating rounds for the two Triton columns (one for the reference)")
     print(f"| op | calls | {' | '.join(f'{lab} us/call' for lab in labels)} |")
     print(f"|---|---:|{'---:|' * len(labels)}")
     for op in ops:
@@ -171,7 +175,7 @@ def ops_mode(args) -> None:
           f"{' | '.join(f'{results[lab][0] * 1e3 - ops_ms[lab]:.2f}' for lab in labels)} |")
     print(f"| forward, ms | | {' | '.join(f'{results[lab][0] * 1e3:.2f}' for lab in labels)} |")
     for lab in labels[1:]:
-        launches, runs = results[lab][2:]
+        launches, runs = counts[lab]
         print(f"{lab}: {launches} Triton launches per forward, {runs} through JITFunction.run")
     tmp.cleanup()
 
@@ -255,7 +259,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--torch-profile", default=None, help="also write a torch.profiler trace (chrome JSON) here")
     ap.add_argument("--ops", action="store_true", help="per-op host cost of an eager forward (CPU; see above)")
-    ap.add_argument("--forwards", type=int, default=20, help="--ops: timed forwards per configuration")
+    ap.add_argument("--forwards", type=int, default=20, help="--ops: timed forwards per configuration and round")
+    ap.add_argument("--rounds", type=int, default=3, help="--ops: alternating rounds of the two launch paths")
     ap.add_argument("--keep-dims", action="store_true", help="--ops: the preset's real hidden/MLP/vocab sizes")
     ap.add_argument("--launches", action="store_true", help="per-wrapper host cost without a model (see above)")
     args = ap.parse_args()
