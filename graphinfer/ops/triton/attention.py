@@ -54,6 +54,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from graphinfer.ops.triton.launch import cdiv, launch_kernel, next_power_of_2
+
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 256  # decode: split the context until about two waves of an H100's 132 SMs are busy
 _MAX_SPLITS = 32  # e.g. 3 KV heads (SmolLM2) at batch 1 -> 96 programs
@@ -280,7 +282,7 @@ def _flash_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, se
 
 def _num_splits(n_reqs: int, n_kv_heads: int, max_context: int, block_n: int) -> int:
     """Shape-only choice (capture-safe): split the context while the grid is below _TARGET_PROGRAMS."""
-    max_tiles = max(1, triton.cdiv(max_context, block_n))
+    max_tiles = max(1, cdiv(max_context, block_n))
     return max(1, min(_MAX_SPLITS, max_tiles, _TARGET_PROGRAMS // max(1, n_reqs * n_kv_heads)))
 
 
@@ -336,7 +338,7 @@ def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
     qk_scale = float(scale) * _LOG2E
     fp32_cache = key_cache.dtype == torch.float32
     dot_f32 = fp32_cache or query.device.type == "cpu"  # CPU = interpreter: no bf16 dot
-    block_d = max(16, triton.next_power_of_2(head_size))
+    block_d = max(16, next_power_of_2(head_size))
     strides = dict(stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0),
                    stride_oh=out.stride(1), stride_bt=block_tables.stride(0),
                    stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
@@ -351,23 +353,23 @@ def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
                                device=query.device)
         part_ml = torch.empty((n_reqs * n_q_heads * splits * 2) if split else 1, dtype=torch.float32,
                               device=query.device)
-        _decode_kernel[(n_reqs * n_kv_heads * splits,)](
+        launch_kernel(_decode_kernel, (n_reqs * n_kv_heads * splits,),
             query, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_ml,
             qk_scale, n_kv_heads, group, head_size, block_size, splits, **strides,
             SPLIT=split, DOT_F32=dot_f32,
-            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=decode_block_n, BLOCK_D=block_d, num_warps=4)
+            BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=decode_block_n, BLOCK_D=block_d, num_warps=4)
         if split:
-            _combine_kernel[(n_reqs * n_q_heads,)](
+            launch_kernel(_combine_kernel, (n_reqs * n_q_heads,),
                 part_acc, part_ml, out, n_q_heads, head_size, splits, out.stride(0), out.stride(1),
-                BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+                BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
         return out
 
     cfg_m, cfg_n, cfg_warps, cfg_stages = _flash_config(key_cache.dtype, head_size, n_rows, n_q_heads)
-    bm = max(triton.next_power_of_2(block_m or cfg_m), triton.next_power_of_2(group), 16)
+    bm = max(next_power_of_2(block_m or cfg_m), next_power_of_2(group), 16)
     block_q = bm // group
     n_tiles = n_rows // block_q + n_reqs + 1  # >= sum over requests of cdiv(q_len, BLOCK_Q), + the padding rows
     launch = dict(num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
-    _flash_kernel[(n_tiles * n_kv_heads,)](
+    launch_kernel(_flash_kernel, (n_tiles * n_kv_heads,),
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, qk_scale, n_reqs, n_rows,
         n_tiles, **strides, N_KV_HEADS=n_kv_heads, GROUP=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
         DOT_F32=dot_f32, BLOCK_R=_FLASH_SEARCH_BLOCK,
