@@ -6,9 +6,10 @@ import sys
 
 from graphinfer.config import GRAPH_MODES
 from graphinfer.errors import GraphinferError
+from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
 
 
-def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, serving: bool = False) -> None:
     g = p.add_argument_group("engine")
     if with_model:
         g.add_argument("--model", default="", help="HF checkpoint dir, .gguf file or preset (default: bundled SmolLM2)")
@@ -17,7 +18,14 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True) -> Non
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    if serving:  # a smaller step budget online, per platform (graphinfer.server.defaults)
+        from graphinfer.server.defaults import SERVE_BATCHED_TOKENS_HELP
+
+        g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help=f"tokens per engine step, which bounds a stream's inter-token gap while a long prompt "
+                            f"is prefilled; {SERVE_BATCHED_TOKENS_HELP}")
+    else:
+        g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule and launch each step while the previous one runs on the device")
@@ -85,6 +93,7 @@ def _serve(args) -> None:
     from graphinfer.server.serve import serve
 
     serve(args.target, args.host, args.port, args.api_key, args.served_model_name, args.max_waiting_requests,
+          shutdown_timeout=args.shutdown_timeout, max_request_body_bytes=args.max_request_body_bytes,
           **_engine_kwargs(args))
 
 
@@ -245,7 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this (+ max_num_seqs), answer 503")
-    _add_engine_args(srv, with_model=False)
+    srv.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                     help="larger request bodies get 413 (default: %(default)s, 4 MiB)")
+    srv.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                     help="on SIGTERM / Ctrl-C, new requests get 503 and those in flight get this many seconds to "
+                          "finish; streams still running then end with an error event (default: %(default)s)")
+    _add_engine_args(srv, with_model=False, serving=True)
     srv.set_defaults(func=_serve)
 
     comp = sub.add_parser("compile", help="trace + optimise a model and write an artifact that generate/serve start from")

@@ -1,12 +1,19 @@
 """The OpenAI-compatible server as a real `graphinfer serve` process on loopback.
 
-One SmolLM2 server (fp32, --max-model-len 256, --async-scheduling, so that the answers are also checked
-against the synchronous offline engine) answers the official `openai` client and the bad inputs;
-a tiny-llama server with --api-key checks authentication; another tiny-llama server is stopped with SIGTERM.
-All three start together at the beginning of the module, so their start-up overlaps.
+One SmolLM2 server (fp32, --max-model-len 1024, --async-scheduling, so that the answers are also checked
+against the synchronous offline engine; --max-num-batched-tokens 64, so that a long prompt is prefilled in
+many chunks; --shutdown-timeout 2) answers the official `openai` client and the bad inputs, and is stopped
+with SIGTERM while requests are in flight at the end. A tiny-llama server with --api-key checks
+authentication. Both start together at the beginning of the module, so their start-up overlaps.
+Shutdown with requests that finish while draining, SIGINT and a busy port: test_server_shutdown.py.
 """
 import math
+import os
+import re
+import shutil
 import signal
+import statistics
+import subprocess
 import threading
 import time
 
@@ -18,6 +25,7 @@ import graphinfer
 from server_utils import Server, assert_openai_error, metric, metric_samples, running_servers, sse_events
 
 MODEL = "smol"
+MAX_MODEL_LEN, BUDGET = 1024, 64
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -25,21 +33,21 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     with running_servers({
-        "smol": ["--dtype", "float32", "--max-model-len", "256", "--served-model-name", MODEL, "--async-scheduling"],
+        "smol": ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL,
+                 "--async-scheduling", "--max-num-batched-tokens", str(BUDGET), "--shutdown-timeout", "2"],
         "keyed": ["tiny-llama", "--api-key", "secret", "--max-model-len", "256"],
-        "sigterm": ["tiny-llama", "--max-model-len", "1024"],
     }, tmp_path_factory.mktemp("servers")) as launched:
         yield launched
 
 
 @pytest.fixture(scope="module")
 def smol(servers):
-    return servers["smol"].wait_ready(180)
+    return servers["smol"].wait_ready(300)  # SmolLM2 starts in ~30 s; far longer on a loaded machine
 
 
 @pytest.fixture(scope="module")
 def keyed(servers):
-    return servers["keyed"].wait_ready(120)
+    return servers["keyed"].wait_ready(180)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +76,7 @@ def greedy_ref(client):
 def test_models_and_version(smol, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert models.data[0].model_extra.get("max_model_len") == 256
+    assert models.data[0].model_extra.get("max_model_len") == MAX_MODEL_LEN
     assert httpx.get(f"{smol.url}/version").json() == {"version": graphinfer.__version__}
 
 
@@ -229,7 +237,8 @@ def test_greedy_equals_offline_llm(smollm2_llm, greedy_ref):
 
 # ----- bad inputs -----
 
-LONG_TEXT = "hello " * 400  # ~400 tokens, over --max-model-len 256
+LONG_TEXT = "hello " * 1100  # ~1100 tokens, over --max-model-len 1024
+USER_HI = '{"role": "user", "content": "hi"}'
 
 BAD = [  # (id, path, raw body, expected status)
     ("malformed-json-cmpl", "/v1/completions", '{"model": "smol", "prompt": "hi",', 400),
@@ -245,7 +254,7 @@ BAD = [  # (id, path, raw body, expected status)
     ("temperature-negative", "/v1/completions", '{"prompt": "hi", "temperature": -0.5}', 400),
     ("top_p-zero", "/v1/completions", '{"prompt": "hi", "top_p": 0}', 400),
     ("prompt-too-long-text", "/v1/completions", f'{{"prompt": "{LONG_TEXT}", "max_tokens": 2}}', 400),
-    ("prompt-too-long-ids", "/v1/completions", f'{{"prompt": {[1] * 400}, "max_tokens": 2}}', 400),
+    ("prompt-too-long-ids", "/v1/completions", f'{{"prompt": {[1] * 1100}, "max_tokens": 2}}', 400),
     ("prompt-too-long-chat", "/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "{LONG_TEXT}"}}]}}', 400),
     ("prompt-empty", "/v1/completions", '{"prompt": []}', 400),
     ("prompt-id-out-of-vocab", "/v1/completions", '{"prompt": [1, 1000000000]}', 400),
@@ -266,12 +275,34 @@ BAD = [  # (id, path, raw body, expected status)
     ("lone-surrogate-prompt", "/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', 400),
     ("lone-surrogate-chat", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', 400),
     ("lone-surrogate-model", "/v1/completions", '{"model": "\\ud800", "prompt": "hi"}', 400),
+    # vLLM's validation (issue 16)
+    ("body-not-utf8", "/v1/completions", b'{"prompt": "caf\xe9", "max_tokens": 2}', 400),
+    ("role-unknown", "/v1/chat/completions", '{"messages": [{"role": "wizard", "content": "hi"}]}', 400),
+    ("role-missing", "/v1/chat/completions", '{"messages": [{"content": "hi"}]}', 400),
+    ("role-function", "/v1/chat/completions", '{"messages": [{"role": "function", "name": "f", "content": "hi"}]}', 400),
+    ("content-missing-user", "/v1/chat/completions", '{"messages": [{"role": "user"}]}', 400),
+    ("content-null-user", "/v1/chat/completions", '{"messages": [{"role": "user", "content": null}]}', 400),
+    ("content-missing-system", "/v1/chat/completions", f'{{"messages": [{{"role": "system"}}, {USER_HI}]}}', 400),
+    ("content-null-developer", "/v1/chat/completions", f'{{"messages": [{{"role": "developer", "content": null}}, {USER_HI}]}}', 400),
+    ("content-missing-tool", "/v1/chat/completions", f'{{"messages": [{USER_HI}, {{"role": "tool", "tool_call_id": "c1"}}]}}', 400),
+    ("content-missing-assistant", "/v1/chat/completions", f'{{"messages": [{USER_HI}, {{"role": "assistant"}}]}}', 400),
+    ("content-part-image", "/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}', 400),
+    ("max_tokens-over-context-text", "/v1/completions", f'{{"prompt": "hi", "max_tokens": {MAX_MODEL_LEN}}}', 400),
+    ("max_tokens-over-context-ids", "/v1/completions", f'{{"prompt": [1, 2, 3], "max_tokens": {MAX_MODEL_LEN - 2}}}', 400),
+    ("max_tokens-over-context-batch", "/v1/completions", f'{{"prompt": [[1], [1, 2, 3]], "max_tokens": {MAX_MODEL_LEN - 2}}}', 400),
+    ("max_tokens-over-context-chat", "/v1/chat/completions", f'{{"messages": [{USER_HI}], "max_tokens": {MAX_MODEL_LEN}}}', 400),
+    ("max_completion_tokens-over-context", "/v1/chat/completions", f'{{"messages": [{USER_HI}], "max_completion_tokens": {MAX_MODEL_LEN}}}', 400),
+    ("top_logprobs-without-logprobs", "/v1/chat/completions", f'{{"messages": [{USER_HI}], "top_logprobs": 2}}', 400),
+    ("top_logprobs-logprobs-false", "/v1/chat/completions", f'{{"messages": [{USER_HI}], "logprobs": false, "top_logprobs": 2}}', 400),
+    ("stream_options-without-stream", "/v1/completions", '{"prompt": "hi", "stream_options": {"include_usage": true}}', 400),
+    ("stream_options-stream-false-chat", "/v1/chat/completions", f'{{"messages": [{USER_HI}], "stream": false, "stream_options": {{"include_usage": true}}}}', 400),
 ]
 
 
 @pytest.mark.parametrize("path,body,status", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_input(http, path, body, status):
-    resp = http.post(path, content=body.encode(), headers={"content-type": "application/json"})
+    resp = http.post(path, content=body if isinstance(body, bytes) else body.encode(),
+                     headers={"content-type": "application/json"})
     err = assert_openai_error(resp, status)
     if status == 404:
         assert err["type"] == "NotFoundError" and "nope" in err["message"]
@@ -286,8 +317,74 @@ def test_top_k_beyond_the_vocabulary_means_no_top_k(http):
 
 
 def test_prompt_too_long_says_why(http):
-    err = assert_openai_error(http.post("/v1/completions", json={"prompt": [1] * 400}), 400)
-    assert "256" in err["message"] and "400" in err["message"]
+    err = assert_openai_error(http.post("/v1/completions", json={"prompt": [1] * 1100}), 400)
+    assert "1024" in err["message"] and "1100" in err["message"]
+
+
+def test_max_tokens_beyond_the_context_says_why(http):
+    """vLLM answers 400 (graphinfer used to clamp max_tokens silently), with the numbers."""
+    err = assert_openai_error(http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1100}), 400)
+    assert err["type"] == "BadRequestError"
+    for number in ("1024", "1100", "3", "1021"):  # context, asked, prompt, the most that fits
+        assert re.search(rf"\b{number}\b", err["message"]), err["message"]
+    body = {"prompt": [1, 2, 3], "max_tokens": MAX_MODEL_LEN - 3, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as ok:  # exactly at the limit is fine
+        assert ok.status_code == 200
+        assert next(line for line in ok.iter_lines() if line).startswith("data: {")
+    # leaving the block disconnects: the request is aborted
+
+
+def _client_error(call) -> dict:
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    assert info.value.status_code == 400
+    body = info.value.body
+    err = body.get("error", body) if isinstance(body, dict) else {}
+    assert err.get("type") == "BadRequestError" and err.get("code") == 400, body
+    return err
+
+
+HI = [{"role": "user", "content": "hi"}]
+CLIENT_BAD = [  # (id, call(client), a word the message must contain)
+    ("role-unknown", lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}],
+                                                         max_tokens=2), "role"),
+    ("content-missing", lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user"}], max_tokens=2),
+     "content"),
+    ("content-null", lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": None}],
+                                                         max_tokens=2), "content"),
+    ("assistant-without-content", lambda c: c.chat.completions.create(
+        model=MODEL, messages=HI + [{"role": "assistant"}], max_tokens=2), "content"),
+    ("max_tokens-over-context", lambda c: c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_MODEL_LEN),
+     str(MAX_MODEL_LEN)),
+    ("max_completion_tokens-over-context", lambda c: c.chat.completions.create(
+        model=MODEL, messages=HI, max_completion_tokens=MAX_MODEL_LEN), str(MAX_MODEL_LEN)),
+    ("top_logprobs-without-logprobs", lambda c: c.chat.completions.create(model=MODEL, messages=HI, max_tokens=2,
+                                                                          top_logprobs=2), "logprobs"),
+    ("stream_options-without-stream", lambda c: c.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, stream_options={"include_usage": True}), "stream"),
+    ("stream_options-without-stream-chat", lambda c: c.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=2, stream_options={"include_usage": True}), "stream"),
+]
+
+
+@pytest.mark.parametrize("call,word", [c[1:] for c in CLIENT_BAD], ids=[c[0] for c in CLIENT_BAD])
+def test_validation_with_the_openai_client(client, call, word):
+    assert word in _client_error(lambda: call(client))["message"]
+
+
+def test_what_vllm_accepts_is_accepted(client):
+    """Every OpenAI role; an assistant turn with tool_calls and no content; top_logprobs=0 without logprobs and a
+    null stream_options without stream (vLLM lets both through)."""
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "developer", "content": "Answer briefly."},
+                {"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "4"},
+                {"role": "user", "content": [{"type": "text", "text": "So?"}]}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, top_logprobs=0)
+    assert r.usage.completion_tokens >= 1 and r.choices[0].logprobs is None
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"stream_options": None})
+    assert r.usage.completion_tokens == 2
 
 
 def test_unknown_route_and_method(http):
@@ -365,6 +462,166 @@ def test_api_key(keyed):
             good.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=2)
 
 
+# ----- large requests never stall the others -----
+
+class HealthProbe:
+    """Polls /health from a thread while a test runs; keeps each answer's status and latency."""
+
+    def __init__(self, url: str, period: float = 0.02):
+        self.url, self.period, self.samples = url, period, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with httpx.Client(timeout=30) as c:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                status = c.get(f"{self.url}/health").status_code
+                self.samples.append((status, time.perf_counter() - t0))
+                time.sleep(self.period)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(30)
+
+    def check(self, what: str) -> str:
+        latencies = sorted(t for _, t in self.samples)
+        assert len(latencies) >= 5 and all(s == 200 for s, _ in self.samples), (what, self.samples[:20])
+        p50, p90, worst = statistics.median(latencies), latencies[int(0.9 * (len(latencies) - 1))], latencies[-1]
+        # Under 100 ms, bar the odd answer: on a 2-core machine shared with the test client (and other jobs) the OS
+        # can delay any single one. The worst is still bounded far below the 12-16 s stall this used to be.
+        assert p50 < 0.1 and p90 < 0.1 and worst < 2.0, (what, p50, p90, worst)
+        return f"/health during {what}: {len(latencies)} answers, p50 {1000 * p50:.0f} ms, p90 {1000 * p90:.0f} ms, " \
+               f"max {1000 * worst:.0f} ms"
+
+
+def test_huge_bodies_are_refused_while_health_answers(smol, http):
+    """A 10 MB prompt: 413 (over the default 4 MiB limit) from the Content-Length alone, and from the bytes counted
+    as they arrive when the body is chunked. A 3 MB prompt (under the limit): its length alone proves it longer than
+    max_model_len, so it is refused without being tokenized. /health answers throughout."""
+    huge = {"model": MODEL, "prompt": "hello " * (10 * 2**20 // 6), "max_tokens": 2}
+    large = {"model": MODEL, "prompt": "hello " * (3 * 2**20 // 6), "max_tokens": 2}
+    with HealthProbe(smol.url) as probe:
+        t0 = time.perf_counter()
+        err = assert_openai_error(http.post("/v1/completions", json=huge), 413)
+        assert err["type"] == "RequestTooLargeError" and str(4 * 2**20) in err["message"]
+        chunks = (b"x" * 2**16 for _ in range(160))  # a generator body goes out chunked: no Content-Length
+        err = assert_openai_error(http.post("/v1/completions", content=chunks,
+                                            headers={"content-type": "application/json"}), 413)
+        err = assert_openai_error(http.post("/v1/completions", json=large), 400)
+        assert err["type"] == "BadRequestError" and "characters, so at least" in err["message"], err
+        took = time.perf_counter() - t0
+        time.sleep(0.2)
+    print(f"\n{probe.check('a 10 MB, a chunked 10 MB and a 3 MB prompt')}; the three refused in {took:.2f} s")
+
+
+def test_tokenizing_runs_off_the_event_loop(smol, http):
+    """Prompts short enough (in characters) to need tokenizing, and too long once tokenized: 8 at once, each
+    ~80k characters. They are tokenized on worker threads and refused with the token count; meanwhile /health,
+    and a stream already running, keep going."""
+    text = "hello " * 13000  # 78,000 characters, ~13,000 tokens (the character bound is ~83,000 at 1024 tokens)
+
+    def post(_):
+        return httpx.post(f"{smol.url}/v1/completions", json={"prompt": text, "max_tokens": 2}, timeout=120)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with HealthProbe(smol.url) as probe, ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(post, range(8)))
+        time.sleep(0.2)
+    for r in responses:
+        err = assert_openai_error(r, 400)
+        assert "tokens" in err["message"] and "1024" in err["message"] and "characters" not in err["message"], err
+    print(f"\n{probe.check('8 prompts of 78k characters tokenized at once')}")
+
+
+# ----- fair scheduling -----
+
+def test_long_prompt_mid_stream_keeps_the_stream_flowing(smol):
+    """A 600-token prompt arrives while a stream runs. The server (--max-num-batched-tokens 64) prefills it in ~10
+    chunks, one per engine step, and the stream gets a token in each step. Bound: the stream's largest gap while
+    the prompt is prefilled is under a third of that prompt's time to first token (ideally ~1/10; without chunking,
+    the stream would wait for all of it). Both times come from the same run, so the ratio holds on a loaded
+    machine; the exact per-step bound is checked in test_server_fairness.py."""
+    times, errors = [], []
+    stop = threading.Event()
+
+    def read():
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{smol.url}/v1/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.monotonic())
+                    if stop.is_set():
+                        return  # disconnect: the stream is aborted
+        except httpx.HTTPError as e:
+            errors.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while len(times) < 4 and time.monotonic() < deadline and reader.is_alive():
+        time.sleep(0.01)
+    assert len(times) >= 4, errors
+    prompt = [(37 * i) % 40000 + 100 for i in range(600)]
+    t_send = time.monotonic()
+    r = httpx.post(f"{smol.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=300)
+    t_done = time.monotonic()
+    stop.set()
+    reader.join(60)
+    assert r.status_code == 200, r.text
+    ttft = t_done - t_send
+    window = [t for t in times if t_send <= t <= t_done]
+    before = [t for t in times if t < t_send]
+    gaps = [b - a for a, b in zip([before[-1]] + window, window + [t_done])]
+    assert len(window) >= 5, (len(window), ttft)  # the stream kept receiving tokens during the prefill
+    print(f"\nlong prompt TTFT {ttft:.2f} s; the stream got {len(window)} tokens meanwhile, largest gap "
+          f"{max(gaps):.2f} s ({max(gaps) / ttft:.2f} of the TTFT)")
+    assert max(gaps) < ttft / 3, (max(gaps), ttft, gaps)
+
+
+# ----- the banner's examples, pasted into a fresh shell -----
+
+def banner_commands(log: str) -> list[str]:
+    """The banner's example commands, each as printed (with its backslash-newline continuations, for bash)."""
+    text = log[log.index("graphinfer is serving"):]
+    commands, current = [], ""
+    for line in text.splitlines()[1:]:
+        if not line.strip():
+            break
+        current += line + "\n"
+        if not line.endswith("\\"):
+            commands.append(current)
+            current = ""
+    return commands
+
+
+def test_banner_examples_work_in_a_fresh_shell(smol):
+    """The printed examples name this interpreter and graphinfer by absolute path, so they work pasted into a shell
+    where the venv is not active (here: `env -i`, PATH=/usr/bin:/bin)."""
+    commands = banner_commands(smol.log())
+    python = next(c for c in commands if "from openai import OpenAI" in c)
+    curl = next(c for c in commands if c.split()[0] == "curl")
+    bench = next(c for c in commands if " bench serve " in c)
+    for command in (python, bench):
+        exe = command.split()[0]
+        assert os.path.isabs(exe) and os.access(exe, os.X_OK), command
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
+    out = subprocess.run(["bash", "-c", python], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip(), (python, out.stderr[-2000:])
+    if shutil.which("curl"):
+        out = subprocess.run(["bash", "-c", curl], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and '"chat.completion"' in out.stdout, (curl, out.stdout, out.stderr)
+    out = subprocess.run(["bash", "-c", bench.split(" bench ")[0] + " bench serve --help"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--concurrency" in out.stdout, out.stderr[-2000:]
+
+
 # ----- SIGTERM -----
 
 def _wait_exit(server: Server, timeout: float) -> tuple[int | None, float]:
@@ -376,48 +633,57 @@ def _wait_exit(server: Server, timeout: float) -> tuple[int | None, float]:
     return rc, time.monotonic() - t0
 
 
-# uvicorn shuts down gracefully on SIGTERM, then re-raises the signal: the exit status is -SIGTERM (0 on older ones).
-EXIT_OK = (0, -signal.SIGTERM)
-
-
-def test_sigterm_idle(servers):
-    server = servers["sigterm"].wait_ready(120)
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
-    assert r.status_code == 200
-    server.proc.send_signal(signal.SIGTERM)
-    rc, took = _wait_exit(server, 10)
-    assert rc is not None, f"still running 10 s after SIGTERM:\n{server.log()[-2000:]}"
-    assert rc in EXIT_OK, (rc, server.log()[-2000:])
-    assert "Traceback" not in server.log(), server.log()[-3000:]
-
-
-def test_sigterm_with_a_stream_in_flight(smol):
-    """Last test of the module: it stops the SmolLM2 server. A 200-token stream (~15 s on CPU) is cut after
-    uvicorn's 5 s graceful timeout; the process must still exit promptly and cleanly."""
-    lines, errors = [], []
+def test_sigterm_past_the_shutdown_timeout(smol):
+    """Last test of the module: it stops the SmolLM2 server (--shutdown-timeout 2) with a 300-token stream (~20 s
+    on CPU) and a non-streaming request of the same length in flight. New requests get 503 at once; after 2 s the
+    stream ends with an error event and [DONE], the non-streaming request gets a 503; the exit status is 0 and no
+    KV-cache block is left in use."""
+    lines, results, errors = [], {}, []
 
     def read():
         try:
-            body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            body = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{smol.url}/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     lines.append(line)
         except httpx.HTTPError as e:
             errors.append(e)
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    def wait_whole():
+        body = {"prompt": "In a galaxy far away", "max_tokens": 300, "ignore_eos": True}
+        try:
+            results["whole"] = httpx.post(f"{smol.url}/v1/completions", json=body, timeout=60)
+        except httpx.HTTPError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (read, wait_whole)]
+    for t in threads:
+        t.start()
     deadline = time.monotonic() + 60
-    while len([x for x in lines if x]) < 2 and time.monotonic() < deadline and reader.is_alive():
+    while len([x for x in lines if x]) < 2 and time.monotonic() < deadline and threads[0].is_alive():
         time.sleep(0.02)
     assert len([x for x in lines if x]) >= 2, (lines, errors)
     smol.proc.send_signal(signal.SIGTERM)
-    rc, took = _wait_exit(smol, 20)
-    assert rc is not None, f"still running 20 s after SIGTERM:\n{smol.log()[-2000:]}"
-    assert rc in EXIT_OK, (rc, smol.log()[-2000:])
-    assert took < 15, took
-    reader.join(10)
-    assert not reader.is_alive()
+    t_signal = time.monotonic()
+    while httpx.get(f"{smol.url}/health", timeout=10).status_code == 200:
+        time.sleep(0.02)
+    assert_openai_error(httpx.get(f"{smol.url}/health", timeout=10), 503)
+    err = assert_openai_error(httpx.post(f"{smol.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                         timeout=10), 503)
+    assert err["type"] == "ServiceUnavailableError" and "shutting down" in err["message"]
+    rc, _ = _wait_exit(smol, 40)
+    took = time.monotonic() - t_signal
+    assert rc == 0, (rc, smol.log()[-3000:])
+    assert 2 <= took < 32, took  # the drain's 2 s, then the stop (a step in progress finishes first)
+    for t in threads:
+        t.join(10)
     events, done = sse_events(lines)
-    assert events and not done, (done, errors)  # cut short by the graceful-shutdown timeout
-    assert "Traceback" not in smol.log(), smol.log()[-3000:]
+    assert done and "error" in events[-1], (events[-2:], done, errors)
+    assert events[-1]["error"]["code"] == 503 and events[-1]["error"]["type"] == "ServiceUnavailableError"
+    assert all("choices" in e for e in events[:-1]) and len(events) > 2
+    err = assert_openai_error(results["whole"], 503)
+    assert "shutdown timeout" in err["message"]
+    log = smol.log()
+    assert re.search(r"0 request\(s\) finished while draining, 2 ended at the shutdown timeout; "
+                     r"KV-cache blocks in use: 0", log), log[-2000:]
+    assert "Traceback" not in log, log[-3000:]

@@ -4,6 +4,8 @@ every error has OpenAI's error body, and the engine stays alive throughout.
 
 tiny-llama has no tokenizer, so string prompts and every chat request end in a 400 (after validation);
 --max-model-len 256 bounds the requests that do generate (max_tokens=None means up to the context).
+test_validation_cases sends vLLM's validation cases (issue 16) to the same server; their message says which
+check refused them (the same cases go to a SmolLM2 server, with the openai client too, in test_server.py).
 """
 import json
 import os
@@ -70,6 +72,7 @@ IN_RANGE = {  # (None last: hypothesis favours a one_of's first branches)
                                 st.none()),
     "logprobs": st.one_of(st.integers(0, 20), st.none()),
     "stream": st.booleans(),
+    "stream_options": st.one_of(st.just({"include_usage": True}), st.none()),  # only with stream: else a 400
     "ignore_eos": st.booleans(),
     "n": st.just(1),
     "echo": st.just(False),
@@ -141,6 +144,39 @@ def test_fuzz_no_server_errors(server, api_schema, path, method, mode, steered, 
     assert seen["calls"] > 0
     if steered:  # the steering must keep getting requests through to the engine
         assert seen["statuses"].get(200, 0) >= seen["calls"] // 10, seen
+
+
+HI = {"role": "user", "content": "hi"}
+VALIDATION = [  # (id, path, body, a fragment of the message that names the check)
+    ("role-unknown", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ("content-missing", "/v1/chat/completions", {"messages": [{"role": "user"}]}, "needs 'content'"),
+    ("content-null", "/v1/chat/completions", {"messages": [{"role": "system", "content": None}, HI]}, "needs 'content'"),
+    ("assistant-no-content", "/v1/chat/completions", {"messages": [HI, {"role": "assistant"}]}, "needs 'content'"),
+    ("tool-no-content", "/v1/chat/completions", {"messages": [HI, {"role": "tool", "tool_call_id": "c"}]},
+     "needs 'content'"),
+    ("max_tokens-over-context", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 254}, "3 + 254 > 256"),
+    ("max_tokens-over-context-batch", "/v1/completions", {"prompt": [[1], [1, 2, 3, 4]], "max_tokens": 253},
+     "4 + 253 > 256"),
+    ("max_completion_tokens-over-context", "/v1/chat/completions", {"messages": [HI], "max_completion_tokens": 300},
+     "no tokenizer"),  # tiny-llama: the chat template fails first
+    ("top_logprobs-without-logprobs", "/v1/chat/completions", {"messages": [HI], "top_logprobs": 3},
+     "top_logprobs needs logprobs"),
+    ("stream_options-without-stream", "/v1/completions", {"prompt": [1], "stream_options": {"include_usage": True}},
+     "stream_options can only be given when stream=true"),
+    ("stream_options-stream-false", "/v1/chat/completions",
+     {"messages": [HI], "stream": False, "stream_options": {"include_usage": False}},
+     "stream_options can only be given when stream=true"),
+    ("not-utf8", "/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 2}', "UTF-8"),
+]
+
+
+@pytest.mark.parametrize("path,body,fragment", [v[1:] for v in VALIDATION], ids=[v[0] for v in VALIDATION])
+def test_validation_cases(server, path, body, fragment):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server.url}{path}", timeout=60, **kw)
+    assert r.status_code == 400, r.text
+    err = json.loads(r.content)["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and fragment in err["message"], err
 
 
 def test_server_healthy_after_fuzzing(server):

@@ -1,9 +1,13 @@
 """The OpenAI-compatible HTTP API (FastAPI), as vLLM serves it.
 
 /v1/completions, /v1/chat/completions (both with `stream` as server-sent events), /v1/models, /health,
-/version, /metrics. Errors use OpenAI's body {"error": {"message", "type", "code"}} with vLLM's status
-codes: 400 for invalid parameters, malformed JSON and over-long prompts, 401 for a bad API key, 404 for
-an unknown model, 503 when the waiting queue is full. A client that goes away aborts its requests.
+/version, /metrics. Errors use OpenAI's body {"error": {"message", "type", "param", "code"}} with vLLM's
+status codes: 400 (BadRequestError) for invalid parameters, malformed JSON and over-long prompts, 401 for a
+bad API key, 404 for an unknown model, 413 for a body over the size limit, 503 when the waiting queue is
+full or the server is shutting down. A client that goes away aborts its requests.
+
+Tokenization and chat templating run on worker threads (preprocess.py), so no request stalls the event loop.
+On shutdown the Gate answers 503 to new requests while those in flight drain (serve.py drives it).
 """
 import asyncio
 import contextlib
@@ -20,9 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import graphinfer
 from graphinfer.errors import GraphinferError
 from graphinfer.outputs import RequestOutput
-from graphinfer.runtime.chat_template import chat_prompt_ids
-from graphinfer.server.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from graphinfer.server.async_engine import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream,
+                                            ServerShuttingDownError)
+from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from graphinfer.server.metrics import Metrics
+from graphinfer.server.preprocess import Preprocessor
 from graphinfer.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -31,27 +37,64 @@ class APIError(Exception):
         self.status, self.message, self.type = status, message, type_
 
 
-def error_response(status: int, message: str, type_: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status_code=status)
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                422: "UnprocessableEntityError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
-class _AuthAndCount:
-    """Checks the API key on /v1/* and counts responses by endpoint and status."""
+def error_response(status: int, message: str, type_: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_ or _ERROR_TYPES.get(status, "HTTPError"),
+                                   "param": None, "code": status}}, status_code=status, headers=headers)
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics):
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+class GateState:
+    """What the drain reads and sets: whether new requests are refused, and the /v1/* requests in flight."""
+
+    def __init__(self):
+        self.draining = False
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+
+class Gate:
+    """A plain ASGI middleware in front of every route. It answers 503 while the server drains (/v1/* and
+    /health; /metrics and /version keep answering), 401 for a bad API key on /v1/*, 413 for a body over the
+    limit; it counts the /v1/* requests in flight (the drain waits for them) and responses by endpoint and
+    status. (Starlette's BaseHTTPMiddleware would hide a client's disconnect from the endpoint.)"""
+
+    def __init__(self, app, state: GateState, api_key: str | None, metrics: Metrics, max_body_bytes: int):
+        self.app, self.state, self.api_key, self.metrics, self.max_body_bytes = app, state, api_key, metrics, max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        endpoint = path if path.startswith("/v1/") or path in ("/health", "/version", "/metrics") else "other"
-        if self.api_key and path.startswith("/v1/") and \
-                Headers(scope=scope).get("authorization") != f"Bearer {self.api_key}":
-            self.metrics.http(endpoint, 401)
-            response = error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                                      "authentication_error")
-            return await response(scope, receive, send)
+        api = path.startswith("/v1/")
+        endpoint = path if api or path in ("/health", "/version", "/metrics") else "other"
+
+        async def refuse(response):
+            self.metrics.http(endpoint, response.status_code)
+            await response(scope, receive, send)
+
+        state = self.state
+        if state.draining and (api or path == "/health"):
+            return await refuse(error_response(503, "The server is shutting down and takes no new requests.",
+                                               headers={"Connection": "close"}))
+        headers = Headers(scope=scope)
+        if self.api_key and api and headers.get("authorization") != f"Bearer {self.api_key}":
+            return await refuse(error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'."))
+        too_large = error_response(413, f"The request body is larger than the server's limit of {self.max_body_bytes} "
+                                        f"bytes (--max-request-body-bytes).")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await refuse(too_large)  # the rest of the body is read and dropped by the HTTP protocol
+        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):  # chunked: count as it arrives
+            buffered = await self._read_limited(receive)
+            if buffered is None:
+                return await refuse(too_large)
+            receive = _replay(buffered, receive)
+
         started = False
 
         async def send_counted(message):
@@ -61,38 +104,74 @@ class _AuthAndCount:
                 self.metrics.http(endpoint, message["status"])
             await send(message)
 
+        if api:
+            state.in_flight += 1
+            state.idle.clear()
         try:
             await self.app(scope, receive, send_counted)
         finally:
             if not started:
                 self.metrics.http(endpoint, 500)
+            if api:
+                state.in_flight -= 1
+                if not state.in_flight:
+                    state.idle.set()
+
+    async def _read_limited(self, receive) -> list | None:
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                return None
+            if not message.get("more_body"):
+                return messages
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def _replay(messages: list, receive):
+    pending = list(messages)
+
+    async def replayed():
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    pre = Preprocessor(engine)
+
     @contextlib.asynccontextmanager
     async def lifespan(_):
         yield
-        engine.shutdown()  # on SIGTERM / Ctrl-C: stop the engine loop after uvicorn stops taking requests
+        pre.shutdown()
+        engine.shutdown()  # after uvicorn stopped taking requests: stop the engine loop, free every request
 
     app = FastAPI(title="graphinfer", version=graphinfer.__version__, lifespan=lifespan)
     metrics = Metrics(served_model_name)
     engine.on_step = metrics.update_engine
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.preprocessor = engine, metrics, pre
+    app.state.gate = GateState()
     max_model_len = engine.engine.max_model_len
 
-    # A plain ASGI middleware: Starlette's @app.middleware("http") (BaseHTTPMiddleware) hides the client's
-    # disconnect from the endpoint, so a non-streaming request would run on after its client went away.
-    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics)
+    app.add_middleware(Gate, state=app.state.gate, api_key=api_key, metrics=metrics,
+                       max_body_bytes=max_request_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_, exc: RequestValidationError):
-        msgs = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-                for e in exc.errors()]
+        msgs = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: "
+                f"{str(e.get('msg')).removeprefix('Value error, ')}" for e in exc.errors()]
         return error_response(400, "; ".join(msgs) or "Invalid request body.", "BadRequestError")
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "HTTPError")
+    async def on_http(_, exc: StarletteHTTPException):  # unknown routes, methods, bodies that are not UTF-8
+        message = str(exc.detail)
+        if exc.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's, e.g. not UTF-8
+            message = "The request body could not be read: send JSON encoded as UTF-8."
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(APIError)
     async def on_api(_, exc: APIError):
@@ -103,6 +182,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         resp = error_response(503, str(exc), "ServiceUnavailableError")
         resp.headers["Retry-After"] = "1"
         return resp
+
+    @app.exception_handler(ServerShuttingDownError)
+    async def on_shutting_down(_, exc: ServerShuttingDownError):
+        return error_response(503, str(exc), "ServiceUnavailableError")
 
     @app.exception_handler(EngineDeadError)
     async def on_dead(_, exc: EngineDeadError):
@@ -146,8 +229,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         check_model(req.model)
         params = req.to_sampling_params()
         rid = f"cmpl-{uuid.uuid4().hex}"
-        prompts = req.prompts()
-        streams = engine.add_requests(prompts, params, [f"{rid}-{i}" for i in range(len(prompts))])
+        streams = engine.submit(await pre.run(pre.completion, req.prompts(), params, rid))
         fmt = _CompletionFormat(rid, served_model_name, params)
         if req.stream:
             return _sse(streams, fmt, params, req.include_usage, metrics)
@@ -157,9 +239,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         params = req.to_sampling_params()
-        ids = chat_prompt_ids(engine.engine.tokenizer, [m.to_template() for m in req.messages], req.add_generation_prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = engine.add_requests([ids], params, [rid])
+        messages = [m.to_template() for m in req.messages]
+        streams = engine.submit(await pre.run(pre.chat, messages, req.add_generation_prompt, params, rid))
         fmt = _ChatFormat(rid, served_model_name, params)
         if req.stream:
             return _sse(streams, fmt, params, req.include_usage, metrics)
@@ -350,10 +432,12 @@ def _sse(streams: list[RequestStream], fmt, params, include_usage: bool, metrics
                     _record(metrics, streams[i], out, first[i])
             if include_usage:
                 yield f"data: {json.dumps(fmt.head(fmt.chunk_object, [], _usage(streams, completion_tokens)))}\n\n"
-            yield "data: [DONE]\n\n"
-        except EngineDeadError as e:
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'InternalServerError', 'code': 500}})}\n\n"
-        finally:  # also when the client disconnects mid-stream: free its KV blocks
+        except (EngineDeadError, ServerShuttingDownError) as e:  # as vLLM: an error event, then [DONE]
+            status = 503 if isinstance(e, ServerShuttingDownError) else 500
+            error = {"message": str(e), "type": _ERROR_TYPES[status], "param": None, "code": status}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+        finally:  # also when the client disconnects mid-stream (the generator is closed): free its KV blocks
             _close(streams, metrics)
+        yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,8 +1,9 @@
 """AsyncLLMEngine: one background thread owns the LLMEngine (scheduler, KV cache, model); the asyncio side
 submits requests and aborts through a locked inbox and receives each request's outputs on its own queue.
 
-Requests are validated and tokenized on the caller's side (make_sequence), so a bad one is rejected
-before it is queued, and the HTTP event loop never waits for a model step.
+Requests are validated and tokenized on the caller's side (make_sequences, which the server runs on a worker
+thread), so a bad one is rejected before it is queued, and the HTTP event loop never waits for a model step.
+On shutdown, end_all() ends every request still in flight with an error its consumer reports.
 """
 import asyncio
 import logging
@@ -12,6 +13,7 @@ import time
 from graphinfer.errors import GraphinferError, InvalidRequestError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime.llm_engine import LLMEngine
+from graphinfer.runtime.sequence import Sequence
 from graphinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -23,6 +25,10 @@ class EngineOverloadedError(GraphinferError):
 
 class EngineDeadError(GraphinferError):
     """The engine loop stopped on an internal error; the server can no longer serve."""
+
+
+class ServerShuttingDownError(GraphinferError):
+    """The server is shutting down: the request was not taken, or was ended before it finished (HTTP 503)."""
 
 
 class RequestStream:
@@ -44,6 +50,9 @@ class RequestStream:
         item = await self.queue.get()
         if item is None:  # aborted while we waited
             raise StopAsyncIteration
+        if isinstance(item, ServerShuttingDownError):
+            self.finished = True
+            raise item
         if isinstance(item, BaseException):
             self.finished = True
             raise EngineDeadError(f"The engine loop stopped: {item!r}") from item
@@ -68,6 +77,7 @@ class AsyncLLMEngine:
         self._aborts: list[str] = []
         self._streams: dict[str, RequestStream] = {}
         self._stopped = False
+        self._closed = False  # end_all() ran: no new requests
         self.error: BaseException | None = None
         self.on_step = None  # callback(engine) after each step, for metrics (runs on the engine thread)
         self._thread = threading.Thread(target=self._run, name="graphinfer-engine", daemon=True)
@@ -81,19 +91,32 @@ class AsyncLLMEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    def add_requests(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> list["RequestStream"]:
-        """Validate every prompt (typed errors, nothing queued if one is bad), then queue them all.
-        Each returned stream yields that request's outputs; the last has finished=True."""
+    @property
+    def request_limit(self) -> int:
+        return self.max_waiting_requests + self.engine.config.scheduler_config.max_num_seqs
+
+    def check_batch_size(self, n: int) -> None:
+        if n > self.request_limit:  # could never be accepted: retrying would not help
+            raise InvalidRequestError(f"{n} prompts in one request exceed the server's limit of {self.request_limit} "
+                                      f"requests in flight; send at most {self.request_limit}.")
+
+    def make_sequences(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> list[Sequence]:
+        """Validate and tokenize every prompt (typed errors); touches no engine state, so any thread may call it."""
+        self.check_batch_size(len(prompts))
+        return [self.engine.make_sequence(p, params, rid) for p, rid in zip(prompts, request_ids)]
+
+    def submit(self, seqs: list[Sequence]) -> list["RequestStream"]:
+        """Queue validated sequences (all or none); call on the event loop. Each returned stream yields that
+        request's outputs; the last has finished=True."""
         if not self.healthy:
             raise EngineDeadError(f"The engine loop has stopped: {self.error!r}")
-        seqs = [self.engine.make_sequence(p, params, rid) for p, rid in zip(prompts, request_ids)]
+        self.check_batch_size(len(seqs))
         loop = asyncio.get_running_loop()
         streams = [RequestStream(self, seq.request_id, seq.num_prompt_tokens, loop) for seq in seqs]
-        limit = self.max_waiting_requests + self.engine.config.scheduler_config.max_num_seqs
-        if len(seqs) > limit:  # could never be accepted: retrying would not help
-            raise InvalidRequestError(f"{len(seqs)} prompts in one request exceed the server's limit of {limit} "
-                                      f"requests in flight; send at most {limit}.")
+        limit = self.request_limit
         with self._lock:
+            if self._closed or self._stopped:
+                raise ServerShuttingDownError("The server is shutting down and takes no new requests.")
             if len(self._streams) + len(seqs) > limit:
                 raise EngineOverloadedError(f"The server is overloaded ({len(self._streams)} requests in flight, "
                                             f"limit {limit}); retry later.")
@@ -103,11 +126,32 @@ class AsyncLLMEngine:
             self._wake.notify()
         return streams
 
+    def add_requests(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> list["RequestStream"]:
+        """make_sequences + submit, on the event loop."""
+        return self.submit(self.make_sequences(prompts, params, request_ids))
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             if self._streams.pop(request_id, None) is not None:
                 self._aborts.append(request_id)
                 self._wake.notify()
+
+    def end_all(self, message: str) -> int:
+        """Take no more requests, and end every one in flight: its consumer gets ServerShuttingDownError(message)
+        and its KV blocks are freed on the engine loop's next turn. Returns how many were ended."""
+        with self._lock:
+            self._closed = True
+            streams, self._streams = list(self._streams.values()), {}
+            self._aborts.extend(s.request_id for s in streams)
+            self._wake.notify()
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ServerShuttingDownError(message))
+        return len(streams)
+
+    @property
+    def kv_blocks_in_use(self) -> int:
+        bm = self.engine.scheduler.block_manager
+        return bm.num_blocks - bm.num_free_blocks
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:

@@ -1,5 +1,9 @@
-"""Request bodies of the OpenAI API as vLLM serves it (pydantic; unknown fields are ignored)."""
-from typing import Literal
+"""Request bodies of the OpenAI API as vLLM serves it (pydantic; unknown fields are ignored).
+
+Validated as vLLM validates them: a failure here is a 400 with OpenAI's error body (BadRequestError).
+The checks that need the prompt's token count (max_tokens + prompt within max_model_len) are the server's.
+"""
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -56,6 +60,14 @@ class _SamplingRequest(BaseModel):
         _check_utf8(data)
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_options_need_stream(cls, data):
+        # vLLM: "Stream options can only be defined when `stream=True`." (an empty or null one passes)
+        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+            raise ValueError("stream_options can only be given when stream=true.")
+        return data
+
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -107,9 +119,20 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # OpenAI's roles
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self):
+        # OpenAI: content is required, except on an assistant message that carries tool_calls / function_call
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call)):
+            raise ValueError(f"a '{self.role}' message needs 'content' (a string or a list of text parts)"
+                             + ("; an assistant message may leave it out only with tool_calls" if self.role == "assistant"
+                                else ""))
+        return self
 
     def to_template(self) -> dict:
         content = self.content if isinstance(self.content, str) or self.content is None else \
@@ -124,6 +147,13 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        # vLLM: "when using `top_logprobs`, `logprobs` must be set to true." (top_logprobs=0 passes, as there)
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true.")
+        return self
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
