@@ -11,8 +11,8 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token prompt is ~1 MB
 # that prompt's time to first token; vLLM too serves with a smaller budget than its offline LLM class.
 # cuda / npu: vLLM's online defaults (8192 on GPUs with >= 70 GiB other than the A100, else 2048; the Ascend
 # 910B's 64 GB is the 2048 case). cpu: measured with tools/serve_fairness.py (docs/benchmarks.md): on 2 vCPUs
-# SmolLM2's prefill throughput is within 5-15% of its plateau from 128 tokens a step on, while the step (a running
-# stream's gap) grows linearly, 128 tokens costing ~9 decode steps (~0.7-1 s).
+# SmolLM2's prefill throughput is within 5-16% of its plateau from 128 tokens a step on, while the step (a running
+# stream's gap) grows linearly, 128 tokens costing ~9-10 decode steps (~1 s on one thread).
 SERVE_BATCHED_TOKENS = {"cpu": 128, "cuda_large": 8192, "cuda": 2048, "npu": 2048, "other": 2048}
 SERVE_BATCHED_TOKENS_HELP = ("default when serving: 128 on cpu; on cuda 8192 with >= 70 GiB of device memory (H100, "
                              "H200; not A100), else 2048; 2048 on npu (offline, generate and bench: 8192)")
