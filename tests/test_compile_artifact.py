@@ -35,7 +35,7 @@ def test_artifact_contents(qwen2_artifact):
     assert sorted(os.listdir(art)) == ["graph.py", "manifest.json", "report.txt"]
     assert manifest["model"]["path"] == os.path.abspath(path)
     assert manifest["platform"] == "cpu" and manifest["dtype"] == "float32" and manifest["graph_mode"] == "NONE"
-    assert manifest["capture_sizes"][:5] == [1, 2, 4, 8, 16] and manifest["capture_sizes"][-1] == 512  # min(2 * max_num_seqs, 512): pieces use them all
+    assert manifest["capture_sizes"][:5] == [1, 2, 4, 8, 16] and manifest["capture_sizes"][-1] == 512  # piecewise sizes
     assert [(p["name"], p["matches"]) for p in manifest["passes"]] == [
         ("fuse_qkv", 3), ("fuse_gate_up", 3), ("fuse_add_rmsnorm", 6), ("fuse_moe", 0),
         ("cleanup", manifest["passes"][4]["matches"])]
