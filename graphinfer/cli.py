@@ -116,6 +116,11 @@ def _generate(args) -> None:
         if c.logprobs:
             for tid, entry in zip(c.token_ids, c.logprobs):
                 print(f"  {entry[tid].decoded_token!r}: {entry[tid].logprob:.4f}")
+    if args.report:
+        from graphinfer.compiler.report import pass_table
+
+        origin = f"artifact {args.artifact}" if args.artifact else f"passes={args.passes}"
+        print(f"\n## Pass report ({origin})\n\n{pass_table(llm.llm_engine.pass_reports)}")
 
 
 def _bench_generate(args) -> None:
@@ -146,22 +151,43 @@ def _compile(args) -> None:
         CompileConfig(args.graph_mode, args.passes, sizes, max_capture_size=args.max_capture_size,
                       splitting_ops=_splitting_ops(args)),
         capture_graphs=False))
-    manifest = engine.save_artifact(args.output)
-    print(f"{pass_table(engine.pass_reports)}\n\ncompiled {manifest['model']['path']} "
+    print(pass_table(engine.pass_reports.rejudge(args.atol, args.rtol)))
+    manifest = engine.save_artifact(args.output, atol=args.atol, rtol=args.rtol,
+                                    allow_check_failure=args.allow_check_failure)
+    if manifest["check"]["overridden"]:
+        print("\nwarning: the numeric check failed; written anyway (--allow-check-failure, recorded in the manifest)",
+              file=sys.stderr)
+    print(f"\ncompiled {manifest['model']['path']} "
           f"({manifest['platform']}, {manifest['dtype']}, {manifest['graph_mode']}) -> {args.output}")
 
 
-def _passes(args) -> None:
+def _passes(args) -> int:
     from graphinfer.passes import tools
 
     if args.action == "list":
         print(tools.list_passes())
     elif args.action == "show":
-        print(tools.show(args.model, args.after, args.dtype, args.onnx, split=args.split))
+        print(tools.show(args.model, args.after, args.dtype, args.onnx, split=args.split, passes=args.passes,
+                         dump_dir=args.dump_dir))
     elif args.action == "diff":
-        print(tools.diff(args.model, args.pass_name, args.dtype))
+        print(tools.diff(args.model, args.pass_name, args.dtype, passes=args.passes or "default",
+                         dump_dir=args.dump_dir))
     else:
-        print(tools.verify(args.model, args.passes, args.dtype, args.onnx)[0])
+        text, reports = tools.verify(args.model, args.passes, args.dtype, args.onnx, atol=args.atol, rtol=args.rtol,
+                                     dump_dir=args.dump_dir)
+        print(text)
+        if not reports.passed:
+            print("graphinfer: numeric check failed:\n  " + "\n  ".join(reports.failures()), file=sys.stderr)
+            return 1
+    return 0
+
+
+def _add_tolerance_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--atol", type=float, default=None,
+                   help="numeric check: max abs error allowed (default: by the outputs' dtype, 1e-4 for float32)")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="numeric check: max error relative to the outputs' magnitude (default: by dtype, 1e-4 for "
+                        "float32); a check passes within atol or rtol")
 
 
 def _bench_serve(args) -> None:
@@ -242,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline and print it")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable: one batch)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--report", action="store_true", help="also print the pass report (matches, numeric checks)")
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
@@ -268,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_graph_mode_args(comp)
     comp.add_argument("--passes", default="default", help="'default', 'none' or a comma-separated list of pass names")
     comp.add_argument("--max-num-seqs", type=int, default=256, help="bounds the default capture sizes")
+    _add_tolerance_args(comp)
+    comp.add_argument("--allow-check-failure", action="store_true",
+                      help="write the artifact even if a pass fails its numeric check (recorded in the manifest)")
     comp.add_argument("--dtype", default="auto")
     comp.add_argument("--device", default="auto", help="auto (the detected platform) or a torch device")
     comp.set_defaults(func=_compile)
@@ -281,12 +311,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="auto")
         if name == "show":
             p.add_argument("--after", default=None, help="show the graph after this pass (default: as traced)")
+            p.add_argument("--passes", default=None, help="the pipeline to run (default: none; with --after, the "
+                                                          "default pipeline up to that pass)")
             p.add_argument("--split", action="store_true",
                            help="also split the graph at attention as PIECEWISE capture does and show the pieces")
         if name == "diff":
             p.add_argument("--pass", dest="pass_name", required=True)
+            p.add_argument("--passes", default=None, help="the pipeline the pass sits in (default: 'default'); a "
+                                                          "pass not in it runs after all of it")
         if name == "verify":
-            p.add_argument("--passes", default="default")
+            p.add_argument("--passes", default="default", help="'default', 'none', 'a,b,c' or 'default,my_pass'")
+            _add_tolerance_args(p)
+        p.add_argument("--dump-dir", default=None,
+                       help="write the graph as traced and after each pass there (NN-<pass>.py code, .txt nodes)")
         if name != "diff":
             p.add_argument("--onnx", default=None, help="also export the graph as ONNX for Netron")
     sub.choices["passes"].set_defaults(func=_passes)
@@ -352,11 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("GRAPHINFER_LOG_LEVEL", "INFO"),
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        args.func(args)
+        return args.func(args) or 0
     except GraphinferError as e:
         print(f"graphinfer: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,17 +2,22 @@
 start from without tracing the model or running passes again.
 
   manifest.json  what the graph was compiled for (model fingerprint, versions, platform, dtype, graph mode,
-                 capture sizes, passes with matches and max_abs_error, the piecewise split) and how to
-                 rebuild fused weights
+                 capture sizes, passes with matches and their numeric check, the piecewise split), how to
+                 rebuild fused weights, and the plugin passes the graph needs (distribution and version)
   graph.py       the fused graph's Python code (torch.fx codegen with its import block)
+  added_modules.pt  only when passes added submodules or tensors the checkpoint does not have (torch.save)
   report.txt     the pass table and op histogram, for people
 
-Loading rebuilds each fused projection from the checkpoint's weights by the recorded recipe (a
-concatenation, no pass logic) and executes graph.py over the model's modules. An artifact made for other
-weights, graphinfer / torch / python versions, platform or dtype, or whose files were edited, is refused.
+Loading imports the plugin passes' modules (their ops must be registered before graph.py runs), rebuilds
+each fused projection from the checkpoint's weights by the recorded recipe (a concatenation, no pass logic),
+puts back what passes added, and executes graph.py over the model's modules. An artifact made for other
+weights, graphinfer / torch / python versions, platform or dtype, plugins that are missing or at other
+versions here, or whose files were edited, is refused.
 """
 import dataclasses
 import hashlib
+import importlib
+import importlib.metadata
 import json
 import os
 import platform as py_platform
@@ -25,11 +30,11 @@ from graphinfer.compiler.report import histogram_table, pass_table
 from graphinfer.compiler.split import SplitInfo
 from graphinfer.compiler.trace import op_histogram
 from graphinfer.errors import ArtifactMismatchError
-from graphinfer.passes import PassReport
+from graphinfer.passes import CheckResult, PassError, PassReport, PassReports
 from graphinfer.passes.utils import concat_linears, release_fused_sources
 
 FORMAT = 1
-MANIFEST, GRAPH, REPORT = "manifest.json", "graph.py", "report.txt"
+MANIFEST, GRAPH, REPORT, ADDED = "manifest.json", "graph.py", "report.txt", "added_modules.pt"
 _REQUIRED = ("format", "model", "graphinfer_version", "torch_version", "python_version", "platform", "dtype",
              "graph_mode", "capture_sizes", "passes", "fused_linears", "graph_sha256")
 
@@ -49,16 +54,37 @@ def graph_source(gm: fx.GraphModule) -> str:
 
 def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *, fingerprint: dict,
                   device: torch.device, dtype: torch.dtype, graph_mode: str, capture_sizes: list[int],
-                  split: SplitInfo | None = None) -> dict:
+                  split: SplitInfo | None = None, model: nn.Module | None = None, check: dict | None = None) -> dict:
+    """Write the artifact. model: the module tree gm was traced from, to find what passes added (saved to
+    added_modules.pt); check: how the pass checks were judged ({passed, atol, rtol, overridden})."""
+    plugins = _plugins(gm)
+    added = _added_state(gm, model) if model is not None else {}
     os.makedirs(out_dir, exist_ok=True)
     source = graph_source(gm)
+    e2e = getattr(reports, "end_to_end", None)
     manifest = {
         "format": FORMAT, "model": fingerprint, **environment(device), "dtype": str(dtype).removeprefix("torch."),
         "graph_mode": graph_mode, "capture_sizes": capture_sizes, "passes": [r.to_json() for r in reports],
+        "end_to_end_check": e2e.to_json() if e2e is not None else None,
+        "check": check,
+        "plugins": plugins,  # plugin passes: imported (at these versions) before graph.py runs
+        "added_modules": sorted(added),
         "fused_linears": gm.meta.get("fused_linears", {}),
         "graph_sha256": hashlib.sha256(source.encode()).hexdigest(),
         "split": dataclasses.asdict(split) if split is not None else None,  # PIECEWISE: the pieces around attention
     }
+    added_path = os.path.join(out_dir, ADDED)
+    if added:
+        try:
+            torch.save(added, added_path + ".tmp")
+        except Exception as e:
+            raise PassError(f"Modules added by passes ({', '.join(added)}) cannot be saved with torch.save "
+                            f"({type(e).__name__}: {e}); a pass's modules must be picklable (module-level classes "
+                            f"holding tensors).") from None
+        os.replace(added_path + ".tmp", added_path)
+        manifest["added_modules_sha256"] = _file_sha256(added_path)
+    elif os.path.exists(added_path):
+        os.remove(added_path)
     with open(os.path.join(out_dir, GRAPH), "w") as f:
         f.write(source)
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
@@ -66,9 +92,86 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
     with open(os.path.join(out_dir, REPORT), "w") as f:
         f.write(f"graphinfer compile report\n\nmodel: {fingerprint['path']}\nplatform: {device.type}, dtype: "
                 f"{manifest['dtype']}, graph mode: {graph_mode}\n\n## Passes\n\n{pass_table(reports)}\n\n"
-                f"## Nodes in the compiled graph ({len(gm.graph.nodes)})\n\n{histogram_table(op_histogram(gm))}\n"
+                + (f"plugins: {', '.join(_plugin_name(p) for p in plugins)}\n\n" if plugins else "")
+                + ("numeric check FAILED, artifact written anyway (--allow-check-failure): "
+                   f"{'; '.join(check['failures'])}\n\n" if check and check.get("overridden") else "")
+                + f"## Nodes in the compiled graph ({len(gm.graph.nodes)})\n\n{histogram_table(op_histogram(gm))}\n"
                 + (f"\n## Piecewise split\n\n{split.summary()}\n" if split is not None else ""))
     return manifest
+
+
+def _plugin_name(p: dict) -> str:
+    return f"{p['pass']} ({p['distribution']} {p['version']})" if p.get("distribution") else f"{p['pass']} ({p['module']})"
+
+
+def _plugins(gm: fx.GraphModule) -> list[dict]:
+    """The plugin passes that ran on gm (recorded by the PassManager), checked to be importable by name."""
+    plugins = gm.meta.get("plugin_passes", [])
+    for p in plugins:
+        if p["module"] == "__main__" or "<locals>" in p["class"]:
+            raise PassError(
+                f"Pass {p['pass']!r} is defined in {'a function' if '<locals>' in p['class'] else 'the main script'} "
+                f"({p['module']}:{p['class']}), so a loaded artifact could not import it (and the ops it registers). "
+                f"Move it into an importable module, best a plugin package (docs/passes.md), and compile again.")
+    return plugins
+
+
+def _same(a, b) -> bool:
+    return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+                      and a.shape == b.shape and a.dtype == b.dtype and a.data_ptr() != 0)
+
+
+def _added_state(gm: fx.GraphModule, model: nn.Module) -> dict[str, object]:
+    """target -> module or tensor, for each module or tensor the graph uses that is not the model's own at that
+    path (passes added or replaced it), except the fused projections the fused_linears recipe rebuilds. A
+    tensor read from a module that a pass added is saved as that whole module."""
+    fused = gm.meta.get("fused_linears", {})
+    added: dict[str, object] = {}
+
+    def model_has(target: str, obj=None) -> bool:
+        """model has something at target (obj None) / has obj itself there."""
+        try:
+            here = _resolve(model, target)
+        except AttributeError:
+            return False
+        return obj is None or _same(obj, here)
+
+    for node in gm.graph.nodes:
+        if node.op not in ("call_module", "get_attr"):
+            continue
+        target = node.target
+        if target in added or any(target.startswith(t + ".") for t in added):
+            continue
+        obj = _resolve(gm, target)
+        if (target in fused and type(obj) is nn.Linear) or model_has(target, obj):
+            continue
+        parent = target.rpartition(".")[0]
+        if node.op == "get_attr" and parent:
+            if parent in fused and type(gm.get_submodule(parent)) is nn.Linear:
+                continue  # a fused projection's weight: the recipe rebuilds it
+            if not model_has(parent):
+                target, obj = parent, gm.get_submodule(parent)  # a module a pass added: saved whole
+        added[target] = obj
+    for target, obj in added.items():
+        for cls in {type(m) for m in obj.modules()} if isinstance(obj, nn.Module) else ():
+            if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+                raise PassError(
+                    f"A pass added the submodule {target!r} of class {cls.__module__}.{cls.__qualname__}, which a "
+                    f"loaded artifact could not import: define the class at module level in an importable module "
+                    f"(the plugin's package) and compile again.")
+    return added
+
+
+def _file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _resolve(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def read_manifest(art_dir: str) -> dict:
@@ -96,23 +199,80 @@ def verify_artifact(art_dir: str, manifest: dict, *, fingerprint: dict, device: 
     expected.update({k: (manifest[k], v) for k, v in environment(device).items()})
     with open(os.path.join(art_dir, GRAPH)) as f:
         expected["graph.py"] = (manifest["graph_sha256"], hashlib.sha256(f.read().encode()).hexdigest())
+    if manifest.get("added_modules"):
+        added = os.path.join(art_dir, ADDED)
+        expected[ADDED] = (manifest.get("added_modules_sha256"), _file_sha256(added) if os.path.isfile(added) else "missing")
     diffs = [f"{k}: artifact has {a!r}, here {b!r}" for k, (a, b) in expected.items() if a != b]
+    installs = []
+    for p in manifest.get("plugins") or []:
+        if p.get("distribution") is None:
+            continue
+        try:
+            here = importlib.metadata.version(p["distribution"])
+        except importlib.metadata.PackageNotFoundError:
+            here = "not installed"
+        if here != p["version"]:
+            diffs.append(f"plugin {p['distribution']} (pass {p['pass']!r}): artifact has {p['version']!r}, here {here!r}")
+            installs.append(f"{p['distribution']}=={p['version']}")
     if diffs:
+        fix = f"\nInstall the plugins it was compiled with (pip install {' '.join(installs)}) or recompile it here: " \
+            if installs else "\nRecompile it here: "
         raise ArtifactMismatchError(
             f"Artifact {art_dir!r} does not match this model / environment:\n  " + "\n  ".join(diffs) +
-            f"\nRecompile it here: graphinfer compile {fingerprint['path']} -o {art_dir}")
+            f"{fix}graphinfer compile {fingerprint['path']} -o {art_dir}")
+
+
+def load_reports(manifest: dict) -> PassReports:
+    """The pass reports recorded at compile time (with the end-to-end check, where recorded)."""
+    e2e = manifest.get("end_to_end_check")
+    return PassReports([PassReport(**r) for r in manifest["passes"]], CheckResult.from_json(e2e) if e2e else None)
 
 
 def load_graph(art_dir: str, manifest: dict, model: nn.Module) -> nn.Module:
-    """The artifact's compiled forward over `model`'s modules (fused projections rebuilt from its weights)."""
+    """The artifact's compiled forward over `model`'s modules (plugins imported, fused projections rebuilt
+    from its weights, modules added by passes put back)."""
+    for p in manifest.get("plugins") or []:
+        try:
+            importlib.import_module(p["module"])  # registers the plugin's ops, defines its modules' classes
+        except Exception as e:
+            raise ArtifactMismatchError(
+                f"Artifact {art_dir!r} needs the plugin pass {p['pass']!r} (module {p['module']}"
+                f"{', distribution ' + p['distribution'] if p.get('distribution') else ''}), which fails to import "
+                f"here: {type(e).__name__}: {e}. Install it, or recompile without it.") from None
     for target, sources in manifest["fused_linears"].items():
         parent, _, name = target.rpartition(".")
         setattr(model.get_submodule(parent), name, concat_linears([model.get_submodule(s) for s in sources]))
     release_fused_sources(model, manifest["fused_linears"])
+    if manifest.get("added_modules"):
+        _install_added(model, torch.load(os.path.join(art_dir, ADDED), weights_only=False,
+                                         map_location=next(model.parameters()).device))
     namespace: dict = {}
     with open(os.path.join(art_dir, GRAPH)) as f:
-        exec(compile(f.read(), os.path.join(art_dir, GRAPH), "exec"), namespace)
+        try:
+            exec(compile(f.read(), os.path.join(art_dir, GRAPH), "exec"), namespace)
+        except ImportError as e:
+            raise ArtifactMismatchError(f"Artifact {art_dir!r}: graph.py imports what is not installed here ({e}); "
+                                        f"install it or recompile.") from None
     graph = type("ArtifactGraph", (nn.Module,), {"forward": namespace["forward"]})()
     for attr in ("_modules", "_parameters", "_buffers"):  # run over the model's own modules, caches included
         setattr(graph, attr, getattr(model, attr))
     return graph
+
+
+def _install_added(model: nn.Module, added: dict) -> None:
+    """Put modules / tensors that passes added at their paths in model (creating empty parents as needed)."""
+    for target, obj in added.items():
+        parent = model
+        *path, name = target.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        if isinstance(obj, nn.Module):
+            setattr(parent, name, obj)
+        elif isinstance(obj, nn.Parameter):
+            parent.register_parameter(name, obj)
+        else:
+            if name in parent._parameters:
+                del parent._parameters[name]
+            parent.register_buffer(name, obj, persistent=False)

@@ -4,7 +4,7 @@ from torch import fx, nn
 
 from graphinfer.compiler.trace import trace_model
 from graphinfer.models.layers import AttentionMetadata, PagedAttention
-from graphinfer.passes import Pass, PassManager, PassReport
+from graphinfer.passes import Pass, PassManager, PassReports
 from graphinfer.runtime.model_runner import allocate_kv_cache
 
 _CHECK_BLOCKS, _CHECK_BLOCK_SIZE = 6, 16  # what check_inputs needs
@@ -35,11 +35,16 @@ def check_inputs(model: nn.Module, seed: int = 0) -> list[tuple]:
     return [step([0, 0, 0], lens), step(lens, [1, 6, 1])]
 
 
-def compile_model(model: nn.Module, passes: list[Pass], check: bool = True) -> tuple[fx.GraphModule, list[PassReport]]:
-    """The traced, optimised graph of model.forward and one report per pass.
+def compile_model(model: nn.Module, passes: list[Pass], check: bool = True, *, atol: float | None = None,
+                  rtol: float | None = None, dump_dir: str | None = None) -> tuple[fx.GraphModule, PassReports]:
+    """The traced, optimised graph of model.forward and one report per pass (plus `reports.end_to_end`, the
+    final graph against the traced one), each checked on check_inputs(model) unless check=False. A failed
+    check is reported, not raised (see PassReports.passed / failures()). atol / rtol: the check's tolerances
+    (None: the dtype's defaults); dump_dir: see PassManager.
 
     Traces over a small scratch KV cache (the numeric checks write into it); whoever runs the graph then
     allocates the real cache and calls compiler.trace.rebind_buffers(gm, model)."""
     allocate_kv_cache(model, _CHECK_BLOCKS, _CHECK_BLOCK_SIZE)
     gm = trace_model(model)
-    return gm, PassManager(passes, check_inputs(model) if check else None).run(gm)
+    manager = PassManager(passes, check_inputs(model) if check else None, atol=atol, rtol=rtol, dump_dir=dump_dir)
+    return gm, manager.run(gm)

@@ -9,7 +9,7 @@ import json
 import os
 
 from graphinfer.config import cache_dir
-from graphinfer.models.presets import preset_config
+from graphinfer.models.presets import INIT_VERSION, preset_config
 
 
 def _file_sha256(path: str) -> str:
@@ -43,9 +43,9 @@ def model_fingerprint(model: str, hf_config, seed: int = 0) -> dict:
     # Private keys (_name_or_path, _commit_hash) and the transformers version say where it came from, not what it is.
     config = {k: v for k, v in hf_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
     config_sha = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
-    if preset_config(model) is not None:  # random weights: the preset name and seed determine them
+    if preset_config(model) is not None:  # random weights: the preset name, seed and init scheme determine them
         return {"path": model, "config_sha256": config_sha,
-                "weights_sha256": hashlib.sha256(f"{model}\0{seed}".encode()).hexdigest()}
+                "weights_sha256": hashlib.sha256(f"{model}\0{seed}\0init{INIT_VERSION}".encode()).hexdigest()}
     path = os.path.abspath(model)
     files = [path] if path.endswith(".gguf") else sorted(glob.glob(os.path.join(path, "*.safetensors")))
     return {"path": path, "config_sha256": config_sha, "weights_sha256": _combined([_file_sha256(f) for f in files])}

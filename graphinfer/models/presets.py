@@ -39,12 +39,29 @@ def preset_config(name: str):
     return _config(name) if name in PRESET_NAMES else None
 
 
+# Part of a preset's fingerprint: artifacts compiled from a preset's earlier random weights are refused.
+INIT_VERSION = 2
+
+
 @torch.no_grad()
 def init_random_weights(model: torch.nn.Module, seed: int) -> None:
-    """Deterministic random weights: N(0, 0.02) matrices and biases, ones for the RMSNorm gains."""
+    """Deterministic random weights that keep a tiny model's computation informative:
+
+    - matrices N(0, (2 / sqrt(fan_in))^2), so each layer changes the residual stream as much as the embedding
+      (with N(0, 0.02) weights and a tied LM head every model just repeats its last input token, and a
+      rewrite that breaks attention still gives the same greedy tokens); q/k projections N(0, 1 / fan_in),
+      so attention scores stay moderate (larger ones make a deep model's outputs swing with rounding noise);
+      embeddings N(0, 1);
+    - norm gains U(0.5, 1.5), not ones, so a rewrite that swaps or drops a norm weight changes the outputs;
+    - biases (and other vectors) N(0, 0.02)."""
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
-            p.fill_(1.0)
+            p.copy_(0.5 + torch.rand(p.shape, generator=g))
+        elif "embed" in name:
+            p.copy_(torch.randn(p.shape, generator=g))
+        elif p.dim() >= 2:
+            scale = 1.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 2.0
+            p.copy_(torch.randn(p.shape, generator=g) * (scale / p.shape[-1] ** 0.5))
         else:
             p.copy_(torch.randn(p.shape, generator=g) * 0.02)

@@ -1,6 +1,10 @@
-"""Graph passes: each a small fx rewrite with a name, a description, a match count and a numeric self-check."""
-from graphinfer.passes.base import Pass, PassReport
-from graphinfer.passes.manager import PassManager
-from graphinfer.passes.registry import DEFAULT_PASSES, available_passes, resolve_passes
+"""Graph passes: each a small fx rewrite with a name, a description, a match count and a numeric check.
 
-__all__ = ["Pass", "PassReport", "PassManager", "DEFAULT_PASSES", "available_passes", "resolve_passes"]
+Writing one: subclass Pass; match with the helpers in graphinfer.passes.match (docs/passes.md)."""
+from graphinfer.passes.base import Pass, PassCheckError, PassError, PassReport, PassReports
+from graphinfer.passes.check import DEFAULT_TOLERANCES, CheckResult
+from graphinfer.passes.manager import PassManager
+from graphinfer.passes.registry import DEFAULT_PASSES, PluginWarning, available_passes, resolve_passes
+
+__all__ = ["Pass", "PassReport", "PassReports", "PassManager", "PassError", "PassCheckError", "CheckResult",
+           "DEFAULT_TOLERANCES", "DEFAULT_PASSES", "PluginWarning", "available_passes", "resolve_passes"]

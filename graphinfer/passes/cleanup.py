@@ -13,12 +13,11 @@ import operator
 from torch import fx
 
 from graphinfer.passes.base import Pass
-
-_VIEWS = ("view", "reshape")
+from graphinfer.passes.match import is_method
 
 
 def _is_view(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in _VIEWS
+    return is_method(node, "view", "reshape")
 
 
 def _pure_read_key(node: fx.Node) -> tuple | None:
@@ -31,8 +30,24 @@ def _pure_read_key(node: fx.Node) -> tuple | None:
     src = node.args[0]
     if node.target is getattr or (node.target is operator.getitem and (
             src.op == "placeholder" or (src.op == "call_function" and src.target in (getattr, operator.getitem)))):
-        return (node.target, node.args)
+        key = (node.target, _hashable(node.args))
+        try:
+            hash(key)
+        except TypeError:  # an argument we cannot compare cheaply: never merged
+            return None
+        return key
     return None
+
+
+def _hashable(a):
+    """Arguments as a hashable key: slices (unhashable before Python 3.12), lists and dicts made tuples."""
+    if isinstance(a, slice):
+        return ("slice", _hashable(a.start), _hashable(a.stop), _hashable(a.step))
+    if isinstance(a, (tuple, list)):
+        return (type(a).__name__, *(_hashable(x) for x in a))
+    if isinstance(a, dict):
+        return ("dict", *((k, _hashable(v)) for k, v in a.items()))
+    return a
 
 
 def _merge_views(g: fx.Graph, node: fx.Node) -> int:

@@ -1,16 +1,31 @@
 """fuse_add_rmsnorm: a residual add feeding rms_norm becomes one add_rms_norm with two outputs.
 
-Matches: rms_norm(a + b, weight, eps) where a and b are tensors (graph nodes). The sum's other users
+Matches: rms_norm(a + b, weight, eps) where a, b and weight are tensors (graph nodes). The sum's other users
 (the next residual) read the op's second output, the norm's users its first.
-Produces: graphinfer::add_rms_norm(a, b, weight, eps) -> (normed, a + b), placed where the add was.
-Declines: when the norm's weight is not a parameter read (get_attr) that can move up to the add.
+Produces: graphinfer::add_rms_norm(a, b, weight, eps) -> (normed, a + b), placed where the add was (a weight
+read that came later moves up; see match.replace_pattern).
 """
-import operator
-
 from torch import fx
 
 from graphinfer.passes.base import Pass
-from graphinfer.passes.utils import GRAPHINFER, is_op
+from graphinfer.passes.match import replace_pattern
+from graphinfer.passes.utils import GRAPHINFER
+
+
+def _pattern(x, residual, weight, eps):
+    total = x + residual
+    return GRAPHINFER.rms_norm.default(total, weight, eps), total
+
+
+def _replacement(x, residual, weight, eps):
+    out = GRAPHINFER.add_rms_norm.default(x, residual, weight, eps)
+    return out[0], out[1]
+
+
+def _tensors(match, original, pattern) -> bool:
+    """The pattern's placeholders also match constants (x + 1.0); add_rms_norm takes tensors only."""
+    x, residual, weight, _ = match.placeholder_nodes
+    return all(isinstance(n, fx.Node) for n in (x, residual, weight))
 
 
 class FuseAddRMSNormPass(Pass):
@@ -18,26 +33,4 @@ class FuseAddRMSNormPass(Pass):
     description = "rms_norm(x + residual) -> add_rms_norm(x, residual) returning (normed, new residual)"
 
     def apply(self, gm: fx.GraphModule) -> int:
-        g = gm.graph
-        matches = 0
-        for norm in list(g.nodes):
-            if not is_op(norm, GRAPHINFER.rms_norm.default):
-                continue
-            add, weight, eps = norm.args
-            if not (isinstance(add, fx.Node) and is_op(add, operator.add) and len(add.args) == 2
-                    and all(isinstance(a, fx.Node) for a in add.args)):
-                continue
-            if weight.op != "get_attr":
-                self.decline(f"{norm.name}: norm weight is computed, not a parameter")
-                continue
-            add.prepend(weight)  # the fused op sits where the add was, so its weight must be read before
-            with g.inserting_before(add):
-                fused = g.call_function(GRAPHINFER.add_rms_norm.default, (*add.args, weight, eps))
-                normed = g.call_function(operator.getitem, (fused, 0))
-                residual = g.call_function(operator.getitem, (fused, 1))
-            norm.replace_all_uses_with(normed)
-            add.replace_all_uses_with(residual)
-            g.erase_node(norm)
-            g.erase_node(add)
-            matches += 1
-        return matches
+        return replace_pattern(gm, _pattern, _replacement, match_filters=[_tensors])

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import fx
 
 from graphinfer.passes.base import Pass
-from graphinfer.passes.utils import GRAPHINFER, fuse_linears, is_linear, is_op, sibling_submodule
+from graphinfer.passes.match import is_op, single_use
+from graphinfer.passes.utils import GRAPHINFER, fuse_linears, is_linear, sibling_submodule
 
 
 class FuseGateUpPass(Pass):
@@ -23,10 +24,10 @@ class FuseGateUpPass(Pass):
         if not is_op(mul, operator.mul) or len(mul.args) != 2:
             return None
         for act, up in (mul.args, reversed(mul.args)):
-            if isinstance(act, fx.Node) and is_op(act, F.silu) and isinstance(up, fx.Node) and is_linear(gm, up):
+            if is_op(act, F.silu) and is_linear(gm, up):
                 gate = act.args[0]
-                if isinstance(gate, fx.Node) and is_linear(gm, gate) and gate.args == up.args and gate is not up:
-                    if len(act.users) == len(gate.users) == len(up.users) == 1:
+                if is_linear(gm, gate) and gate.args == up.args and gate is not up:
+                    if single_use(act) and single_use(gate) and single_use(up):
                         return gate, up, act
                     self.decline(f"{gate.target}: gate/up outputs are used elsewhere too")
         return None

@@ -24,42 +24,11 @@ import torch.nn.functional as F
 from torch import fx
 
 from graphinfer.passes.base import Pass
-from graphinfer.passes.utils import GRAPHINFER, is_op
+from graphinfer.passes.match import arg, get_param, getitem_of, is_call, is_op, target_name, used_only_by
+from graphinfer.passes.utils import GRAPHINFER
 
-_SOFTMAX = (F.softmax, torch.softmax)
+_SOFTMAX = (F.softmax, torch.softmax, "softmax")
 _LAST = (-1, 1)  # router tensors are [T, E] / [T, K]: dim 1 is the last
-
-
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    """Argument i / `name` of a call (call_method counts self as argument 0, like the function form)."""
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
-def _calls(node, functions: tuple, method: str) -> bool:
-    return isinstance(node, fx.Node) and ((node.op == "call_function" and node.target in functions)
-                                          or (node.op == "call_method" and node.target == method))
-
-
-def _getitem(node, i: int):
-    """x if node is x[i], else None."""
-    if isinstance(node, fx.Node) and is_op(node, operator.getitem) and node.args[1] == i:
-        return node.args[0]
-    return None
-
-
-def _attr(gm: fx.GraphModule, node):
-    """The tensor a get_attr node reads (a parameter), else None."""
-    if not (isinstance(node, fx.Node) and node.op == "get_attr"):
-        return None
-    parent, _, name = node.target.rpartition(".")
-    return getattr(gm.get_submodule(parent), name)
-
-
-def _describe(node) -> str:
-    if not isinstance(node, fx.Node):
-        return repr(node)
-    t = node.target
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
 
 
 class FuseMoEPass(Pass):
@@ -73,52 +42,52 @@ class FuseMoEPass(Pass):
         if not is_op(expert_out, GRAPHINFER.moe_grouped_mlp.default):
             return self.decline(f"{where}: expert rows do not come from moe_grouped_mlp")
         sorted_hidden, offsets, w13, w2 = expert_out.args
-        dispatch = _getitem(sorted_hidden, 0)
-        if not (is_op(dispatch, GRAPHINFER.moe_dispatch.default) and _getitem(offsets, 1) is dispatch
-                and _getitem(inverse_perm, 2) is dispatch):
+        dispatch = getitem_of(sorted_hidden, 0)
+        if not (is_op(dispatch, GRAPHINFER.moe_dispatch.default) and getitem_of(offsets, 1) is dispatch
+                and getitem_of(inverse_perm, 2) is dispatch):
             return self.decline(f"{where}: rows, offsets and inverse_perm are not one moe_dispatch's")
         hidden, ids, num_experts = dispatch.args
-        w13_tensor = _attr(gm, w13)
+        w13_tensor = get_param(gm, w13)
         w13_dtype = None if w13_tensor is None else w13_tensor.dtype
         if w13_tensor is not None and w13_tensor.shape[0] != num_experts:
             return self.decline(f"{where}: moe_dispatch has {num_experts} experts, w13 has {w13_tensor.shape[0]}")
 
-        topk = _getitem(ids, 1)
-        if not _calls(topk, (torch.topk,), "topk"):
-            return self.decline(f"{where}: expert ids come from {_describe(ids)}, not the router's top-k")
-        top_k = _arg(topk, 1, "k")
-        if not isinstance(top_k, int) or _arg(topk, 2, "dim", -1) not in _LAST or not _arg(topk, 3, "largest", True):
+        topk = getitem_of(ids, 1)
+        if not is_call(topk, torch.topk, "topk"):
+            return self.decline(f"{where}: expert ids come from {target_name(ids)}, not the router's top-k")
+        top_k = arg(topk, 1, "k")
+        if not isinstance(top_k, int) or arg(topk, 2, "dim", -1) not in _LAST or not arg(topk, 3, "largest", True):
             return self.decline(f"{where}: top-k is not a constant k over the last dim, largest first")
 
         chain = [combine, expert_out, sorted_hidden, offsets, inverse_perm, dispatch, ids, topk]
         w = weights
         cast = None
-        if _calls(w, (), "to"):
-            cast, w = _arg(w, 1, "dtype"), w.args[0]
+        if is_call(w, "to"):
+            cast, w = arg(w, 1, "dtype"), w.args[0]
             chain.append(weights)
         renormalize = False
-        if _calls(w, (operator.truediv, torch.div), "div") and len(w.args) == 2 and not w.kwargs:
+        if is_call(w, operator.truediv, torch.div, "div") and len(w.args) == 2 and not w.kwargs:
             total = w.args[1]
-            if (_calls(total, (torch.sum,), "sum") and total.args[0] is w.args[0]
-                    and _arg(total, 1, "dim") in _LAST and _arg(total, 2, "keepdim") is True):
+            if (is_call(total, torch.sum, "sum") and total.args[0] is w.args[0]
+                    and arg(total, 1, "dim") in _LAST and arg(total, 2, "keepdim") is True):
                 chain += [w, total]
                 renormalize, w = True, w.args[0]
-        if _getitem(w, 0) is not topk:
-            return self.decline(f"{where}: routing weights pass through {_describe(w)}, which fused_moe cannot "
+        if getitem_of(w, 0) is not topk:
+            return self.decline(f"{where}: routing weights pass through {target_name(w)}, which fused_moe cannot "
                                 f"express (only top-k, renormalisation and a cast to the model dtype)")
         chain.append(w)
 
         probs = topk.args[0]
-        if not _calls(probs, _SOFTMAX, "softmax"):
-            return self.decline(f"{where}: router scores come from {_describe(probs)}, not softmax "
+        if not is_call(probs, *_SOFTMAX):
+            return self.decline(f"{where}: router scores come from {target_name(probs)}, not softmax "
                                 f"(fused_moe routes by softmax top-k)")
-        if _arg(probs, 1, "dim") not in _LAST:
+        if arg(probs, 1, "dim") not in _LAST:
             return self.decline(f"{where}: softmax is not over the experts (last dim)")
         chain.append(probs)
         router_logits = probs.args[0]
-        fp32 = _arg(probs, 3 if probs.target is F.softmax else 2, "dtype") is torch.float32
-        if not fp32 and (_calls(router_logits, (), "float") or (
-                _calls(router_logits, (), "to") and _arg(router_logits, 1, "dtype") is torch.float32)):
+        fp32 = arg(probs, 3 if probs.target is F.softmax else 2, "dtype") is torch.float32
+        if not fp32 and (is_call(router_logits, "float") or (
+                is_call(router_logits, "to") and arg(router_logits, 1, "dtype") is torch.float32)):
             router_logits, fp32 = router_logits.args[0], True  # fused_moe upcasts the logits itself
         if not fp32:
             return self.decline(f"{where}: softmax is not computed in fp32, fused_moe's is")
@@ -129,13 +98,12 @@ class FuseMoEPass(Pass):
         elif isinstance(cast, torch.dtype):
             if cast != w13_dtype:
                 return self.decline(f"{where}: routing weights are cast to {cast}, not the parameters' dtype")
-        elif not (isinstance(cast, fx.Node) and cast.op == "call_function" and cast.target is getattr
-                  and cast.args[0] in (hidden, router_logits) and cast.args[1] == "dtype"):
-            return self.decline(f"{where}: routing weights are cast to {_describe(cast)}, not the model dtype")
+        elif not (is_op(cast, getattr) and cast.args[0] in (hidden, router_logits) and cast.args[1] == "dtype"):
+            return self.decline(f"{where}: routing weights are cast to {target_name(cast)}, not the model dtype")
 
         inside = set(chain)
         for node in chain[1:]:  # the combine's own users are what the fused op takes over
-            if any(user not in inside for user in node.users):
+            if not used_only_by(node, inside):
                 return self.decline(f"{where}: {node.name} is used outside the MoE chain")
         return (hidden, router_logits, w13, w2, top_k, renormalize), chain
 
@@ -154,8 +122,8 @@ class FuseMoEPass(Pass):
                 if node in dead:
                     inputs = node.all_input_nodes
                     g.erase_node(node)
-                    for arg in inputs:  # pure reads left unused: `router_logits.dtype`, `router_logits.float()`
-                        if not arg.users and (_calls(arg, (getattr,), "float") or _calls(arg, (), "to")):
-                            dead.add(arg)
+                    for inp in inputs:  # pure reads left unused: `router_logits.dtype`, `router_logits.float()`
+                        if not inp.users and is_call(inp, getattr, "float", "to"):
+                            dead.add(inp)
             matches += 1
         return matches

@@ -1,36 +1,35 @@
 """fuse_qkv: the q, k and v projections of one input become one projection and a split.
 
-Matches: three Linear nodes reading the same input where, following each one's users through views,
-reshapes and RMSNorms (Qwen3's q/k norm), one reaches graphinfer::rotary_embedding as the query, one as
-the key, and one reaches graphinfer::reshape_and_cache as the value. Any GQA sizes; biases (Qwen2) are
-concatenated too.
+Matches: Linear nodes reading the same input where, following each one's users through views, reshapes
+and RMSNorms (Qwen3's q/k norm), one reaches graphinfer::rotary_embedding as the query, one as the key, and
+one reaches graphinfer::reshape_and_cache as the value. Any GQA sizes; biases (Qwen2) are concatenated too.
+Other Linears of the same input (a fourth projection) stay as they are, with a note in the report.
 Produces: `<parent>.qkv_proj` = Linear(cat(Wq, Wk, Wv), cat(bq, bk, bv)) and `.split([q, kv, kv], dim=-1)`,
 whose pieces replace the three projections' outputs. The fused weights are built once, here.
-Declines: three projections of one input whose roles are not query/key/value as above, or whose biases
-or dtypes differ (reason in the report).
+Declines: three or more projections of one input without exactly one query, one key and one value as above,
+or whose biases or dtypes differ (reason in the report).
 """
 from torch import fx
 
 from graphinfer.passes.base import Pass
-from graphinfer.passes.utils import GRAPHINFER, fuse_linears, is_linear, is_op, sibling_submodule, split_outputs
+from graphinfer.passes.match import arg, is_op, is_view, walk_users
+from graphinfer.passes.utils import GRAPHINFER, fuse_linears, is_linear, sibling_submodule, split_outputs
 
-_TRANSPARENT = ("view", "reshape", "contiguous")
+
+def _view_or_norm(node: fx.Node) -> bool:
+    return is_view(node) or is_op(node, GRAPHINFER.rms_norm)
 
 
-def _role(node: fx.Node, depth: int = 6) -> str | None:
+def _role(node: fx.Node) -> str | None:
     """'q' / 'k' / 'v' if node's value reaches rotary_embedding's query / key or the KV write's value."""
-    for user in node.users:
-        if is_op(user, GRAPHINFER.rotary_embedding.default):
-            if user.args[1] is node:
+    for user, value in walk_users(node, through=_view_or_norm, depth=6):
+        if is_op(user, GRAPHINFER.rotary_embedding):
+            if arg(user, 1, "query") is value:
                 return "q"
-            if user.args[2] is node:
+            if arg(user, 2, "key") is value:
                 return "k"
-        if is_op(user, GRAPHINFER.reshape_and_cache.default) and user.args[1] is node:
+        if is_op(user, GRAPHINFER.reshape_and_cache) and arg(user, 1, "value") is value:
             return "v"
-        passes_through = (user.op == "call_method" and user.target in _TRANSPARENT) or \
-            (is_op(user, GRAPHINFER.rms_norm.default) and user.args[0] is node)
-        if depth and passes_through and (role := _role(user, depth - 1)):
-            return role
     return None
 
 
@@ -42,17 +41,22 @@ class FuseQKVPass(Pass):
         matches = 0
         for x in list(gm.graph.nodes):
             linears = [u for u in x.users if is_linear(gm, u) and u.args == (x,)]
-            if len(linears) != 3:
+            if len(linears) < 3:
                 continue
-            roles = {_role(n): n for n in linears}
-            if set(roles) != {"q", "k", "v"}:
-                self.decline(f"{[n.target for n in linears]}: not a query/key/value triple (roles {list(roles)})")
+            roles: dict[str | None, list[fx.Node]] = {}
+            for n in linears:
+                roles.setdefault(_role(n), []).append(n)
+            if any(len(roles.get(r, ())) != 1 for r in "qkv"):
+                found = {r: [n.target for n in ns] for r, ns in roles.items()}
+                self.decline(f"{[n.target for n in linears]}: not a query/key/value triple (roles {found})")
                 continue
-            q, k, v = roles["q"], roles["k"], roles["v"]
+            q, k, v = roles["q"][0], roles["k"][0], roles["v"][0]
             fused = fuse_linears(gm, [q, k, v], sibling_submodule(q.target, "qkv_proj"))
             if fused is None:
                 self.decline(f"{q.target}: q/k/v differ in bias or dtype")
                 continue
+            if others := [n.target for n in linears if n not in (q, k, v)]:
+                self.decline(f"{q.target}: the input also feeds {others}, left unfused (only q/k/v are)")
             sizes = [gm.get_submodule(n.target).out_features for n in (q, k, v)]
             for old, piece in zip((q, k, v), split_outputs(gm.graph, fused, sizes)):
                 old.replace_all_uses_with(piece)

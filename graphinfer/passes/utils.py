@@ -1,19 +1,16 @@
-"""Small fx helpers shared by the passes."""
+"""Linear-layer helpers shared by the passes (the generic matchers are in graphinfer.passes.match)."""
 import operator
 
 import torch
 from torch import fx, nn
 
+from graphinfer.passes.match import is_op  # noqa: F401  (kept importable from here)
+
 GRAPHINFER = torch.ops.graphinfer
 
 
-def is_linear(gm: fx.GraphModule, node: fx.Node) -> bool:
-    return node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear)
-
-
-def is_op(node: fx.Node, op) -> bool:
-    """node calls `op` (a graphinfer OpOverload, or a Python callable like operator.add)."""
-    return node.op == "call_function" and node.target is op
+def is_linear(gm: fx.GraphModule, node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear)
 
 
 def fuse_linears(gm: fx.GraphModule, nodes: list[fx.Node], new_target: str) -> fx.Node | None:

@@ -23,7 +23,7 @@ from graphinfer.config import FULL_GRAPH_MODES, PIECEWISE_GRAPH_MODES, EngineCon
 from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidConfigError, InvalidRequestError,
                                KVCacheTooSmallError, PromptTooLongError)
 from graphinfer.models.loader import load_model, load_tokenizer
-from graphinfer.passes import PassReport, resolve_passes
+from graphinfer.passes import PassCheckError, resolve_passes
 from graphinfer.platforms import platform_for_device
 from graphinfer.passes.utils import release_fused_sources
 from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
@@ -152,21 +152,38 @@ class LLMEngine:
             if manifest["graph_mode"] != self.config.compile_config.graph_mode:
                 raise ArtifactMismatchError(f"Artifact {art!r} was compiled for graph_mode={manifest['graph_mode']!r}; "
                                             f"run it with that mode or recompile.")
-            reports = [PassReport(**r) for r in manifest["passes"]]
-            return artifact.load_graph(art, manifest, self.model), reports
+            return artifact.load_graph(art, manifest, self.model), artifact.load_reports(manifest)
         gm, reports = compile_model(self.model, resolve_passes(self.config.compile_config.passes))
+        if not reports.passed:  # `compile` refuses such a graph; here it runs, loudly
+            logger.warning("passes changed the model's outputs beyond the check's tolerances: %s",
+                           "; ".join(reports.failures()))
         release_fused_sources(self.model, gm.meta.get("fused_linears", {}))
         return gm, reports
 
-    def save_artifact(self, out_dir: str) -> dict:
-        """Write this engine's compiled graph as a `graphinfer compile` artifact."""
+    def save_artifact(self, out_dir: str, *, atol: float | None = None, rtol: float | None = None,
+                      allow_check_failure: bool = False) -> dict:
+        """Write this engine's compiled graph as a `graphinfer compile` artifact. Refused (PassCheckError) when a
+        pass, or the pipeline end to end, fails its numeric check at atol / rtol (None: the dtype's defaults),
+        unless allow_check_failure, which the manifest then records."""
         if not isinstance(self.graph, fx.GraphModule):
             raise InvalidConfigError("This engine runs a loaded artifact; compile from the model to write a new one.")
+        reports = self.pass_reports.rejudge(atol, rtol)
+        failures = reports.failures()
+        if failures and not allow_check_failure:
+            raise PassCheckError("The passes change the model's outputs beyond the check's tolerances, so no "
+                                 "artifact was written:\n  " + "\n  ".join(failures) + "\nFix the pass, set "
+                                 "tolerances (--atol / --rtol) or override (--allow-check-failure, recorded).")
+        e2e = reports.end_to_end
+        check = {"passed": not failures, "failures": failures, "atol": atol, "rtol": rtol,
+                 "overridden": bool(failures)}  # written despite failed checks (--allow-check-failure)
+        if e2e is not None:
+            check.update(atol=e2e.atol, rtol=e2e.rtol)
         mc = self.config.model_config
         return artifact.save_artifact(
-            out_dir, self.graph, self.pass_reports, fingerprint=model_fingerprint(mc.model, self.hf_config, mc.seed),
+            out_dir, self.graph, reports, fingerprint=model_fingerprint(mc.model, self.hf_config, mc.seed),
             device=self.device, dtype=mc.torch_dtype, graph_mode=self.config.compile_config.graph_mode,
-            capture_sizes=self.capture_sizes, split=self.split.info if self.split is not None else None)
+            capture_sizes=self.capture_sizes, split=self.split.info if self.split is not None else None,
+            model=self.model, check=check)
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
