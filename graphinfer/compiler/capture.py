@@ -46,6 +46,20 @@ class CaptureStats:
                 f"{self.seconds:.1f} s, {self.memory_bytes / 2**20:.0f} MiB")
 
 
+def measured_capture(platform: Platform, device: torch.device, sizes: list[int], capture: Callable[[], None],
+                     kind: str = "decode graphs") -> CaptureStats:
+    """Run capture() inside the platform's capture session; its time and the device memory it took."""
+    platform.synchronize()
+    free_before = platform.mem_get_info(device)[0]
+    start = time.perf_counter()
+    with platform.capture_session():
+        capture()
+    platform.synchronize()
+    stats = CaptureStats(sizes, time.perf_counter() - start, free_before - platform.mem_get_info(device)[0], kind)
+    logger.info(stats.summary())
+    return stats
+
+
 class DecodeGraphs:
     """Device graphs of `forward(input_ids, positions, attn_metadata)` for uniform decode batches."""
 
@@ -80,19 +94,9 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> CaptureStats:
-        p = self.platform
-        device = self.input_ids.device
-        p.synchronize()
-        free_before = p.mem_get_info(device)[0]
-        start = time.perf_counter()
-        pool = p.graph_pool_handle()
-        stream = p.new_stream()
-        with p.capture_session():
-            self._capture_all(pool, stream, progress)
-        p.synchronize()
-        stats = CaptureStats(self.sizes, time.perf_counter() - start, free_before - p.mem_get_info(device)[0])
-        logger.info(stats.summary())
-        return stats
+        pool, stream = self.platform.graph_pool_handle(), self.platform.new_stream()
+        return measured_capture(self.platform, self.input_ids.device, self.sizes,
+                                lambda: self._capture_all(pool, stream, progress))
 
     def _capture_all(self, pool, stream, progress: bool) -> None:
         p = self.platform

@@ -17,7 +17,6 @@ graph allocated is read after it ran. Sizes are captured largest first, as for F
 import bisect
 import logging
 import operator
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -25,7 +24,7 @@ import torch
 from torch import Tensor, fx, nn
 from tqdm.auto import tqdm
 
-from graphinfer.compiler.capture import CaptureStats, staged
+from graphinfer.compiler.capture import CaptureStats, measured_capture, staged
 from graphinfer.compiler.split import SplitGraph, is_metadata_read
 from graphinfer.models.layers import AttentionMetadata
 from graphinfer.platforms import Platform
@@ -171,26 +170,20 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> CaptureStats:
-        p = self.platform
-        device = self._dev.device
-        p.synchronize()
-        free_before = p.mem_get_info(device)[0]
-        start = time.perf_counter()
-        self.pool, self.stream = p.graph_pool_handle(), p.new_stream()
+        self.pool, self.stream = self.platform.graph_pool_handle(), self.platform.new_stream()
+        stats = measured_capture(self.platform, self._dev.device, self.sizes, lambda: self._capture_all(progress),
+                                 kind=f"piecewise graphs ({len(self.split.pieces)} pieces per size)")
+        logger.info("static activation buffers: %.0f MiB", self.arena.nbytes / 2**20)
+        return stats
+
+    def _capture_all(self, progress: bool) -> None:
         self.capturing = True
         try:
-            with p.capture_session():
-                for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing piecewise graphs",
-                                 disable=not progress):
-                    self.active_size = size
-                    self.split.module(self.input_ids[:size], self.positions[:size], self._dummy_metadata(size))
+            for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing piecewise graphs", disable=not progress):
+                self.active_size = size
+                self.split.module(self.input_ids[:size], self.positions[:size], self._dummy_metadata(size))
         finally:
             self.capturing, self.active_size = False, None
-        p.synchronize()
-        stats = CaptureStats(self.sizes, time.perf_counter() - start, free_before - p.mem_get_info(device)[0],
-                             kind=f"piecewise graphs ({len(self.split.pieces)} pieces per size)")
-        logger.info("%s; static activation buffers %.0f MiB", stats.summary(), self.arena.nbytes / 2**20)
-        return stats
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, block_tables: Tensor,
             query_start_loc: Tensor, seq_lens: Tensor, fill_pending: Callable[[Tensor], None] | None = None) -> Tensor:
