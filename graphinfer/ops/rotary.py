@@ -22,7 +22,8 @@ def _rotate_gptj(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
-def _apply(x: Tensor, positions: Tensor, head_size: int, cos_sin_cache: Tensor, is_neox: bool) -> Tensor:
+def rotary_ref(x: Tensor, positions: Tensor, head_size: int, cos_sin_cache: Tensor, is_neox: bool) -> Tensor:
+    """Rotate x [T, H * head_size] or [T, H, head_size] (one of query / key) by each token's position."""
     shape = x.shape
     x = x.view(shape[0], -1, head_size)
     cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
@@ -41,8 +42,8 @@ def rotary_embedding(
     positions: Tensor, query: Tensor, key: Tensor, head_size: int, cos_sin_cache: Tensor, is_neox: bool
 ) -> tuple[Tensor, Tensor]:
     """Rotate query [T, Hq * head_size] (or [T, Hq, head_size]) and key likewise by each token's position."""
-    return (_apply(query, positions, head_size, cos_sin_cache, is_neox),
-            _apply(key, positions, head_size, cos_sin_cache, is_neox))
+    return (rotary_ref(query, positions, head_size, cos_sin_cache, is_neox),
+            rotary_ref(key, positions, head_size, cos_sin_cache, is_neox))
 
 
 @register_fake(rotary_embedding)

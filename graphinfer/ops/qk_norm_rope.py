@@ -1,0 +1,37 @@
+"""QK-norm + RoPE (Qwen3 attention's prologue) as one op: split the fused qkv projection's output, RMSNorm
+each query and key head, rotate them by position; vLLM's `fused_qk_norm_rope`, vLLM-Ascend's
+`split_qkv_rmsnorm_rope`. The fuse_qknorm_rope pass produces it; models never call it directly.
+
+The reference is the unfused chain itself (rms_norm's and rotary_embedding's references), so the pass's
+numeric check compares like with like. Unlike vLLM's in-place op it returns new tensors, v included: an op
+may not return a view of its input, and v copied out contiguously is what the KV-cache write reads next.
+"""
+import torch
+from torch import Tensor
+
+from graphinfer.ops.library import graphinfer_op, register_fake
+from graphinfer.ops.norm import rms_norm_ref
+from graphinfer.ops.rotary import rotary_ref
+
+
+@graphinfer_op()
+def qk_norm_rope(qkv: Tensor, num_heads: int, num_kv_heads: int, head_size: int, q_weight: Tensor,
+                 k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
+                 is_neox: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv [T, (num_heads + 2 * num_kv_heads) * head_size] -> q [T, num_heads * head_size], k and v
+    [T, num_kv_heads * head_size]: q and k RMSNormed per head (weights [head_size], one eps) then rotated as
+    rotary_embedding does (cos_sin_cache [max_position, rot_dim]); v copied."""
+    T = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1)
+    q = rms_norm_ref(q.view(T, num_heads, head_size), q_weight, eps).view(T, -1)
+    k = rms_norm_ref(k.view(T, num_kv_heads, head_size), k_weight, eps).view(T, -1)
+    return (rotary_ref(q, positions, head_size, cos_sin_cache, is_neox),
+            rotary_ref(k, positions, head_size, cos_sin_cache, is_neox),
+            v.clone(memory_format=torch.contiguous_format))
+
+
+@register_fake(qk_norm_rope)
+def _(qkv, num_heads, num_kv_heads, head_size, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox):
+    T = qkv.shape[0]
+    return (qkv.new_empty(T, num_heads * head_size), qkv.new_empty(T, num_kv_heads * head_size),
+            qkv.new_empty(T, num_kv_heads * head_size))

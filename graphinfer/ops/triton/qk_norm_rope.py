@@ -1,0 +1,114 @@
+"""QK-norm + RoPE kernel: one launch for qk_norm_rope (split the fused qkv, RMSNorm q/k heads, rotate, copy v).
+
+A token's row of the fused qkv output is (num_heads + 2 * num_kv_heads) heads of head_size contiguous
+channels: q heads, then k heads, then v heads. A program takes BLOCK_H consecutive heads of one token as a
+[BLOCK_H, BLOCK_D] tile, whichever of q, k, v they are: grid = T * cdiv(total heads, BLOCK_H), 1-D. Each
+head row is normalised with its own rstd and its weight (q's or k's, chosen per row), rotated as the rotary
+kernel does (every channel d loads its partner p(d) directly, see rotary.py), and stored to q_out or
+k_out; v rows are copied to v_out. Rounding follows the reference chain: normalise in fp32, cast to the
+activation dtype, scale by the weight and cast again (the unfused graph materialises both), cos/sin cast
+to the activation dtype; the rotation itself in fp32 with one final rounding, as the rotary kernel.
+Triton-Ascend: 1-D grid kept <= 65535 by widening BLOCK_H, masked head/channel tails, clamped (masked-off)
+addresses, no control flow; a tile of 2,048 elements keeps the few fp32 temporaries well inside the UB.
+"""
+import functools
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from graphinfer.ops.triton.launch import Launcher, cdiv, next_power_of_2
+
+_TILE = 2048  # elements per program: 16 heads of 128 (Qwen3), 32 of 64
+_MAX_GRID = 65535  # Triton-Ascend's grid limit
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, cache_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
+                         n_q_heads, n_kv_heads, head_size, rot_dim, n_head_blocks, stride_t, stride_cache, eps,
+                         IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    token = (pid // n_head_blocks).to(tl.int64)
+    heads = (pid % n_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    n_qk = n_q_heads + n_kv_heads
+    is_q = heads < n_q_heads
+    is_k = (heads >= n_q_heads) & (heads < n_qk)
+    is_v = (heads >= n_qk) & (heads < n_qk + n_kv_heads)
+    in_head = d < head_size
+    half = rot_dim // 2
+    if IS_NEOX:
+        first = d < half
+        partner = tl.where(first, d + half, d - half)
+        freq = tl.where(first, d, d - half)
+    else:
+        first = (d % 2) == 0
+        partner = tl.where(first, d + 1, d - 1)
+        freq = d // 2
+    rotates = d < rot_dim
+
+    row = qkv_ptr + token * stride_t + heads[:, None] * head_size
+    x = tl.load(row + d[None, :], mask=(is_q | is_k | is_v)[:, None] & in_head[None, :], other=0.0).to(tl.float32)
+    x_p = tl.load(row + partner[None, :], mask=(is_q | is_k)[:, None] & rotates[None, :], other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / head_size + eps)
+
+    act = q_out_ptr.dtype.element_ty
+    w = tl.where(is_q[:, None], tl.load(q_w_ptr + d, mask=in_head, other=0.0).to(tl.float32)[None, :],
+                 tl.load(k_w_ptr + d, mask=in_head, other=0.0).to(tl.float32)[None, :])
+    w_p = tl.where(is_q[:, None], tl.load(q_w_ptr + partner, mask=rotates, other=0.0).to(tl.float32)[None, :],
+                   tl.load(k_w_ptr + partner, mask=rotates, other=0.0).to(tl.float32)[None, :])
+    normed = ((x * rstd[:, None]).to(act).to(tl.float32) * w).to(act).to(tl.float32)
+    normed_p = ((x_p * rstd[:, None]).to(act).to(tl.float32) * w_p).to(act).to(tl.float32)
+
+    cos_ptr = cache_ptr + tl.load(pos_ptr + token).to(tl.int64) * stride_cache
+    cos = tl.load(cos_ptr + freq, mask=rotates, other=1.0).to(act).to(tl.float32)
+    sin = tl.load(cos_ptr + half + freq, mask=rotates, other=0.0).to(act).to(tl.float32)
+    sin = tl.where(first, -sin, sin)
+    out = (normed * cos[None, :] + normed_p * sin[None, :]).to(act)  # cos=1, sin=0 past rot_dim: tail passes
+
+    q_dst = q_out_ptr + token * n_q_heads * head_size + heads[:, None] * head_size + d[None, :]
+    tl.store(q_dst, out, mask=is_q[:, None] & in_head[None, :])
+    k_heads = tl.maximum(heads - n_q_heads, 0)  # clamped: rows of other kinds stay in range (masked off)
+    k_dst = k_out_ptr + token * n_kv_heads * head_size + k_heads[:, None] * head_size + d[None, :]
+    tl.store(k_dst, out, mask=is_k[:, None] & in_head[None, :])
+    v_heads = tl.maximum(heads - n_qk, 0)
+    v_dst = v_out_ptr + token * n_kv_heads * head_size + v_heads[:, None] * head_size + d[None, :]
+    tl.store(v_dst, x.to(act), mask=is_v[:, None] & in_head[None, :])
+
+
+_QK_NORM_ROPE = Launcher(_qk_norm_rope_kernel)
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_params(n_tokens: int, n_heads: int, head_size: int) -> tuple[tuple[int], int, int, int]:
+    """(grid, n_head_blocks, BLOCK_H, BLOCK_D), once per shape."""
+    block_d = next_power_of_2(head_size)
+    max_block_h = next_power_of_2(n_heads)
+    block_h = max(1, min(_TILE // block_d, max_block_h))
+    while n_tokens * cdiv(n_heads, block_h) > _MAX_GRID and block_h < max_block_h:
+        block_h *= 2
+    n_head_blocks = cdiv(n_heads, block_h)
+    return (n_tokens * n_head_blocks,), n_head_blocks, block_h, block_d
+
+
+def qk_norm_rope(qkv: Tensor, num_heads: int, num_kv_heads: int, head_size: int, q_weight: Tensor,
+                 k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
+                 is_neox: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv [T, (num_heads + 2 * num_kv_heads) * head_size] -> q [T, num_heads * head_size], k and v
+    [T, num_kv_heads * head_size]: q and k RMSNormed per head then rotated; v copied."""
+    n_tokens = qkv.shape[0]
+    q_out = qkv.new_empty((n_tokens, num_heads * head_size))
+    k_out = qkv.new_empty((n_tokens, num_kv_heads * head_size))
+    v_out = qkv.new_empty((n_tokens, num_kv_heads * head_size))
+    if n_tokens == 0:
+        return q_out, k_out, v_out
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    if cos_sin_cache.stride(-1) != 1:
+        cos_sin_cache = cos_sin_cache.contiguous()
+    grid, n_head_blocks, block_h, block_d = _launch_params(n_tokens, num_heads + 2 * num_kv_heads, head_size)
+    _QK_NORM_ROPE.launch(grid, qkv, q_weight, k_weight, positions, cos_sin_cache, q_out, k_out, v_out,
+                         num_heads, num_kv_heads, head_size, cos_sin_cache.shape[-1], n_head_blocks, qkv.stride(0),
+                         cos_sin_cache.stride(0), eps, IS_NEOX=bool(is_neox), BLOCK_H=block_h, BLOCK_D=block_d,
+                         num_warps=4)
+    return q_out, k_out, v_out
