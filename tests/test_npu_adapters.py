@@ -59,6 +59,20 @@ def test_rotary(ops, is_neox, rot_dim):
     assert ops.torch_npu.emulation_state.calls.count("npu_rotary_mul") == 2
 
 
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_qk_norm_rope(ops, is_neox):
+    T, heads, kv_heads, head, rot_dim = 5, 4, 2, 32, 16  # partial rotary
+    inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    freqs = torch.outer(torch.arange(64).float(), inv)
+    cache = torch.cat((freqs.cos(), freqs.sin()), -1)
+    args = (torch.randn(T, (heads + 2 * kv_heads) * head), heads, kv_heads, head, 0.5 + torch.rand(head),
+            1.5 + torch.rand(head), 1e-6, torch.randint(0, 64, (T,)), cache, is_neox)
+    for got, want in zip(ops.qk_norm_rope(*args), ref.qk_norm_rope(*args)):
+        torch.testing.assert_close(got, want)
+    calls = ops.torch_npu.emulation_state.calls
+    assert calls.count("npu_rms_norm") == 2 and calls.count("npu_rotary_mul") == 2
+
+
 def _kv(num_blocks=8, block_size=16, kv_heads=2, head=32):
     return torch.randn(num_blocks, block_size, kv_heads, head), torch.randn(num_blocks, block_size, kv_heads, head)
 

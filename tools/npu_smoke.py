@@ -81,6 +81,8 @@ def op_cases(dtype):
         "add_rms_norm": (r(T, H), r(T, H), r(H), 1e-6),
         "rotary_embedding": (torch.randint(0, 4096, (T,), generator=g), r(T, heads * d), r(T, kv_heads * d), d,
                              cos_sin, True),
+        "qk_norm_rope": (r(T, (heads + 2 * kv_heads) * d), heads, kv_heads, d, 0.5 + r(d).abs(), 1.5 + r(d).abs(),
+                         1e-6, torch.randint(0, 4096, (T,), generator=g), cos_sin, True),
         "silu_and_mul": (r(T, 2 * 3072),),
         "reshape_and_cache": (r(len(slots), kv_heads, d), r(len(slots), kv_heads, d), r(num_blocks, bs, kv_heads, d),
                               r(num_blocks, bs, kv_heads, d), slots),
@@ -104,6 +106,8 @@ def check_ops(dtype):
     for name, args in op_cases(dtype).items():
         if name == "rotary_embedding":  # the cache stays fp32 as in the models; positions int
             dev_args = [to_npu(a, dtype) for a in args[:3]] + [args[3], args[4].to("npu"), args[5]]
+        elif name == "qk_norm_rope":  # likewise
+            dev_args = [to_npu(a, dtype) for a in args[:8]] + [args[8].to("npu"), args[9]]
         else:
             dev_args = [to_npu(a, dtype) for a in args]
         ref_args = [a.to(dtype).float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]

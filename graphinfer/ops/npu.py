@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-NPU_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul", "reshape_and_cache", "paged_attention",
-           "fused_moe")
+NPU_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "qk_norm_rope", "silu_and_mul", "reshape_and_cache",
+           "paged_attention", "fused_moe")
 MASK_SIZE = 2048  # FIA sparse_mode 2/3/4 take this fixed-size compressed causal mask
 
 
@@ -73,6 +73,19 @@ class NpuOps:
         if rot_dim < head_size:  # partial rotary: the tail of each head passes through
             out = torch.cat((out, heads[..., rot_dim:]), dim=-1)
         return out.reshape(x.shape)
+
+    def qk_norm_rope(self, qkv: Tensor, num_heads: int, num_kv_heads: int, head_size: int, q_weight: Tensor,
+                     k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor,
+                     is_neox: bool) -> tuple[Tensor, Tensor, Tensor]:
+        # The chain it replaces, on torch_npu ops: npu_rms_norm per q / k head, then the rotary adapter above
+        # (npu_rotary_mul). torch_npu has no one op for it; vllm-ascend's fused version is a Triton-Ascend kernel,
+        # which is graphinfer's Triton kernel here: kernels="torch_npu,qk_norm_rope=triton".
+        T = qkv.shape[0]
+        q, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1)
+        q = self.rms_norm(q.view(T, num_heads, head_size), q_weight, eps).view(T, -1)
+        k = self.rms_norm(k.view(T, num_kv_heads, head_size), k_weight, eps).view(T, -1)
+        q, k = self.rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)
+        return q, k, v.clone(memory_format=torch.contiguous_format)  # a copy: an op's output never aliases its input
 
     # ----- KV cache write -----
     def reshape_and_cache(self, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,

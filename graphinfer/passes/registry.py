@@ -21,11 +21,14 @@ from graphinfer.passes.cleanup import CleanupPass
 from graphinfer.passes.fuse_add_rmsnorm import FuseAddRMSNormPass
 from graphinfer.passes.fuse_gate_up import FuseGateUpPass
 from graphinfer.passes.fuse_moe import FuseMoEPass
+from graphinfer.passes.fuse_qknorm_rope import FuseQKNormRopePass
 from graphinfer.passes.fuse_qkv import FuseQKVPass
 
 GROUP = "graphinfer.passes"
-BUILTIN_PASSES: tuple[type[Pass], ...] = (FuseQKVPass, FuseGateUpPass, FuseAddRMSNormPass, FuseMoEPass, CleanupPass)
-DEFAULT_PASSES = ("fuse_qkv", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_moe", "cleanup")
+BUILTIN_PASSES: tuple[type[Pass], ...] = (FuseQKVPass, FuseQKNormRopePass, FuseGateUpPass, FuseAddRMSNormPass,
+                                          FuseMoEPass, CleanupPass)
+# fuse_qknorm_rope matches only where q and k are RMSNormed per head (Qwen3); elsewhere it finds no candidate.
+DEFAULT_PASSES = ("fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_moe", "cleanup")
 
 
 class PluginWarning(UserWarning):

@@ -1,0 +1,121 @@
+"""fuse_qknorm_rope: Qwen3's attention prologue (split of the fused qkv output, per-head RMSNorm of q and of k,
+rotary embedding) becomes one graphinfer::qk_norm_rope: one kernel launch per layer instead of three
+(vLLM's fused_qk_norm_rope, vLLM-Ascend's QKNormRopeFusionPass). Runs after fuse_qkv, whose split it reads.
+
+Matches, walking back from each graphinfer::rotary_embedding(positions, q, k, head_size, cache, is_neox):
+q (and k) = [view] <- rms_norm(view(split[0] (k: split[1]), ..., head_size), weight, eps), where split is
+`qkv.split([H * head_size, Hkv * head_size, Hkv * head_size], dim=-1)`; neox or GPT-J rotary, full or partial.
+Produces: qk_norm_rope(qkv, H, Hkv, head_size, q_weight, k_weight, eps, positions, cache, is_neox) -> (q, k, v):
+the rotary's outputs become its q and k, split[2] (v, read by the KV-cache write) its v; the chain is erased.
+The KV-cache write is left as it is: folding it in would make the op mutate the caches, the whole prologue would
+then have to run between the piecewise pieces (the write sits beside attention there), for one launch a
+layer that no measurement here could show is worth it.
+Rotaries with neither input RMSNormed (Llama, Qwen2) are no candidate: nothing to report. Declines (reason in
+the report): only one of q and k normed; different eps for q and k; a norm not over the head dim; q/k not two
+pieces of one three-way split of the last dim sized by the heads; chain values used elsewhere.
+"""
+import operator
+
+from torch import fx
+
+from graphinfer.passes.base import Pass
+from graphinfer.passes.match import arg, get_param, getitem_of, hoist_inputs, is_call, is_op, is_view, used_only_by
+from graphinfer.passes.utils import GRAPHINFER
+
+_ROTARY_ARGS = ("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox")
+
+
+def _normed(value) -> fx.Node | None:
+    """The rms_norm that a rotary input is (or is a view of), else None."""
+    norm = value.args[0] if is_view(value) else value
+    return norm if is_op(norm, GRAPHINFER.rms_norm) else None
+
+
+def _index(node: fx.Node):
+    """i if node is x[i], else None."""
+    return node.args[1] if is_op(node, operator.getitem) else None
+
+
+class FuseQKNormRopePass(Pass):
+    name = "fuse_qknorm_rope"
+    description = "qkv split + per-head q/k rms_norm + rotary_embedding -> qk_norm_rope"
+
+    def _side(self, gm, rot: fx.Node, index: int, head_size: int):
+        """For q (index 0) or k (1): (chain from the split piece to the rotary input, split, weight, eps), or
+        None after declining."""
+        where, name, value = rot.name, "qk"[index], arg(rot, 1 + index, _ROTARY_ARGS[1 + index])
+        norm = _normed(value)
+        heads = arg(norm, 0, "x")
+        if not (is_view(heads) and heads.args[-1] == head_size):
+            return self.decline(f"{where}: {name} is not normalised per head of {head_size}: its rms_norm reads "
+                                f"{heads.name}, not a [..., heads, {head_size}] view")
+        weight = arg(norm, 1, "weight")
+        w = get_param(gm, weight)
+        if w is not None and tuple(w.shape) != (head_size,):
+            return self.decline(f"{where}: {name}'s norm weight has shape {tuple(w.shape)}, not ({head_size},)")
+        piece = heads.args[0]
+        split = getitem_of(piece, index)
+        if not is_call(split, "split"):
+            return self.decline(f"{where}: {name} is not piece {index} of a split of a fused qkv output "
+                                f"(run fuse_qkv first)")
+        chain = [piece, heads, norm] + ([value] if value is not norm else [])
+        for node, user in zip(chain, chain[1:] + [rot]):
+            if not used_only_by(node, [user]):
+                return self.decline(f"{where}: {node.name} ({name}) is also used outside the norm + rotary chain")
+        return chain, split, weight, arg(norm, 2, "eps")
+
+    def _match(self, gm: fx.GraphModule, rot: fx.Node):
+        """(qk_norm_rope args, split, q chain, k chain), or None (no candidate, or declined)."""
+        positions, q, k, head_size, cache, is_neox = (arg(rot, i, n) for i, n in enumerate(_ROTARY_ARGS))
+        q_norm, k_norm = _normed(q), _normed(k)
+        if q_norm is None and k_norm is None:
+            return None  # no q/k norm (Llama, Qwen2): not a candidate
+        where = rot.name
+        if q_norm is None or k_norm is None:
+            return self.decline(f"{where}: only the {'key' if q_norm is None else 'query'} is RMSNormed before "
+                                f"rotary")
+        if not isinstance(head_size, int):
+            return self.decline(f"{where}: rotary's head_size is not a constant")
+        if (q_side := self._side(gm, rot, 0, head_size)) is None or (k_side := self._side(gm, rot, 1, head_size)) is None:
+            return None
+        (q_chain, split, q_weight, q_eps), (k_chain, k_split, k_weight, k_eps) = q_side, k_side
+        if q_eps != k_eps:
+            return self.decline(f"{where}: q and k norms use different eps ({q_eps} vs {k_eps})")
+        sizes = arg(split, 1, "split_size")
+        if k_split is not split or arg(split, 2, "dim", 0) != -1 or not isinstance(sizes, (list, tuple)) \
+                or len(sizes) != 3 or any(not isinstance(s, int) or s % head_size for s in sizes) or sizes[1] != sizes[2]:
+            return self.decline(f"{where}: q and k are not pieces of one split of the last dim into "
+                                f"[q, kv, kv] whole heads of {head_size}")
+        if any(_index(u) not in (0, 1) for u in rot.users) or any(_index(u) not in (0, 1, 2) for u in split.users):
+            return self.decline(f"{where}: the rotary's or the split's outputs are used other than by index")
+        args = (split.args[0], sizes[0] // head_size, sizes[1] // head_size, head_size, q_weight, k_weight, q_eps,
+                positions, cache, is_neox)
+        return args, split, q_chain, k_chain
+
+    def apply(self, gm: fx.GraphModule) -> int:
+        g = gm.graph
+        matches = 0
+        for rot in list(g.nodes):
+            if not is_op(rot, GRAPHINFER.rotary_embedding) or (found := self._match(gm, rot)) is None:
+                continue
+            args, split, q_chain, k_chain = found
+            with g.inserting_before(rot):
+                fused = g.call_function(GRAPHINFER.qk_norm_rope.default, args)
+                outs = [g.call_function(operator.getitem, (fused, i)) for i in range(3)]
+                for i, chain in enumerate((q_chain, k_chain)):
+                    shaped = chain[-1] if is_view(chain[-1]) else chain[1]  # what gives rotary's input its shape
+                    if len(shaped.args) != 3:  # not [T, H * D] like the op's outputs: view them the same way
+                        outs[i] = g.create_node(shaped.op, shaped.target, (outs[i], *shaped.args[1:]), shaped.kwargs)
+            for user in list(rot.users):  # rot[0] -> q, rot[1] -> k
+                user.replace_all_uses_with(outs[user.args[1]])
+                g.erase_node(user)
+            g.erase_node(rot)
+            for node in reversed(q_chain + k_chain):
+                g.erase_node(node)
+            for piece in list(split.users):  # only v is left: the KV-cache write reads the op's copy
+                piece.replace_all_uses_with(outs[2])
+                g.erase_node(piece)
+            g.erase_node(split)
+            hoist_inputs(g)  # a user of v that came before the rotary pulls the op up
+            matches += 1
+        return matches
