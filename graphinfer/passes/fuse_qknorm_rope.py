@@ -76,14 +76,17 @@ class FuseQKNormRopePass(Pass):
                                 f"rotary")
         if not isinstance(head_size, int):
             return self.decline(f"{where}: rotary's head_size is not a constant")
-        if (q_side := self._side(gm, rot, 0, head_size)) is None or (k_side := self._side(gm, rot, 1, head_size)) is None:
+        q_side = self._side(gm, rot, 0, head_size)
+        k_side = q_side and self._side(gm, rot, 1, head_size)
+        if not k_side:
             return None
         (q_chain, split, q_weight, q_eps), (k_chain, k_split, k_weight, k_eps) = q_side, k_side
         if q_eps != k_eps:
             return self.decline(f"{where}: q and k norms use different eps ({q_eps} vs {k_eps})")
         sizes = arg(split, 1, "split_size")
-        if k_split is not split or arg(split, 2, "dim", 0) != -1 or not isinstance(sizes, (list, tuple)) \
-                or len(sizes) != 3 or any(not isinstance(s, int) or s % head_size for s in sizes) or sizes[1] != sizes[2]:
+        whole_heads = isinstance(sizes, (list, tuple)) and len(sizes) == 3 and sizes[1] == sizes[2] \
+            and all(isinstance(s, int) and s % head_size == 0 for s in sizes)
+        if k_split is not split or arg(split, 2, "dim", 0) != -1 or not whole_heads:
             return self.decline(f"{where}: q and k are not pieces of one split of the last dim into "
                                 f"[q, kv, kv] whole heads of {head_size}")
         if any(_index(u) not in (0, 1) for u in rot.users) or any(_index(u) not in (0, 1, 2) for u in split.users):
