@@ -13,9 +13,12 @@
    Qwen3-0.6B heads (16 q / 8 kv heads, head dim 128, block size 16): time and TFLOP/s against torch's
    scaled_dot_product_attention (flash backend where it applies) on the same tensors made contiguous.
    FLOPs count the causal part only (4 * head_dim * q_heads per visible (query, key) pair).
+5. QK-norm + RoPE (issue 15): the qk_norm_rope kernel against its reference op at Qwen3-0.6B and Qwen3-30B-A3B
+   head shapes, T = 1, 64, 256, 4,096, fp32 and bf16, and its time against the three launches it replaces.
 
     python tools/gpu_check.py --output-json OUT.json [--smollm2 PATH.gguf] [--quick]
     python tools/gpu_check.py --prefill-attention --output-json OUT.json [--quick]     (part 4 alone)
+    python tools/gpu_check.py --qk-norm-rope --output-json OUT.json [--quick]          (part 5 alone)
 
 --quick uses small shapes and models (a smoke run; also works on CPU for the kernel and prefill parts
 under TRITON_INTERPRET=1). Exits non-zero if any check fails.
@@ -367,19 +370,74 @@ def capture_cost(path: str, dtype: str) -> list[dict]:
     return rows
 
 
+# ---- 5. QK-norm + RoPE (issue 15 item 1) --------------------------------------------------------------------------
+
+QKNORM_SHAPES = {"qwen3-0.6b": dict(heads=16, kv_heads=8, head_dim=128),
+                 "qwen3-30b-a3b": dict(heads=32, kv_heads=4, head_dim=128)}
+
+
+def check_qk_norm_rope(shapes: dict, T_list, device, bandwidth: float) -> list[dict]:
+    """The qk_norm_rope kernel against its reference op (same device), and its time against the chain it replaces
+    (fuse_qknorm_rope's input: Triton rms_norm on the q and k heads of the qkv slice, then the rotary kernel)."""
+    import graphinfer.ops  # noqa: F401  (the reference ops)
+    from graphinfer.ops.triton import TRITON_OPS
+
+    ref_op, fused = torch.ops.graphinfer.qk_norm_rope.default, TRITON_OPS["qk_norm_rope"]
+    rms_norm, rotary = TRITON_OPS["rms_norm"], TRITON_OPS["rotary_embedding"]
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for model, shape in shapes.items():
+        hq, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+        for dtype in (torch.float32, torch.bfloat16):
+            for T in T_list:
+                def r(*s, offset=0.0):
+                    return (torch.randn(*s, generator=gen) + offset).to(dtype).to(device)
+
+                qkv, q_w, k_w = r(T, (hq + 2 * hkv) * d), r(d, offset=1.0), r(d, offset=1.0)
+                pos = torch.randint(0, 4096, (T,), generator=gen).to(device)
+                cache = torch.randn(4096, d, generator=gen).float().to(device)
+                args = (qkv, hq, hkv, d, q_w, k_w, 1e-6, pos, cache, True)
+
+                def unfused():
+                    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+                    q = rms_norm(q.view(T, hq, d), q_w, 1e-6).view(T, -1)
+                    k = rms_norm(k.view(T, hkv, d), k_w, 1e-6).view(T, -1)
+                    return rotary(pos, q, k, d, cache, True)
+
+                ref, out = ref_op(*args), fused(*args)
+                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, out))
+                scale = max(b.float().abs().max().item() for b in ref) or 1.0
+                tol = 2e-3 if dtype == torch.float32 else 3e-2
+                ms, ms_unfused = bench_ms(lambda: fused(*args), device), bench_ms(unfused, device)
+                nbytes = 2 * qkv.numel() * qkv.element_size()  # read qkv once, write q, k, v
+                rows.append(dict(model=model, dtype=str(dtype).removeprefix("torch."), case=f"qk_norm_rope T={T}",
+                                 max_abs_err=err, rel_err=err / scale, ok=err / scale <= tol, ms=ms,
+                                 unfused_ms=ms_unfused, speedup=ms_unfused / ms, gbps=nbytes / (ms * 1e-3) / 1e9,
+                                 bw_fraction=nbytes / (ms * 1e-3) / bandwidth))
+                x = rows[-1]
+                print(f"{'ok ' if x['ok'] else 'BAD'} {model:14s} {x['dtype']:8s} {x['case']:20s} err {err:.2e} "
+                      f"{ms * 1e3:8.1f} us (unfused chain {ms_unfused * 1e3:8.1f} us, x{x['speedup']:.2f}) "
+                      f"{x['gbps']:8.1f} GB/s ({100 * x['bw_fraction']:.0f}% of copy)", flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-json", default="gpu_check.json")
     ap.add_argument("--smollm2", default="", help="SmolLM2 GGUF path (default: the bundled one)")
     ap.add_argument("--quick", action="store_true", help="small shapes and tiny models (smoke run)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,modes,capture,prefill")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,modes,capture,prefill,qknorm")
     ap.add_argument("--prefill-attention", action="store_true",
                     help="run only part 4, prefill attention vs SDPA (= --skip kernels,modes,capture)")
+    ap.add_argument("--qk-norm-rope", action="store_true",
+                    help="run only part 5, the qk_norm_rope kernel vs reference and vs the unfused chain")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     skip = set(filter(None, args.skip.split(",")))
     if args.prefill_attention:
         skip |= {"kernels", "modes", "capture"}
+    if args.qk_norm_rope:
+        skip |= {"kernels", "modes", "capture", "prefill"}
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   torch=torch.__version__)
     bw = copy_bandwidth(device, (1 << 31) if device.type == "cuda" and not args.quick else 1 << 24)
@@ -393,6 +451,10 @@ def main() -> int:
         result["kernels"] = check_kernels(shapes, [3] if args.quick else [1, 64, 256, 4096], device, bw)
     if "prefill" not in skip:
         result["prefill_attention"] = bench_prefill_attention(device, args.quick)
+    if "qknorm" not in skip:
+        result["qk_norm_rope"] = check_qk_norm_rope(
+            {"tiny": dict(heads=4, kv_heads=2, head_dim=32)} if args.quick else QKNORM_SHAPES,
+            [3] if args.quick else [1, 64, 256, 4096], device, bw)
     if device.type == "cuda":
         models = {"tiny-qwen3": ("tiny-qwen3", "float32")} if args.quick else {
             "smollm2 (fp32)": (args.smollm2, "float32"), "smollm2 (bf16)": (args.smollm2, "bfloat16"),
@@ -411,7 +473,8 @@ def main() -> int:
         json.dump(result, f, indent=2)
     bad = [r for r in result.get("kernels", []) if not r["ok"]] + \
           [r for r in result.get("graph_modes", []) if not r["ok"]] + \
-          [r for r in result.get("prefill_attention", []) if not r["ok"]]
+          [r for r in result.get("prefill_attention", []) if not r["ok"]] + \
+          [r for r in result.get("qk_norm_rope", []) if not r["ok"]]
     print(f"\n{len(bad)} failing checks; wrote {args.output_json}")
     return 1 if bad else 0
 
