@@ -18,6 +18,10 @@
 #   moe         tools/moe_layer_bench.py: one Qwen3-30B-A3B MoE layer, unfused vs fused   (not in the default)
 #   prefill     issue 19: the flash-attention kernel's and the no-host-sync tests compiled on the GPU, then
 #               tools/gpu_check.py --prefill-attention (TFLOP/s vs SDPA)                 (~3 min, not in the default)
+#   qknorm      issue 15 item 1: the qk_norm_rope kernel's and the fuse_qknorm_rope pass's tests on the GPU,
+#               tools/gpu_check.py --qk-norm-rope (kernel vs reference and vs the 3-launch chain it replaces), and
+#               the decode step latency at batch 1/64/256, NONE and FULL_DECODE_ONLY, with and without the pass
+#                                                                                       (~4 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -153,6 +157,25 @@ step_prefill() {  # issue 19: prefill attention kernel (its tests compiled for t
         | tee "$OUT_DIR/pytest_prefill.log" || echo "=== pytest failed (see pytest_prefill.log)"
     "$PY" tools/gpu_check.py --prefill-attention ${quick[@]+"${quick[@]}"} \
         --output-json "$OUT_DIR/prefill_attention.json" 2>&1 | tee "$OUT_DIR/prefill_attention.log"
+}
+
+step_qknorm() {  # issue 15 item 1: QK-norm + RoPE fused into one op / kernel
+    set -o pipefail
+    local quick=() modes=NONE,FULL_DECODE_ONLY model=$MODEL passes tag
+    if [ "${SMOKE:-0}" = 1 ]; then quick=(--quick) modes=NONE model=tiny-qwen3; fi
+    "$PY" -m pytest -q -m "gpu or not slow" tests/test_triton_qk_norm_rope.py tests/test_fuse_qknorm_rope.py 2>&1 \
+        | tee "$OUT_DIR/pytest_qknorm.log" || echo "=== pytest failed (see pytest_qknorm.log)"
+    "$PY" tools/gpu_check.py --qk-norm-rope ${quick[@]+"${quick[@]}"} --output-json "$OUT_DIR/qk_norm_rope.json" 2>&1 \
+        | tee "$OUT_DIR/qk_norm_rope.log"
+    local without
+    without=$("$PY" -c "from graphinfer.passes import DEFAULT_PASSES as d
+print(','.join(p for p in d if p != 'fuse_qknorm_rope'))")
+    for tag in with without; do
+        passes=default
+        [ "$tag" = without ] && passes=$without
+        bench "qknorm_latency_$tag" latency "${COMMON[@]}" --model "$model" --passes "$passes" --batch-sizes 1,64,256 \
+            --graph-modes "$modes" --output-json "$OUT_DIR/qknorm_latency_$tag.json"
+    done
 }
 
 steps=("$@")
