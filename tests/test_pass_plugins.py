@@ -106,7 +106,8 @@ def test_passes_list_shows_broken_plugins_with_a_warning(plugins):
         assert f"| {name} |" in text and found[name].origin == "built-in"
     assert not any(name.startswith(("broken_import", "not_a_pass")) for name in found)
     text, reports = tools.verify("tiny-llama", "default")  # every built-in still runs
-    assert reports.passed and all(r.matches for r in reports[:3])
+    assert reports.passed and all(r.matches for r in reports if r.name in ("fuse_qkv", "fuse_gate_up",
+                                                                             "fuse_add_rmsnorm"))
 
 
 def test_cli_passes_list_with_a_broken_plugin(tmp_path):
