@@ -1,12 +1,13 @@
 """fuse_qknorm_rope: matches once per layer on Qwen3 dense and MoE (presets with random, non-unit q/k norm gains,
-and a checkpoint saved by transformers), fused == unfused, and declines what it cannot express, with reasons.
+and a checkpoint saved by transformers), fused == unfused, artifacts round-trip, and declines what it cannot
+express, with reasons.
 The kernel itself is tested in test_triton_qk_norm_rope.py, and inside whole models in test_triton_model.py."""
 import pytest
 import torch
 from torch import fx, nn
 
 import graphinfer.ops  # noqa: F401  (registers the ops)
-from graphinfer import LLM
+from graphinfer import LLM, SamplingParams
 from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.trace import GraphinferTracer, op_histogram
 from graphinfer.models.loader import load_model
@@ -54,6 +55,14 @@ def test_qwen3_checkpoint_from_transformers(tmp_path):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 30, 3)]
     _assert_fused_equals_unfused(fused, unfused, prompts)
+    # An artifact's graph.py calls the op; loading it gives the same tokens without re-running the passes.
+    art = str(tmp_path / "art")
+    fused.llm_engine.save_artifact(art)
+    assert "torch.ops.graphinfer.qk_norm_rope.default(" in open(f"{art}/graph.py").read()
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+              for llm in (fused, LLM(artifact=art))]
+    assert tokens[0] == tokens[1]
 
 
 def test_declines_different_q_and_k_eps():
