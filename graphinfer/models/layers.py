@@ -33,7 +33,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_position: int):
         super().__init__()
         self.config, self.head_dim, self.max_position = config, head_dim, max_position
-        self.register_buffer("cos_sin_cache", self._compute_cache(), persistent=False)
+        # Built on the meta device (build_model), the cache is only a placeholder until reset_cache().
+        on_meta = torch.empty(0).is_meta
+        cache = torch.empty(max_position, head_dim) if on_meta else self._compute_cache()
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def _compute_cache(self) -> Tensor:
         rope = getattr(self.config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": self.config.rope_theta}
@@ -45,17 +48,23 @@ class RotaryEmbedding(nn.Module):
             else:  # llama3, linear, yarn, ...: HF's own init functions keep us bit-identical to the reference
                 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+                config = self.config
+                if not hasattr(config, "standardize_rope_params"):  # an artifact's plain config: HF's functions need theirs
+                    from transformers import AutoConfig
+
+                    config = AutoConfig.for_model(**config.to_dict())
+
                 if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
                     raise UnsupportedArchitectureError(
                         f"rope_type {rope_type!r} is not supported (position-dependent scaling); "
                         f"supported: default and {sorted(set(ROPE_INIT_FUNCTIONS) - {'dynamic'})}.")
-                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, "cpu")
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
             freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float), inv_freq.float())
             return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
-    def reset_cache(self):
-        """Recompute after `to_empty()` (meta-device construction leaves buffers uninitialised)."""
-        self.cos_sin_cache = self._compute_cache().to(self.cos_sin_cache.device)
+    def reset_cache(self, device: torch.device | str):
+        """Compute the cache on `device` after meta-device construction (see init_rotary_caches)."""
+        self.cos_sin_cache = self._compute_cache().to(device)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return ops.rotary_embedding(positions, q, k, self.head_dim, self.cos_sin_cache, True)
@@ -83,3 +92,26 @@ class PagedAttention(nn.Module):
         ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         o = ops.paged_attention(q, self.k_cache, self.v_cache, md.block_tables, md.query_start_loc, md.seq_lens, self.scale)
         return o.view(T, self.num_heads * self.head_dim)
+
+
+def init_rotary_caches(model: nn.Module, device: torch.device | str) -> None:
+    """Compute the cos/sin caches of a model built on the meta device, once per shape: every layer shares it."""
+    caches: dict[tuple, Tensor] = {}
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            key = (m.head_dim, m.max_position)
+            if key not in caches:
+                m.reset_cache(device)
+                caches[key] = m.cos_sin_cache
+            m.cos_sin_cache = caches[key]
+
+
+def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int) -> Tensor:
+    """One tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]; each attention layer gets its views."""
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    weight = model.lm_head.weight
+    kv = torch.zeros(len(layers), 2, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim,
+                     dtype=weight.dtype, device=weight.device)
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = kv[i, 0], kv[i, 1]
+    return kv
