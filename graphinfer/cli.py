@@ -259,6 +259,13 @@ def _bench_latency(args) -> None:
         output_json=args.output_json, plot_path=args.plot)
 
 
+def _bench_startup(args) -> None:
+    from graphinfer.bench.startup import run
+
+    run(args.artifact, runs=args.runs, caches=_csv(args.caches), extra_args=args.serve_args.split(),
+        output_json=args.output_json)
+
+
 def _add_offline_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-0.6b", help="HF checkpoint dir, .gguf, or a preset shape with random "
                                                          "weights (qwen3-0.6b, smollm2-135m, tiny-llama, ...)")
@@ -391,6 +398,16 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--warmup-steps", type=int, default=5, help="decode steps dropped before timing")
     bl.add_argument("--num-steps", type=int, default=30, help="decode steps timed (the median is reported)")
     bl.set_defaults(func=_bench_latency)
+
+    bsu = bench.add_parser("startup", help="`graphinfer serve ART` until /health answers, in fresh processes, with cold "
+                                           "and warm kernel caches; the start-up phases each run logged")
+    bsu.add_argument("artifact", help="a `graphinfer compile` output directory")
+    bsu.add_argument("--runs", type=int, default=3, help="fresh processes per cache state")
+    bsu.add_argument("--caches", default="cold,warm", help="cold (empty kernel caches, the artifact's ignored), warm, "
+                                                           "or both")
+    bsu.add_argument("--serve-args", default="", help="more `graphinfer serve` arguments, e.g. '--max-model-len 4096'")
+    bsu.add_argument("--output-json", default=None)
+    bsu.set_defaults(func=_bench_startup)
     return parser
 
 

@@ -312,7 +312,8 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
     for module in model.modules():  # non-persistent buffers (KV-cache placeholders, rotary caches)
         for name, buf in module._buffers.items():
             if buf is not None and buf.is_meta:
-                module._buffers[name] = torch.empty_like(buf, device=device)
+                module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)  # not empty_like:
+                # on a meta tensor that runs through torch._refs, which imports sympy
     init_rotary_caches(model, device)
     return model.eval()
 

@@ -6,7 +6,7 @@ from tqdm.auto import tqdm
 
 from graphinfer.compiler.artifact import read_manifest
 from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
-from graphinfer.errors import InvalidConfigError
+from graphinfer.errors import GraphinferError, InvalidConfigError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime.chat_template import chat_prompt_ids
 from graphinfer.runtime.llm_engine import LLMEngine
@@ -83,6 +83,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or
         vLLM-style dicts ({"prompt": ...} / {"prompt_token_ids": [...]}). Outputs come in prompt order."""
+        if self.llm_engine.model_runner is None:
+            raise GraphinferError("This LLM was shut down (shutdown(), or its `with` block ended): create a new one.")
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)

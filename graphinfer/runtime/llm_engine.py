@@ -27,7 +27,7 @@ from graphinfer.config import FULL_GRAPH_MODES, PIECEWISE_GRAPH_MODES, EngineCon
 from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidConfigError, InvalidRequestError,
                                KVCacheTooSmallError, PromptTooLongError)
 from graphinfer.models.loader import load_config, load_model, load_tokenizer, release_tensors
-from graphinfer.models.presets import preset_config
+from graphinfer.models.presets import PRESET_NAMES
 from graphinfer.passes import PassCheckError, resolve_passes
 from graphinfer.platforms import platform_for_device
 from graphinfer.passes.utils import release_fused_sources
@@ -206,7 +206,7 @@ class LLMEngine:
         if self.manifest is None:
             return load_model(mc.model, mc.torch_dtype, self.device, mc.seed)
         art, manifest = self.config.artifact, self.manifest
-        named = mc.model if preset_config(mc.model) is not None else os.path.abspath(mc.model)
+        named = mc.model if mc.model in PRESET_NAMES else os.path.abspath(mc.model)
         fingerprint = None
         if named != manifest["model"]["path"]:  # another model named with the artifact: is it the same one?
             fingerprint = model_fingerprint(mc.model, load_config(mc.model), mc.seed)
