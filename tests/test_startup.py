@@ -41,7 +41,8 @@ def smollm2_artifact(smollm2_llm, tmp_path_factory):
 def test_serve_path_start_imports_nothing_serving_does_not_need(smollm2_artifact):
     """Server modules imported, the engine built from the artifact (reference kernels) and one request run, in
     a fresh process: then the heavy modules above are absent, and no transformers model class was loaded."""
-    code = (f"import sys, json\nimport graphinfer.server.api_server, graphinfer.server.serve\n"
+    code = (f"import sys, json, logging\nlogging.basicConfig(level='INFO')\n"
+            f"import graphinfer.server.api_server, graphinfer.server.serve\n"
             f"from graphinfer import LLM, SamplingParams\n"
             f"llm = LLM(artifact={smollm2_artifact!r}, kernels='reference', max_model_len=1024)\n"
             f"out = llm.generate(['The capital of France is'], SamplingParams(temperature=0, max_tokens=4))\n"
