@@ -128,24 +128,37 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release every device buffer this engine holds: captured graphs and their pool, static buffers, the KV
-        cache and the weights (also when something still holds a reference to the engine or its model), then
-        hand the freed memory back to the device. The engine cannot run afterwards."""
-        if getattr(self, "model_runner", None) is None:
+        cache and the weights (also those of modules something else still refers to), then hand the freed memory
+        back to the device. The engine cannot run afterwards."""
+        graph, model = self.graph, self.model
+        if not self._release():
             return
+        for module in (graph, model):
+            if isinstance(module, torch.nn.Module):
+                release_tensors(module)
+        del graph, model
+        gc.collect()
+        self.platform.empty_cache()
+
+    def _release(self) -> bool:
+        """Free the graphs, static buffers and KV cache, and drop the engine's references (weights go with the last
+        reference to them). False if already done."""
+        if getattr(self, "model_runner", None) is None:
+            return False
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self._in_flight = None
         self.model_runner.release()
-        for module in (self.graph, self.model):
-            if isinstance(module, torch.nn.Module):
-                release_tensors(module)
+        if isinstance(self.graph, fx.GraphModule):
+            self.graph.graph.owning_module = None  # an fx GraphModule and its Graph refer to each other: no cycle left
         self.model_runner = self.graph = self.model = self.split = None
-        gc.collect()  # cycles (an fx GraphModule and its Graph refer to each other) go now, not at some later gc
-        self.platform.empty_cache()
+        return True
 
     def __del__(self):
+        # The last reference dropped: release without waiting for a garbage collection. (Cached device memory is
+        # reused by the next engine in this process; shutdown() also hands it back to the device.)
         try:
-            self.shutdown()
+            self._release()
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
 
