@@ -399,12 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--num-steps", type=int, default=30, help="decode steps timed (the median is reported)")
     bl.set_defaults(func=_bench_latency)
 
-    bsu = bench.add_parser("startup", help="`graphinfer serve ART` until /health answers, in fresh processes, with cold "
-                                           "and warm kernel caches; the start-up phases each run logged")
+    bsu = bench.add_parser("startup", help="`graphinfer serve ART` until /health answers, in fresh processes, with cold, "
+                                           "artifact-only and warm caches; the start-up phases each run logged")
     bsu.add_argument("artifact", help="a `graphinfer compile` output directory")
     bsu.add_argument("--runs", type=int, default=3, help="fresh processes per cache state")
-    bsu.add_argument("--caches", default="cold,warm", help="cold (empty kernel caches, the artifact's ignored), warm, "
-                                                           "or both")
+    bsu.add_argument("--caches", default="cold,artifact,warm",
+                     help="cache states, comma-separated: cold (every cache empty, the artifact's kernels ignored), "
+                          "artifact (a fresh machine: caches outside the artifact empty), warm (a restart)")
     bsu.add_argument("--serve-args", default="", help="more `graphinfer serve` arguments, e.g. '--max-model-len 4096'")
     bsu.add_argument("--output-json", default=None)
     bsu.set_defaults(func=_bench_startup)

@@ -1,10 +1,15 @@
 """`graphinfer bench startup ART`: how long `graphinfer serve ART` takes until /health answers, in fresh processes.
 
 Each run starts `python -m graphinfer.cli serve ART` on a free loopback port, polls /health, and reads the
-start-up phases the server logs (`start-up: weights 0.41 s`, ...). "cold" runs point Triton's and TorchInductor's
-caches at empty directories and ignore the artifact's kernel cache (GRAPHINFER_KERNEL_CACHE=off), as on a fresh
-machine without one; "warm" runs use the artifact's kernel cache (on cpu there is none: both measure the same
-path, the second with the OS file cache warm).
+start-up phases the server logs (`start-up: weights 0.41 s`, ...). Cache states:
+
+  cold      every cache outside the artifact empty (Triton's, TorchInductor's, graphinfer's hash memo) and the
+            artifact's kernel cache ignored (GRAPHINFER_KERNEL_CACHE=off): everything compiled and hashed anew
+  artifact  a fresh machine with the artifact: caches outside it empty, its kernel cache used
+  warm      a restart on the same machine: every cache as it is, the artifact's kernel cache used
+
+On cpu an artifact has no kernel cache (the reference ops compile nothing): the states differ only in the hash
+memo and the OS file cache.
 """
 import os
 import re
@@ -37,15 +42,20 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def start_once(art: str, cold: bool, extra_args: list[str], timeout: float) -> dict:
+CACHE_STATES = ("cold", "artifact", "warm")
+
+
+def start_once(art: str, cache: str, extra_args: list[str], timeout: float) -> dict:
     """One fresh `serve` process: seconds until /health answered, and the phases it logged."""
     port = _free_port()
     env = dict(os.environ, GRAPHINFER_LOG_LEVEL="INFO")
     scratch = None
-    if cold:
-        scratch = tempfile.mkdtemp(prefix="graphinfer-cold-")
-        env.update(GRAPHINFER_KERNEL_CACHE="off", TRITON_CACHE_DIR=os.path.join(scratch, "triton"),
+    if cache != "warm":
+        scratch = tempfile.mkdtemp(prefix=f"graphinfer-{cache}-")
+        env.update(TRITON_CACHE_DIR=os.path.join(scratch, "triton"), GRAPHINFER_CACHE_DIR=os.path.join(scratch, "gi"),
                    TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"))
+    if cache == "cold":
+        env["GRAPHINFER_KERNEL_CACHE"] = "off"
     log = tempfile.TemporaryFile("w+")
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "graphinfer.cli", "serve", art, "--host", "127.0.0.1",
@@ -77,7 +87,7 @@ def start_once(art: str, cold: bool, extra_args: list[str], timeout: float) -> d
         import shutil
 
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"cache": "cold" if cold else "warm", "healthy_s": round(healthy, 3),
+    return {"cache": cache, "healthy_s": round(healthy, 3),
             "phases_s": {k: round(v, 3) for k, v in phases.items()}}
 
 
@@ -88,17 +98,17 @@ def _load_average() -> list[float] | None:
         return None
 
 
-def run(art: str, runs: int = 3, caches: list[str] = ("cold", "warm"), extra_args: list[str] | None = None,
+def run(art: str, runs: int = 3, caches: list[str] = CACHE_STATES, extra_args: list[str] | None = None,
         timeout: float = 600.0, output_json: str | None = None) -> dict:
     from graphinfer.compiler.artifact import read_manifest
 
     manifest = read_manifest(art)
-    if bad := [c for c in caches if c not in ("cold", "warm")]:
-        raise GraphinferError(f"caches {bad}: use cold, warm or both.")
+    if bad := [c for c in caches if c not in CACHE_STATES]:
+        raise GraphinferError(f"caches {bad}: use any of {', '.join(CACHE_STATES)}.")
     rows, table = [], []
     for cache in caches:
         for i in range(runs):
-            r = start_once(art, cache == "cold", extra_args or [], timeout)
+            r = start_once(art, cache, extra_args or [], timeout)
             rows.append(r)
             print(f"{cache} run {i + 1}/{runs}: healthy in {r['healthy_s']:.2f} s  "
                   + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items()), flush=True)

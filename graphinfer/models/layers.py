@@ -1,6 +1,8 @@
 """Layers shared by the model families: thin modules over the graphinfer:: ops, plus the attention metadata."""
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -110,8 +112,13 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int) -> Ten
     """One tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]; each attention layer gets its views."""
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
     weight = model.lm_head.weight
-    kv = torch.zeros(len(layers), 2, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim,
-                     dtype=weight.dtype, device=weight.device)
+    shape = (len(layers), 2, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
+    if weight.device.type == "cpu":  # calloc'd (numpy): the OS maps zero pages as they are first used, so a
+        # 1 GiB cache costs nothing at start-up (torch.zeros writes every byte)
+        nbytes = math.prod(shape) * weight.element_size()
+        kv = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(weight.dtype).view(shape)
+    else:
+        kv = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = kv[i, 0], kv[i, 1]
     return kv
