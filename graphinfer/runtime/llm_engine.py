@@ -143,14 +143,16 @@ class LLMEngine:
     def _release(self) -> bool:
         """Free the graphs, static buffers and KV cache, and drop the engine's references (weights go with the last
         reference to them). False if already done."""
-        if getattr(self, "model_runner", None) is None:
+        runner, graph = getattr(self, "model_runner", None), getattr(self, "graph", None)
+        if runner is None and graph is None:  # released, or __init__ failed before loading anything
             return False
-        for request_id in list(self.requests):
+        for request_id in list(getattr(self, "requests", ())):
             self.abort_request(request_id)
         self._in_flight = None
-        self.model_runner.release()
-        if isinstance(self.graph, fx.GraphModule):
-            self.graph.graph.owning_module = None  # an fx GraphModule and its Graph refer to each other: no cycle left
+        if runner is not None:
+            runner.release()
+        if isinstance(graph, fx.GraphModule):
+            graph.graph.owning_module = None  # an fx GraphModule and its Graph refer to each other: no cycle left
         self.model_runner = self.graph = self.model = self.split = None
         return True
 

@@ -66,9 +66,9 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = 1 if placeholder_kv else self._num_kv_blocks(cache_config, max_model_len, engine_bytes)
         self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size)
-        (logger.debug if placeholder_kv else logger.info)(
-            "KV cache: %d blocks x %d tokens (%.1f MiB)%s", self.num_blocks, self.block_size,
-            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, " (compile: a placeholder)" * placeholder_kv)
+        if not placeholder_kv:
+            logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
+                        self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
         self.sampler = Sampler(eos_token_ids, seed=seed, device=device)
 
     def _block_bytes(self) -> int:
