@@ -22,7 +22,6 @@ python versions, platform or dtype, for another model than the one named with it
 at other versions here, or whose files were edited, is refused.
 """
 import dataclasses
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -34,14 +33,14 @@ import torch
 from torch import fx, nn
 
 import graphinfer
-from graphinfer.compiler.report import histogram_table, pass_table
 from graphinfer.compiler.fingerprint import file_sha256 as _file_sha256
+from graphinfer.compiler.report import histogram_table, pass_table
 from graphinfer.compiler.split import SplitInfo
 from graphinfer.compiler.trace import op_histogram
 from graphinfer.errors import ArtifactMismatchError
-from graphinfer.passes import CheckResult, PassError, PassReport, PassReports
 from graphinfer.models.layers import init_rotary_caches
 from graphinfer.models.loader import PlainConfig, load_fast_tokenizer, meta_model
+from graphinfer.passes import CheckResult, PassError, PassReport, PassReports
 from graphinfer.passes.utils import release_fused_sources
 
 FORMAT = 2  # 2: self-contained (config, final weights, tokenizer, kernel cache); 1 needed the checkpoint
@@ -78,7 +77,10 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
     os.makedirs(out_dir, exist_ok=True)
     for stale in (ADDED, WEIGHTS, TOKENIZER):  # what an earlier compile into this directory may have left
         path = os.path.join(out_dir, stale)
-        shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
     source = graph_source(gm)
     e2e = getattr(reports, "end_to_end", None)
     fused = gm.meta.get("fused_linears", {})
@@ -108,6 +110,8 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
         tokenizer.save_pretrained(os.path.join(out_dir, TOKENIZER))
     with open(os.path.join(out_dir, GRAPH), "w") as f:
         f.write(source)
+    # safetensors writes its file owner-only; give it the mode the umask gives the other files (movable, servable)
+    os.chmod(os.path.join(out_dir, WEIGHTS), os.stat(os.path.join(out_dir, GRAPH)).st_mode & 0o777)
     manifest["files"] = {name: _file_sha256(os.path.join(out_dir, name)) for name in _artifact_files(out_dir)}
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
