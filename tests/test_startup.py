@@ -159,7 +159,7 @@ def test_cuda_engines_give_their_memory_back():
         with LLM("tiny-qwen3", device="cuda", gpu_memory_utilization=0.4, max_capture_size=8) as llm:
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
             blocks.append(llm.llm_engine.model_runner.num_blocks)
-        assert torch.cuda.memory_allocated() == base
+        assert torch.cuda.memory_allocated() - base < 1 << 20  # weights, KV cache and graphs gone (MiBs to GiBs)
     assert blocks == [blocks[0]] * 3 and blocks[0] > 1000
     total = torch.cuda.mem_get_info()[1]
     assert blocks[0] * blocks_bytes("tiny-qwen3") // 2 <= 0.4 * total  # bf16 blocks within the fraction

@@ -29,6 +29,11 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
+def rope_parameters(config) -> dict:
+    """The config's RoPE parameters; "rope_type" other than "default" needs transformers' init functions."""
+    return getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+
+
 class RotaryEmbedding(nn.Module):
     """Holds the [max_position, rot_dim] cos/sin cache; computed in fp32 exactly as HF does, then cast."""
 
@@ -41,7 +46,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def _compute_cache(self) -> Tensor:
-        rope = getattr(self.config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": self.config.rope_theta}
+        rope = rope_parameters(self.config)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         with torch.device("cpu"):
             if rope_type == "default":

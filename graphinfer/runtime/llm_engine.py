@@ -26,6 +26,7 @@ from graphinfer.compiler.trace import rebind_buffers, trace_model
 from graphinfer.config import FULL_GRAPH_MODES, PIECEWISE_GRAPH_MODES, EngineConfig, default_capture_sizes
 from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidConfigError, InvalidRequestError,
                                KVCacheTooSmallError, PromptTooLongError)
+from graphinfer.models.layers import rope_parameters
 from graphinfer.models.loader import load_config, load_model, load_tokenizer, release_tensors
 from graphinfer.models.presets import PRESET_NAMES
 from graphinfer.passes import PassCheckError, resolve_passes
@@ -77,15 +78,22 @@ class LLMEngine:
         self.manifest = artifact.read_manifest(config.artifact) if config.artifact else None
         if self.manifest is not None and os.environ.get("GRAPHINFER_KERNEL_CACHE", "on") != "off":
             kernel_cache.use(config.artifact, self.device)  # before any kernel compiles
-        # The tokenizer (mostly transformers' import) loads in a thread while the weights and graph load.
+        # From an artifact, the tokenizer (mostly transformers' import) loads in a thread while the weights and graph
+        # load, where nothing else imports transformers meanwhile (its lazy module is not safe to import from two
+        # threads at once; RoPE other than "default" uses transformers' init functions).
+        in_thread = self.manifest is not None and \
+            rope_parameters(artifact.load_config(config.artifact)).get("rope_type", "default") == "default"
         with ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(self._load_tokenizer)
+            tokenizer = pool.submit(self._load_tokenizer, "tokenizer (in a thread)") if in_thread else None
             with timer.phase("weights"):
                 self.model, self.hf_config = self._load_model()
             with timer.phase("graph"):
                 self.graph, self.pass_reports = self._compile()
-            with timer.phase("tokenizer (wait for its thread)"):
-                self.tokenizer = tokenizer.result()
+            if tokenizer is not None:
+                with timer.phase("tokenizer (wait for its thread)"):
+                    self.tokenizer = tokenizer.result()
+            else:
+                self.tokenizer = self._load_tokenizer("tokenizer")
         self.max_model_len = self._resolve_max_model_len(mc.max_model_len)
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
             raise InvalidConfigError(
@@ -208,11 +216,11 @@ class LLMEngine:
         mode = spec.partition(":")[2] or "npugraph_ex"
         return compile_with_torchair(self.graph, mode, kernels=self.platform.kernels)
 
-    def _load_tokenizer(self):
-        start = time.perf_counter()
-        tokenizer = artifact.load_tokenizer(self.config.artifact) if self.manifest else load_tokenizer(self.config.model_config.model)
-        self.startup.record("tokenizer (in a thread)", time.perf_counter() - start)
-        return tokenizer
+    def _load_tokenizer(self, phase: str):
+        with self.startup.phase(phase):
+            if self.manifest is not None:
+                return artifact.load_tokenizer(self.config.artifact)
+            return load_tokenizer(self.config.model_config.model)
 
     def _load_model(self):
         """(model, hf_config): an artifact's final weights (checked against its manifest, and against the model
