@@ -35,7 +35,10 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, servin
     _add_graph_mode_args(g)
     g.add_argument("--no-capture-lm-head", dest="capture_lm_head", action="store_false",
                    help="full decode graphs: keep the LM head out of them")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache size in bytes (default: 1 GiB on cpu; on a GPU what --gpu-memory-utilization leaves)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the device's total memory this engine may use (weights, graphs, KV cache)")
     g.add_argument("--kernels", "--npu-kernels", dest="kernels", default=None,
                    help="op implementations: the platform's default, 'reference', or on npu 'triton' | 'torch_npu' "
                         "| per op, e.g. 'torch_npu,paged_attention=triton'")
@@ -80,6 +83,7 @@ def _engine_kwargs(args) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
                 seed=args.seed, device=args.device,
                 passes=args.passes, graph_mode=args.graph_mode, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                gpu_memory_utilization=args.gpu_memory_utilization,
                 capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
                 max_capture_size=args.max_capture_size, splitting_ops=_splitting_ops(args),
                 capture_lm_head=args.capture_lm_head, kernels=args.kernels, npu_compiler=args.npu_compiler)
@@ -140,17 +144,24 @@ def _bench_generate(args) -> None:
 
 
 def _compile(args) -> None:
+    import torch
+
+    from graphinfer.compiler import kernel_cache
     from graphinfer.compiler.report import pass_table
     from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
     from graphinfer.runtime.llm_engine import LLMEngine
 
     sizes = _csv(args.capture_sizes, int) if args.capture_sizes else None
-    engine = LLMEngine(EngineConfig(  # a 1-block KV cache, no capture: `serve` captures on its own device
-        ModelConfig(args.model, args.dtype, device=args.device), CacheConfig(num_gpu_blocks_override=1),
-        SchedulerConfig(max_num_seqs=args.max_num_seqs),
+    model_config = ModelConfig(args.model, args.dtype, device=args.device)
+    if torch.device(model_config.device).type != "cpu":  # kernels compiled from here on go into the artifact
+        kernel_cache.collect(args.output, torch.device(model_config.device))
+    else:  # the reference ops compile nothing
+        kernel_cache.clear(args.output)
+    engine = LLMEngine(EngineConfig(  # a placeholder KV cache; on a GPU every bucket is captured once (warm-up)
+        model_config, CacheConfig(), SchedulerConfig(max_num_seqs=args.max_num_seqs),
         CompileConfig(args.graph_mode, args.passes, sizes, max_capture_size=args.max_capture_size,
                       splitting_ops=_splitting_ops(args)),
-        capture_graphs=False))
+        compile_only=True))
     print(pass_table(engine.pass_reports.rejudge(args.atol, args.rtol)))
     manifest = engine.save_artifact(args.output, atol=args.atol, rtol=args.rtol,
                                     allow_check_failure=args.allow_check_failure)
@@ -246,6 +257,13 @@ def _bench_latency(args) -> None:
         passes=args.passes, prompt_len=args.prompt_len, warmup_steps=args.warmup_steps, num_steps=args.num_steps,
         max_model_len=args.max_model_len, temperature=args.temperature, seed=args.seed,
         output_json=args.output_json, plot_path=args.plot)
+
+
+def _bench_startup(args) -> None:
+    from graphinfer.bench.startup import run
+
+    run(args.artifact, runs=args.runs, caches=_csv(args.caches), extra_args=args.serve_args.split(),
+        output_json=args.output_json)
 
 
 def _add_offline_bench_args(p: argparse.ArgumentParser) -> None:
@@ -380,6 +398,17 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--warmup-steps", type=int, default=5, help="decode steps dropped before timing")
     bl.add_argument("--num-steps", type=int, default=30, help="decode steps timed (the median is reported)")
     bl.set_defaults(func=_bench_latency)
+
+    bsu = bench.add_parser("startup", help="`graphinfer serve ART` until /health answers, in fresh processes, with cold, "
+                                           "artifact-only and warm caches; the start-up phases each run logged")
+    bsu.add_argument("artifact", help="a `graphinfer compile` output directory")
+    bsu.add_argument("--runs", type=int, default=3, help="fresh processes per cache state")
+    bsu.add_argument("--caches", default="cold,artifact,warm",
+                     help="cache states, comma-separated: cold (every cache empty, the artifact's kernels ignored), "
+                          "artifact (a fresh machine: caches outside the artifact empty), warm (a restart)")
+    bsu.add_argument("--serve-args", default="", help="more `graphinfer serve` arguments, e.g. '--max-model-len 4096'")
+    bsu.add_argument("--output-json", default=None)
+    bsu.set_defaults(func=_bench_startup)
     return parser
 
 

@@ -135,4 +135,6 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     compile_config: CompileConfig = field(default_factory=CompileConfig)
     artifact: str | None = None  # a `graphinfer compile` output directory to start from
-    capture_graphs: bool = True  # False: the graph mode is checked and recorded but nothing is captured (compile only)
+    # `graphinfer compile`: a 1-block placeholder KV cache; graphs are captured only where that warms compiled
+    # kernels into the artifact's kernel cache (GPU platforms), never on cpu
+    compile_only: bool = False

@@ -32,7 +32,8 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(40, 80)), [3]]
 
 def test_artifact_contents(qwen2_artifact):
     path, art, manifest, _ = qwen2_artifact
-    assert sorted(os.listdir(art)) == ["graph.py", "manifest.json", "report.txt"]
+    assert sorted(os.listdir(art)) == ["config.json", "graph.py", "manifest.json", "model.safetensors", "report.txt"]
+    assert sorted(manifest["files"]) == ["config.json", "graph.py", "model.safetensors"]  # a tiny checkpoint: no tokenizer
     assert manifest["model"]["path"] == os.path.abspath(path)
     assert manifest["platform"] == "cpu" and manifest["dtype"] == "float32" and manifest["graph_mode"] == "NONE"
     assert manifest["capture_sizes"][:5] == [1, 2, 4, 8, 16] and manifest["capture_sizes"][-1] == 512  # piecewise sizes
@@ -59,7 +60,51 @@ def test_round_trip_gives_in_memory_tokens_without_tracing(qwen2_artifact, monke
     assert loaded.llm_engine.config.model_config.model == os.path.abspath(path)
     assert _tokens(loaded, PROMPTS) == _tokens(in_memory, PROMPTS)
     assert [r.name for r in loaded.llm_engine.pass_reports][:1] == ["fuse_qkv"]
-    assert not hasattr(loaded.llm_engine.model.model.layers[0].self_attn, "q_proj")  # unfused weights freed
+    assert not hasattr(loaded.llm_engine.model.model.layers[0].self_attn, "q_proj")  # never built
+
+
+def test_artifact_weights_are_final_and_load_without_the_checkpoint(qwen2_artifact, tmp_path, monkeypatch):
+    """The weights as the graph reads them (fused, tied once): the artifact serves with its checkpoint gone."""
+    path, art, _, in_memory = qwen2_artifact
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(art, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert not any(n.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight")) for n in names)
+    moved = _copy(art, tmp_path)  # movable: another directory, and the checkpoint it came from unreadable
+    import graphinfer.models.loader as loader
+
+    def no_checkpoint(*a, **k):
+        raise AssertionError("an artifact must not read its checkpoint")
+
+    for name in ("load_model", "load_config", "load_hf_config", "load_tokenizer"):
+        monkeypatch.setattr(loader, name, no_checkpoint)
+    import graphinfer.runtime.llm_engine as engine_mod
+
+    for name in ("load_model", "load_config", "load_tokenizer"):
+        monkeypatch.setattr(engine_mod, name, no_checkpoint)
+    assert _tokens(LLM(artifact=moved), PROMPTS) == _tokens(in_memory, PROMPTS)
+
+
+def test_edited_weights_or_config_are_refused(qwen2_artifact, tmp_path):
+    for name in ("model.safetensors", "config.json"):
+        art = _copy(qwen2_artifact[1], tmp_path / name)
+        with open(os.path.join(art, name), "ab") as f:
+            f.write(b" ")
+        with pytest.raises(ArtifactMismatchError, match=f"{name}: artifact has '[0-9a-f]+', here '[0-9a-f]+'"):
+            LLM(artifact=art)
+    art = _copy(qwen2_artifact[1], tmp_path / "gone")
+    os.remove(os.path.join(art, "model.safetensors"))
+    with pytest.raises(ArtifactMismatchError, match="model.safetensors: artifact has '[0-9a-f]+', here 'missing'"):
+        LLM(artifact=art)
+
+
+def test_old_format_artifact_says_to_recompile(qwen2_artifact, tmp_path):
+    art = _copy(qwen2_artifact[1], tmp_path)
+    _edit_manifest(art, format=1)
+    with pytest.raises(ArtifactMismatchError, match="(?s)older graphinfer \\(format 1.*Re-run `graphinfer compile"):
+        LLM(artifact=art)
 
 
 def test_artifact_graph_mode_and_capture_sizes_are_the_defaults(tiny_checkpoint, tmp_path):
@@ -71,6 +116,7 @@ def test_artifact_graph_mode_and_capture_sizes_are_the_defaults(tiny_checkpoint,
 
 def _copy(art, tmp_path):
     dst = str(tmp_path / "copy")
+    os.makedirs(tmp_path, exist_ok=True)
     shutil.copytree(art, dst)
     return dst
 
@@ -143,9 +189,17 @@ def test_smollm2_compile_then_generate_cli(smollm2_llm, tmp_path):
     res = subprocess.run([BIN, "compile", "-o", art, "--dtype", "float32"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "| fuse_qkv | 30 |" in res.stdout and "| fuse_gate_up | 30 |" in res.stdout
+    assert sorted(os.listdir(os.path.join(art, "tokenizer"))) == ["chat_template.jinja", "tokenizer.json",
+                                                                   "tokenizer_config.json"]
     loaded = LLM(artifact=art, max_model_len=1024)
     prompts = ["The capital of France is", "Hello, my name is"]
     assert _tokens(loaded, prompts) == _tokens(smollm2_llm, prompts)
+    ours, gguf = loaded.get_tokenizer(), smollm2_llm.get_tokenizer()  # the tokenizer in HF form: same ids and template
+    chat = [{"role": "user", "content": "Héllo <|im_end|> wörld"}]
+    assert ours(prompts[0] + " ünïcode").input_ids == gguf(prompts[0] + " ünïcode").input_ids
+    assert ours.apply_chat_template(chat, tokenize=False) == gguf.apply_chat_template(chat, tokenize=False)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (gguf.eos_token_id, gguf.bos_token_id,
+                                                                          gguf.pad_token_id)
     res = subprocess.run([BIN, "generate", "--artifact", art, "--prompt", prompts[0], "--temperature", "0",
                           "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "Paris" in res.stdout, res.stderr

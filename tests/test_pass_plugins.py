@@ -171,7 +171,8 @@ def test_artifact_with_a_plugin_round_trips(fused_mlp_artifact, plugin_on_path):
                                     "class": "FusedMLPPass", "distribution": "graphinfer-fused-mlp",
                                     "version": "0.1.0"}]
     assert manifest["added_modules"] == ["model.layers.0.mlp.down_proj_t", "model.layers.1.mlp.down_proj_t"]
-    assert sorted(os.listdir(art)) == ["added_modules.pt", "graph.py", "manifest.json", "report.txt"]
+    assert sorted(os.listdir(art)) == ["added_modules.pt", "config.json", "graph.py", "manifest.json", "model.safetensors",
+                                       "report.txt"]
     assert "torch.ops.mlp_plugin.fused_mlp.default" in open(os.path.join(art, "graph.py")).read()
     assert "plugins: fused_mlp (graphinfer-fused-mlp 0.1.0)" in open(os.path.join(art, "report.txt")).read()
     loaded = LLM(artifact=art, num_gpu_blocks_override=32)

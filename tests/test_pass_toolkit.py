@@ -68,7 +68,7 @@ def test_overload_packets_are_matched_by_every_pass():
     """A graph calling torch.ops.graphinfer.<op> (the packet) fuses like the traced one (.default)."""
     def fused(model_name, packets: bool):
         from graphinfer.compiler.compile import check_inputs
-        from graphinfer.runtime.model_runner import allocate_kv_cache
+        from graphinfer.models.layers import allocate_kv_cache
 
         model, _ = load_model(model_name, torch.float32)
         allocate_kv_cache(model, 6, 16)

@@ -292,8 +292,8 @@ def greedy_tokens(model: str, graph_mode: str, dtype: str, logprobs: int | None 
     """(token ids per request, per-position logprobs or None, capture stats of both kinds) of MIXED_PROMPTS."""
     from graphinfer import LLM, SamplingParams
 
-    # A fixed KV budget: an engine deleted in this process does not give all its device memory back yet.
-    llm = LLM(model, dtype=dtype, graph_mode=graph_mode, kv_cache_memory_bytes=1 << 30, **kw)
+    # The KV cache sized by gpu_memory_utilization: each engine gives its memory back when deleted (issue 18).
+    llm = LLM(model, dtype=dtype, graph_mode=graph_mode, max_model_len=4096, **kw)
     params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True, logprobs=logprobs)
               for i in range(len(MIXED_PROMPTS))]
     outs = [o.outputs[0] for o in llm.generate(MIXED_PROMPTS, params, use_tqdm=False)]
@@ -354,7 +354,7 @@ def capture_cost(path: str, dtype: str) -> list[dict]:
     for graph_mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
         for max_num_seqs in (256, 512):
             t = time.perf_counter()
-            llm = LLM(path, dtype=dtype, graph_mode=graph_mode, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=1 << 30)
+            llm = LLM(path, dtype=dtype, graph_mode=graph_mode, max_num_seqs=max_num_seqs, max_model_len=4096)
             engine = llm.llm_engine
             for kind, s in (("decode", engine.capture_stats), ("piecewise", engine.piecewise_capture_stats)):
                 if s is None:

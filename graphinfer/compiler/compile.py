@@ -3,9 +3,8 @@ import torch
 from torch import fx, nn
 
 from graphinfer.compiler.trace import trace_model
-from graphinfer.models.layers import AttentionMetadata, PagedAttention
+from graphinfer.models.layers import AttentionMetadata, PagedAttention, allocate_kv_cache
 from graphinfer.passes import Pass, PassManager, PassReports
-from graphinfer.runtime.model_runner import allocate_kv_cache
 
 _CHECK_BLOCKS, _CHECK_BLOCK_SIZE = 6, 16  # what check_inputs needs
 

@@ -12,7 +12,7 @@ from graphinfer.config import cache_dir
 from graphinfer.models.presets import INIT_VERSION, preset_config
 
 
-def _file_sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     st = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
     memo = os.path.join(cache_dir(), "hashes", key)
@@ -48,7 +48,7 @@ def model_fingerprint(model: str, hf_config, seed: int = 0) -> dict:
                 "weights_sha256": hashlib.sha256(f"{model}\0{seed}\0init{INIT_VERSION}".encode()).hexdigest()}
     path = os.path.abspath(model)
     files = [path] if path.endswith(".gguf") else sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    return {"path": path, "config_sha256": config_sha, "weights_sha256": _combined([_file_sha256(f) for f in files])}
+    return {"path": path, "config_sha256": config_sha, "weights_sha256": _combined([file_sha256(f) for f in files])}
 
 
 def describe(fingerprint: dict) -> str:

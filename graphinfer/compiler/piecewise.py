@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, fx, nn
 from tqdm.auto import tqdm
 
-from graphinfer.compiler.capture import CaptureStats, measured_capture, staged
+from graphinfer.compiler.capture import CaptureStats, measured_capture, release_graphs, staged
 from graphinfer.compiler.split import SplitGraph, is_metadata_read
 from graphinfer.models.layers import AttentionMetadata
 from graphinfer.platforms import Platform
@@ -147,6 +147,17 @@ class PiecewiseGraphs:
             runner = PieceRunner(i, self.split.pieces[i], self, order[node], copied, ends)
             setattr(module, node.target, runner)
             self.runners.append(runner)
+
+    def release(self) -> None:
+        """Free every piece's graphs (their pool goes with the last of them), static inputs and outputs, and the
+        arena's buffers."""
+        for runner in self.runners:
+            release_graphs(runner.graphs)
+            runner.static_args.clear()
+            runner.outputs.clear()
+            runner._owner.clear()
+        self.runners = []
+        self.arena = self._dev = self.input_ids = self.positions = self.slot_mapping = self.split = None
 
     @property
     def captured_sizes(self) -> list[int]:

@@ -1,6 +1,8 @@
 """Layers shared by the model families: thin modules over the graphinfer:: ops, plus the attention metadata."""
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -27,16 +29,24 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
+def rope_parameters(config) -> dict:
+    """The config's RoPE parameters; "rope_type" other than "default" needs transformers' init functions."""
+    return getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+
+
 class RotaryEmbedding(nn.Module):
     """Holds the [max_position, rot_dim] cos/sin cache; computed in fp32 exactly as HF does, then cast."""
 
     def __init__(self, config, head_dim: int, max_position: int):
         super().__init__()
         self.config, self.head_dim, self.max_position = config, head_dim, max_position
-        self.register_buffer("cos_sin_cache", self._compute_cache(), persistent=False)
+        # Built on the meta device (build_model), the cache is only a placeholder until reset_cache().
+        on_meta = torch.empty(0).is_meta
+        cache = torch.empty(max_position, head_dim) if on_meta else self._compute_cache()
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def _compute_cache(self) -> Tensor:
-        rope = getattr(self.config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": self.config.rope_theta}
+        rope = rope_parameters(self.config)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         with torch.device("cpu"):
             if rope_type == "default":
@@ -45,17 +55,23 @@ class RotaryEmbedding(nn.Module):
             else:  # llama3, linear, yarn, ...: HF's own init functions keep us bit-identical to the reference
                 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+                config = self.config
+                if not hasattr(config, "standardize_rope_params"):  # an artifact's plain config: HF's functions need theirs
+                    from transformers import AutoConfig
+
+                    config = AutoConfig.for_model(**config.to_dict())
+
                 if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
                     raise UnsupportedArchitectureError(
                         f"rope_type {rope_type!r} is not supported (position-dependent scaling); "
                         f"supported: default and {sorted(set(ROPE_INIT_FUNCTIONS) - {'dynamic'})}.")
-                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, "cpu")
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
             freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float), inv_freq.float())
             return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
-    def reset_cache(self):
-        """Recompute after `to_empty()` (meta-device construction leaves buffers uninitialised)."""
-        self.cos_sin_cache = self._compute_cache().to(self.cos_sin_cache.device)
+    def reset_cache(self, device: torch.device | str):
+        """Compute the cache on `device` after meta-device construction (see init_rotary_caches)."""
+        self.cos_sin_cache = self._compute_cache().to(device)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return ops.rotary_embedding(positions, q, k, self.head_dim, self.cos_sin_cache, True)
@@ -83,3 +99,31 @@ class PagedAttention(nn.Module):
         ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         o = ops.paged_attention(q, self.k_cache, self.v_cache, md.block_tables, md.query_start_loc, md.seq_lens, self.scale)
         return o.view(T, self.num_heads * self.head_dim)
+
+
+def init_rotary_caches(model: nn.Module, device: torch.device | str) -> None:
+    """Compute the cos/sin caches of a model built on the meta device, once per shape: every layer shares it."""
+    caches: dict[tuple, Tensor] = {}
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            key = (m.head_dim, m.max_position)
+            if key not in caches:
+                m.reset_cache(device)
+                caches[key] = m.cos_sin_cache
+            m.cos_sin_cache = caches[key]
+
+
+def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int) -> Tensor:
+    """One tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]; each attention layer gets its views."""
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    weight = model.lm_head.weight
+    shape = (len(layers), 2, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
+    if weight.device.type == "cpu":  # calloc'd (numpy): the OS maps zero pages as they are first used, so a
+        # 1 GiB cache costs nothing at start-up (torch.zeros writes every byte)
+        nbytes = math.prod(shape) * weight.element_size()
+        kv = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(weight.dtype).view(shape)
+    else:
+        kv = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = kv[i, 0], kv[i, 1]
+    return kv

@@ -1,4 +1,5 @@
 """Build a model with its weights and tokenizer from an HF checkpoint directory or a .gguf file."""
+import contextlib
 import glob
 import json
 import os
@@ -10,7 +11,7 @@ from torch import nn
 
 from graphinfer.errors import ModelNotFoundError
 from graphinfer.models import get_model_class
-from graphinfer.models.layers import RotaryEmbedding
+from graphinfer.models.layers import init_rotary_caches
 from graphinfer.models.presets import PRESET_NAMES, init_random_weights, preset_config
 
 _EXPECTED = "an HF checkpoint directory (config.json + *.safetensors) or a .gguf file"
@@ -106,17 +107,70 @@ def load_weights(model: nn.Module, weights, tied: bool) -> None:
         raise ModelNotFoundError(f"Checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}.")
 
 
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                   "xavier_normal_", "constant_", "zeros_", "ones_")
+
+
+@contextlib.contextmanager
+def _skip_init():
+    """nn.init's functions as no-ops (as transformers' no_init_weights): on meta tensors they run through
+    torch._refs, whose first use imports torch._dynamo (seconds), to draw values nobody keeps."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def meta_model(config) -> nn.Module:
+    """The model's module tree on the meta device: shapes only, no memory, no random init."""
+    cls = get_model_class(config.architectures)
+    with torch.device("meta"), _skip_init():
+        return cls(config)
+
+
 def build_model(config, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
     """The model on `device` in `dtype` with uninitialised weights (built on meta, so no random init is paid)."""
-    cls = get_model_class(config.architectures)
-    with torch.device("meta"):
-        model = cls(config)
+    model = meta_model(config)
     model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.reset_cache()
+    init_rotary_caches(model, device)
     return model.eval()
+
+
+class PlainConfig:
+    """A model config read back from its `to_dict()` (an artifact's config.json): the attributes the model
+    classes read, without importing transformers' per-model config classes."""
+
+    def __init__(self, values: dict):
+        self.__dict__.update(values)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def load_config(path: str):
+    """The HF config of an HF directory, a .gguf file or a named preset."""
+    config = preset_config(path)
+    if config is not None:
+        return config
+    _check_path(path)
+    if path.endswith(".gguf"):
+        from graphinfer.models.gguf_loader import load_gguf_config
+
+        return load_gguf_config(path)
+    return load_hf_config(path)
+
+
+def release_tensors(model: nn.Module) -> None:
+    """Drop every parameter and buffer of model's module tree (engine shutdown: whoever still holds a module
+    no longer keeps its device memory alive)."""
+    for module in model.modules():
+        module._parameters.clear()
+        module._buffers.clear()
 
 
 def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0):
@@ -157,3 +211,12 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def load_fast_tokenizer(path: str):
+    """A tokenizer saved by graphinfer in HF form (an artifact's tokenizer/: tokenizer.json + its config, chat
+    template included) as transformers' fast tokenizer class, without AutoTokenizer's look-ups (AutoConfig and
+    the per-model tokenizer classes, which import model code)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(path)

@@ -45,6 +45,15 @@ class Platform:
     def memory_allocated(self, device: torch.device) -> int:
         return self.device_module.memory_allocated(device) if self.device_module is not None else 0
 
+    def memory_reserved(self, device: torch.device) -> int:
+        """Bytes the caching allocator holds (allocated or kept for reuse)."""
+        return self.device_module.memory_reserved(device) if self.device_module is not None else 0
+
+    def empty_cache(self) -> None:
+        """Give the caching allocator's unused memory back to the device (after an engine shut down)."""
+        if self.device_module is not None:
+            self.device_module.empty_cache()
+
     def record_event(self, device: torch.device):
         """An event recorded on the current stream, for waiting on the work issued so far alone (async
         scheduling); None where work is done when the call returns (a cpu device)."""

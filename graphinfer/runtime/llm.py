@@ -6,7 +6,7 @@ from tqdm.auto import tqdm
 
 from graphinfer.compiler.artifact import read_manifest
 from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
-from graphinfer.errors import InvalidConfigError
+from graphinfer.errors import GraphinferError, InvalidConfigError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime.chat_template import chat_prompt_ids
 from graphinfer.runtime.llm_engine import LLMEngine
@@ -33,6 +33,10 @@ class LLM:
     kernels: the platform's op implementations (None: its default; "reference": PyTorch).
     npu_compiler="torchair": torchair compiles the fused graph and captures ACL graphs (npu, graph_mode NONE).
     async_scheduling: prepare and launch each step while the previous one runs (see LLMEngine).
+    gpu_memory_utilization: the fraction of the device's total memory this engine may use (weights, graphs and
+    KV cache; as in vLLM, so two engines at 0.4 fit on one device). A KV cache that cannot hold one request of
+    max_model_len tokens is refused at start-up (KVCacheTooSmallError).
+    shutdown() (or `with LLM(...) as llm:`, or dropping the last reference) gives the memory back.
     """
 
     def __init__(self, model: str = "", *, dtype: str = "auto", max_model_len: int | None = None,
@@ -61,6 +65,17 @@ class LLM:
             artifact,
         ))
 
+    def shutdown(self) -> None:
+        """Release the engine's device memory now (graphs and their pool, KV cache, static buffers, weights).
+        Also done by `with LLM(...) as llm:` on leaving the block, and when the last reference is dropped."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -68,6 +83,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or
         vLLM-style dicts ({"prompt": ...} / {"prompt_token_ids": [...]}). Outputs come in prompt order."""
+        if self.llm_engine.model_runner is None:
+            raise GraphinferError("This LLM was shut down (shutdown(), or its `with` block ended): create a new one.")
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)

@@ -6,14 +6,18 @@ input ids taken from step N's sampled tokens on the device, and step N's tokens 
 for stops and returned while step N+1 runs. The price: a request that stops on a token (eos, stop ids or
 strings) has computed one more row, which is dropped; requests that stop on length never do.
 """
+import gc
 import itertools
 import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from graphinfer.compiler import artifact
+from graphinfer.compiler import artifact, kernel_cache
 from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.fingerprint import model_fingerprint
 from graphinfer.compiler.piecewise import fit_graph_budget
@@ -22,7 +26,9 @@ from graphinfer.compiler.trace import rebind_buffers, trace_model
 from graphinfer.config import FULL_GRAPH_MODES, PIECEWISE_GRAPH_MODES, EngineConfig, default_capture_sizes
 from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidConfigError, InvalidRequestError,
                                KVCacheTooSmallError, PromptTooLongError)
-from graphinfer.models.loader import load_model, load_tokenizer
+from graphinfer.models.layers import rope_parameters
+from graphinfer.models.loader import load_config, load_model, load_tokenizer, release_tensors
+from graphinfer.models.presets import PRESET_NAMES
 from graphinfer.passes import PassCheckError, resolve_passes
 from graphinfer.platforms import platform_for_device
 from graphinfer.passes.utils import release_fused_sources
@@ -32,6 +38,7 @@ from graphinfer.runtime.model_runner import ModelRunner
 from graphinfer.runtime.sampler import SamplerOutput
 from graphinfer.runtime.scheduler import Scheduler, SchedulerOutput
 from graphinfer.runtime.sequence import Sequence, SequenceStatus
+from graphinfer.runtime.startup_timer import StartupTimer, seconds_since_process_start
 from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,6 +57,10 @@ class _InFlight:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        started = time.perf_counter()
+        self.startup = timer = StartupTimer()
+        if (since_start := seconds_since_process_start()) is not None:
+            timer.record("imports (process start to engine start)", since_start)
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         torch.manual_seed(mc.seed)
         # Platform first: activating it loads its torch backend (npu: torch_npu), so "npu" parses below even
@@ -57,14 +68,32 @@ class LLMEngine:
         self.platform = platform_for_device(str(mc.device).split(":")[0])
         self.platform.activate(config.compile_config.kernels)
         self.device = torch.device(mc.device)
+        memory_at_start = self.platform.memory_allocated(self.device)
         comp = config.compile_config
         if comp.graph_mode is None:
             comp.graph_mode = self.platform.default_graph_mode(comp.kernels)
         self._check_graph_mode()
         self.capture_sizes = comp.capture_sizes or default_capture_sizes(
             comp.max_capture_size or min(2 * sc.max_num_seqs, 512))
-        self.model, self.hf_config = load_model(mc.model, mc.torch_dtype, self.device, mc.seed)
-        self.tokenizer = load_tokenizer(mc.model)
+        self.manifest = artifact.read_manifest(config.artifact) if config.artifact else None
+        if self.manifest is not None and os.environ.get("GRAPHINFER_KERNEL_CACHE", "on") != "off":
+            kernel_cache.use(config.artifact, self.device)  # before any kernel compiles
+        # From an artifact, the tokenizer (mostly transformers' import) loads in a thread while the weights and graph
+        # load, where nothing else imports transformers meanwhile (its lazy module is not safe to import from two
+        # threads at once; RoPE other than "default" uses transformers' init functions).
+        in_thread = self.manifest is not None and \
+            rope_parameters(artifact.load_config(config.artifact)).get("rope_type", "default") == "default"
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(self._load_tokenizer, "tokenizer (in a thread)") if in_thread else None
+            with timer.phase("weights"):
+                self.model, self.hf_config = self._load_model()
+            with timer.phase("graph"):
+                self.graph, self.pass_reports = self._compile()
+            if tokenizer is not None:
+                with timer.phase("tokenizer (wait for its thread)"):
+                    self.tokenizer = tokenizer.result()
+            else:
+                self.tokenizer = self._load_tokenizer("tokenizer")
         self.max_model_len = self._resolve_max_model_len(mc.max_model_len)
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
             raise InvalidConfigError(
@@ -72,30 +101,76 @@ class LLMEngine:
                 f"without chunked prefill: long prompts could never be scheduled. Raise max_num_batched_tokens, "
                 f"lower max_model_len, or enable_chunked_prefill=True.")
         self.eos_token_ids = self._eos_token_ids()
-        # Compile first: the fused weights then count before the KV cache takes what memory is left.
-        self.graph, self.pass_reports = self._compile()
-        self.model_runner = ModelRunner(self.model, cc, self.device, self.platform, self.eos_token_ids, mc.seed)
+        with timer.phase("KV cache"):
+            engine_bytes = self.platform.memory_allocated(self.device) - memory_at_start
+            self.model_runner = ModelRunner(self.model, cc, self.device, self.platform, self.eos_token_ids, mc.seed,
+                                            self.max_model_len, engine_bytes, placeholder_kv=config.compile_only)
         if isinstance(self.graph, fx.GraphModule):
             rebind_buffers(self.graph, self.model)  # onto the runner's KV cache
         self.model_runner.graph = self.graph
         if comp.npu_compiler:
             self.model_runner.graph = self._torchair(comp.npu_compiler)
+        if self.device.type != "cpu":  # cpu runs the reference ops: nothing to compile
+            with timer.phase("kernels"):  # compiles (or loads from the kernel cache) the prefill path's kernels
+                self.model_runner.warm_up()
+        capture = not config.compile_only or self.device.type != "cpu"  # compile on a GPU: warm every bucket's kernels
         self.capture_stats = self.piecewise_capture_stats = None
-        if comp.graph_mode in FULL_GRAPH_MODES and config.capture_graphs:
-            self.capture_stats = self.model_runner.capture_decode_graphs(
-                self._decode_capture_sizes(), self.max_model_len, comp.capture_lm_head)
+        if comp.graph_mode in FULL_GRAPH_MODES and capture:
+            with timer.phase("capture (decode graphs)"):
+                self.capture_stats = self.model_runner.capture_decode_graphs(
+                    self._decode_capture_sizes(), self.max_model_len, comp.capture_lm_head)
         self.split = None
         if comp.graph_mode in PIECEWISE_GRAPH_MODES:
             self.split = split_graph(self._fx_graph(), comp.splitting_ops or DEFAULT_SPLITTING_OPS)
             logger.info("split: %s", self.split.info.summary())
-            if config.capture_graphs:
-                self.piecewise_capture_stats = self.model_runner.capture_piecewise_graphs(
-                    self.split, self._piecewise_capture_sizes(self.split.info.num_pieces))
+            if capture:
+                with timer.phase("capture (piecewise graphs)"):
+                    self.piecewise_capture_stats = self.model_runner.capture_piecewise_graphs(
+                        self.split, self._piecewise_capture_sizes(self.split.info.num_pieces))
         self.scheduler = Scheduler(sc, cc, self.model_runner.num_blocks)
         self.async_scheduling = sc.async_scheduling
         self._in_flight: _InFlight | None = None
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        timer.record("engine ready", time.perf_counter() - started)
+
+    def shutdown(self) -> None:
+        """Release every device buffer this engine holds: captured graphs and their pool, static buffers, the KV
+        cache and the weights (also those of modules something else still refers to), then hand the freed memory
+        back to the device. The engine cannot run afterwards."""
+        graph, model = self.graph, self.model
+        if not self._release():
+            return
+        for module in (graph, model):
+            if isinstance(module, torch.nn.Module):
+                release_tensors(module)
+        del graph, model
+        gc.collect()
+        self.platform.empty_cache()
+
+    def _release(self) -> bool:
+        """Free the graphs, static buffers and KV cache, and drop the engine's references (weights go with the last
+        reference to them). False if already done."""
+        runner, graph = getattr(self, "model_runner", None), getattr(self, "graph", None)
+        if runner is None and graph is None:  # released, or __init__ failed before loading anything
+            return False
+        for request_id in list(getattr(self, "requests", ())):
+            self.abort_request(request_id)
+        self._in_flight = None
+        if runner is not None:
+            runner.release()
+        if isinstance(graph, fx.GraphModule):
+            graph.graph.owning_module = None  # an fx GraphModule and its Graph refer to each other: no cycle left
+        self.model_runner = self.graph = self.model = self.split = None
+        return True
+
+    def __del__(self):
+        # The last reference dropped: release without waiting for a garbage collection. (Cached device memory is
+        # reused by the next engine in this process; shutdown() also hands it back to the device.)
+        try:
+            self._release()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
 
     def _check_graph_mode(self) -> None:
         cc = self.config.compile_config
@@ -141,18 +216,34 @@ class LLMEngine:
         mode = spec.partition(":")[2] or "npugraph_ex"
         return compile_with_torchair(self.graph, mode, kernels=self.platform.kernels)
 
+    def _load_tokenizer(self, phase: str):
+        with self.startup.phase(phase):
+            if self.manifest is not None:
+                return artifact.load_tokenizer(self.config.artifact)
+            return load_tokenizer(self.config.model_config.model)
+
+    def _load_model(self):
+        """(model, hf_config): an artifact's final weights (checked against its manifest, and against the model
+        named with it, if any), else the checkpoint's."""
+        mc = self.config.model_config
+        if self.manifest is None:
+            return load_model(mc.model, mc.torch_dtype, self.device, mc.seed)
+        art, manifest = self.config.artifact, self.manifest
+        named = mc.model if mc.model in PRESET_NAMES else os.path.abspath(mc.model)
+        fingerprint = None
+        if named != manifest["model"]["path"]:  # another model named with the artifact: is it the same one?
+            fingerprint = model_fingerprint(mc.model, load_config(mc.model), mc.seed)
+        artifact.verify_artifact(art, manifest, device=self.device, dtype=mc.torch_dtype, fingerprint=fingerprint)
+        if manifest["graph_mode"] != self.config.compile_config.graph_mode:
+            raise ArtifactMismatchError(f"Artifact {art!r} was compiled for graph_mode={manifest['graph_mode']!r}; "
+                                        f"run it with that mode or recompile.")
+        hf_config = artifact.load_config(art)
+        return artifact.load_model(art, manifest, hf_config, self.device), hf_config
+
     def _compile(self):
         """The forward the runner executes: traced and optimised by the passes, or read from an artifact."""
-        mc = self.config.model_config
-        if self.config.artifact:
-            art = self.config.artifact
-            manifest = artifact.read_manifest(art)
-            artifact.verify_artifact(art, manifest, fingerprint=model_fingerprint(mc.model, self.hf_config, mc.seed),
-                                     device=self.device, dtype=mc.torch_dtype)
-            if manifest["graph_mode"] != self.config.compile_config.graph_mode:
-                raise ArtifactMismatchError(f"Artifact {art!r} was compiled for graph_mode={manifest['graph_mode']!r}; "
-                                            f"run it with that mode or recompile.")
-            return artifact.load_graph(art, manifest, self.model), artifact.load_reports(manifest)
+        if self.manifest is not None:
+            return artifact.load_graph(self.config.artifact, self.manifest, self.model), artifact.load_reports(self.manifest)
         gm, reports = compile_model(self.model, resolve_passes(self.config.compile_config.passes))
         if not reports.passed:  # `compile` refuses such a graph; here it runs, loudly
             logger.warning("passes changed the model's outputs beyond the check's tolerances: %s",
@@ -183,7 +274,7 @@ class LLMEngine:
             out_dir, self.graph, reports, fingerprint=model_fingerprint(mc.model, self.hf_config, mc.seed),
             device=self.device, dtype=mc.torch_dtype, graph_mode=self.config.compile_config.graph_mode,
             capture_sizes=self.capture_sizes, split=self.split.info if self.split is not None else None,
-            model=self.model, check=check)
+            model=self.model, hf_config=self.hf_config, tokenizer=self.tokenizer, check=check)
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048

@@ -13,7 +13,8 @@ from graphinfer.compiler.capture import CaptureStats, DecodeGraphs, staged
 from graphinfer.compiler.piecewise import PiecewiseGraphs
 from graphinfer.compiler.split import SplitGraph
 from graphinfer.config import CacheConfig
-from graphinfer.models.layers import AttentionMetadata, PagedAttention
+from graphinfer.errors import KVCacheTooSmallError
+from graphinfer.models.layers import AttentionMetadata, PagedAttention, allocate_kv_cache
 from graphinfer.platforms import Platform
 from graphinfer.runtime.sampler import Sampler, SamplerOutput
 from graphinfer.runtime.scheduler import SchedulerOutput
@@ -48,20 +49,12 @@ class HostInputs:
         return np.array([self.pending_dst, self.pending_src], dtype=np.int64)
 
 
-def allocate_kv_cache(model, num_blocks: int, block_size: int) -> torch.Tensor:
-    """One tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]; each attention layer gets its views."""
-    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-    weight = model.lm_head.weight
-    kv = torch.zeros(len(layers), 2, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim,
-                     dtype=weight.dtype, device=weight.device)
-    for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = kv[i, 0], kv[i, 1]
-    return kv
-
-
 class ModelRunner:
     def __init__(self, model, cache_config: CacheConfig, device: torch.device, platform: Platform,
-                 eos_token_ids: set[int], seed: int):
+                 eos_token_ids: set[int], seed: int, max_model_len: int, engine_bytes: int = 0,
+                 placeholder_kv: bool = False):
+        """engine_bytes: device memory the engine took before the KV cache (weights, fused copies, buffers), which
+        gpu_memory_utilization counts; placeholder_kv: a 1-block cache (`graphinfer compile`, which serves nothing)."""
         self.model = model
         self.graph = model  # what runs the forward: the compiled fx graph once the engine has one
         self.device = device
@@ -71,10 +64,11 @@ class ModelRunner:
         self.lm_head_in_graph = False
         self.block_size = cache_config.block_size
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-        self.num_blocks = self._num_kv_blocks(cache_config)
+        self.num_blocks = 1 if placeholder_kv else self._num_kv_blocks(cache_config, max_model_len, engine_bytes)
         self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
-                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+        if not placeholder_kv:
+            logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
+                        self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
         self.sampler = Sampler(eos_token_ids, seed=seed, device=device)
 
     def _block_bytes(self) -> int:
@@ -82,17 +76,60 @@ class ModelRunner:
         dtype_size = torch.empty((), dtype=self.model.lm_head.weight.dtype).element_size()
         return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * dtype_size
 
-    def _num_kv_blocks(self, cfg: CacheConfig) -> int:
+    def _num_kv_blocks(self, cfg: CacheConfig, max_model_len: int, engine_bytes: int) -> int:
+        """Blocks for the cache budget; a budget that cannot hold one request of max_model_len tokens is refused
+        here, at start-up (num_gpu_blocks_override, a testing knob, is taken as given)."""
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
-        budget = cfg.kv_cache_memory_bytes
-        if budget is None:
-            if self.device.type == "cpu":
-                budget = _CPU_KV_CACHE_BYTES
-            else:  # what gpu_memory_utilization leaves after the weights, minus a margin for activations
-                free, total = self.platform.mem_get_info(self.device)
-                budget = int((free - (1 - cfg.gpu_memory_utilization) * total) * 0.9)
-        return max(1, budget // self._block_bytes())
+        budget, source = cfg.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        if budget is None and self.device.type == "cpu":
+            budget, source = _CPU_KV_CACHE_BYTES, "kv_cache_memory_bytes (default on cpu: 1 GiB)"
+        elif budget is None:
+            # vLLM's meaning: this engine may use gpu_memory_utilization of the device's TOTAL memory (so two engines
+            # at 0.4 fit side by side), minus what it already holds, within what is free (memory the caching
+            # allocator keeps but nothing uses counts as free); 10% stays for activations.
+            free, total = self.platform.mem_get_info(self.device)
+            unused_cache = self.platform.memory_reserved(self.device) - self.platform.memory_allocated(self.device)
+            budget = int(min(cfg.gpu_memory_utilization * total - engine_bytes, free + unused_cache) * 0.9)
+            source = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB, the engine "
+                      f"holding {engine_bytes / 2**30:.2f} GiB, {free / 2**30:.1f} GiB free on the device")
+        blocks = max(0, budget) // self._block_bytes()
+        needed = -(-max_model_len // self.block_size)
+        if blocks < needed:
+            raise KVCacheTooSmallError(
+                f"The KV cache would hold {blocks} blocks of {self.block_size} tokens ({max(0, budget) / 2**20:.0f} MiB "
+                f"from {source}), but one request of max_model_len={max_model_len} tokens needs {needed} "
+                f"({needed * self._block_bytes() / 2**20:.0f} MiB). Lower max_model_len (--max-model-len), or give the "
+                f"cache more memory: gpu_memory_utilization (--gpu-memory-utilization) on a GPU, kv_cache_memory_bytes "
+                f"(--kv-cache-memory-bytes) on any device.")
+        return blocks
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run the eager forward (and the LM head) on a few dummy prefills that write no KV, so the kernels a
+        first request needs are compiled, or loaded from the kernel cache, now rather than at that request.
+        Lengths 16 and 7: a multiple of 16 and not (Triton specialises integer arguments on divisibility by 16)."""
+        for n in (16, 7):
+            blocks = -(-n // self.block_size)
+            md = AttentionMetadata(torch.full((n,), -1, dtype=torch.int64, device=self.device),
+                                   torch.zeros(1, blocks, dtype=torch.int32, device=self.device),
+                                   torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                                   torch.tensor([n], dtype=torch.int32, device=self.device))
+            ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+            positions = torch.arange(n, dtype=torch.int64, device=self.device)
+            self.model.compute_logits(self.graph(ids, positions, md)[-1:])
+        self.platform.synchronize()
+
+    def release(self) -> None:
+        """Free the captured graphs (and their memory pool), their static buffers and the KV cache."""
+        for graphs in (self.decode_graphs, self.piecewise_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.decode_graphs = self.piecewise_graphs = None
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        self.kv_cache = self.graph = self.model = self.sampler = None
+        self.attn_layers = []
 
     def host_inputs(self, out: SchedulerOutput) -> HostInputs:
         """Flat input_ids/positions over all scheduled tokens, the attention metadata, and the rows
@@ -198,3 +235,4 @@ class ModelRunner:
             hidden = hidden[self.to_device(h.logits_indices)]
         logits = hidden if logits_ready else self.model.compute_logits(hidden)
         return h.rows, self.sampler(logits, h.rows)
+

@@ -24,6 +24,7 @@ import uvicorn
 
 from graphinfer.errors import GraphinferError
 from graphinfer.server.api_server import build_app
+from graphinfer.runtime.startup_timer import seconds_since_process_start
 from graphinfer.server.async_engine import AsyncLLMEngine
 from graphinfer.server.defaults import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
                                         resolve_serve_engine_args)
@@ -184,9 +185,15 @@ def serve(target: str, host: str, port: int, api_key: str | None, served_model_n
         logger.info("serving with max_num_batched_tokens=%d, max_num_seqs=%d",
                     engine.config.scheduler_config.max_num_batched_tokens, engine.config.scheduler_config.max_num_seqs)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        server = _Server(config, app, shutdown_timeout,
-                         on_started=lambda: print(banner(name, host, port, api_key, engine.tokenizer is not None),
-                                                   flush=True))
+        engine_ready = time.perf_counter()
+
+        def on_started():
+            engine.startup.record("server ready", time.perf_counter() - engine_ready)
+            if (since_start := seconds_since_process_start()) is not None:
+                engine.startup.record("serving (process start to server ready)", since_start)
+            print(banner(name, host, port, api_key, engine.tokenizer is not None), flush=True)
+
+        server = _Server(config, app, shutdown_timeout, on_started=on_started)
         t0 = time.monotonic()
         server.run(sockets=[sock])
     finally:
