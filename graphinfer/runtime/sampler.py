@@ -35,6 +35,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list) -> SamplerOutput:
         params = [r.sampling_params for r in rows]
+        if all(_argmax_only(r, p) for r, p in zip(rows, params)):
+            # Greedy rows with nothing to mask or report need only the argmax of the logits as they are: no
+            # fp32 copy written and re-read (B x vocab x 4 bytes). Same token: the upcast is exact and monotone,
+            # and argmax returns the first maximum either way.
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None, None)
         x = logits.to(torch.float32, copy=True)  # copy: we mask and penalise in place
         dev = x.device
 
@@ -114,6 +119,11 @@ class Sampler:
             )
             x -= torch.tensor(freq, device=dev)[:, None] * counts
             x -= torch.tensor(pres, device=dev)[:, None] * (counts > 0)
+
+
+def _argmax_only(row, p) -> bool:
+    """Greedy, no logprobs, no penalties, no min_tokens mask in force: the token is the logits' argmax."""
+    return p.greedy and p.logprobs is None and not p.has_penalties and row.num_output_tokens >= p.min_tokens
 
 
 def _token_counts(token_lists: list[list[int]], V: int, device) -> torch.Tensor:

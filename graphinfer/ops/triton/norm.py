@@ -16,7 +16,8 @@ from torch import Tensor
 
 from graphinfer.ops.triton.launch import Launcher, cdiv, next_power_of_2
 
-_TILE = 4096  # elements per program tile: rows of a short hidden size share a program
+_TILE = 4096  # elements per program tile at most: rows of a short hidden size share a program
+_MIN_PROGRAMS = 528  # pack rows only past ~4 programs per H100 SM (132)
 
 
 @triton.jit
@@ -88,10 +89,16 @@ def _row_layout(x: Tensor) -> tuple[Tensor, int, int, int, int]:
 
 @functools.lru_cache(maxsize=4096)
 def _launch_params(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
-    """(grid, BLOCK_R, BLOCK_N, num_warps), once per shape."""
+    """(grid, BLOCK_R, BLOCK_N, num_warps), once per shape.
+
+    Rows are packed into a program (up to _TILE elements) only while the grid keeps >= _MIN_PROGRAMS programs:
+    measured on the H100 (bf16, hidden 1024, in CUDA graphs), decode-sized batches (T <= 256) run ~0.1-0.3 us
+    faster with one row per program, and at T >= 4,096 every packing from 1 to 8 rows runs within noise of
+    90-95% of the copy bandwidth (the 18-22% once reported was the eager wrapper's host time, not the kernel).
+    """
     block_n = next_power_of_2(n_cols)
-    block_r = max(1, min(_TILE // block_n, next_power_of_2(n_rows)))
-    num_warps = min(max(block_r * block_n // 512, 1), 8)
+    block_r = max(1, min(_TILE // block_n, next_power_of_2(cdiv(n_rows, _MIN_PROGRAMS))))
+    num_warps = min(max(block_r * block_n // 256, 1), 8)
     return (cdiv(n_rows, block_r),), block_r, block_n, num_warps
 
 
