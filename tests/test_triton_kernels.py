@@ -5,6 +5,7 @@ interpreter in the .venv-ascend venv); with one, the same tests run compiled on 
 reference is always the op's PyTorch implementation run on CPU copies of the inputs.
 This module imports only torch, pytest, graphinfer.ops and graphinfer.ops.triton (the Ascend venv has no more).
 """
+import importlib
 import os
 
 import pytest
@@ -61,6 +62,26 @@ def test_add_rms_norm(shape, dtype):
     # The same rounded add; the interpreters truncate fp32 -> bf16 where devices round, so exact only in fp32.
     _close(res, ref_res, dtype, **(dict(atol=0, rtol=0) if dtype == torch.float32 else {}))
     _close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_with_rows_packed(dtype, monkeypatch):
+    """Several rows per program (the launch rule packs them past _MIN_PROGRAMS rows), with a ragged last program."""
+    norm_module = importlib.import_module("graphinfer.ops.triton.norm")
+    monkeypatch.setattr(norm_module, "_MIN_PROGRAMS", 2)
+    norm_module._launch_params.cache_clear()
+    try:
+        assert norm_module._launch_params(7, 48)[:2] == ((2,), 4)
+        g = torch.Generator().manual_seed(4)
+        x, r = (torch.randn(7, 48, generator=g).to(dtype) for _ in range(2))
+        w = (1 + 0.1 * torch.randn(48, generator=g)).to(dtype)
+        _close(TRITON_OPS["rms_norm"](x.to(DEVICE), w.to(DEVICE), 1e-6), ref_ops.rms_norm(x, w, 1e-6), dtype)
+        out, res = TRITON_OPS["add_rms_norm"](x.to(DEVICE), r.to(DEVICE), w.to(DEVICE), 1e-5)
+        ref_out, ref_res = ref_ops.add_rms_norm(x, r, w, 1e-5)
+        _close(res, ref_res, dtype)
+        _close(out, ref_out, dtype)
+    finally:
+        norm_module._launch_params.cache_clear()  # forget the packed launches
 
 
 def test_rms_norm_strided_rows():
