@@ -5,8 +5,8 @@ unfused vs fused, at T = 1 / 4 / 16 / 64 / 256 tokens, plus HF transformers' own
   renormalise -> moe_dispatch -> moe_grouped_mlp -> moe_combine; reference ops, capture-safe on a GPU);
 - fused: graphinfer::fused_moe with the platform's kernel (Triton on CUDA), what the fuse_moe pass produces
   (the small-T path up to DECODE_MAX_TOKENS tokens, the grouped path above), called eagerly;
-- fused_graph (CUDA only): the same op captured in a CUDA graph and replayed, as a FULL_DECODE_ONLY step
-  runs it (no host overhead: the device time the issue's T=1 target is about);
+- *_graph_ms (CUDA only): each fused variant captured in a CUDA graph and replayed, as a FULL_DECODE_ONLY step
+  runs it (no host time: the device time the issue's T=1 target is about);
 - fused_grouped / fused_decode: the Triton experts with the path forced (routing in torch, as the op does;
   fused_decode up to T=64), to place DECODE_MAX_TOKENS at the measured crossover;
 - hf: transformers' Qwen3MoeSparseMoeBlock (eager).
@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from gpu_check import graph_ms  # tools/ is this script's directory
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -36,21 +38,6 @@ def bench_ms(fn, device) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-
-def graph_ms(fn, h) -> float:
-    """Median replay time of fn(h) captured in a CUDA graph."""
-    from triton.testing import do_bench
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(h)  # compile and warm the allocator off the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(h)
-    return do_bench(graph.replay, warmup=10, rep=50, return_mode="median")
 
 
 def main() -> int:
@@ -122,13 +109,13 @@ def main() -> int:
             r["fused_path"] = "decode" if T <= DECODE_MAX_TOKENS else "grouped"
             r["fused_speedup"] = r["unfused_ms"] / r["fused_ms"]
             if device.type == "cuda":
-                r["fused_graph_ms"] = graph_ms(fused, h)
+                for name, fn in runs[1:]:
+                    r[f"{name}_graph_ms"] = graph_ms(lambda: fn(h), calls=5)
             rows.append(r)
-            forced_ms = " | ".join(f"{n[6:]} {r[n + '_ms']:.3f}" for n in ("fused_grouped", "fused_decode") if n + "_ms" in r)
-            graph = f" | graph {r['fused_graph_ms']:.3f} ms" if "fused_graph_ms" in r else ""
-            print(f"T={T:4d}: unfused {r['unfused_ms']:8.3f} ms ({r['unfused_tok_s']:10.0f} tok/s) | fused "
-                  f"[{r['fused_path']}] {r['fused_ms']:8.3f} ms ({r['fused_tok_s']:10.0f} tok/s){graph} | {forced_ms} "
-                  f"| hf {r['hf_ms']:8.3f} ms | fused x{r['fused_speedup']:.1f} | err {err:.1e}", flush=True)
+            eager = ", ".join(f"{n} {r[n + '_ms']:.3f}" for n, _ in runs + [("hf", None)])
+            graph = ", ".join(f"{n} {r[n + '_graph_ms']:.3f}" for n, _ in runs[1:] if n + "_graph_ms" in r)
+            print(f"T={T:4d} [fused path: {r['fused_path']}] eager ms: {eager}" + (f"; in a CUDA graph ms: {graph}" if graph
+                  else "") + f"; fused x{r['fused_speedup']:.1f} vs unfused, err {err:.1e}", flush=True)
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", dtype=str(dtype),
                   shape=shape, torch=torch.__version__, decode_max_tokens=DECODE_MAX_TOKENS, rows=rows)
     with open(args.output_json, "w") as f:
