@@ -87,7 +87,9 @@ def profile_batch(llm, batch: int, prompt_len: int, warmup: int, steps: int, tra
     device = engine.platform.device_type
     rng = random.Random(batch)
     vocab = engine.hf_config.vocab_size
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=warmup + steps + 4)
+    # Generous max_tokens: the first prompts decode while later ones still prefill (chunked), and no request may
+    # finish inside the profiled window (aborted afterwards).
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=warmup + steps + 256)
     seqs = [engine.make_sequence([rng.randrange(vocab) for _ in range(prompt_len)], params) for _ in range(batch)]
     for seq in seqs:
         engine.add_sequence(seq)
@@ -95,23 +97,27 @@ def profile_batch(llm, batch: int, prompt_len: int, warmup: int, steps: int, tra
     log = common.StepLog()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     try:
-        common.run_steps(engine, log, until=lambda _: len(log.of("decode")) >= warmup, sync=sync)
+        # Warm up until `warmup` steps in a row are full decode steps of B rows (every prompt done).
+        common.run_steps(engine, log, sync=sync, until=lambda _: len(log.steps) >= warmup and all(
+            s.kind == "decode" and s.rows == batch for s in log.steps[-warmup:]))
         engine.platform.synchronize()
         with profile(activities=activities) as prof:
-            common.run_steps(engine, log, until=lambda _: len(log.of("decode")) >= warmup + steps, sync=sync)
+            n = len(log.steps)
+            common.run_steps(engine, log, until=lambda _: len(log.steps) >= n + steps, sync=sync)
             engine.platform.synchronize()
+        context = statistics.fmean(seq.num_tokens for seq in seqs)  # at the end of the profiled steps
     finally:
         for seq in seqs:
             engine.abort_request(seq.request_id)
-    measured = log.of("decode")[warmup:]
-    if len(measured) != steps or any(s.rows != batch for s in measured) or len(log.steps) != len(log.of("prefill")) + warmup + steps:
+    measured = log.steps[-steps:]
+    if any(s.kind != "decode" or s.rows != batch for s in measured):
         raise SystemExit(f"batch {batch}: the profiled steps were not {steps} pure decode steps of {batch} rows "
                          f"({[(s.kind, s.rows) for s in log.steps]}); is the KV cache large enough?")
     if trace_dir:
         os.makedirs(trace_dir, exist_ok=True)
         prof.export_chrome_trace(os.path.join(trace_dir, f"decode_b{batch}.json"))
     step_ms = [s.seconds * 1e3 for s in measured]
-    return dict(batch=batch, steps=steps, context_tokens=prompt_len + warmup, step_ms_median=statistics.median(step_ms),
+    return dict(batch=batch, steps=steps, mean_context_tokens=context, step_ms_median=statistics.median(step_ms),
                 step_ms_min=min(step_ms), **summarise(device_events(prof, device), steps))
 
 
