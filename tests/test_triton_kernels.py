@@ -223,9 +223,13 @@ def test_paged_attention_decode(n_q, n_kv, head, block_size, dtype):
     assert (out[2] == 0).all()
 
 
-@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 16)])
-def test_paged_attention_decode_splits(num_splits, block_n):
-    """Split-KV decode (incl. more splits than a request has tiles) equals the one-pass result."""
+@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 16), (2, 16)])
+def test_paged_attention_decode_splits(num_splits, block_n, monkeypatch):
+    """Split-KV decode (incl. more splits than a request has tiles, and splits of several tiles) equals the
+    one-pass result. The op's buffers start as NaN: splits without tiles write no partials, and the combine
+    must read only the others (and every output row must be written)."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
     args = _paged_batch([1] * len(DECODE_LENS), DECODE_LENS, 8, 2, 32, 4, torch.float32, seed=1)
     _check_attention(args, torch.float32, num_splits=num_splits, decode_block_n=block_n)
 
