@@ -3,6 +3,7 @@
 Runs under TRITON_INTERPRET=1 on CPU (upstream Triton and Triton-Ascend's interpreter) and on CUDA tensors
 when a GPU is present. Shapes are kept small so the interpreters finish quickly.
 """
+import importlib
 import os
 
 import pytest
@@ -12,7 +13,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read by triton at @triton.jit time
 
 import graphinfer.ops  # noqa: E402,F401  (registers torch.ops.graphinfer.*)
-import importlib  # noqa: E402
 from graphinfer.ops.triton.fused_moe import fused_experts, fused_moe, moe_align_block_size  # noqa: E402
 
 fused_moe_module = importlib.import_module("graphinfer.ops.triton.fused_moe")  # the package exports the function

@@ -228,10 +228,12 @@ def test_paged_attention_decode_splits(num_splits, block_n, monkeypatch):
     """Split-KV decode (incl. more splits than a request has tiles, and splits of several tiles) equals the
     one-pass result. The op's buffers start as NaN: splits without tiles write no partials, and the combine
     must read only the others (and every output row must be written)."""
+    args = _paged_batch([1] * len(DECODE_LENS), DECODE_LENS, 8, 2, 32, 4, torch.float32, seed=1)
+    ref = ref_ops.paged_attention(*args, 32 ** -0.5)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
-    args = _paged_batch([1] * len(DECODE_LENS), DECODE_LENS, 8, 2, 32, 4, torch.float32, seed=1)
-    _check_attention(args, torch.float32, num_splits=num_splits, decode_block_n=block_n)
+    out = paged_attention_impl(*(a.to(DEVICE) for a in args), 32 ** -0.5, num_splits=num_splits, decode_block_n=block_n)
+    _close(out, ref, torch.float32)
 
 
 def test_paged_attention_decode_padded_qsl():

@@ -18,6 +18,11 @@ Decode kernel: one program per (request, kv head, kv split), 1-D grid of B * Hkv
   context in BLOCK_N-token tiles, gathering each token's page from block_tables on the device; two tl.dots
   per tile. The number of splits comes from shapes only (batch, heads, block_tables.shape[1]); with more
   than one split a combine kernel (grid B * Hq) merges the partial (max, sum, acc); seq_len 0 writes zeros.
+  Each request's tiles are spread over cdiv(tiles, per-split tiles) splits, computed on the device from its
+  seq_len; the splits past them (short contexts under a wide block table) write nothing and the combine
+  reads only the active ones. With one split the decode kernel writes the output itself (no combine): on
+  the H100 that is the rule from batch 32 (Qwen3-0.6B); at batch 1 splitting pays for the combine from
+  ~128 tokens on (docs/benchmarks.md, the split sweep).
 Flash-attention kernel (prefill and mixed batches; the design of vLLM's kernel_unified_attention_2d):
   one program per (query tile, kv head). A query tile packs BLOCK_Q = BLOCK_M // group consecutive query
   rows of one request times the GQA group of one KV head into the BLOCK_M rows of the tile, so a KV tile
