@@ -66,15 +66,15 @@ def test_add_rms_norm(shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norms_with_rows_packed(dtype, monkeypatch):
-    """Several rows per program (the launch rule packs them past _MIN_PROGRAMS rows), with a ragged last program."""
+    """Wide rows, several per program (the launch rule packs them past _MIN_PROGRAMS rows), a ragged last program."""
     norm_module = importlib.import_module("graphinfer.ops.triton.norm")
     monkeypatch.setattr(norm_module, "_MIN_PROGRAMS", 2)
     norm_module._launch_params.cache_clear()
     try:
-        assert norm_module._launch_params(7, 48)[:2] == ((2,), 4)
+        assert norm_module._launch_params(7, 1000)[:3] == ((2,), 4, 1024)
         g = torch.Generator().manual_seed(4)
-        x, r = (torch.randn(7, 48, generator=g).to(dtype) for _ in range(2))
-        w = (1 + 0.1 * torch.randn(48, generator=g)).to(dtype)
+        x, r = (torch.randn(7, 1000, generator=g).to(dtype) for _ in range(2))
+        w = (1 + 0.1 * torch.randn(1000, generator=g)).to(dtype)
         _close(TRITON_OPS["rms_norm"](x.to(DEVICE), w.to(DEVICE), 1e-6), ref_ops.rms_norm(x, w, 1e-6), dtype)
         out, res = TRITON_OPS["add_rms_norm"](x.to(DEVICE), r.to(DEVICE), w.to(DEVICE), 1e-5)
         ref_out, ref_res = ref_ops.add_rms_norm(x, r, w, 1e-5)
