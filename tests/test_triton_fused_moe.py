@@ -172,9 +172,7 @@ def test_decode_path_matches_reference(T, renormalize, dtype):
     w, ids = torch.topk(torch.softmax(logits.float(), -1), K, dim=-1)
     if renormalize:
         w = w / w.sum(-1, keepdim=True)
-    out = fused_experts(hidden, w.to(dtype), ids, w13, w2, decode=True)
-    torch.testing.assert_close(out, reference_moe(hidden, logits, w13, w2, K, renormalize), **TOL[dtype])
-    check(fused_moe(hidden, logits, w13, w2, K, renormalize), hidden, logits, w13, w2, K, renormalize)
+    check(fused_experts(hidden, w.to(dtype), ids, w13, w2, decode=True), hidden, logits, w13, w2, K, renormalize)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
