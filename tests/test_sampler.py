@@ -44,6 +44,21 @@ def test_greedy_is_argmax_in_mixed_batch():
     assert torch.equal(out.sampled_token_ids[::2], logits.argmax(-1)[::2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_is_the_fp32_argmax(dtype):
+    """All-greedy batches skip the fp32 copy: the same tokens as the full path, ties (first maximum) included."""
+    logits = rand_logits(8, seed=3).to(dtype)
+    logits[1, 5] = logits[1, 9] = logits[1].max() + 1  # an exact tie: the first index wins
+    out = Sampler(EOS)(logits, [row(temperature=0.0) for _ in range(8)])
+    assert out.sampled_logprobs is None and out.topk_token_ids is None
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1)) and int(out.sampled_token_ids[1]) == 5
+    # A min_tokens mask in force, or logprobs, take the full path (eos masked; logprobs reported).
+    logits[0, EOS] = logits[0].max() + 1
+    masked = Sampler(EOS)(logits, [row(temperature=0.0, min_tokens=2)] + [row(temperature=0.0)] * 7)
+    assert int(masked.sampled_token_ids[0]) != EOS and torch.equal(masked.sampled_token_ids[1:], out.sampled_token_ids[1:])
+    assert Sampler(EOS)(logits, [row(temperature=0.0, logprobs=1)] * 8).sampled_logprobs is not None
+
+
 def test_input_dtype_and_logits_untouched():
     logits = rand_logits(3).to(torch.bfloat16)
     before = logits.clone()

@@ -3,6 +3,7 @@
 Runs under TRITON_INTERPRET=1 on CPU (upstream Triton and Triton-Ascend's interpreter) and on CUDA tensors
 when a GPU is present. Shapes are kept small so the interpreters finish quickly.
 """
+import importlib
 import os
 
 import pytest
@@ -13,6 +14,8 @@ if not torch.cuda.is_available():
 
 import graphinfer.ops  # noqa: E402,F401  (registers torch.ops.graphinfer.*)
 from graphinfer.ops.triton.fused_moe import fused_experts, fused_moe, moe_align_block_size  # noqa: E402
+
+fused_moe_module = importlib.import_module("graphinfer.ops.triton.fused_moe")  # the package exports the function
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -136,9 +139,10 @@ def test_qwen3_30b_a3b_shape_bf16(T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_capture():
+@pytest.mark.parametrize("T", [1, 64])  # the small-T and the grouped path
+def test_cuda_graph_capture(T):
     """No host syncs and shape-only grids: the op captures into a CUDA graph and replays on new inputs."""
-    T, E, K, H, I = 64, 128, 8, 2048, 768
+    E, K, H, I = 128, 8, 2048, 768
     hidden, logits, w13, w2 = make_inputs(T, E, H, I, torch.bfloat16, seed=1)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -154,3 +158,31 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, fused_moe(hidden, logits, w13, w2, K, True), atol=0, rtol=0)
+
+
+# ---- the small-T (decode) path --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_decode_path_matches_reference(T, renormalize, dtype):
+    """One program per (routed slot, output tile): H and I tails masked, several K steps (H > BLOCK_K)."""
+    E, K, H, I = 16, 4, 264, 40  # H = 256 + an 8 tail: two K steps in gate/up; I = 2 full + 1 partial 16-row tile
+    hidden, logits, w13, w2 = make_inputs(T, E, H, I, dtype, seed=T + 50 * renormalize)
+    w, ids = torch.topk(torch.softmax(logits.float(), -1), K, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    check(fused_experts(hidden, w.to(dtype), ids, w13, w2, decode=True), hidden, logits, w13, w2, K, renormalize)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("T", [fused_moe_module.DECODE_MAX_TOKENS, fused_moe_module.DECODE_MAX_TOKENS + 1])
+def test_path_chosen_by_token_count(T, renormalize, monkeypatch):
+    """fused_moe takes the small-T path up to DECODE_MAX_TOKENS tokens and the grouped one above; both match."""
+    calls = []
+    decode_experts = fused_moe_module._decode_experts
+    monkeypatch.setattr(fused_moe_module, "_decode_experts", lambda *a: calls.append(1) or decode_experts(*a))
+    E, K, H, I = 8, 2, 40, 24
+    hidden, logits, w13, w2 = make_inputs(T, E, H, I, torch.float32, seed=T)
+    check(fused_moe(hidden, logits, w13, w2, K, renormalize), hidden, logits, w13, w2, K, renormalize)
+    assert bool(calls) == (T <= fused_moe_module.DECODE_MAX_TOKENS)

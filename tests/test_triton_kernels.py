@@ -5,6 +5,7 @@ interpreter in the .venv-ascend venv); with one, the same tests run compiled on 
 reference is always the op's PyTorch implementation run on CPU copies of the inputs.
 This module imports only torch, pytest, graphinfer.ops and graphinfer.ops.triton (the Ascend venv has no more).
 """
+import importlib
 import os
 
 import pytest
@@ -61,6 +62,26 @@ def test_add_rms_norm(shape, dtype):
     # The same rounded add; the interpreters truncate fp32 -> bf16 where devices round, so exact only in fp32.
     _close(res, ref_res, dtype, **(dict(atol=0, rtol=0) if dtype == torch.float32 else {}))
     _close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_with_rows_packed(dtype, monkeypatch):
+    """Wide rows, several per program (the launch rule packs them past _MIN_PROGRAMS rows), a ragged last program."""
+    norm_module = importlib.import_module("graphinfer.ops.triton.norm")
+    monkeypatch.setattr(norm_module, "_MIN_PROGRAMS", 2)
+    norm_module._launch_params.cache_clear()
+    try:
+        assert norm_module._launch_params(7, 1000)[:3] == ((2,), 4, 1024)
+        g = torch.Generator().manual_seed(4)
+        x, r = (torch.randn(7, 1000, generator=g).to(dtype) for _ in range(2))
+        w = (1 + 0.1 * torch.randn(1000, generator=g)).to(dtype)
+        _close(TRITON_OPS["rms_norm"](x.to(DEVICE), w.to(DEVICE), 1e-6), ref_ops.rms_norm(x, w, 1e-6), dtype)
+        out, res = TRITON_OPS["add_rms_norm"](x.to(DEVICE), r.to(DEVICE), w.to(DEVICE), 1e-5)
+        ref_out, ref_res = ref_ops.add_rms_norm(x, r, w, 1e-5)
+        _close(res, ref_res, dtype)
+        _close(out, ref_out, dtype)
+    finally:
+        norm_module._launch_params.cache_clear()  # forget the packed launches
 
 
 def test_rms_norm_strided_rows():
@@ -202,11 +223,17 @@ def test_paged_attention_decode(n_q, n_kv, head, block_size, dtype):
     assert (out[2] == 0).all()
 
 
-@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 16)])
-def test_paged_attention_decode_splits(num_splits, block_n):
-    """Split-KV decode (incl. more splits than a request has tiles) equals the one-pass result."""
+@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 16), (2, 16)])
+def test_paged_attention_decode_splits(num_splits, block_n, monkeypatch):
+    """Split-KV decode (incl. more splits than a request has tiles, and splits of several tiles) equals the
+    one-pass result. The op's buffers start as NaN: splits without tiles write no partials, and the combine
+    must read only the others (and every output row must be written)."""
     args = _paged_batch([1] * len(DECODE_LENS), DECODE_LENS, 8, 2, 32, 4, torch.float32, seed=1)
-    _check_attention(args, torch.float32, num_splits=num_splits, decode_block_n=block_n)
+    ref = ref_ops.paged_attention(*args, 32 ** -0.5)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    out = paged_attention_impl(*(a.to(DEVICE) for a in args), 32 ** -0.5, num_splits=num_splits, decode_block_n=block_n)
+    _close(out, ref, torch.float32)
 
 
 def test_paged_attention_decode_padded_qsl():

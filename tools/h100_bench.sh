@@ -15,7 +15,11 @@
 #   serve       bench serve at concurrency 16/64/256 (512-token prompts, 128 out) against `graphinfer serve`
 #               from a FULL_AND_PIECEWISE artifact, --async-scheduling                     (~5 min, not in the default)
 #   check       GPU tests (kernels, fused MoE, CUDA graphs vs eager) + tools/gpu_check.py (not in the default)
-#   moe         tools/moe_layer_bench.py: one Qwen3-30B-A3B MoE layer, unfused vs fused   (not in the default)
+#   moe         tools/moe_layer_bench.py: one Qwen3-30B-A3B MoE layer at T = 1/4/16/64/256, unfused vs fused
+#               (eager and replayed in a CUDA graph; small-T and grouped paths forced too)   (~2 min, not in the default)
+#   decode_profile  issue 15: tools/profile_decode.py (torch.profiler per-op device time of replayed FULL_DECODE_ONLY
+#               decode steps at batch 1 and 256), then the decode step latency table at batch 1..256
+#                                                                                          (~4 min, not in the default)
 #   prefill     issue 19: the flash-attention kernel's and the no-host-sync tests compiled on the GPU, then
 #               tools/gpu_check.py --prefill-attention (TFLOP/s vs SDPA)                 (~3 min, not in the default)
 #   qknorm      issue 15 item 1: the qk_norm_rope kernel's and the fuse_qknorm_rope pass's tests on the GPU,
@@ -134,9 +138,22 @@ step_check() {  # the kernels/capture issue's GPU checks: kernel + capture tests
     "$PY" tools/gpu_check.py --output-json "$OUT_DIR/gpu_check.json" 2>&1 | tee "$OUT_DIR/gpu_check.log"
 }
 
-step_moe() {  # the MoE issue's layer benchmark: Qwen3-30B-A3B layer, unfused vs fused vs HF
+step_moe() {  # the MoE issues' layer benchmark: Qwen3-30B-A3B layer, unfused vs fused vs HF, T = 1/4/16/64/256
     set -o pipefail
-    "$PY" tools/moe_layer_bench.py --output-json "$OUT_DIR/moe_layer.json" 2>&1 | tee "$OUT_DIR/moe_layer.log"
+    local quick=()
+    if [ "${SMOKE:-0}" = 1 ]; then quick=(--quick --tokens 1,16); fi
+    "$PY" tools/moe_layer_bench.py ${quick[@]+"${quick[@]}"} --output-json "$OUT_DIR/moe_layer.json" 2>&1 \
+        | tee "$OUT_DIR/moe_layer.log"
+}
+
+step_decode_profile() {  # issue 15: per-op device time of replayed decode steps, then the step latency table
+    set -o pipefail
+    local small=() modes=FULL_DECODE_ONLY
+    if [ "${SMOKE:-0}" = 1 ]; then small=(--batch-sizes 1,4 --prompt-len 16 --warmup 2 --steps 3); modes=NONE; fi
+    "$PY" tools/profile_decode.py "${COMMON[@]}" ${small[@]+"${small[@]}"} --output-json "$OUT_DIR/decode_profile.json" \
+        2>&1 | tee "$OUT_DIR/decode_profile.log"
+    bench decode_latency latency "${COMMON[@]}" --batch-sizes 1,2,4,8,16,32,64,128,256 --graph-modes "$modes" \
+        --output-json "$OUT_DIR/decode_latency.json" --plot "$OUT_DIR/decode_latency.png"
 }
 
 step_launch() {  # issue 19 item 2: cheap launches for the eager path (graphinfer/ops/triton/launch.py)

@@ -1,12 +1,17 @@
 """One Qwen3-30B-A3B-shaped MoE layer (128 experts, top-8, hidden 2048, expert dim 768, bf16): tokens/s
-unfused vs fused, at T = 1 / 64 / 256 tokens, plus HF transformers' own block on the same weights.
+unfused vs fused, at T = 1 / 4 / 16 / 64 / 256 tokens, plus HF transformers' own block on the same weights.
 
 - unfused: graphinfer's Qwen3MoeSparseMoeBlock as the model writes it (router -> softmax -> top-k ->
   renormalise -> moe_dispatch -> moe_grouped_mlp -> moe_combine; reference ops, capture-safe on a GPU);
-- fused: graphinfer::fused_moe with the platform's kernel (Triton on CUDA), what the fuse_moe pass produces;
+- fused: graphinfer::fused_moe with the platform's kernel (Triton on CUDA), what the fuse_moe pass produces
+  (the small-T path up to DECODE_MAX_TOKENS tokens, the grouped path above), called eagerly;
+- *_graph_ms (CUDA only): each fused variant captured in a CUDA graph and replayed, as a FULL_DECODE_ONLY step
+  runs it (no host time: the device time the issue's T=1 target is about);
+- fused_grouped / fused_decode: the Triton experts with the path forced (routing in torch, as the op does;
+  fused_decode up to T=64), to place DECODE_MAX_TOKENS at the measured crossover;
 - hf: transformers' Qwen3MoeSparseMoeBlock (eager).
 
-    python tools/moe_layer_bench.py --output-json moe.json [--quick]
+    python tools/moe_layer_bench.py --output-json moe.json [--tokens 1,4,16,64,256] [--quick]
 
 --quick: a tiny layer (also runs on CPU, Triton under TRITON_INTERPRET=1). Checks fused == unfused first.
 """
@@ -17,6 +22,8 @@ import sys
 import time
 
 import torch
+
+from gpu_check import graph_ms  # tools/ is this script's directory
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -38,11 +45,12 @@ def main() -> int:
     from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
 
     from graphinfer.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+    from graphinfer.ops.triton.fused_moe import DECODE_MAX_TOKENS, fused_experts
     from graphinfer.platforms import current_platform
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-json", default="moe_layer_bench.json")
-    ap.add_argument("--tokens", default="1,64,256")
+    ap.add_argument("--tokens", default="1,4,16,64,256")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     platform = current_platform()
@@ -66,6 +74,14 @@ def main() -> int:
         return torch.ops.graphinfer.fused_moe(h, ours.gate(h), ours.experts.w13_weight, ours.experts.w2_weight,
                                               K, renorm)
 
+    def forced(decode):
+        def run(h):
+            w, ids = torch.topk(torch.softmax(ours.gate(h).float(), dim=-1), K, dim=-1)
+            w = w / w.sum(dim=-1, keepdim=True) if renorm else w
+            return fused_experts(h, w.to(h.dtype), ids, ours.experts.w13_weight, ours.experts.w2_weight,
+                                 decode=decode)
+        return run
+
     def hf_block(h):
         out = hf(h.unsqueeze(0))
         return (out[0] if isinstance(out, tuple) else out).squeeze(0)
@@ -80,16 +96,28 @@ def main() -> int:
             tol = 2e-2 * max(ref.float().abs().max().item(), 1e-6)
             ok &= err <= tol and err_hf <= tol
             r = dict(tokens=T, fused_vs_unfused_err=err, hf_vs_unfused_err=err_hf)
-            for name, fn in (("unfused", ours), ("fused", fused), ("hf", hf_block)):
+            runs = [("unfused", ours), ("fused", fused), ("fused_grouped", forced(False))]
+            if T <= 64:
+                runs.append(("fused_decode", forced(True)))
+            for name, fn in runs + [("hf", hf_block)]:
+                if name.startswith("fused_"):
+                    e = (fn(h).float() - ref.float()).abs().max().item()
+                    r[f"{name}_err"] = e
+                    ok &= e <= tol
                 ms = bench_ms(lambda: fn(h), device)
                 r[f"{name}_ms"], r[f"{name}_tok_s"] = ms, T / (ms * 1e-3)
+            r["fused_path"] = "decode" if T <= DECODE_MAX_TOKENS else "grouped"
             r["fused_speedup"] = r["unfused_ms"] / r["fused_ms"]
+            if device.type == "cuda":
+                for name, fn in runs[1:]:
+                    r[f"{name}_graph_ms"] = graph_ms(lambda: fn(h), calls=5)
             rows.append(r)
-            print(f"T={T:4d}: unfused {r['unfused_ms']:8.3f} ms ({r['unfused_tok_s']:10.0f} tok/s) | fused "
-                  f"{r['fused_ms']:8.3f} ms ({r['fused_tok_s']:10.0f} tok/s) | hf {r['hf_ms']:8.3f} ms | fused x"
-                  f"{r['fused_speedup']:.1f} | err {err:.1e}", flush=True)
+            eager = ", ".join(f"{n} {r[n + '_ms']:.3f}" for n, _ in runs + [("hf", None)])
+            graph = ", ".join(f"{n} {r[n + '_graph_ms']:.3f}" for n, _ in runs[1:] if n + "_graph_ms" in r)
+            print(f"T={T:4d} [fused path: {r['fused_path']}] eager ms: {eager}" + (f"; in a CUDA graph ms: {graph}" if graph
+                  else "") + f"; fused x{r['fused_speedup']:.1f} vs unfused, err {err:.1e}", flush=True)
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", dtype=str(dtype),
-                  shape=shape, torch=torch.__version__, rows=rows)
+                  shape=shape, torch=torch.__version__, decode_max_tokens=DECODE_MAX_TOKENS, rows=rows)
     with open(args.output_json, "w") as f:
         json.dump(result, f, indent=2)
     return 0 if ok else 1

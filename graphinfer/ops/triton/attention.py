@@ -18,6 +18,11 @@ Decode kernel: one program per (request, kv head, kv split), 1-D grid of B * Hkv
   context in BLOCK_N-token tiles, gathering each token's page from block_tables on the device; two tl.dots
   per tile. The number of splits comes from shapes only (batch, heads, block_tables.shape[1]); with more
   than one split a combine kernel (grid B * Hq) merges the partial (max, sum, acc); seq_len 0 writes zeros.
+  Each request's tiles are spread over cdiv(tiles, per-split tiles) splits, computed on the device from its
+  seq_len; the splits past them (short contexts under a wide block table) write nothing and the combine
+  reads only the active ones. With one split the decode kernel writes the output itself (no combine): on
+  the H100 that is the rule from batch 32 (Qwen3-0.6B); at batch 1 splitting pays for the combine from
+  ~128 tokens on (docs/benchmarks.md, the split sweep).
 Flash-attention kernel (prefill and mixed batches; the design of vLLM's kernel_unified_attention_2d):
   one program per (query tile, kv head). A query tile packs BLOCK_Q = BLOCK_M // group consecutive query
   rows of one request times the GQA group of one KV head into the BLOCK_M rows of the tile, so a KV tile
@@ -135,10 +140,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                                  stride_kh, stride_vb, stride_vs, stride_vh, DOT_F32)
 
     if SPLIT:  # unnormalised partials; the combine kernel weighs them by exp2(m - max m)
+        # Splits past the context's last tile (short contexts) write nothing; the combine reads only the others.
+        has_tiles = t_lo < n_tiles
         part = (req * n_kv_heads * group + q_heads) * num_splits + split
-        tl.store(part_acc_ptr + part[:, None] * head_size + d[None, :], acc, mask=q_mask)
-        tl.store(part_ml_ptr + part * 2, m, mask=g_mask)
-        tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * head_size + d[None, :], acc, mask=q_mask & has_tiles)
+        tl.store(part_ml_ptr + part * 2, m, mask=g_mask & has_tiles)
+        tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask & has_tiles)
     else:
         o = acc / tl.where(l > 0, l, 1.0)[:, None]  # seq_len 0: acc is 0, so the row is 0
         tl.store(out_ptr + req * stride_ot + q_heads[:, None] * stride_oh + d[None, :],
@@ -146,21 +153,24 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
 
 
 @triton.jit
-def _combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, n_q_heads, head_size, num_splits,
-                    stride_ot, stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, n_q_heads, head_size, num_splits,
+                    stride_ot, stride_oh, SPLIT_BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)  # = request * Hq + head, the partials' row; the request's row is the request
     req = pid // n_q_heads
     head = pid % n_q_heads
+    # The splits the decode kernel gave tiles to (the same arithmetic; none for seq_len 0: the row is 0).
+    n_tiles = tl.cdiv(tl.load(seq_lens_ptr + req), SPLIT_BLOCK_N)
+    n_active = tl.cdiv(n_tiles, tl.maximum(tl.cdiv(n_tiles, num_splits), 1))
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < num_splits
+    s_mask = s < n_active
     d_mask = d < head_size
     part = pid * num_splits + s
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=_NEG_BIG)
     l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * head_size + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
                   other=0.0)
-    w = tl.exp2(m - tl.max(m, axis=0))  # empty splits have l = 0 and acc = 0: they add nothing
+    w = tl.exp2(m - tl.max(m, axis=0))  # masked splits have l = 0 and acc = 0: they add nothing
     total = tl.sum(w * l, axis=0)
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + req * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -360,8 +370,8 @@ def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
             BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=decode_block_n, BLOCK_D=block_d, num_warps=4)
         if split:
             launch_kernel(_combine_kernel, (n_reqs * n_q_heads,),
-                part_acc, part_ml, out, n_q_heads, head_size, splits, out.stride(0), out.stride(1),
-                BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+                part_acc, part_ml, out, seq_lens, n_q_heads, head_size, splits, out.stride(0), out.stride(1),
+                SPLIT_BLOCK_N=decode_block_n, BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
         return out
 
     cfg_m, cfg_n, cfg_warps, cfg_stages = _flash_config(key_cache.dtype, head_size, n_rows, n_q_heads)

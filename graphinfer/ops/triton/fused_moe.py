@@ -27,6 +27,17 @@ Pipeline (no host syncs, no data-dependent shapes -> CUDA/ACL-graph capturable)
    written by exactly one program, so no atomics.
 5. ``out_k.view(T, K, H).sum(1)`` with torch (fp32 accumulation inside torch's reduction).
 
+Small T (decode): for T <= DECODE_MAX_TOKENS, steps 2-4 are replaced by two kernels without sorting or
+padding, over a 1-D grid of (routed slot s = t*K + k, output tile): ``_moe_decode_gate_up_kernel``
+(T*K * cdiv(I, 16) programs) and ``_moe_decode_down_kernel`` (T*K * cdiv(H, 16) programs). Each program
+reads its slot's expert id from ``topk_ids`` on the device, streams the 16 weight rows of its tile once
+in 256-wide K steps, and reduces them against the token's activation row with elementwise products
+(fp32 partials, one reduction at the end; a 1-row tl.dot would pad M to 16). At T=1 that reads exactly
+the K routed experts' weights (Qwen3-30B-A3B: 8 x 9.4 MB) with 384 + 1,024 programs, where the grouped
+path pays the sort (a dozen small torch ops) and 16-row blocks for one real row. The grid depends only on
+T*K, so it is capture-safe; a token routed with another to the same expert re-reads its weights (from L2
+at these sizes), which is why the grouped path wins once T*K nears E.
+
 Grids: both kernels use a 1-D grid of ``num_m_blocks * cdiv(N, BLOCK_N)`` programs (N = I for kernel 1,
 N = H for kernel 2). The program id is decoded into (m block, n tile) with vLLM's GROUP_M swizzle: GROUP_M
 consecutive m blocks (usually the same expert) sweep one n tile before moving on, so a weight tile is
@@ -76,7 +87,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphinfer.ops.triton.launch import Launcher, cdiv
+from graphinfer.ops.triton.launch import Launcher, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -186,8 +197,78 @@ def _moe_down_kernel(
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _moe_decode_gate_up_kernel(
+    x_ptr, w13_ptr, inter_ptr, topk_ids_ptr,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_it, stride_ii,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Small T: inter[s, n] = silu(x[s // K] . w13[e, n]) * (x[s // K] . w13[e, I + n]), e = topk_ids[s], for the
+    BLOCK_N rows n of one output tile of one routed slot s = t * K + k."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(I, BLOCK_N)
+    slot = pid // num_n
+    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
+    x_row = x_ptr + (slot // TOP_K) * stride_xt
+    g_ptrs = w13_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wh
+    u_ptrs = g_ptrs + I * stride_wn
+    # Products summed per lane across the K loop, reduced once at the end: [BLOCK_N, BLOCK_K] fp32 partials.
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(H, BLOCK_K)):
+        k_mask = offs_k < H - kk * BLOCK_K
+        x = tl.load(x_row + (kk * BLOCK_K + offs_k) * stride_xh, mask=k_mask, other=0.0).to(tl.float32)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        acc_g += g * x[None, :]
+        acc_u += u * x[None, :]
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+    gate = tl.sum(acc_g, axis=1)
+    act = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_u, axis=1)
+    tl.store(inter_ptr + slot * stride_it + offs_n * stride_ii, act.to(inter_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _moe_decode_down_kernel(
+    inter_ptr, w2_ptr, out_ptr, weights_ptr, topk_ids_ptr,
+    stride_it, stride_ii, stride_we, stride_wn, stride_wk, stride_ot, stride_oh,
+    H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Small T: out[s, n] = weight[s] * (inter[s] . w2[e, n]), e = topk_ids[s], for one output tile of slot s."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(H, BLOCK_N)
+    slot = pid // num_n
+    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
+    a_row = inter_ptr + slot * stride_it
+    w_ptrs = w2_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(I, BLOCK_K)):
+        k_mask = offs_k < I - kk * BLOCK_K
+        a = tl.load(a_row + (kk * BLOCK_K + offs_k) * stride_ii, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += w * a[None, :]
+        w_ptrs += BLOCK_K * stride_wk
+    rw = tl.load(weights_ptr + slot).to(tl.float32)
+    tl.store(out_ptr + slot * stride_ot + offs_n * stride_oh, (tl.sum(acc, axis=1) * rw).to(out_ptr.dtype.element_ty),
+             mask=n_mask)
+
+
+DECODE_MAX_TOKENS = 8  # the small-T path up to this many tokens (see the module docstring)
+_DECODE_BLOCK_N = 16  # output rows per small-T program
+_DECODE_BLOCK_K = 256  # reduction step of the small-T kernels
+
 _GATE_UP = Launcher(_moe_gate_up_kernel)
 _DOWN = Launcher(_moe_down_kernel)
+_DECODE_GATE_UP = Launcher(_moe_decode_gate_up_kernel)
+_DECODE_DOWN = Launcher(_moe_decode_down_kernel)
 
 
 def _interpreted() -> bool:
@@ -254,9 +335,37 @@ def moe_align_block_size(topk_ids: Tensor, num_experts: int, block_m: int) -> tu
     return sorted_ids, block_expert
 
 
+def _decode_experts(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """The small-T path: one program per (routed slot, output tile), no sorting (see the module docstring)."""
+    T, H = hidden.shape
+    K = topk_ids.shape[1]
+    I = w13.shape[1] // 2
+    num_slots = T * K
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1)
+    ids, weights = (t if t.stride(0) == 1 else t.contiguous() for t in (ids, weights))
+    launch = {"num_warps": 4} if hidden.device.type == "cuda" else {}
+    hs, w13s, w2s = hidden.stride(), w13.stride(), w2.stride()
+
+    inter = hidden.new_empty((num_slots, I))
+    bn, bk = _DECODE_BLOCK_N, min(_DECODE_BLOCK_K, next_power_of_2(H))
+    _DECODE_GATE_UP.launch((num_slots * cdiv(I, bn),), hidden, w13, inter, ids, hs[0], hs[1],
+                           w13s[0], w13s[1], w13s[2], I, 1, H=H, I=I, TOP_K=K, BLOCK_N=bn, BLOCK_K=bk, **launch)
+    out_k = hidden.new_empty((num_slots, H))
+    bk = min(_DECODE_BLOCK_K, next_power_of_2(I))
+    _DECODE_DOWN.launch((num_slots * cdiv(H, bn),), inter, w2, out_k, weights, ids, I, 1,
+                        w2s[0], w2s[1], w2s[2], H, 1, H=H, I=I, BLOCK_N=bn, BLOCK_K=bk, **launch)
+    return out_k.view(T, K, H).sum(dim=1)
+
+
 def fused_experts(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
-                  config: dict | None = None) -> Tensor:
-    """out[t] = sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(hidden[t]) with the two Triton kernels."""
+                  config: dict | None = None, decode: bool | None = None) -> Tensor:
+    """out[t] = sum_k topk_weights[t,k] * expert_{topk_ids[t,k]}(hidden[t]) with two Triton kernels.
+
+    decode: the small-T path (True) or the grouped one (False); None picks the small-T path for
+    T <= DECODE_MAX_TOKENS unless a grouped `config` is given. T is a static shape, so the choice is fixed
+    per captured graph.
+    """
     T, H = hidden.shape
     K = topk_ids.shape[1]
     E, two_i, H13 = w13.shape
@@ -264,6 +373,10 @@ def fused_experts(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: T
     assert H13 == H and w2.shape == (E, H, I), (hidden.shape, w13.shape, w2.shape)
     if T == 0:
         return hidden.new_empty(0, H)
+    if decode is None:
+        decode = T <= DECODE_MAX_TOKENS and not config
+    if decode:
+        return _decode_experts(hidden, topk_weights, topk_ids, w13, w2)
     if not config:
         bm, bn, bk, gm, num_warps, num_stages = (v for _, v in _default_config(T, K, E))
     else:
