@@ -16,7 +16,8 @@ from graphinfer.ops.triton.launch import Launcher, cdiv, next_power_of_2
 _TILE = 4096  # output elements per program
 
 
-@triton.jit
+# Per-step counts are not specialised on (== 1, % 16): one compiled variant serves every step (see launch.py).
+@triton.jit(do_not_specialize=["n_rows"])
 def _silu_and_mul_kernel(x_ptr, out_ptr, n_rows, d, stride_x, stride_o,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)

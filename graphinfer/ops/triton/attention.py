@@ -230,7 +230,8 @@ def _flash_step(q, m, l, acc, t, q_pos, kv_end, page_row_ptr, k_base, v_base, d,
     return m_new, l * alpha + tl.sum(p, axis=1), acc
 
 
-@triton.jit
+# Per-step counts are not specialised on (== 1, % 16): one compiled variant serves every step (see launch.py).
+@triton.jit(do_not_specialize=["n_reqs", "n_rows", "n_tiles"])
 def _flash_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
                   qk_scale, n_reqs, n_rows, n_tiles,
                   stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,

@@ -103,7 +103,8 @@ def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+# Per-step counts are not specialised on (== 1, % 16): one compiled variant serves every step (see launch.py).
+@triton.jit(do_not_specialize=["num_rows", "num_m"])
 def _moe_gate_up_kernel(
     x_ptr, w13_ptr, inter_ptr, sorted_ids_ptr, block_expert_ptr,
     num_rows, num_m,
@@ -154,7 +155,8 @@ def _moe_gate_up_kernel(
         tl.store(o_ptrs, act.to(inter_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+# Per-step counts are not specialised on (== 1, % 16): one compiled variant serves every step (see launch.py).
+@triton.jit(do_not_specialize=["num_rows", "num_m"])
 def _moe_down_kernel(
     inter_ptr, w2_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
     num_rows, num_m,

@@ -23,6 +23,12 @@ mangle_type / AttrsDescriptor.get_property_key (3.2), checked against them in te
 Different keys may still share a compiled kernel (e.g. two row counts that are both multiples of 16): each
 costs one ordinary launch, then is bound too.
 
+Kernels mark their per-step counts (rows, requests, tiles) `do_not_specialize`: Triton would otherwise compile
+one variant per class (== 1, % 16 == 0, other) of each count, i.e. up to 27 for the flash-attention kernel,
+each a JIT of about a second on an H100 paid by whichever eager step first meets it. (On the H100 the
+FULL_DECODE_ONLY standard workload at max_num_seqs 64 spent 26.5 s in its 188 prompt-carrying eager steps,
+FULL_AND_PIECEWISE 3.9 s after its capture warm-ups had compiled the kernels; not yet re-measured with this.)
+
 Binding. A key seen for the first time launches through `run` itself (which compiles if needed). Then Triton's
 own key for the call is computed with Triton's own code (3.6: the kernel's binder + `compute_cache_key`; 3.2:
 `fn.binder` + `''.join(sig_and_spec) + str((constexpr_vals, excess_kwargs))`), and the key is bound only if

@@ -30,7 +30,8 @@ def _rms_scale(h, w_ptr, cols, col_mask, n_cols, eps, out_dtype: tl.constexpr):
     return (normed * w[None, :]).to(out_dtype)
 
 
-@triton.jit
+# Per-step counts are not specialised on (== 1, % 16): one compiled variant serves every step (see launch.py).
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_inner, n_cols, stride_xo, stride_xi, stride_o, eps,
                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """Row r of the [n_rows, n_cols] input starts at x_ptr + (r // n_inner) * stride_xo + (r % n_inner) * stride_xi
@@ -45,7 +46,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_inner, n_cols, stride_xo, 
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=mask)
 
 
-@triton.jit
+# Per-step counts are not specialised on (== 1, % 16): one compiled variant serves every step (see launch.py).
+@triton.jit(do_not_specialize=["n_rows"])
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_cols,
                          stride_x, stride_r, stride_o, eps, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
