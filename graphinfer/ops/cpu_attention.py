@@ -2,11 +2,11 @@
 
 Attention runs on ATen's flash CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`: tiled, all cores,
 fp32 accumulation for bf16 inputs, GQA without repeating K/V) and never builds a boolean mask for prefill:
-- prefill chunk of n rows over a context of L tokens: K/V of the request gathered once (one index_select
-  over its slots), the n new rows attend causally to themselves (is_causal) and fully to the cached prefix
-  of L - n tokens; the two partial results merge through their log-sum-exps, as split-KV flash attention does.
+- prefill chunk of n rows over a context of L tokens: the n new rows attend causally to themselves (is_causal) and fully to the cached prefix
+  of L - n tokens; the two partial results merge through their log-sum-exps, as split-KV flash attention does;
 - decode rows: sorted by context length and cut into groups whose padding stays small, so a batch whose
   lengths differ widely does not gather and attend over max(len) for every row; one flash call per group.
+K/V are gathered by whole blocks (index_select: a memcpy per block), once per request or decode group and layer.
 Rows with seq_len 0 (padding) and cache writes to slot -1 are skipped, as in the reference.
 """
 import torch
@@ -27,10 +27,12 @@ def reshape_and_cache_cpu(key: Tensor, value: Tensor, key_cache: Tensor, value_c
     value_cache.view(-1, *value.shape[1:]).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
-def _slots(block_table: Tensor, length: int, block_size: int) -> Tensor:
-    """Cache slots of positions 0..length-1 of one request ([length] int64)."""
-    pos = torch.arange(length)
-    return block_table[pos // block_size].long() * block_size + pos % block_size
+def _gather(cache: Tensor, block_tables: Tensor, length: int) -> Tensor:
+    """Positions 0..length-1 of each request's context: [B, length, Hkv, D]. Whole blocks through index_select
+    (one memcpy per block, several times faster on CPU than indexing token by token)."""
+    n_blocks = -(-length // cache.shape[1])
+    blocks = cache.index_select(0, block_tables[:, :n_blocks].reshape(-1).long())
+    return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])[:, :length]
 
 
 def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
@@ -40,12 +42,14 @@ def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
     return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
 
 
-def _prefill(q: Tensor, k_flat: Tensor, v_flat: Tensor, slots: Tensor, n: int, scale: float) -> Tensor:
-    """q [n, Hq, D] of the last n positions of a context whose K/V sit at `slots` -> [n, Hq, D]."""
-    k = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-    v = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+def _prefill(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor, length: int,
+             scale: float) -> Tensor:
+    """q [n, Hq, D]: the last n positions of a context of `length` tokens (block_table [1, W]) -> [n, Hq, D]."""
+    n = q.shape[0]
+    k = _gather(key_cache, block_table, length).transpose(1, 2)  # [1, Hkv, L, D]
+    v = _gather(value_cache, block_table, length).transpose(1, 2)
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-    prefix = slots.shape[0] - n
+    prefix = length - n
     out, lse = _flash(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, scale=scale)
     if prefix:
         out_p, lse_p = _flash(q, k[:, :, :prefix], v[:, :, :prefix], scale=scale)
@@ -66,14 +70,12 @@ def _decode_groups(lens: list[int], rows: list[int]) -> list[list[int]]:
     return groups + [cur] if cur else groups
 
 
-def _decode(q: Tensor, k_flat: Tensor, v_flat: Tensor, block_tables: Tensor, seq_lens: Tensor, max_len: int,
-            block_size: int, scale: float) -> Tensor:
+def _decode(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, max_len: int,
+            scale: float) -> Tensor:
     """q [B, Hq, D], one row per request, over contexts of seq_lens (<= max_len) -> [B, Hq, D]."""
-    pos = torch.arange(max_len)
-    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, max_len]
-    k = k_flat[slots].transpose(1, 2)  # [B, Hkv, max_len, D]
-    v = v_flat[slots].transpose(1, 2)
-    mask = (pos < seq_lens.unsqueeze(1))[:, None, None, :]
+    k = _gather(key_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, max_len, D]
+    v = _gather(value_cache, block_tables, max_len).transpose(1, 2)
+    mask = (torch.arange(max_len) < seq_lens.unsqueeze(1))[:, None, None, :]
     if bool(mask.all()):
         mask = None  # every row uses the whole length: no mask
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
@@ -83,9 +85,6 @@ def _decode(q: Tensor, k_flat: Tensor, v_flat: Tensor, block_tables: Tensor, seq
 
 def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                         query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
-    block_size = key_cache.shape[1]
-    k_flat = key_cache.view(-1, *key_cache.shape[2:])  # [slots, Hkv, D]
-    v_flat = value_cache.view(-1, *value_cache.shape[2:])
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [e - s for s, e in zip(starts[:-1], starts[1:])]
@@ -93,15 +92,16 @@ def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, b
     out = query.new_zeros(query.shape) if len(decode) < query.shape[0] else query.new_empty(query.shape)
     for group in _decode_groups(lens, decode):
         if len(group) == len(lens) == query.shape[0]:  # a pure decode batch in one group: rows are requests
-            out.copy_(_decode(query, k_flat, v_flat, block_tables, seq_lens, lens[group[0]], block_size, scale))
+            out.copy_(_decode(query, key_cache, value_cache, block_tables, seq_lens, lens[group[0]], scale))
             break
         idx = torch.tensor(group)
         rows = torch.tensor([starts[i] for i in group])
-        out[rows] = _decode(query[rows], k_flat, v_flat, block_tables[idx], seq_lens[idx], lens[group[0]],
-                            block_size, scale).to(out.dtype)
+        out.index_copy_(0, rows, _decode(query.index_select(0, rows), key_cache, value_cache,
+                                         block_tables.index_select(0, idx), seq_lens.index_select(0, idx),
+                                         lens[group[0]], scale).to(out.dtype))
     for i, (s, n, L) in enumerate(zip(starts, q_lens, lens)):
         if n > 1 and L > 0:
-            out[s: s + n] = _prefill(query[s: s + n], k_flat, v_flat, _slots(block_tables[i], L, block_size), n,
+            out[s: s + n] = _prefill(query[s: s + n], key_cache, value_cache, block_tables[i: i + 1], L,
                                      scale).to(out.dtype)
     return out
 

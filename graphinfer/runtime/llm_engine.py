@@ -77,7 +77,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(self.model, cc, self.device, self.platform, self.eos_token_ids, mc.seed)
         if isinstance(self.graph, fx.GraphModule):
             rebind_buffers(self.graph, self.model)  # onto the runner's KV cache
-        self.model_runner.graph = self.graph
+        self.model_runner.graph = self.platform.compile_graph(self.graph, comp.kernels)  # cpu: Inductor
         if comp.npu_compiler:
             self.model_runner.graph = self._torchair(comp.npu_compiler)
         self.capture_stats = self.piecewise_capture_stats = None
