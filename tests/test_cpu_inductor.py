@@ -5,10 +5,9 @@ Every engine here compiles into one Inductor cache for the session (tmp dir), so
 each graph structure pays for C++ compilation.
 """
 import pytest
-import torch
 
 from graphinfer import LLM, SamplingParams
-from graphinfer.compiler.inductor import INLINED_OPS, compile_for_cpu, inline_pointwise_ops, use_inductor_cache
+from graphinfer.compiler.inductor import INLINED_OPS, _BoundPiece, compile_for_cpu, inline_pointwise_ops, use_inductor_cache
 from graphinfer.compiler.trace import node_target_name
 from test_smollm2 import PROMPTS, _hf_greedy
 
@@ -18,16 +17,13 @@ def inductor_cache(tmp_path_factory):
     use_inductor_cache(str(tmp_path_factory.mktemp("inductor-cache")))
 
 
-def _tokens(llm, prompts, params):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
 def test_smollm2_fp32_matches_hf(hf_smollm2):
     llm = LLM(dtype="float32", max_model_len=512, kernels="inductor")
     assert llm.llm_engine.platform.kernels == {"reshape_and_cache": "graphinfer.ops.cpu_attention",
                                                "paged_attention": "graphinfer.ops.cpu_attention"}
-    pieces = [m for n, m in llm.llm_engine.model_runner.graph.named_children() if n.startswith("piece_")]
-    assert len(pieces) == 31 and all(isinstance(p, torch._dynamo.eval_frame.OptimizedModule) for p in pieces)
+    pieces = [m for n, m in llm.llm_engine.model_runner.graph.named_children() if isinstance(m, _BoundPiece)]
+    assert len(pieces) == 31  # between 30 attention calls; the 30 between cache write and attention are empty
+    assert len({id(p.compiled) for p in pieces}) == 3  # embed + layer 0's qkv, the 29 identical layers, the final norm
     outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     for o in outs:
         assert o.outputs[0].token_ids == _hf_greedy(hf_smollm2, o.prompt_token_ids, 12)[0], o.prompt
@@ -44,17 +40,19 @@ def test_pointwise_ops_inlined_attention_opaque():
 
 
 def test_bf16_matches_reference_through_chunks_prefix_hits_and_preemption():
-    """tiny-qwen3 in bf16: chunked prefill sharing steps with decodes, a shared 16-token prefix (cache hits), and
-    a KV pool too small for all requests (preemption); the compiled path gives the reference path's tokens."""
+    """tiny-qwen3 in bf16, test_piecewise's scenario: a 32-token step budget (prompts chunked, chunks sharing steps
+    with decodes), a shared 16-token prefix (cache hits), a KV pool too small for all requests (preemption)."""
     prefix = list(range(30, 46))
-    prompts = [prefix + [i, i + 1, 2 * i] for i in range(6)] + [list(range(100, 137))]
-    params = [SamplingParams(temperature=0, max_tokens=8 + i, ignore_eos=True) for i in range(len(prompts))]
+    prompts = [prefix + [i, i + 1, 2 * i] for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=10 + i, ignore_eos=True) for i in range(8)]
     kw = dict(device="cpu", dtype="bfloat16", max_num_seqs=8, num_gpu_blocks_override=30, block_size=4,
-              max_num_batched_tokens=24)
+              max_num_batched_tokens=32)
     runs = {}
     for kernels in ("reference", "inductor"):
         llm = LLM("tiny-qwen3", kernels=kernels, **kw)
-        first = _tokens(llm, prompts[:1], params[:1])
-        runs[kernels] = first + _tokens(llm, prompts[1:], params[1:])
+        first = llm.generate(prompts[:1], params[:1], use_tqdm=False)
+        rest = llm.generate(prompts[1:], params[1:], use_tqdm=False)
+        runs[kernels] = [o.outputs[0].token_ids for o in first + rest]
+        assert all(o.num_cached_tokens >= 16 for o in rest)
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert runs["inductor"] == runs["reference"]

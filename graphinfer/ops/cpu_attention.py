@@ -2,8 +2,9 @@
 
 Attention runs on ATen's flash CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`: tiled, all cores,
 fp32 accumulation for bf16 inputs, GQA without repeating K/V) and never builds a boolean mask for prefill:
-- prefill chunk of n rows over a context of L tokens: the n new rows attend causally to themselves (is_causal) and fully to the cached prefix
-  of L - n tokens; the two partial results merge through their log-sum-exps, as split-KV flash attention does;
+- prefill chunk of n rows over a context of L tokens: the n new rows attend causally to themselves (is_causal)
+  and fully to the cached prefix of L - n tokens; the two partials merge through their log-sum-exps, as
+  split-KV flash attention does;
 - decode rows: sorted by context length and cut into groups whose padding stays small, so a batch whose
   lengths differ widely does not gather and attend over max(len) for every row; one flash call per group.
 K/V are gathered by whole blocks (index_select: a memcpy per block), once per request or decode group and layer.

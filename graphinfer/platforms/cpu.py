@@ -87,9 +87,16 @@ class CpuPlatform(Platform):
     def compile_graph(self, graph, kernels: str | None = None):
         if self.resolve_kernels(kernels) != "inductor":
             return graph
-        from graphinfer.compiler.inductor import compile_for_cpu
+        from torch import fx
 
-        return compile_for_cpu(graph)
+        from graphinfer.compiler.inductor import compile_for_cpu, warm_up
+        from graphinfer.compiler.trace import trace_model
+
+        if not isinstance(graph, fx.GraphModule):  # an artifact's graph.py module: the same nodes, re-traced
+            graph = trace_model(graph)
+        compiled = compile_for_cpu(graph)
+        warm_up(compiled, torch.device(self.device_type))  # compile (or load from Inductor's cache) at start-up
+        return compiled
 
     def mem_get_info(self, device):
         import psutil
