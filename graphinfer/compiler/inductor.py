@@ -1,16 +1,17 @@
 """The cpu platform's compiled lowering: the fused fx graph through TorchInductor (C++ codegen).
 
 The pointwise graphinfer:: ops (norms, add+norm, rotary, silu_and_mul) are inlined as their Python
-references, so Inductor sees plain aten ops it can fuse into a few C++ loops per layer; attention and the KV
-cache write stay opaque custom ops (the cpu platform's implementations, ops/cpu_attention.py); linears stay
-aten mm/addmm on oneDNN/MKL. The token count is dynamic: one compiled graph serves every step (plus the
-T = 1 specialisation dynamo makes for single-token steps).
+references, so Inductor sees plain aten ops it fuses into a few C++ loops per layer; attention and the KV
+cache write stay opaque custom ops run between the compiled pieces (the cpu platform's implementations,
+ops/cpu_attention.py); linears stay aten mm/addmm on oneDNN/MKL. The token count is the one dynamic size
+(plus the T = 1 variant dynamo specialises).
 
 Inductor's compiled code is cached on disk (its FX graph cache): `use_inductor_cache(dir)` points that cache at
-a directory (a compile artifact's kernel cache), so a second start-up loads the C++ it compiled before.
+a directory (a compile artifact's kernel cache), so a later start-up loads the C++ it compiled before.
 """
 import copy
 import logging
+import operator
 import os
 import time
 
@@ -21,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 # Ops inlined for Inductor: pointwise, functional, with a reference Inductor fuses well.
 INLINED_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul")
+# Ops that run eagerly between the compiled pieces.
+SPLITTING_OPS = ("graphinfer::paged_attention", "graphinfer::reshape_and_cache")
 
 
 def use_inductor_cache(directory: str) -> None:
@@ -28,17 +31,14 @@ def use_inductor_cache(directory: str) -> None:
     import torch._inductor.config as inductor_config
 
     os.makedirs(directory, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory  # read where the cache dir is resolved lazily
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory  # Inductor reads it whenever it resolves its cache dir
     inductor_config.fx_graph_cache = True
-    if hasattr(inductor_config, "cache_dir"):
-        inductor_config.cache_dir = directory
 
 
 def inline_pointwise_ops(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of gm (sharing its parameters and buffers) whose INLINED_OPS calls are their Python references."""
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)  # gm stays as it is
-    inlined = {getattr(torch.ops.graphinfer, name).default: name for name in INLINED_OPS
-               if hasattr(torch.ops.graphinfer, name)}
+    inlined = {getattr(torch.ops.graphinfer, name).default for name in INLINED_OPS}
     for node in out.graph.nodes:
         if node.op == "call_function" and node.target in inlined:
             node.target = node.target.reference
@@ -52,7 +52,7 @@ def compile_for_cpu(gm: fx.GraphModule) -> fx.GraphModule:
     The pieces are pure (the KV-cache write runs between them, so Inductor never functionalises a write into
     the whole cache) and take only token-indexed inputs, so the token count is their one dynamic size: no
     recompiles as the number of requests or the block-table width changes. Pieces of the same structure (the
-    decoder layers) share one compiled function with the weights as inputs: SmolLM2 compiles 4 graphs, not 31.
+    decoder layers) share one compiled function with the weights as inputs: SmolLM2 compiles 3 graphs, not 31.
     Compiles lazily on the first call of each (warm_up does it up front)."""
     from graphinfer.compiler.split import split_graph
 
@@ -60,18 +60,15 @@ def compile_for_cpu(gm: fx.GraphModule) -> fx.GraphModule:
     for group in split.info.identical_groups:
         if split.info.nodes_per_piece[group[0]] == 0:
             continue  # an empty piece (between the cache write and attention)
-        functional = _functional(split.pieces[group[0]])
-        if functional is None:  # a module Inductor cannot take apart: compile each piece on its own
+        functionals = [_functional(split.pieces[i]) for i in group]
+        if functionals[0] is None:  # a module Inductor cannot take apart: compile each piece on its own
             for i in group:
                 split.module.add_module(f"piece_{i}", torch.compile(split.pieces[i], dynamic=True, fullgraph=True))
             continue
-        compiled = torch.compile(functional[0], dynamic=True, fullgraph=True)
-        for i in group:
-            split.module.add_module(f"piece_{i}", _BoundPiece(compiled, _functional(split.pieces[i])[1]))
+        compiled = torch.compile(functionals[0][0], dynamic=True, fullgraph=True)
+        for i, (_, weights) in zip(group, functionals):
+            split.module.add_module(f"piece_{i}", _BoundPiece(compiled, weights))
     return split.module
-
-
-SPLITTING_OPS = ("graphinfer::paged_attention", "graphinfer::reshape_and_cache")
 
 
 class _BoundPiece(torch.nn.Module):
@@ -97,7 +94,7 @@ def _functional(piece: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tenso
     reads: dict[fx.Node, list[torch.Tensor]] = {}
     for n in nodes:
         if n.op == "get_attr":
-            reads[n] = [_attr(piece, n.target)]
+            reads[n] = [operator.attrgetter(n.target)(piece)]
         elif n.op == "call_module":
             m = piece.get_submodule(n.target)
             if type(m) not in (nn.Linear, nn.Embedding):
@@ -125,12 +122,6 @@ def _functional(piece: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tenso
     return fx.GraphModule(torch.nn.Module(), graph, class_name="CpuPiece"), weights
 
 
-def _attr(module: torch.nn.Module, target: str) -> torch.Tensor:
-    for name in target.split("."):
-        module = getattr(module, name)
-    return module
-
-
 @torch.inference_mode()
 def warm_up(module, device: torch.device) -> float:
     """Run `module` (a compiled forward) on token counts 5 and 1 with every row padded (slot -1, context 0:
@@ -139,13 +130,12 @@ def warm_up(module, device: torch.device) -> float:
     from graphinfer.models.layers import AttentionMetadata
 
     start = time.perf_counter()
-    for tokens, q_lens in ((5, [4, 1]), (1, [1])):
-        qsl = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        md = AttentionMetadata(torch.full((tokens,), -1, dtype=torch.long), torch.zeros(len(q_lens), 3, dtype=torch.int32),
-                               qsl, torch.zeros(len(q_lens), dtype=torch.int32))
-        module(torch.zeros(tokens, dtype=torch.long, device=device), torch.arange(tokens, device=device),
-               AttentionMetadata(*(t.to(device) for t in (md.slot_mapping, md.block_tables, md.query_start_loc,
-                                                           md.seq_lens))))
+    for q_lens in ([4, 1], [1]):  # 5 tokens over 2 requests; 1 token
+        tokens, int32 = sum(q_lens), dict(dtype=torch.int32, device=device)
+        md = AttentionMetadata(torch.full((tokens,), -1, dtype=torch.long, device=device),
+                               torch.zeros(len(q_lens), 3, **int32), torch.tensor([0, *q_lens], **int32).cumsum(0).int(),
+                               torch.zeros(len(q_lens), **int32))
+        module(torch.zeros(tokens, dtype=torch.long, device=device), torch.arange(tokens, device=device), md)
     seconds = time.perf_counter() - start
     logger.info("Inductor: compiled (or loaded) the cpu graph in %.1f s", seconds)
     return seconds
