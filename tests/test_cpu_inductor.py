@@ -9,12 +9,15 @@ import pytest
 from graphinfer import LLM, SamplingParams
 from graphinfer.compiler.inductor import INLINED_OPS, _BoundPiece, compile_for_cpu, inline_pointwise_ops, use_inductor_cache
 from graphinfer.compiler.trace import node_target_name
+from graphinfer.platforms import get_platform
 from test_smollm2 import PROMPTS, _hf_greedy
 
 
 @pytest.fixture(scope="module", autouse=True)
 def inductor_cache(tmp_path_factory):
     use_inductor_cache(str(tmp_path_factory.mktemp("inductor-cache")))
+    yield
+    get_platform("cpu").activate("reference")  # later tests call the ops directly: give them the reference back
 
 
 def test_smollm2_fp32_matches_hf(hf_smollm2):
@@ -56,3 +59,29 @@ def test_bf16_matches_reference_through_chunks_prefix_hits_and_preemption():
         assert all(o.num_cached_tokens >= 16 for o in rest)
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert runs["inductor"] == runs["reference"]
+
+
+def test_cpu_defaults(monkeypatch):
+    """dtype auto: bf16 only on a CPU with native bf16; kernels default to inductor unless the env says otherwise;
+    one torch thread per physical core unless OMP_NUM_THREADS is set."""
+    import torch
+
+    import graphinfer.platforms.cpu as cpu
+    from graphinfer.config import resolve_dtype
+    from graphinfer.errors import InvalidConfigError
+
+    for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(cpu, "has_native_bf16", lambda native=native: native)
+        assert resolve_dtype("auto", "cpu") == dtype
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    monkeypatch.delenv("GRAPHINFER_CPU_KERNELS")
+    assert cpu.CpuPlatform.resolve_kernels(None) == "inductor"
+    with pytest.raises(InvalidConfigError, match="inductor, eager, reference, triton"):
+        cpu.CpuPlatform.resolve_kernels("fast")
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        cpu.CpuPlatform().activate("reference")
+        assert torch.get_num_threads() == cpu.physical_cores() >= 1
+    finally:
+        torch.set_num_threads(threads)
