@@ -1,7 +1,7 @@
 """The cpu platform's compiled path (kernels="inductor": compiler/inductor.py + ops/cpu_attention.py) against
 HF transformers on the real SmolLM2 (fp32) and against the reference path (bf16) through mixed batches.
 
-Every engine here compiles into one Inductor cache for the session (tmp dir), so only the first compile of
+Every engine here compiles into one Inductor cache (a tmp dir for this module), so only the first compile of
 each graph structure pays for C++ compilation.
 """
 import pytest
