@@ -246,7 +246,8 @@ def _bench_throughput(args) -> None:
         fixed_output_len=args.fixed_output_len, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, temperature=args.temperature, seed=args.seed,
         compare_hf=args.compare == "hf", hf_cuda_graph=args.hf_cuda_graph, output_json=args.output_json,
-        plot_path=args.plot)
+        plot_path=args.plot, hf_dtype=args.hf_dtype, kernels=args.kernels, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching)
 
 
 def _bench_latency(args) -> None:
@@ -269,7 +270,7 @@ def _bench_startup(args) -> None:
 def _add_offline_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-0.6b", help="HF checkpoint dir, .gguf, or a preset shape with random "
                                                          "weights (qwen3-0.6b, smollm2-135m, tiny-llama, ...)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on accelerators, fp32 on CPU) | bfloat16 | ...")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on accelerators and CPUs with native bf16, else fp32) | bfloat16 | ...")
     p.add_argument("--device", default="auto")
     p.add_argument("--passes", default="default", help="compiler passes: 'default', 'none' or a comma-separated list")
     p.add_argument("--capture-sizes", default=None, help="batch sizes / token counts to capture (default: vLLM's list)")
@@ -388,6 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' generate_batch "
                                                                     "(fixed output length: 512 unless given)")
     bt.add_argument("--hf-cuda-graph", action="store_true", help="HF: use_cuda_graph=True, max_memory_percent=0.5")
+    bt.add_argument("--hf-dtype", default=None, help="dtype of the HF run (default: --dtype); the CPU comparison "
+                                                    "of docs/benchmarks.md runs HF in float32")
+    bt.add_argument("--kernels", default=None, help="op implementations (cpu: inductor | eager | reference); "
+                                                   "default: the platform's")
+    bt.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
+    bt.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                    help="disable prefix caching")
     bt.set_defaults(func=_bench_throughput)
 
     bl = bench.add_parser("latency", help="decode step latency per batch size and graph mode")

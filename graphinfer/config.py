@@ -33,8 +33,12 @@ def cache_dir() -> str:
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":  # fp32 on CPU (exact vs HF, and CPU half matmuls are slow); bf16 on accelerators
-        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype == "auto":  # bf16 on accelerators and on CPUs with native bf16 (AVX512-BF16 / AMX); else fp32,
+        if device != "cpu":  # as emulated bf16 matmuls run several times slower than fp32 ones
+            return torch.bfloat16
+        from graphinfer.platforms.cpu import has_native_bf16
+
+        return torch.bfloat16 if has_native_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise InvalidConfigError(f"dtype={dtype!r} is not supported; use one of 'auto', 'float32', 'bfloat16', 'float16'.")
     return _DTYPES[dtype]

@@ -6,6 +6,10 @@ import torch
 
 from graphinfer.config import bundled_model_path
 
+# Tests run the reference ops op by op unless they ask for the cpu platform's compiled path (kernels="inductor":
+# tests/test_cpu_inductor.py), which compiles for a minute; subprocesses (CLI tests) inherit this.
+os.environ.setdefault("GRAPHINFER_CPU_KERNELS", "reference")
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
 

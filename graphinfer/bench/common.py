@@ -60,6 +60,7 @@ def environment(device: torch.device | str) -> dict:
         name = torch.npu.get_device_name(device)
     return {"device": str(device), "device_name": name, "torch": torch.__version__,
             "graphinfer": graphinfer.__version__, "threads": torch.get_num_threads(),
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,  # shared machines: others' load
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 

@@ -252,7 +252,8 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         async_scheduling=(False,), capture_sizes: list[int] | None = None, passes: str = "default",
         num_prompts: int = 256, min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
-        hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None) -> dict:
+        hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None,
+        hf_dtype: str | None = None, kernels: str | None = None, block_size: int = 16, enable_prefix_caching: bool = True) -> dict:
     """Every (graph mode, async scheduling, max_num_seqs) configuration on the same workload; optionally HF too."""
     import tempfile
 
@@ -278,7 +279,8 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                   "env": common.environment(device), "bandwidth": bandwidth, "roofline_model": roofline.MODEL,
                   "workload": {"num_prompts": num_prompts, "min_len": min_len, "max_len": max_len,
                                "fixed_output_len": fixed_output_len, "seed": seed, "temperature": temperature,
-                               "ignore_eos": True, "max_model_len": max_model_len,
+                               "ignore_eos": True, "max_model_len": max_model_len, "kernels": kernels,
+                               "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
                                "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
                   "runs": []}
         print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
@@ -287,7 +289,8 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
             sizes = capture_sizes  # the engine keeps the sizes each kind of graph can use
             kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
                       async_scheduling=a, passes=passes, max_model_len=max_model_len,
-                      max_num_batched_tokens=max_num_batched_tokens, seed=seed)
+                      max_num_batched_tokens=max_num_batched_tokens, seed=seed, kernels=kernels, block_size=block_size,
+                      enable_prefix_caching=enable_prefix_caching)
             row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "capture_sizes": sizes}
             try:
                 row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len))
@@ -304,7 +307,7 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
             common.write_json(output_json, result)  # so far: a run cut off by a time limit keeps its results
         if compare_hf:
             try:
-                hf = run_hf(gi_model, torch_dtype, device, workload, temperature, hf_cuda_graph)
+                hf = run_hf(gi_model, resolve_dtype(hf_dtype or dtype, device), device, workload, temperature, hf_cuda_graph)
                 print(f"HF generate_batch: {hf['output_tokens']:,} output tokens in {hf['total_s']:.2f} s "
                       f"= {hf['output_tok_s']:,.1f} tok/s")
                 for r in result["runs"]:
@@ -313,6 +316,7 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
             except Exception as e:  # noqa: BLE001 (keep graphinfer's numbers: the JSON is still written)
                 traceback.print_exc()
                 hf = {"error": f"{type(e).__name__}: {e}"}
+            hf["dtype"] = str(resolve_dtype(hf_dtype or dtype, device)).replace("torch.", "")
             result["hf"] = hf
             common.release(device)
     print("\n" + table(result))

@@ -19,6 +19,7 @@ def graphinfer_op(mutates_args: tuple[str, ...] = ()):
         lib.impl(name, fn, "CompositeExplicitAutograd")
         op = getattr(torch.ops.graphinfer, name).default
         op.__doc__ = fn.__doc__
+        op.reference = fn  # the plain Python reference: a compiler may trace through it (compiler/inductor.py)
         return op
     return register
 

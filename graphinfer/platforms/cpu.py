@@ -1,12 +1,48 @@
-"""CPU: the reference PyTorch ops, no device graphs (FULL_DECODE_ONLY is refused here).
+"""CPU: the graph compiled by TorchInductor around fast CPU attention; no device graphs (FULL_DECODE_ONLY is
+refused here).
 
-kernels="triton" runs the Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1): slow, but it
-checks the kernels inside a whole model on a machine without a GPU.
+kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, else "inductor"):
+- "inductor": the fused graph compiled by TorchInductor (compiler/inductor.py) with the paged attention and cache
+  write of ops/cpu_attention.py as opaque ops;
+- "eager": the same CPU attention ops, the graph run op by op (no compile: start-up in seconds);
+- "reference": the PyTorch reference ops, op by op (the correctness oracle; what most tests run);
+- "triton": the Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1): slow, but it checks the
+  kernels inside a whole model on a machine without a GPU.
 """
 import os
 
+import torch
+
 from graphinfer.errors import InvalidConfigError
 from graphinfer.platforms.interface import Platform
+
+CPU_KERNELS = ("inductor", "eager", "reference", "triton")
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (SMT siblings counted once): graphinfer's torch threads on CPU."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in allowed:
+        path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+        try:
+            with open(path) as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+def has_native_bf16() -> bool:
+    """Whether the CPU computes bf16 matmuls natively (AVX512-BF16 or AMX): else bf16 is emulated and slower than fp32."""
+    if "AMX" in torch.backends.cpu.get_cpu_capability():  # e.g. "AVX2", "AVX512"; AMX where the build reports it
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class CpuPlatform(Platform):
@@ -19,17 +55,47 @@ class CpuPlatform(Platform):
     def is_available(cls) -> bool:
         return True
 
+    @staticmethod
+    def resolve_kernels(kernels: str | None) -> str:
+        kernels = kernels or os.environ.get("GRAPHINFER_CPU_KERNELS") or "inductor"
+        if kernels not in CPU_KERNELS:
+            raise InvalidConfigError(f"kernels={kernels!r} on cpu: use one of {', '.join(CPU_KERNELS)} (default "
+                                     f"'inductor', or $GRAPHINFER_CPU_KERNELS).")
+        return kernels
+
     def op_impls(self, kernels: str | None = None):
-        if kernels in (None, "reference"):
+        kernels = self.resolve_kernels(kernels)
+        if kernels == "reference":
             return {}
-        if kernels != "triton":
-            raise InvalidConfigError(f"kernels={kernels!r} on cpu: use 'reference' (default) or 'triton'.")
+        if kernels in ("inductor", "eager"):
+            from graphinfer.ops.cpu_attention import CPU_OPS
+
+            return dict(CPU_OPS)
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise InvalidConfigError("kernels='triton' on cpu runs Triton's interpreter: set TRITON_INTERPRET=1 "
                                      "in the environment before starting graphinfer.")
         from graphinfer.ops.triton import TRITON_OPS
 
         return dict(TRITON_OPS)
+
+    def activate(self, kernels: str | None = None) -> None:
+        if not os.environ.get("OMP_NUM_THREADS"):  # one thread per physical core (SMT siblings only contend)
+            torch.set_num_threads(physical_cores())
+        super().activate(kernels)
+
+    def compile_graph(self, graph, kernels: str | None = None):
+        if self.resolve_kernels(kernels) != "inductor":
+            return graph
+        from torch import fx
+
+        from graphinfer.compiler.inductor import compile_for_cpu, warm_up
+        from graphinfer.compiler.trace import trace_model
+
+        if not isinstance(graph, fx.GraphModule):  # an artifact's graph.py module: the same nodes, re-traced
+            graph = trace_model(graph)
+        compiled = compile_for_cpu(graph)
+        warm_up(compiled, torch.device(self.device_type))  # compile (or load from Inductor's cache) at start-up
+        return compiled
 
     def mem_get_info(self, device):
         import psutil

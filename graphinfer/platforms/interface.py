@@ -96,6 +96,11 @@ class Platform:
         `kernels` is a platform-specific choice (e.g. npu: "triton" or "torch_npu", or per op)."""
         return {}
 
+    def compile_graph(self, graph, kernels: str | None = None):
+        """What the model runner executes for the fused graph on this platform (cpu: Inductor-compiled);
+        default: the graph itself, run eagerly or captured."""
+        return graph
+
     def activate(self, kernels: str | None = None) -> None:
         """Register op_impls(kernels) under dispatch_key (replacing an earlier activation's choice)."""
         import graphinfer.ops  # noqa: F401  (the op schemas must exist before impls attach to them)

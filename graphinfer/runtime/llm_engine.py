@@ -107,7 +107,7 @@ class LLMEngine:
                                             self.max_model_len, engine_bytes, placeholder_kv=config.compile_only)
         if isinstance(self.graph, fx.GraphModule):
             rebind_buffers(self.graph, self.model)  # onto the runner's KV cache
-        self.model_runner.graph = self.graph
+        self.model_runner.graph = self.platform.compile_graph(self.graph, comp.kernels)  # cpu: Inductor
         if comp.npu_compiler:
             self.model_runner.graph = self._torchair(comp.npu_compiler)
         if self.device.type != "cpu":  # cpu runs the reference ops: nothing to compile

@@ -1,0 +1,62 @@
+"""The cpu platform's paged-attention / cache-write ops (graphinfer/ops/cpu_attention.py) against the reference ops."""
+import pytest
+import torch
+
+import graphinfer.ops as ref_ops
+from graphinfer.ops.cpu_attention import _decode_groups, paged_attention_cpu, reshape_and_cache_cpu
+from test_triton_kernels import DECODE_LENS, MIXED_L, MIXED_Q, TOL, _paged_batch
+
+# decodes of widely different lengths (several decode groups, one padded row), a fresh prefill, chunks over a
+# cached prefix (one whose prefix ends mid-block, one with a 1-token prefix), in request order mixed
+RAGGED_Q = [1, 1, 9, 1, 1, 6, 1, 13, 1, 4]
+RAGGED_L = [3, 70, 9, 0, 40, 23, 41, 14, 5, 5]
+
+
+def _check(q_lens, seq_lens, n_q, n_kv, head, block_size, dtype, seed=0):
+    args = _paged_batch(q_lens, seq_lens, n_q, n_kv, head, block_size, dtype, seed=seed)
+    scale = head ** -0.5
+    out = paged_attention_cpu(*args, scale)
+    ref = ref_ops.paged_attention.reference(*args, scale)  # the Python reference, whatever impl is registered
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    rows = torch.tensor([0, *q_lens]).cumsum(0)
+    for i, n in enumerate(seq_lens):
+        if n == 0:  # padded rows attend to nothing
+            assert (out[rows[i]: rows[i + 1]] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_q,n_kv,head,block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (4, 1, 32, 8)])
+def test_ragged_batch(n_q, n_kv, head, block_size, dtype):
+    _check(RAGGED_Q, RAGGED_L, n_q, n_kv, head, block_size, dtype)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens", [([1] * 4, DECODE_LENS), ([1] * 3, [16, 16, 16]), (MIXED_Q, MIXED_L),
+                                             ([5, 18], [5, 40]), ([1, 1, 1], [9, 0, 0])])
+def test_batches_of_the_kernel_tests(q_lens, seq_lens):
+    """Pure decode (padded, and all equal lengths: no mask), the Triton tests' mixed batch, prefill only."""
+    _check(q_lens, seq_lens, 8, 2, 32, 4, torch.float32, seed=1)
+
+
+def test_decode_groups_bound_padding():
+    lens = [300, 10, 290, 12, 11, 0, 150]
+    groups = _decode_groups(lens, [0, 1, 2, 3, 4, 6])
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4, 6]
+    for g in groups:
+        assert len(g) * max(lens[i] for i in g) <= 1.25 * sum(lens[i] for i in g) or len(g) == 1
+    assert _decode_groups([7] * 5, list(range(5))) == [[0, 1, 2, 3, 4]]  # equal lengths: one group
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_reshape_and_cache(pad):
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)
+    slots = torch.randperm(20, generator=g)[:6]
+    if pad:
+        slots[[1, 4]] = -1
+    caches = [torch.randn(5, 4, 2, 8, generator=g).bfloat16() for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    reshape_and_cache_cpu(key, value, *caches, slots.int())
+    ref_ops.reshape_and_cache.reference(key, value, *expected, slots)
+    for got, want in zip(caches, expected):
+        assert torch.equal(got, want)

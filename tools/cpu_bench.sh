@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# CPU benchmarks of issue 20 (docs/benchmarks.md, "The CPU platform"): bundled SmolLM2-135M.
+#
+#   tools/cpu_bench.sh [STEP ...]     STEP: throughput | throughput_bf16 | latency | reference   (default: all but reference)
+#
+#   throughput       64 prompts of 64-256 random tokens, 64 greedy new tokens each, ignore_eos, prefix caching off,
+#                    dtype auto (fp32 without native bf16), compiled path, and HF transformers fp32 in the same run
+#   throughput_bf16  the same in bf16 (HF still fp32: its fair CPU figure)
+#   latency          batch 1: TTFT and decode tok/s (128-token prompt, 64 new), and the prefill of a 4,096-token
+#                    prompt, fp32 and bf16 (tools/cpu_latency.py)
+#   reference        the throughput workload on the reference ops (kernels=reference): today's baseline
+#
+# Results (JSON and logs) go to $OUT, else ./bench-out. Other processes on the machine lower the numbers: the
+# JSON records the load average at the start. SMOKE=1: a short rehearsal (4 prompts, 8 new tokens, 256-token prefill).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-$PWD}"
+OUT_DIR="${OUT:-./bench-out}"
+PY="${PYTHON:-.venv/bin/python}"
+mkdir -p "$OUT_DIR"
+MODEL="${MODEL:-$("$PY" -c 'from graphinfer.config import bundled_model_path; print(bundled_model_path())')}"
+N=64 NEW=64 PREFILL=4096
+if [ "${SMOKE:-0}" = 1 ]; then N=4 NEW=8 PREFILL=256; fi
+WORKLOAD=(--model "$MODEL" --device cpu --num-prompts "$N" --min-len 64 --max-len 256 --fixed-output-len "$NEW"
+          --temperature 0 --no-prefix-caching --max-num-seqs 256)
+throughput() {
+  "$PY" -m graphinfer.cli bench throughput "${WORKLOAD[@]}" --dtype "$1" --compare hf --hf-dtype float32 ${2:+--kernels "$2"} \
+    --output-json "$OUT_DIR/throughput_$1${2:+_$2}.json" 2>&1 | tee "$OUT_DIR/throughput_$1${2:+_$2}.log"
+}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(throughput throughput_bf16 latency)
+for step in "${steps[@]}"; do
+  echo "== $step (load average: $(cut -d' ' -f1-3 /proc/loadavg))"
+  case "$step" in
+    throughput) throughput auto ;;
+    throughput_bf16) throughput bfloat16 ;;
+    reference) throughput auto reference ;;
+    latency)
+      for dt in float32 bfloat16; do
+        "$PY" tools/cpu_latency.py --model "$MODEL" --dtype "$dt" --max-tokens "$NEW" --prefill-len "$PREFILL" | tee -a "$OUT_DIR/latency.jsonl"
+      done ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
