@@ -149,12 +149,14 @@ def _compile(args) -> None:
     from graphinfer.compiler import kernel_cache
     from graphinfer.compiler.report import pass_table
     from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from graphinfer.platforms.cpu import CpuPlatform
     from graphinfer.runtime.llm_engine import LLMEngine
 
     sizes = _csv(args.capture_sizes, int) if args.capture_sizes else None
     model_config = ModelConfig(args.model, args.dtype, device=args.device)
-    if torch.device(model_config.device).type != "cpu":  # kernels compiled from here on go into the artifact
-        kernel_cache.collect(args.output, torch.device(model_config.device))
+    device = torch.device(model_config.device)
+    if device.type != "cpu" or CpuPlatform.resolve_kernels(None) == "inductor":  # compiled kernels go into the artifact
+        kernel_cache.collect(args.output, device)
     else:  # the reference ops compile nothing
         kernel_cache.clear(args.output)
     engine = LLMEngine(EngineConfig(  # a placeholder KV cache; on a GPU every bucket is captured once (warm-up)

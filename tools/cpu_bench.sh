@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # CPU benchmarks of issue 20 (docs/benchmarks.md, "The CPU platform"): bundled SmolLM2-135M.
 #
-#   tools/cpu_bench.sh [STEP ...]     STEP: throughput | throughput_bf16 | latency | reference   (default: all but reference)
+#   tools/cpu_bench.sh [STEP ...]     STEP: throughput | throughput_bf16 | latency | inductor | reference   (default: the first three)
 #
 #   throughput       64 prompts of 64-256 random tokens, 64 greedy new tokens each, ignore_eos, prefix caching off,
-#                    dtype auto (fp32 without native bf16), compiled path, and HF transformers fp32 in the same run
+#                    dtype auto (fp32 without native bf16), default kernels (eager), and HF transformers fp32 in the same run
 #   throughput_bf16  the same in bf16 (HF still fp32: its fair CPU figure)
 #   latency          batch 1: TTFT and decode tok/s (128-token prompt, 64 new), and the prefill of a 4,096-token
 #                    prompt, fp32 and bf16 (tools/cpu_latency.py)
-#   reference        the throughput workload on the reference ops (kernels=reference): today's baseline
+#   inductor         the throughput workload on the Inductor lowering (kernels=inductor)
+#   reference        the throughput workload on the reference ops (kernels=reference)
 #
 # Results (JSON and logs) go to $OUT, else ./bench-out. Other processes on the machine lower the numbers: the
 # JSON records the load average at the start. SMOKE=1: a short rehearsal (4 prompts, 8 new tokens, 256-token prefill).
@@ -34,6 +35,7 @@ for step in "${steps[@]}"; do
   case "$step" in
     throughput) throughput auto ;;
     throughput_bf16) throughput bfloat16 ;;
+    inductor) throughput auto inductor ;;
     reference) throughput auto reference ;;
     latency)
       for dt in float32 bfloat16; do

@@ -38,7 +38,10 @@ def _version(dist: str) -> str | None:
 def describe(device: torch.device) -> dict:
     """What compiled kernels depend on: the device model and the compilers' versions."""
     module = getattr(torch, device.type, None)  # torch.cuda / torch.npu (activated by its platform)
-    name = module.get_device_name(device) if hasattr(module, "get_device_name") and device.type != "cpu" else device.type
+    if device.type == "cpu":  # Inductor's C++ is built for this vector ISA
+        name = f"cpu ({torch.backends.cpu.get_cpu_capability()})"
+    else:
+        name = module.get_device_name(device) if hasattr(module, "get_device_name") else device.type
     return {"platform": device.type, "device_name": name, "graphinfer_version": graphinfer.__version__,
             "torch_version": torch.__version__, "triton_version": _version("triton") or _version("triton-ascend")}
 

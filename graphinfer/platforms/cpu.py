@@ -1,10 +1,12 @@
-"""CPU: the graph compiled by TorchInductor around fast CPU attention; no device graphs (FULL_DECODE_ONLY is
-refused here).
+"""CPU: fast CPU attention around the fused graph, run op by op or compiled by TorchInductor; no device graphs
+(FULL_DECODE_ONLY is refused here).
 
-kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, else "inductor"):
-- "inductor": the fused graph compiled by TorchInductor (compiler/inductor.py) with the paged attention and cache
-  write of ops/cpu_attention.py as opaque ops;
-- "eager": the same CPU attention ops, the graph run op by op (no compile: start-up in seconds);
+kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, else "eager"):
+- "eager" (the default): the paged attention and cache write of ops/cpu_attention.py, the graph run op by op
+  (no compile: `serve ART` healthy in ~3.6 s for SmolLM2 on the 2-core AVX2 dev machine);
+- "inductor": the fused graph compiled by TorchInductor (compiler/inductor.py) with those ops opaque. Not the
+  default: on the AVX2 dev machine it measured slower than "eager" (SmolLM2 fp32, 32 prompts: 39.2 vs 48.9
+  out tok/s) and takes ~10 s to start from an artifact's cache (docs/benchmarks.md, "The CPU platform");
 - "reference": the PyTorch reference ops, op by op (the correctness oracle; what most tests run);
 - "triton": the Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1): slow, but it checks the
   kernels inside a whole model on a machine without a GPU.
@@ -57,10 +59,10 @@ class CpuPlatform(Platform):
 
     @staticmethod
     def resolve_kernels(kernels: str | None) -> str:
-        kernels = kernels or os.environ.get("GRAPHINFER_CPU_KERNELS") or "inductor"
+        kernels = kernels or os.environ.get("GRAPHINFER_CPU_KERNELS") or "eager"
         if kernels not in CPU_KERNELS:
             raise InvalidConfigError(f"kernels={kernels!r} on cpu: use one of {', '.join(CPU_KERNELS)} (default "
-                                     f"'inductor', or $GRAPHINFER_CPU_KERNELS).")
+                                     f"'eager', or $GRAPHINFER_CPU_KERNELS).")
         return kernels
 
     def op_impls(self, kernels: str | None = None):

@@ -110,7 +110,7 @@ class LLMEngine:
         self.model_runner.graph = self.platform.compile_graph(self.graph, comp.kernels)  # cpu: Inductor
         if comp.npu_compiler:
             self.model_runner.graph = self._torchair(comp.npu_compiler)
-        if self.device.type != "cpu":  # cpu runs the reference ops: nothing to compile
+        if self.device.type != "cpu":  # cpu: compile_graph above compiled (Inductor) or there is nothing to compile
             with timer.phase("kernels"):  # compiles (or loads from the kernel cache) the prefill path's kernels
                 self.model_runner.warm_up()
         capture = not config.compile_only or self.device.type != "cpu"  # compile on a GPU: warm every bucket's kernels
