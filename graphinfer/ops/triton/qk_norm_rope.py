@@ -18,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from graphinfer.ops.triton.launch import Launcher, cdiv, next_power_of_2
+from graphinfer.ops.triton.rotary import rotary_layout
 
 _TILE = 2048  # elements per program: 16 heads of 128 (Qwen3), 32 of 64
 _MAX_GRID = 65535  # Triton-Ascend's grid limit
@@ -37,15 +38,7 @@ def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, cache_ptr, q_out_pt
     is_v = (heads >= n_qk) & (heads < n_qk + n_kv_heads)
     in_head = d < head_size
     half = rot_dim // 2
-    if IS_NEOX:
-        first = d < half
-        partner = tl.where(first, d + half, d - half)
-        freq = tl.where(first, d, d - half)
-    else:
-        first = (d % 2) == 0
-        partner = tl.where(first, d + 1, d - 1)
-        freq = d // 2
-    rotates = d < rot_dim
+    first, partner, freq, rotates = rotary_layout(d, rot_dim, IS_NEOX)
 
     row = qkv_ptr + token * stride_t + heads[:, None] * head_size
     x = tl.load(row + d[None, :], mask=(is_q | is_k | is_v)[:, None] & in_head[None, :], other=0.0).to(tl.float32)

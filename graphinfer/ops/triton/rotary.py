@@ -20,10 +20,8 @@ from graphinfer.ops.triton.launch import Launcher, next_power_of_2
 
 
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, token, n_heads, stride_t, stride_h, head_size, rot_dim, cos_ptr,
-                  IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    heads = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
+def rotary_layout(d, rot_dim, IS_NEOX: tl.constexpr):
+    """For head-dim offsets d: (first half of a rotated pair, its partner offset, its frequency index, rotated)."""
     half = rot_dim // 2
     if IS_NEOX:
         first = d < half
@@ -33,7 +31,16 @@ def _rotate_heads(src_ptr, dst_ptr, token, n_heads, stride_t, stride_h, head_siz
         first = (d % 2) == 0
         partner = tl.where(first, d + 1, d - 1)
         freq = d // 2
-    rotates = d < rot_dim
+    return first, partner, freq, d < rot_dim
+
+
+@triton.jit
+def _rotate_heads(src_ptr, dst_ptr, token, n_heads, stride_t, stride_h, head_size, rot_dim, cos_ptr,
+                  IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    half = rot_dim // 2
+    first, partner, freq, rotates = rotary_layout(d, rot_dim, IS_NEOX)
     # The reference casts cos/sin to the activation dtype before using them.
     act_dtype = src_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + freq, mask=rotates, other=1.0).to(act_dtype).to(tl.float32)
