@@ -326,30 +326,14 @@ def greedy_tokens(model: str, graph_mode: str, dtype: str, logprobs: int | None 
     return [o.token_ids for o in outs], [o.logprobs for o in outs] if logprobs else None, stats
 
 
-def compare_tie_aware(ref: list[list[int]], ref_logprobs: list, got: list[list[int]], tie: float = 1e-3) -> dict:
-    """Requests whose tokens are identical, or first differ where the reference's top-2 log-probs are within
-    `tie` (random bf16 weights give exact ties: either token is right, and the sequences then diverge)."""
-    identical = ties = 0
-    mismatches = []
-    for i, (a, b) in enumerate(zip(ref, got)):
-        if a == b:
-            identical += 1
-            continue
-        pos = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-        top = sorted((lp.logprob for lp in ref_logprobs[i][pos].values()), reverse=True)[:2]
-        if len(top) == 2 and top[0] - top[1] <= tie:
-            ties += 1
-        else:
-            mismatches.append(dict(request=i, position=pos, ref_top2=top))
-    return dict(identical=identical, tie_divergences=ties, mismatches=mismatches, ok=not mismatches)
-
-
 GRAPH_MODES = ("FULL_DECODE_ONLY", "PIECEWISE", "FULL_AND_PIECEWISE")
 
 
 def check_graph_modes(models: dict) -> list[dict]:
     """NONE vs every capturing mode, with and without async scheduling; max_num_batched_tokens 256, so the
     500-token prompt is chunked and steps mix chunks with decodes (steps over 64 tokens run eagerly)."""
+    from graphinfer.bench.common import compare_tie_aware
+
     rows = []
     kw = dict(max_num_seqs=16, max_num_batched_tokens=256, capture_sizes=[1, 2, 4, 8, 16, 32, 64])
     for name, (path, dtype) in models.items():

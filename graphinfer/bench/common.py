@@ -139,6 +139,25 @@ def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
     return finished
 
 
+def compare_tie_aware(ref: list[list[int]], ref_logprobs: list, got: list[list[int]], tie: float = 1e-3) -> dict:
+    """Requests whose tokens are identical, or first differ where the reference's top-2 log-probs are within
+    `tie` and the other token is the reference's runner-up (random bf16 weights give exact ties: either token is
+    right, and the sequences then diverge). ref_logprobs: the reference's per-position {token: Logprob} (>= 2)."""
+    identical = ties = 0
+    mismatches = []
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a == b:
+            identical += 1
+            continue
+        pos = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        top = sorted((lp.logprob for lp in ref_logprobs[i][pos].values()), reverse=True)[:2]
+        if len(top) == 2 and top[0] - top[1] <= tie and b[pos] in ref_logprobs[i][pos]:
+            ties += 1
+        else:
+            mismatches.append(dict(request=i, position=pos, ref_top2=top))
+    return dict(identical=identical, tie_divergences=ties, mismatches=mismatches, ok=not mismatches)
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     """Cells as given (strings), None as '-', floats with one decimal."""
     fmt = lambda v: "-" if v is None else f"{v:,.1f}" if isinstance(v, float) else str(v)  # noqa: E731
