@@ -200,6 +200,15 @@ def _moe_down_kernel(
 
 
 @triton.jit
+def _decode_slot_tile(N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The small-T kernels' program: (routed slot, its BLOCK_N output rows of N, their mask)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid // num_n, offs_n, offs_n < N
+
+
+@triton.jit
 def _moe_decode_gate_up_kernel(
     x_ptr, w13_ptr, inter_ptr, topk_ids_ptr,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_it, stride_ii,
@@ -207,11 +216,7 @@ def _moe_decode_gate_up_kernel(
 ):
     """Small T: inter[s, n] = silu(x[s // K] . w13[e, n]) * (x[s // K] . w13[e, I + n]), e = topk_ids[s], for the
     BLOCK_N rows n of one output tile of one routed slot s = t * K + k."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(I, BLOCK_N)
-    slot = pid // num_n
-    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
+    slot, offs_n, n_mask = _decode_slot_tile(I, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
     x_row = x_ptr + (slot // TOP_K) * stride_xt
@@ -242,11 +247,7 @@ def _moe_decode_down_kernel(
     H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Small T: out[s, n] = weight[s] * (inter[s] . w2[e, n]), e = topk_ids[s], for one output tile of slot s."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(H, BLOCK_N)
-    slot = pid // num_n
-    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < H
+    slot, offs_n, n_mask = _decode_slot_tile(H, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
     a_row = inter_ptr + slot * stride_it
