@@ -6,7 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test test-triton-ascend venv venv-ascend clean
 
-venv: $(STAMP)
+# The cpu platform's C++ kernels (csrc/cpu/), compiled for this machine with its own g++ (graphinfer/ops/cpu_ext.py).
+CPU_KERNELS := graphinfer/ops/_cpu_kernels.so
+
+venv: $(STAMP) $(CPU_KERNELS)
+
+$(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*.cpp) graphinfer/ops/cpu_ext.py
+	$(BIN)/python -m graphinfer.ops.cpu_ext
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -47,4 +53,4 @@ test-triton-ascend: venv-ascend
 		tests/test_triton_prefill_attention.py
 
 clean:
-	rm -rf $(VENV) $(ASCEND_VENV)
+	rm -rf $(VENV) $(ASCEND_VENV) $(CPU_KERNELS) $(CPU_KERNELS).torch

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import graphinfer.ops as ref_ops
+from graphinfer.ops import cpu_ext
 from graphinfer.ops.cpu_attention import _decode_groups, paged_attention_cpu, reshape_and_cache_cpu
 from test_triton_kernels import DECODE_LENS, MIXED_L, MIXED_Q, TOL, _paged_batch
 
@@ -10,6 +11,15 @@ from test_triton_kernels import DECODE_LENS, MIXED_L, MIXED_Q, TOL, _paged_batch
 # cached prefix (one whose prefix ends mid-block, one with a 1-token prefix), in request order mixed
 RAGGED_Q = [1, 1, 9, 1, 1, 6, 1, 13, 1, 4]
 RAGGED_L = [3, 70, 9, 0, 40, 23, 41, 14, 5, 5]
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def decode_impl(request, monkeypatch):
+    """Every test runs with the C++ decode kernel (csrc/cpu/, built by make) and with the PyTorch fallback."""
+    if request.param == "native" and not cpu_ext.available():
+        pytest.skip("cpu C++ kernels not built: python -m graphinfer.ops.cpu_ext")
+    monkeypatch.setattr(cpu_ext, "available", lambda: request.param == "native")
+    return request.param
 
 
 def _check(q_lens, seq_lens, n_q, n_kv, head, block_size, dtype, seed=0):
@@ -36,6 +46,18 @@ def test_ragged_batch(n_q, n_kv, head, block_size, dtype):
 def test_batches_of_the_kernel_tests(q_lens, seq_lens):
     """Pure decode (padded, and all equal lengths: no mask), the Triton tests' mixed batch, prefill only."""
     _check(q_lens, seq_lens, 8, 2, 32, 4, torch.float32, seed=1)
+
+
+def test_long_ragged_decode_with_strided_query():
+    """Contexts over many blocks (one ending mid-block), query heads as a strided view (as split from a fused QKV)."""
+    lens = [300, 17, 129, 1, 0, 64]
+    q, *rest = _paged_batch([1] * len(lens), lens, 6, 2, 64, 16, torch.bfloat16, seed=2)
+    qkv = torch.cat([q, torch.zeros_like(q[:, :2])], dim=1)
+    strided = qkv[:, :6]
+    assert not strided.is_contiguous()
+    out = paged_attention_cpu(strided, *rest, 0.125)
+    torch.testing.assert_close(out.float(), ref_ops.paged_attention.reference(q, *rest, 0.125).float(),
+                               **TOL[torch.bfloat16])
 
 
 def test_decode_groups_bound_padding():

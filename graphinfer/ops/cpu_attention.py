@@ -1,18 +1,22 @@
 """CPU implementations of the paged KV-cache ops (the cpu platform's default; ops/attention.py stays the oracle).
 
-Attention runs on ATen's flash CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`: tiled, all cores,
-fp32 accumulation for bf16 inputs, GQA without repeating K/V) and never builds a boolean mask for prefill:
-- prefill chunk of n rows over a context of L tokens: the n new rows attend causally to themselves (is_causal)
-  and fully to the cached prefix of L - n tokens; the two partials merge through their log-sum-exps, as
-  split-KV flash attention does;
-- decode rows: sorted by context length and cut into groups whose padding stays small, so a batch whose
-  lengths differ widely does not gather and attend over max(len) for every row; one flash call per group.
-K/V are gathered by whole blocks (index_select: a memcpy per block), once per request or decode group and layer.
+- decode rows (one query row over a cached context): the C++ kernel of csrc/cpu/paged_decode_attention.cpp
+  (built by `make`, see ops/cpu_ext.py) reads each row's own context in place from the paged cache, all rows
+  and KV heads in one parallel call, fp32 accumulation. Without the library they fall back to PyTorch: rows
+  sorted by context length and cut into groups whose padding stays small, each group's K/V gathered by whole
+  blocks (index_select, a memcpy per block) and attended by one flash call.
+- prefill chunks run on ATen's flash CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`: tiled, all
+  cores, fp32 accumulation for bf16 inputs, GQA without repeating K/V) and never build a boolean mask: the n
+  new rows of a chunk over a context of L tokens attend causally to themselves (is_causal) and fully to the
+  cached prefix of L - n tokens; the two partials merge through their log-sum-exps, as split-KV flash
+  attention does. One call per prefill request and layer; its K/V are gathered once (whole blocks).
 Rows with seq_len 0 (padding) and cache writes to slot -1 are skipped, as in the reference.
 """
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from graphinfer.ops import cpu_ext
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _DECODE_PAD_SLACK = 1.25  # a decode group attends over at most this times its rows' real context tokens
@@ -89,6 +93,28 @@ def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, b
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [e - s for s, e in zip(starts[:-1], starts[1:])]
+    if _native_decode(query, key_cache, block_tables):
+        # The C++ kernel (csrc/cpu/) reads every decode row's context in place; rows it does not own stay zero.
+        out = torch.zeros_like(query)
+        torch.ops.graphinfer_cpu.paged_decode_attention(out, query, key_cache, value_cache, block_tables,
+                                                        query_start_loc, seq_lens, scale)
+    else:
+        out = _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, starts, q_lens, lens, scale)
+    for i, (s, n, L) in enumerate(zip(starts, q_lens, lens)):
+        if n > 1 and L > 0:
+            out[s: s + n] = _prefill(query[s: s + n], key_cache, value_cache, block_tables[i: i + 1], L,
+                                     scale).to(out.dtype)
+    return out
+
+
+def _native_decode(query: Tensor, key_cache: Tensor, block_tables: Tensor) -> bool:
+    return (cpu_ext.available() and query.dtype == key_cache.dtype and query.stride(-1) == 1
+            and key_cache.is_contiguous() and block_tables.dtype == torch.int32)
+
+
+def _decode_rows(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                 starts: list[int], q_lens: list[int], lens: list[int], scale: float) -> Tensor:
+    """Without the C++ kernel: decode rows in groups of similar context lengths, each gathered and attended."""
     decode = [i for i, (n, L) in enumerate(zip(q_lens, lens)) if n == 1 and L > 0]
     out = query.new_zeros(query.shape) if len(decode) < query.shape[0] else query.new_empty(query.shape)
     for group in _decode_groups(lens, decode):
@@ -100,10 +126,6 @@ def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, b
         out.index_copy_(0, rows, _decode(query.index_select(0, rows), key_cache, value_cache,
                                          block_tables.index_select(0, idx), seq_lens.index_select(0, idx),
                                          lens[group[0]], scale).to(out.dtype))
-    for i, (s, n, L) in enumerate(zip(starts, q_lens, lens)):
-        if n > 1 and L > 0:
-            out[s: s + n] = _prefill(query[s: s + n], key_cache, value_cache, block_tables[i: i + 1], L,
-                                     scale).to(out.dtype)
     return out
 
 

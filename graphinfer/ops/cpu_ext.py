@@ -1,0 +1,56 @@
+"""The cpu platform's C++ kernels (csrc/cpu/): built by `make` with the machine's own compiler, loaded if present.
+
+`python -m graphinfer.ops.cpu_ext` compiles them into graphinfer/ops/_cpu_kernels.so for this machine's CPU
+(-march=native) and this torch; a sidecar file records the torch version, and a library built for another
+torch is not loaded (rebuild with `make venv` or the command above). Without the library, the cpu ops fall
+back to their pure-PyTorch forms (graphinfer/ops/cpu_attention.py), which give the same results, slower.
+"""
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).resolve().parents[2] / "csrc" / "cpu").glob("*.cpp"))
+LIBRARY = Path(__file__).with_name("_cpu_kernels.so")
+_TORCH_STAMP = LIBRARY.with_name(LIBRARY.name + ".torch")
+_loaded: bool | None = None
+
+
+def build(compiler: str = "g++") -> Path:
+    from torch.utils import cpp_extension
+
+    if not SOURCES:
+        raise FileNotFoundError("csrc/cpu/*.cpp not found: build from a source checkout")
+    lib_dir = Path(torch.__file__).parent / "lib"
+    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *(f"-I{p}" for p in cpp_extension.include_paths()), *map(str, SOURCES),
+           f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib_dir}", "-o", str(LIBRARY)]
+    subprocess.run(cmd, check=True)
+    _TORCH_STAMP.write_text(torch.__version__)
+    return LIBRARY
+
+
+def available() -> bool:
+    """Load the library once; False (and one warning saying how to build it) where it is missing or stale."""
+    global _loaded
+    if _loaded is None:
+        _loaded = False
+        if not LIBRARY.exists():
+            logger.info("cpu C++ kernels not built (%s): using the PyTorch fallbacks; build with "
+                        "`python -m graphinfer.ops.cpu_ext`", LIBRARY.name)
+        elif not _TORCH_STAMP.exists() or _TORCH_STAMP.read_text() != torch.__version__:
+            logger.warning("%s was built for another torch than %s: using the PyTorch fallbacks; rebuild with "
+                           "`python -m graphinfer.ops.cpu_ext`", LIBRARY.name, torch.__version__)
+        else:
+            torch.ops.load_library(str(LIBRARY))
+            _loaded = True
+    return _loaded
+
+
+if __name__ == "__main__":
+    print(f"built {build(*sys.argv[1:])}")
