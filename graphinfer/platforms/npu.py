@@ -167,6 +167,16 @@ class NpuPlatform(Platform):
             self._ops.graph_params.update(graph, seq_lens)
 
     # ----- ops -----
+    def sampler_kernel(self, kernels: str | None = None):
+        # Wherever Triton-Ascend runs graphinfer's kernels (the default: paged attention) it samples too.
+        from graphinfer.ops.npu import NPU_OPS
+
+        if "triton" not in parse_kernels(kernels, NPU_OPS).values():
+            return None
+        from graphinfer.ops.triton.sampling import sample
+
+        return sample
+
     def op_impls(self, kernels: str | None = None):
         from graphinfer.ops.npu import NPU_OPS
 
