@@ -16,10 +16,15 @@
    FLOPs count the causal part only (4 * head_dim * q_heads per visible (query, key) pair).
 5. QK-norm + RoPE (issue 15): the qk_norm_rope kernel against its reference op at Qwen3-0.6B and Qwen3-30B-A3B
    head shapes, T = 1, 64, 256, 4,096, fp32 and bf16, and its time against the three launches it replaces.
+6. Sampling (issue 15): the Sampler's torch path vs the fused sampling kernel at B = 1, 64, 256 and V = 151,936
+   (Qwen3), bf16 logits, temperature 0.6 and greedy: the whole Sampler call (eager, host included) both ways,
+   the kernel's device time (in a CUDA graph; target < ~50 us at B = 256), and greedy tokens equal to
+   torch.argmax (random bf16 logits have exact ties: the lowest index must win).
 
     python tools/gpu_check.py --output-json OUT.json [--smollm2 PATH.gguf] [--quick]
     python tools/gpu_check.py --prefill-attention --output-json OUT.json [--quick]     (part 4 alone)
     python tools/gpu_check.py --qk-norm-rope --output-json OUT.json [--quick]          (part 5 alone)
+    python tools/gpu_check.py --sampler --output-json OUT.json [--quick]               (part 6 alone)
 
 --quick uses small shapes and models (a smoke run; also works on CPU for the kernel and prefill parts
 under TRITON_INTERPRET=1). Exits non-zero if any check fails.
@@ -426,16 +431,63 @@ def check_qk_norm_rope(shapes: dict, T_list, device, bandwidth: float) -> list[d
     return rows
 
 
+SAMPLER_VOCAB = 151_936  # Qwen3
+
+
+def check_sampler(batch_sizes, vocab: int, device) -> list[dict]:
+    """The Sampler with and without the fused kernel on all-random (T = 0.6) and all-greedy batches: greedy tokens
+    must equal torch.argmax, drawn tokens must be in the vocab. Times: the Sampler call both ways (eager, host
+    included; an all-greedy batch takes the argmax shortcut either way, so there compare the kernel's own time
+    with it) and the kernel alone (device time in a CUDA graph)."""
+    from graphinfer.ops.triton.sampling import sample
+    from graphinfer.runtime.sampler import Sampler
+    from graphinfer.runtime.sequence import Sequence
+    from graphinfer.sampling_params import SamplingParams
+
+    rows_out = []
+    gen = torch.Generator().manual_seed(0)
+    for B in batch_sizes:
+        logits = (torch.randn(B, vocab, generator=gen) * 3).to(torch.bfloat16).to(device)
+        for label, temperature in (("T=0.6", 0.6), ("greedy", 0.0)):
+            rows = [Sequence(str(i), None, [1], SamplingParams(temperature=temperature), 16) for i in range(B)]
+            torch_sampler = Sampler(None, device=device)
+            fused_sampler = Sampler(None, device=device, kernel=sample)
+            temps = torch.full((B,), temperature, dtype=torch.float32, device=device)
+            seeds = torch.full((B,), 1234, dtype=torch.int64, device=device)
+            offsets = torch.arange(B, device=device)
+            tokens = fused_sampler(logits, rows).sampled_token_ids
+            kernel_tokens = sample(logits, temps, seeds, offsets)
+            if temperature == 0.0:
+                want = logits.argmax(dim=-1)
+                ok = torch.equal(tokens, want) and torch.equal(kernel_tokens, want)
+            else:
+                ok = bool(((tokens >= 0) & (tokens < vocab)).all())
+            torch_ms = bench_ms(lambda: torch_sampler(logits, rows), device)
+            fused_ms = bench_ms(lambda: fused_sampler(logits, rows), device)
+            kernel_fn = lambda: sample(logits, temps, seeds, offsets)  # noqa: E731
+            kernel_ms = graph_ms(kernel_fn) if device.type == "cuda" else bench_ms(kernel_fn, device)
+            rows_out.append(dict(case=f"sampler B={B} V={vocab} {label}", batch=B, vocab=vocab, temperature=temperature,
+                                 ok=ok, torch_ms=torch_ms, fused_ms=fused_ms, kernel_device_ms=kernel_ms,
+                                 speedup=torch_ms / fused_ms))
+            x = rows_out[-1]
+            print(f"{'ok ' if ok else 'BAD'} {x['case']:34s} torch path {torch_ms * 1e3:8.1f} us, with the kernel "
+                  f"{fused_ms * 1e3:8.1f} us (x{x['speedup']:.2f}); kernel device time {kernel_ms * 1e3:8.1f} us",
+                  flush=True)
+    return rows_out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-json", default="gpu_check.json")
     ap.add_argument("--smollm2", default="", help="SmolLM2 GGUF path (default: the bundled one)")
     ap.add_argument("--quick", action="store_true", help="small shapes and tiny models (smoke run)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,modes,capture,prefill,qknorm")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,modes,capture,prefill,qknorm,sampler")
     ap.add_argument("--prefill-attention", action="store_true",
                     help="run only part 4, prefill attention vs SDPA (= --skip kernels,modes,capture)")
     ap.add_argument("--qk-norm-rope", action="store_true",
                     help="run only part 5, the qk_norm_rope kernel vs reference and vs the unfused chain")
+    ap.add_argument("--sampler", action="store_true",
+                    help="run only part 6, the Sampler's torch path vs the fused sampling kernel")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     skip = set(filter(None, args.skip.split(",")))
@@ -443,6 +495,8 @@ def main() -> int:
         skip |= {"kernels", "modes", "capture"}
     if args.qk_norm_rope:
         skip |= {"kernels", "modes", "capture", "prefill"}
+    if args.sampler:
+        skip |= {"kernels", "modes", "capture", "prefill", "qknorm"}
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   torch=torch.__version__)
     bw = copy_bandwidth(device, (1 << 31) if device.type == "cuda" and not args.quick else 1 << 24)
@@ -460,6 +514,9 @@ def main() -> int:
         result["qk_norm_rope"] = check_qk_norm_rope(
             {"tiny": dict(heads=4, kv_heads=2, head_dim=32)} if args.quick else QKNORM_SHAPES,
             [3] if args.quick else [1, 64, 256, 4096], device, bw)
+    if "sampler" not in skip:
+        result["sampler"] = check_sampler([1, 4] if args.quick else [1, 64, 256], 1003 if args.quick else SAMPLER_VOCAB,
+                                          device)
     if device.type == "cuda":
         models = {"tiny-qwen3": ("tiny-qwen3", "float32")} if args.quick else {
             "smollm2 (fp32)": (args.smollm2, "float32"), "smollm2 (bf16)": (args.smollm2, "bfloat16"),
@@ -479,7 +536,8 @@ def main() -> int:
     bad = [r for r in result.get("kernels", []) if not r["ok"]] + \
           [r for r in result.get("graph_modes", []) if not r["ok"]] + \
           [r for r in result.get("prefill_attention", []) if not r["ok"]] + \
-          [r for r in result.get("qk_norm_rope", []) if not r["ok"]]
+          [r for r in result.get("qk_norm_rope", []) if not r["ok"]] + \
+          [r for r in result.get("sampler", []) if not r["ok"]]
     print(f"\n{len(bad)} failing checks; wrote {args.output_json}")
     return 1 if bad else 0
 

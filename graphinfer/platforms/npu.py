@@ -10,7 +10,8 @@ Kernels (CompileConfig.kernels / --kernels): None = torch_npu fused ops for ever
 paged_attention, which stays the Triton kernel (Triton-Ascend): it reads its lengths on device, so plain
 capture works. "torch_npu" puts attention on FIA too (FULL_DECODE_ONLY then patches FIA's host lengths
 before each replay, see graphinfer.ops.npu.FiaGraphParams); "triton"; "reference"; or per-op overrides:
-"torch_npu,paged_attention=triton", "rms_norm=triton".
+"torch_npu,paged_attention=triton", "rms_norm=triton". The sampler uses the fused Triton sampling kernel
+whenever some op runs on Triton (the default), see Sampler.
 Not run on NPU hardware by this project: written against the documented torch_npu APIs (docs/ascend.md).
 """
 import contextlib
@@ -167,6 +168,16 @@ class NpuPlatform(Platform):
             self._ops.graph_params.update(graph, seq_lens)
 
     # ----- ops -----
+    def sampler_kernel(self, kernels: str | None = None):
+        # Wherever Triton-Ascend runs graphinfer's kernels (the default: paged attention) it samples too.
+        from graphinfer.ops.npu import NPU_OPS
+
+        if "triton" not in parse_kernels(kernels, NPU_OPS).values():
+            return None
+        from graphinfer.ops.triton.sampling import sample
+
+        return sample
+
     def op_impls(self, kernels: str | None = None):
         from graphinfer.ops.npu import NPU_OPS
 

@@ -69,7 +69,7 @@ class ModelRunner:
         if not placeholder_kv:
             logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                         self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
-        self.sampler = Sampler(eos_token_ids, seed=seed, device=device)
+        self.sampler = Sampler(eos_token_ids, seed=seed, device=device, kernel=platform.sample_kernel)
 
     def _block_bytes(self) -> int:
         a = self.attn_layers[0]

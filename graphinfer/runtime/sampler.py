@@ -1,10 +1,20 @@
 """Batched next-token sampler, following vLLM v1's Sampler.
 
 Order: raw logprobs -> min_tokens mask -> penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p
--> exponential-race sampling. Everything is batched over rows except the noise of seeded rows, each drawn
-from the row's own generator so a seeded request samples the same tokens whatever else is in the batch.
-Logprobs are computed only when some row asks for them.
+-> exponential-race sampling. Logprobs are computed only when some row asks for them.
+
+Where the platform has the fused sampling kernel (graphinfer/ops/triton/sampling.py: CUDA, Ascend with
+Triton-Ascend, cpu with kernels="triton"), a batch whose rows ask for nothing but a temperature (no logprobs,
+penalties, min_tokens mask in force, top-k / top-p / min-p) is sampled by that one kernel straight from the
+logits; other batches take the torch path below, whose race then also draws through the kernel (on the
+filtered log-probabilities), so every row draws from the same random stream on either path. The stream is
+vLLM's seed + offset: a seeded request uses (its seed, tokens it has generated so far), so it samples the same
+tokens whatever else is in the batch; other rows use (a per-step seed from this sampler's host RNG, their row).
+Without the kernel (the cpu default) the race draws with torch: unseeded rows from the sampler's generator,
+seeded rows from their own (Sequence.generator), with the same batch independence; the tokens a given seed
+yields therefore differ between the two (as they already differ between torch's cpu and CUDA generators).
 """
+import random
 from dataclasses import dataclass, fields
 
 import torch
@@ -26,12 +36,16 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: int | set[int] | None, seed: int = 0, device="cpu"):
+    def __init__(self, eos_token_ids: int | set[int] | None, seed: int = 0, device="cpu", kernel=None):
+        """kernel: the platform's fused sampling kernel (Platform.sample_kernel), or None for torch alone."""
         # Several ids end generation for some models (Llama 3: <|end_of_text|>, <|eot_id|>).
         self.eos_token_ids = {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids or ())
         self.device = torch.device(device)
-        # Rows without their own seed share this generator.
+        self.kernel = kernel
+        # Rows without their own seed share this generator (torch race) or draw a per-step seed from this host
+        # RNG (kernel race: no device state to advance, nothing read back).
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.step_rng = random.Random(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list) -> SamplerOutput:
         params = [r.sampling_params for r in rows]
@@ -40,6 +54,11 @@ class Sampler:
             # fp32 copy written and re-read (B x vocab x 4 bytes). Same token: the upcast is exact and monotone,
             # and argmax returns the first maximum either way.
             return SamplerOutput(logits.argmax(dim=-1), None, None, None, None)
+        if self.kernel is not None and all(_temperature_only(r, p) for r, p in zip(rows, params)):
+            # One pass over the logits in their own dtype: greedy rows take the argmax (temperature 0).
+            rows_idx = range(len(rows))
+            temps = [0.0 if p.greedy else p.temperature for p in params]
+            return SamplerOutput(self._kernel_sample(logits, rows, rows_idx, temps), None, None, None, None)
         x = logits.to(torch.float32, copy=True)  # copy: we mask and penalise in place
         dev = x.device
 
@@ -57,25 +76,18 @@ class Sampler:
             idx = torch.tensor(rand, device=dev) if sampled is not None else None
             sub = x[idx] if idx is not None else x
             temps = [params[i].temperature for i in rand]
-            temp = temps[0] if len(set(temps)) == 1 else torch.tensor(temps, device=dev)[:, None]
             top_k, top_p, min_p = ([getattr(params[i], name) for i in rand] for name in ("top_k", "top_p", "min_p"))
             filtered = not _no_filter(top_k, top_p, min_p)
-            scaled = sub / temp
-            weights = _filtered_probs(sub, scaled, top_k, top_p, min_p) if filtered else scaled
-            # Exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i. Seeded rows
-            # draw from their own generator; the rest share one batched draw (one launch, not one per row).
-            q = torch.empty_like(weights)
-            seeded = [j for j, i in enumerate(rand) if getattr(rows[i], "generator", None) is not None]
-            if len(seeded) < len(rand):
-                q.exponential_(generator=self.generator)
-            for j in seeded:
-                q[j].exponential_(generator=rows[rand[j]].generator)
-            q.clamp_(min=1e-30)  # E == 0 would give 0/0
-            if filtered:
-                drawn = weights.div_(q).argmax(dim=-1)
-            else:  # argmax(softmax(s) / E) = argmax(s - log E): the same race without the softmax, whose CUDA
-                # kernel runs one block per row (67 us for one 152K-vocab row on the H100, 5% of a batch-1 step)
-                drawn = weights.sub_(q.log_()).argmax(dim=-1)
+            if self.kernel is not None and not filtered:  # the kernel divides by the temperature itself
+                drawn = self._kernel_sample(sub, rows, rand, temps)
+            else:
+                temp = temps[0] if len(set(temps)) == 1 else torch.tensor(temps, device=dev)[:, None]
+                scaled = sub / temp
+                weights = _filtered_probs(sub, scaled, top_k, top_p, min_p) if filtered else scaled
+                if self.kernel is not None:  # the Gumbel race on log p (T = 1) draws token i with probability p_i
+                    drawn = self._kernel_sample(weights.log_(), rows, rand, [1.0] * len(rand))
+                else:
+                    drawn = self._torch_race(weights, filtered, [rows[i] for i in rand])
             if sampled is None:
                 sampled = drawn
             else:
@@ -87,6 +99,39 @@ class Sampler:
         ranks = torch.count_nonzero(raw_lp > sampled_lp, dim=-1) + 1
         topk_lp, topk_ids = torch.topk(raw_lp, min(max(asked), raw_lp.shape[-1]), dim=-1)
         return SamplerOutput(sampled, sampled_lp[:, 0], ranks, topk_ids, topk_lp)
+
+    def _kernel_sample(self, scores, rows, idx, temps) -> torch.Tensor:
+        """The kernel's tokens for rows[idx] (scores: one row each, in that order). Keys: (seed, tokens generated
+        so far) for a seeded request, else (this step's seed, its row in the batch): host ints, one copy each."""
+        step_seed = self.step_rng.getrandbits(63)
+        seeds, offsets = [], []
+        for i in idx:
+            seed = rows[i].sampling_params.seed
+            if seed is None:
+                seeds.append(step_seed)
+                offsets.append(i)
+            else:
+                seeds.append(seed - 2**64 if seed >= 2**63 else seed)  # the same 64 bits as an int64
+                offsets.append(rows[i].num_output_tokens)  # counts a token still on its way to the host
+        dev = scores.device
+        keys = torch.tensor([seeds, offsets], dtype=torch.int64, device=dev)
+        return self.kernel(scores, torch.tensor(temps, dtype=torch.float32, device=dev), keys[0], keys[1])
+
+    def _torch_race(self, weights, filtered, rows) -> torch.Tensor:
+        """Exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i. Seeded rows draw from
+        their own generator; the rest share one batched draw (one launch, not one per row)."""
+        q = torch.empty_like(weights)
+        seeded = [j for j, r in enumerate(rows) if getattr(r, "generator", None) is not None]
+        if len(seeded) < len(rows):
+            q.exponential_(generator=self.generator)
+        for j in seeded:
+            q[j].exponential_(generator=rows[j].generator)
+        q.clamp_(min=1e-30)  # E == 0 would give 0/0
+        if filtered:
+            return weights.div_(q).argmax(dim=-1)
+        # argmax(softmax(s) / E) = argmax(s - log E): the same race without the softmax, whose CUDA kernel runs
+        # one block per row (67 us for one 152K-vocab row on the H100, 5% of a batch-1 step)
+        return weights.sub_(q.log_()).argmax(dim=-1)
 
     def _apply_min_tokens(self, x, rows, params):
         # Like vLLM, eos is masked even with ignore_eos (it's in the request's stop set either way).
@@ -126,6 +171,12 @@ class Sampler:
 def _argmax_only(row, p) -> bool:
     """Greedy, no logprobs, no penalties, no min_tokens mask in force: the token is the logits' argmax."""
     return p.greedy and p.logprobs is None and not p.has_penalties and row.num_output_tokens >= p.min_tokens
+
+
+def _temperature_only(row, p) -> bool:
+    """Nothing but a temperature to apply: the fused kernel samples the row from the logits as they are."""
+    return (p.logprobs is None and not p.has_penalties and row.num_output_tokens >= p.min_tokens
+            and (p.greedy or (p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0)))
 
 
 def _token_counts(token_lists: list[list[int]], V: int, device) -> torch.Tensor:
