@@ -70,15 +70,21 @@ def test_decode_groups_bound_padding():
 
 
 @pytest.mark.parametrize("pad", [False, True])
-def test_reshape_and_cache(pad):
+@pytest.mark.parametrize("key_dtype,cache_dtype,slot_dtype", [(torch.float32, torch.bfloat16, torch.int32),
+                                                              (torch.bfloat16, torch.bfloat16, torch.int64),
+                                                              (torch.float32, torch.float32, torch.int64)])
+def test_reshape_and_cache(pad, key_dtype, cache_dtype, slot_dtype):
+    """Mixed dtypes take the PyTorch path; matching dtypes with int64 slots the C++ kernel. Keys are a strided
+    view (rows of a fused QKV output), as the model passes them."""
     g = torch.Generator().manual_seed(3)
-    key, value = torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)
+    kv = torch.randn(6, 5, 8, generator=g).to(key_dtype)
+    key, value = kv[:, 1:3], kv[:, 3:5]
     slots = torch.randperm(20, generator=g)[:6]
     if pad:
         slots[[1, 4]] = -1
-    caches = [torch.randn(5, 4, 2, 8, generator=g).bfloat16() for _ in range(2)]
+    caches = [torch.randn(5, 4, 2, 8, generator=g).to(cache_dtype) for _ in range(2)]
     expected = [c.clone() for c in caches]
-    reshape_and_cache_cpu(key, value, *caches, slots.int())
+    reshape_and_cache_cpu(key, value, *caches, slots.to(slot_dtype))
     ref_ops.reshape_and_cache.reference(key, value, *expected, slots)
     for got, want in zip(caches, expected):
         assert torch.equal(got, want)

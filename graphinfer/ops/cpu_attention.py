@@ -1,6 +1,6 @@
 """CPU implementations of the paged KV-cache ops (the cpu platform's default; ops/attention.py stays the oracle).
 
-- decode rows (one query row over a cached context): the C++ kernel of csrc/cpu/paged_decode_attention.cpp
+- decode rows (one query row over a cached context): the C++ kernel of csrc/cpu/paged_attention.cpp
   (built by `make`, see ops/cpu_ext.py) reads each row's own context in place from the paged cache, all rows
   and KV heads in one parallel call, fp32 accumulation. Without the library they fall back to PyTorch: rows
   sorted by context length and cut into groups whose padding stays small, each group's K/V gathered by whole
@@ -24,6 +24,11 @@ _DECODE_PAD_SLACK = 1.25  # a decode group attends over at most this times its r
 
 def reshape_and_cache_cpu(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                           slot_mapping: Tensor) -> None:
+    if (cpu_ext.available() and key.dtype == key_cache.dtype and value.dtype == value_cache.dtype
+            and slot_mapping.dtype == torch.int64 and key.stride(1) == key.shape[2] and key.stride(2) == 1
+            and value.stride(1) == value.shape[2] and value.stride(2) == 1):
+        torch.ops.graphinfer_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
     slots = slot_mapping.long()
     if slots.numel() and int(slots.min()) < 0:  # padded rows: the reference's masking, only when there are some
         keep = slots >= 0
