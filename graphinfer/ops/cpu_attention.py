@@ -111,4 +111,4 @@ def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, b
 
 CPU_OPS = {"reshape_and_cache": reshape_and_cache_cpu, "paged_attention": paged_attention_cpu,
            # its cache write as reshape_and_cache_cpu (no boolean-mask host sync unless there are padded rows)
-           "qk_norm_rope_cache": chain_cache_write(qk_norm_rope.reference, reshape_and_cache_cpu)}
+           "qk_norm_rope_cache": chain_cache_write(qk_norm_rope.reference, reshape_and_cache_cpu, __name__)}

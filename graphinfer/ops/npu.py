@@ -33,7 +33,7 @@ class NpuOps:
         self.graph_params = FiaGraphParams(self)
         # No torch_npu op does it either: the qk_norm_rope and reshape_and_cache adapters in turn (a single launch
         # is graphinfer's Triton kernel: kernels="torch_npu,qk_norm_rope_cache=triton").
-        self.qk_norm_rope_cache = chain_cache_write(self.qk_norm_rope, self.reshape_and_cache)
+        self.qk_norm_rope_cache = chain_cache_write(self.qk_norm_rope, self.reshape_and_cache, __name__)
 
     @property
     def torch_npu(self):

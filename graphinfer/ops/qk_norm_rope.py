@@ -44,9 +44,10 @@ def _(qkv, num_heads, num_kv_heads, head_size, q_weight, k_weight, eps, position
             qkv.new_empty(T, num_kv_heads * head_size))
 
 
-def chain_cache_write(qk_norm_rope_impl: Callable, reshape_and_cache_impl: Callable) -> Callable:
+def chain_cache_write(qk_norm_rope_impl: Callable, reshape_and_cache_impl: Callable, module: str) -> Callable:
     """qk_norm_rope_cache as the two ops it fuses, from an implementation of each: the reference below, and the
-    platforms without a fused kernel for it (cpu, torch_npu)."""
+    platforms without a fused kernel for it (cpu, torch_npu). module: the caller's, where Platform.kernels reports
+    the implementation to come from."""
     def qk_norm_rope_cache(qkv: Tensor, num_heads: int, num_kv_heads: int, head_size: int, q_weight: Tensor,
                            k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor, is_neox: bool,
                            key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> Tensor:
@@ -57,11 +58,12 @@ def chain_cache_write(qk_norm_rope_impl: Callable, reshape_and_cache_impl: Calla
         heads = (qkv.shape[0], num_kv_heads, head_size)
         reshape_and_cache_impl(k.view(heads), v.view(heads), key_cache, value_cache, slot_mapping)
         return q
+    qk_norm_rope_cache.__module__ = module
     return qk_norm_rope_cache
 
 
 qk_norm_rope_cache = graphinfer_op(mutates_args=("key_cache", "value_cache"))(
-    chain_cache_write(qk_norm_rope.reference, reshape_and_cache.reference))
+    chain_cache_write(qk_norm_rope.reference, reshape_and_cache.reference, __name__))
 
 
 @register_fake(qk_norm_rope_cache)
