@@ -152,15 +152,11 @@ class FuseQKNormRopePass(Pass):
         if 0 in outs:
             outs[0].replace_all_uses_with(q)
         g.erase_node(write)
-        dead = [fused, *outs.values(), *(u for v in outs.values() for u, _ in walk_users(v))]
-        for node in sorted(set(dead), key=_position(g), reverse=True):  # users before what they read
-            g.erase_node(node)
+        dead = {fused, *outs.values(), *(u for v in outs.values() for u, _ in walk_users(v))}  # k, v and views
+        for node in reversed(list(g.nodes)):  # users before what they read
+            if node in dead:
+                g.erase_node(node)
         hoist_inputs(g)  # the caches and the slot mapping were read after the op
-
-
-def _position(g: fx.Graph):
-    order = {n: i for i, n in enumerate(g.nodes)}
-    return order.__getitem__
 
 
 def _cache_access_between(start: fx.Node, end: fx.Node, caches) -> fx.Node | None:
