@@ -440,7 +440,8 @@ def check_qk_norm_rope(shapes: dict, T_list, device, bandwidth: float) -> list[d
                 # Paged caches of block size 16 with room to spare; slots scattered, the last row padded (slot -1).
                 blocks = T // 16 + 2
                 slots = torch.randperm(blocks * 16, generator=gen)[:T]
-                slots[-1] = -1 if T > 1 else slots[-1]
+                if T > 1:
+                    slots[-1] = -1
                 slots = slots.to(device)
                 caches = [r(blocks, 16, hkv, d) for _ in range(2)]
                 ref_caches = [c.clone() for c in caches]
