@@ -87,10 +87,9 @@ class _Tape(TorchDispatchMode):
             return out
         schema = func._schema
         mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        if mutates:
-            self.graph.tape.append(("aten", func, args, kwargs, None))
-        elif not _is_view(out, args, kwargs):
-            self.graph.tape.append(("aten", func, args, kwargs, out))
+        fresh = not _is_view(out, args, kwargs)
+        if mutates or fresh:  # an op that writes an input and returns a new tensor (qk_norm_rope_cache) needs both
+            self.graph.tape.append(("aten", func, args, kwargs, out if fresh else None))
         return out
 
 

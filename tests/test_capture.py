@@ -41,10 +41,9 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         mutates = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-        if mutates:
-            self.graph.tape.append((func, args, kwargs, None))  # in-place: re-run it, its target is the output
-        elif not _aliases_an_input(out, args, kwargs):  # views see what replay refreshes in place
-            self.graph.tape.append((func, args, kwargs, out))
+        fresh = not _aliases_an_input(out, args, kwargs)  # views see what replay refreshes in place
+        if mutates or fresh:  # an op that writes an input and returns a new tensor (qk_norm_rope_cache) needs both
+            self.graph.tape.append((func, args, kwargs, out if fresh else None))
         return out
 
 

@@ -73,6 +73,23 @@ def test_qk_norm_rope(ops, is_neox):
     assert calls.count("npu_rms_norm") == 2 and calls.count("npu_rotary_mul") == 2
 
 
+@pytest.mark.parametrize("slots", [[-1, 5, 40, -1, 7], [-1, -1, -1, -1, -1]])
+def test_qk_norm_rope_cache(ops, slots):
+    T, heads, kv_heads, head = 5, 4, 2, 32
+    freqs = torch.outer(torch.arange(64).float(), 1.0 / (10000 ** (torch.arange(0, head, 2).float() / head)))
+    args = (torch.randn(T, (heads + 2 * kv_heads) * head), heads, kv_heads, head, 0.5 + torch.rand(head),
+            1.5 + torch.rand(head), 1e-6, torch.randint(0, 64, (T,)), torch.cat((freqs.cos(), freqs.sin()), -1), True)
+    got_caches, want_caches = _kv(), _kv()
+    for got, want in zip(got_caches, want_caches):
+        want.copy_(got)
+    torch.testing.assert_close(ops.qk_norm_rope_cache(*args, *got_caches, torch.tensor(slots)),
+                               ref.qk_norm_rope_cache(*args, *want_caches, torch.tensor(slots)))
+    for got, want in zip(got_caches, want_caches):
+        torch.testing.assert_close(got, want)
+    calls = ops.torch_npu.emulation_state.calls
+    assert calls.count("npu_rotary_mul") == 2 and calls.count("npu_scatter_pa_kv_cache") == 1
+
+
 def _kv(num_blocks=8, block_size=16, kv_heads=2, head=32):
     return torch.randn(num_blocks, block_size, kv_heads, head), torch.randn(num_blocks, block_size, kv_heads, head)
 

@@ -41,8 +41,9 @@ class SwapQKNorm(Pass):
         for q, k in zip(norms[::2], norms[1::2]):
             q.args, k.args = (q.args[0], k.args[1], q.args[2]), (k.args[0], q.args[1], k.args[2])
         hoist_inputs(gm.graph)
-        # After the default pipeline the norms are inside qk_norm_rope (args 4 and 5: q_weight, k_weight).
-        fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.graphinfer.qk_norm_rope)]
+        # After the default pipeline the norms are inside qk_norm_rope(_cache) (args 4 and 5: q_weight, k_weight).
+        fused = [n for n in gm.graph.nodes
+                 if is_op(n, torch.ops.graphinfer.qk_norm_rope, torch.ops.graphinfer.qk_norm_rope_cache)]
         for n in fused:
             n.args = (*n.args[:4], n.args[5], n.args[4], *n.args[6:])
         return len(norms) // 2 + len(fused)

@@ -66,7 +66,8 @@ def test_split_has_one_attention_per_layer_and_none_inside_pieces():
     assert top.count("graphinfer::paged_attention") == layers == split.info.num_splits
     assert [n.target for n in split.module.graph.nodes if n.op == "call_module"] == [f"piece_{i}" for i in range(layers + 1)]
     inside = [node_target_name(n) for p in split.pieces for n in p.graph.nodes if n.op == "call_function"]
-    assert "graphinfer::paged_attention" not in inside and inside.count("graphinfer::reshape_and_cache") == layers
+    # The KV-cache write (folded into qk_norm_rope_cache on Qwen3) stays inside the pieces, captured with them.
+    assert "graphinfer::paged_attention" not in inside and inside.count("graphinfer::qk_norm_rope_cache") == layers
     for ids, pos, md in check_inputs(model):  # the split module, pieces run eagerly, computes the fused graph
         torch.testing.assert_close(split.module(ids, pos, md), gm(ids, pos, md), rtol=0, atol=0)
 

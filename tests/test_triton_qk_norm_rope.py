@@ -1,4 +1,5 @@
-"""The qk_norm_rope Triton kernel against its reference op (the unfused rms_norm + rotary chain).
+"""The qk_norm_rope Triton kernel against its reference op (the unfused rms_norm + rotary chain), and its
+WRITE_CACHE form, qk_norm_rope_cache, against that chain followed by reshape_and_cache (the caches compared).
 
 Without a CUDA GPU it runs under TRITON_INTERPRET=1 (upstream Triton, or Triton-Ascend's interpreter in the
 .venv-ascend venv, see the Makefile's test-triton-ascend); with one, compiled on "cuda" tensors. Imports only
@@ -69,6 +70,59 @@ def test_qk_norm_rope_strided_qkv_and_no_tokens():
     empty = [torch.empty(0, args[0].shape[1])] + args[1:7] + [torch.empty(0, dtype=torch.long), args[8]]
     outs = TRITON_OPS["qk_norm_rope"](*[a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in empty], True)
     assert [tuple(o.shape) for o in outs] == [(0, 128), (0, 64), (0, 64)]
+
+
+def _cache_case(n_q, n_kv, head, dtype, cache_dtype, block_size, slots, seed=3):
+    """qk_norm_rope args for len(slots) tokens, plus caches of 4 blocks filled with noise (what a write leaves
+    alone must stay) and the slot mapping."""
+    args = _case(len(slots), n_q, n_kv, head, head, dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    caches = [torch.randn(4, block_size, n_kv, head, generator=g).to(cache_dtype) for _ in range(2)]
+    return args, caches, torch.tensor(slots)
+
+
+def _check_cache(args, caches, slots, is_neox):
+    dev = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+    got_caches = [c.to(DEVICE) for c in caches]
+    want_caches = [c.clone() for c in caches]
+    got = TRITON_OPS["qk_norm_rope_cache"](*dev, is_neox, *got_caches, slots.to(DEVICE))
+    want = ref_ops.qk_norm_rope_cache(*args, is_neox, *want_caches, slots)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = TOL[args[0].dtype] if caches[0].dtype == torch.float32 else TOL[torch.bfloat16]
+    torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[args[0].dtype], msg=lambda m: f"q: {m}")
+    torch.testing.assert_close(got_caches[0].cpu().float(), want_caches[0].float(), **tol,
+                               msg=lambda m: f"key cache: {m}")
+    if caches[1].dtype == args[0].dtype:
+        assert torch.equal(got_caches[1].cpu(), want_caches[1])  # v is copied
+    else:  # cast once to the cache dtype; Triton's interpreter rounds fp32 -> bf16 toward zero, torch to nearest
+        torch.testing.assert_close(got_caches[1].cpu().float(), want_caches[1].float(), **tol,
+                                   msg=lambda m: f"value cache: {m}")
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+def test_qk_norm_rope_cache(dtype, cache_dtype, block_size):
+    # Scattered over blocks, out of order, with padded rows (slot -1: nothing written).
+    slots = [3 * block_size + 5, -1, 7, 2 * block_size, -1, block_size - 1]
+    _check_cache(*_cache_case(4, 2, 32, dtype, cache_dtype, block_size, slots), is_neox=True)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_qk_norm_rope_cache_qwen3_heads(is_neox):
+    # Qwen3-0.6B's 16 q / 8 kv heads of 128 at batch 3 (one padded): k and v heads split across programs.
+    slots = [20, -1, 33]
+    _check_cache(*_cache_case(16, 8, 128, torch.float32, torch.float32, 16, slots, seed=4), is_neox=is_neox)
+
+
+def test_qk_norm_rope_cache_no_tokens():
+    args, caches, _ = _cache_case(4, 2, 32, torch.float32, torch.float32, 16, [0])
+    empty = [torch.empty(0, args[0].shape[1])] + list(args[1:7]) + [torch.empty(0, dtype=torch.long), args[8]]
+    before = [c.clone() for c in caches]
+    dev = [c.to(DEVICE) for c in caches]
+    q = TRITON_OPS["qk_norm_rope_cache"](*[a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in empty], True,
+                                         *dev, torch.empty(0, dtype=torch.long, device=DEVICE))
+    assert tuple(q.shape) == (0, 128) and all(torch.equal(a.cpu(), b) for a, b in zip(dev, before))
 
 
 def test_grid_stays_within_triton_ascends_limit():

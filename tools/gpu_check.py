@@ -15,7 +15,9 @@
    scaled_dot_product_attention (flash backend where it applies) on the same tensors made contiguous.
    FLOPs count the causal part only (4 * head_dim * q_heads per visible (query, key) pair).
 5. QK-norm + RoPE (issue 15): the qk_norm_rope kernel against its reference op at Qwen3-0.6B and Qwen3-30B-A3B
-   head shapes, T = 1, 64, 256, 4,096, fp32 and bf16, and its time against the three launches it replaces.
+   head shapes, T = 1, 64, 256, 4,096, fp32 and bf16, and its time against the three launches it replaces; then
+   the cache-writing form, qk_norm_rope_cache (q, and the paged caches it writes, block size 16, a padded row),
+   against its reference and its time against the two launches it replaces (qk_norm_rope + reshape_and_cache).
 6. Sampling (issue 15): the Sampler's torch path vs the fused sampling kernel at B = 1, 64, 256 and V = 151,936
    (Qwen3), bf16 logits, temperature 0.6 and greedy: the whole Sampler call (eager, host included) both ways,
    the kernel's device time (in a CUDA graph; target < ~50 us at B = 256), and greedy tokens equal to
@@ -386,14 +388,36 @@ QKNORM_SHAPES = {"qwen3-0.6b": dict(heads=16, kv_heads=8, head_dim=128),
                  "qwen3-30b-a3b": dict(heads=32, kv_heads=4, head_dim=128)}
 
 
+def _qk_norm_rope_row(rows: list, model: str, dtype, case: str, ref, out, fn, unfused, device, nbytes: int,
+                      bandwidth: float) -> None:
+    """Append and print one row: the error of out (tensors) vs ref; the time of fn vs unfused (the launches it
+    replaces), eager and, on a GPU, replayed in a CUDA graph (device time and gaps, no host launch cost)."""
+    err = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, out))
+    scale = max(b.float().abs().max().item() for b in ref) or 1.0
+    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    ms, ms_unfused = bench_ms(fn, device), bench_ms(unfused, device)
+    graph = (graph_ms(fn), graph_ms(unfused)) if device.type == "cuda" else (None, None)
+    rows.append(dict(model=model, dtype=str(dtype).removeprefix("torch."), case=case, max_abs_err=err,
+                     rel_err=err / scale, ok=err / scale <= tol, ms=ms, unfused_ms=ms_unfused,
+                     speedup=ms_unfused / ms, graph_ms=graph[0], unfused_graph_ms=graph[1],
+                     gbps=nbytes / (ms * 1e-3) / 1e9, bw_fraction=nbytes / (ms * 1e-3) / bandwidth))
+    x = rows[-1]
+    replayed = f"; replayed {graph[0] * 1e3:6.1f} us vs {graph[1] * 1e3:6.1f} us" if graph[0] is not None else ""
+    print(f"{'ok ' if x['ok'] else 'BAD'} {model:14s} {x['dtype']:8s} {case:26s} err {err:.2e} "
+          f"{ms * 1e3:8.1f} us (unfused {ms_unfused * 1e3:8.1f} us, x{x['speedup']:.2f}{replayed}) "
+          f"{x['gbps']:8.1f} GB/s ({100 * x['bw_fraction']:.0f}% of copy)", flush=True)
+
+
 def check_qk_norm_rope(shapes: dict, T_list, device, bandwidth: float) -> list[dict]:
     """The qk_norm_rope kernel against its reference op (same device), and its time against the chain it replaces
-    (fuse_qknorm_rope's input: Triton rms_norm on the q and k heads of the qkv slice, then the rotary kernel)."""
+    (fuse_qknorm_rope's input: Triton rms_norm on the q and k heads of the qkv slice, then the rotary kernel).
+    Then qk_norm_rope_cache likewise (q and the caches it writes), timed against qk_norm_rope + reshape_and_cache."""
     import graphinfer.ops  # noqa: F401  (the reference ops)
     from graphinfer.ops.triton import TRITON_OPS
 
     ref_op, fused = torch.ops.graphinfer.qk_norm_rope.default, TRITON_OPS["qk_norm_rope"]
-    rms_norm, rotary = TRITON_OPS["rms_norm"], TRITON_OPS["rotary_embedding"]
+    ref_cache_op, fused_cache = torch.ops.graphinfer.qk_norm_rope_cache.default, TRITON_OPS["qk_norm_rope_cache"]
+    rms_norm, rotary, write = TRITON_OPS["rms_norm"], TRITON_OPS["rotary_embedding"], TRITON_OPS["reshape_and_cache"]
     rows = []
     gen = torch.Generator().manual_seed(0)
     for model, shape in shapes.items():
@@ -414,20 +438,28 @@ def check_qk_norm_rope(shapes: dict, T_list, device, bandwidth: float) -> list[d
                     k = rms_norm(k.view(T, hkv, d), k_w, 1e-6).view(T, -1)
                     return rotary(pos, q, k, d, cache, True)
 
-                ref, out = ref_op(*args), fused(*args)
-                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, out))
-                scale = max(b.float().abs().max().item() for b in ref) or 1.0
-                tol = 2e-3 if dtype == torch.float32 else 3e-2
-                ms, ms_unfused = bench_ms(lambda: fused(*args), device), bench_ms(unfused, device)
-                nbytes = 2 * qkv.numel() * qkv.element_size()  # read qkv once, write q, k, v
-                rows.append(dict(model=model, dtype=str(dtype).removeprefix("torch."), case=f"qk_norm_rope T={T}",
-                                 max_abs_err=err, rel_err=err / scale, ok=err / scale <= tol, ms=ms,
-                                 unfused_ms=ms_unfused, speedup=ms_unfused / ms, gbps=nbytes / (ms * 1e-3) / 1e9,
-                                 bw_fraction=nbytes / (ms * 1e-3) / bandwidth))
-                x = rows[-1]
-                print(f"{'ok ' if x['ok'] else 'BAD'} {model:14s} {x['dtype']:8s} {x['case']:20s} err {err:.2e} "
-                      f"{ms * 1e3:8.1f} us (unfused chain {ms_unfused * 1e3:8.1f} us, x{x['speedup']:.2f}) "
-                      f"{x['gbps']:8.1f} GB/s ({100 * x['bw_fraction']:.0f}% of copy)", flush=True)
+                nbytes = 2 * qkv.numel() * qkv.element_size()  # read qkv once, write q, k, v (to the cache or not)
+                _qk_norm_rope_row(rows, model, dtype, f"qk_norm_rope T={T}", ref_op(*args), fused(*args),
+                                  lambda: fused(*args), unfused, device, nbytes, bandwidth)
+
+                # Paged caches of block size 16 with room to spare; slots scattered, the last row padded (slot -1).
+                blocks = T // 16 + 2
+                slots = torch.randperm(blocks * 16, generator=gen)[:T]
+                if T > 1:
+                    slots[-1] = -1
+                slots = slots.to(device)
+                caches = [r(blocks, 16, hkv, d) for _ in range(2)]
+                ref_caches = [c.clone() for c in caches]
+                ref_q = ref_cache_op(*args, *ref_caches, slots)
+
+                def two_launches():
+                    _, k, v = fused(*args)
+                    write(k.view(T, hkv, d), v.view(T, hkv, d), *caches, slots)
+
+                out_q = fused_cache(*args, *caches, slots)
+                _qk_norm_rope_row(rows, model, dtype, f"qk_norm_rope_cache T={T}", [ref_q, *ref_caches],
+                                  [out_q, *caches], lambda: fused_cache(*args, *caches, slots), two_launches, device,
+                                  nbytes, bandwidth)
     return rows
 
 

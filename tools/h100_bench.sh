@@ -23,7 +23,8 @@
 #   prefill     issue 19: the flash-attention kernel's and the no-host-sync tests compiled on the GPU, then
 #               tools/gpu_check.py --prefill-attention (TFLOP/s vs SDPA)                 (~3 min, not in the default)
 #   qknorm      issue 15 item 1: the qk_norm_rope kernel's and the fuse_qknorm_rope pass's tests on the GPU,
-#               tools/gpu_check.py --qk-norm-rope (kernel vs reference and vs the 3-launch chain it replaces), and
+#               tools/gpu_check.py --qk-norm-rope (kernel vs reference and vs the 3-launch chain it replaces; the
+#               cache-writing qk_norm_rope_cache vs qk_norm_rope + reshape_and_cache), and
 #               the decode step latency at batch 1/64/256, NONE and FULL_DECODE_ONLY, with and without the pass
 #                                                                                       (~4 min, not in the default)
 #   sampler     issue 15: the sampling kernel's and the Sampler's tests on the GPU, then tools/gpu_check.py --sampler

@@ -83,6 +83,9 @@ def op_cases(dtype):
                              cos_sin, True),
         "qk_norm_rope": (r(T, (heads + 2 * kv_heads) * d), heads, kv_heads, d, 0.5 + r(d).abs(), 1.5 + r(d).abs(),
                          1e-6, torch.randint(0, 4096, (T,), generator=g), cos_sin, True),
+        "qk_norm_rope_cache": (r(len(slots), (heads + 2 * kv_heads) * d), heads, kv_heads, d, 0.5 + r(d).abs(),
+                               1.5 + r(d).abs(), 1e-6, pos, cos_sin, True, r(num_blocks, bs, kv_heads, d),
+                               r(num_blocks, bs, kv_heads, d), slots),
         "silu_and_mul": (r(T, 2 * 3072),),
         "reshape_and_cache": (r(len(slots), kv_heads, d), r(len(slots), kv_heads, d), r(num_blocks, bs, kv_heads, d),
                               r(num_blocks, bs, kv_heads, d), slots),
@@ -90,6 +93,9 @@ def op_cases(dtype):
                             block_tables, qsl, torch.tensor(seq_lens, dtype=torch.int32), d ** -0.5),
         "fused_moe": (r(Tm, Hm), r(Tm, E), r(E, 2 * inter, Hm, s=0.02), r(E, Hm, inter, s=0.02), K, True),
     }
+
+
+CACHE_WRITES = {"reshape_and_cache": 2, "qk_norm_rope_cache": 10}  # op -> index of its key_cache (value_cache next)
 
 
 def to_npu(x, dtype):
@@ -106,8 +112,9 @@ def check_ops(dtype):
     for name, args in op_cases(dtype).items():
         if name == "rotary_embedding":  # the cache stays fp32 as in the models; positions int
             dev_args = [to_npu(a, dtype) for a in args[:3]] + [args[3], args[4].to("npu"), args[5]]
-        elif name == "qk_norm_rope":  # likewise
-            dev_args = [to_npu(a, dtype) for a in args[:8]] + [args[8].to("npu"), args[9]]
+        elif name in ("qk_norm_rope", "qk_norm_rope_cache"):  # likewise
+            dev_args = [to_npu(a, dtype) for a in args[:8]] + [args[8].to("npu"), args[9]] + [
+                to_npu(a, dtype) for a in args[10:]]
         else:
             dev_args = [to_npu(a, dtype) for a in args]
         ref_args = [a.to(dtype).float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
@@ -116,12 +123,14 @@ def check_ops(dtype):
                 continue
 
             def run(name=name, fn=table[name], dev_args=dev_args, ref_args=ref_args):
-                if name == "reshape_and_cache":  # in place: compare the caches
-                    kc, vc = dev_args[2].clone(), dev_args[3].clone()
-                    fn(dev_args[0], dev_args[1], kc, vc, dev_args[4])
-                    rk, rv = ref_args[2].clone(), ref_args[3].clone()
-                    getattr(torch.ops.graphinfer, name)(ref_args[0], ref_args[1], rk, rv, ref_args[4])
-                    return _close(kc, rk, dtype) + "; " + _close(vc, rv, dtype)
+                if name in CACHE_WRITES:  # in place: compare the caches (and q)
+                    i = CACHE_WRITES[name]
+                    got_caches = [a.clone() for a in dev_args[i:i + 2]]
+                    want_caches = [a.clone() for a in ref_args[i:i + 2]]
+                    got = fn(*dev_args[:i], *got_caches, *dev_args[i + 2:])
+                    want = getattr(torch.ops.graphinfer, name)(*ref_args[:i], *want_caches, *ref_args[i + 2:])
+                    return "; ".join(([] if got is None else [_close(got, want, dtype)])
+                                     + [_close(a, b, dtype) for a, b in zip(got_caches, want_caches)])
                 got = fn(*dev_args)
                 want = getattr(torch.ops.graphinfer, name)(*ref_args)
                 if isinstance(got, tuple):

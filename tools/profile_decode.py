@@ -34,6 +34,7 @@ _OPS = [
     (r"^_rms_norm_kernel", "rms_norm"),
     (r"^_rotary_kernel", "rotary_embedding"),
     (r"^_reshape_and_cache_kernel", "reshape_and_cache"),
+    (r"^_qk_norm_rope_kernel", "qk_norm_rope(_cache)"),  # one kernel for both ops (WRITE_CACHE is a constexpr)
     (r"^_silu_and_mul_kernel", "silu_and_mul"),
     (r"^_moe_", "fused_moe"),
     (r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitK|sm90_|Kernel2", "linear (cuBLAS)"),

@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 
 # Ops inlined for Inductor: pointwise, functional, with a reference Inductor fuses well.
 INLINED_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul")
-# Ops that run eagerly between the compiled pieces.
-SPLITTING_OPS = ("graphinfer::paged_attention", "graphinfer::reshape_and_cache")
+# Ops that run eagerly between the compiled pieces: attention and the ops that write the KV cache.
+SPLITTING_OPS = ("graphinfer::paged_attention", "graphinfer::reshape_and_cache", "graphinfer::qk_norm_rope_cache")
 
 
 def use_inductor_cache(directory: str) -> None:

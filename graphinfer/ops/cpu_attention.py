@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from graphinfer.ops import cpu_ext
+from graphinfer.ops.qk_norm_rope import chain_cache_write, qk_norm_rope
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _DECODE_PAD_SLACK = 1.25  # a decode group attends over at most this times its rows' real context tokens
@@ -134,4 +135,6 @@ def _decode_rows(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_ta
     return out
 
 
-CPU_OPS = {"reshape_and_cache": reshape_and_cache_cpu, "paged_attention": paged_attention_cpu}
+CPU_OPS = {"reshape_and_cache": reshape_and_cache_cpu, "paged_attention": paged_attention_cpu,
+           # its cache write as reshape_and_cache_cpu (no boolean-mask host sync unless there are padded rows)
+           "qk_norm_rope_cache": chain_cache_write(qk_norm_rope.reference, reshape_and_cache_cpu, __name__)}

@@ -17,8 +17,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-NPU_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "qk_norm_rope", "silu_and_mul", "reshape_and_cache",
-           "paged_attention", "fused_moe")
+from graphinfer.ops.qk_norm_rope import chain_cache_write
+
+NPU_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "qk_norm_rope", "qk_norm_rope_cache", "silu_and_mul",
+           "reshape_and_cache", "paged_attention", "fused_moe")
 MASK_SIZE = 2048  # FIA sparse_mode 2/3/4 take this fixed-size compressed causal mask
 
 
@@ -29,6 +31,9 @@ class NpuOps:
         self._torch_npu = torch_npu
         self._masks: dict[torch.device, Tensor] = {}
         self.graph_params = FiaGraphParams(self)
+        # No torch_npu op does it either: the qk_norm_rope and reshape_and_cache adapters in turn (a single launch
+        # is graphinfer's Triton kernel: kernels="torch_npu,qk_norm_rope_cache=triton").
+        self.qk_norm_rope_cache = chain_cache_write(self.qk_norm_rope, self.reshape_and_cache, __name__)
 
     @property
     def torch_npu(self):

@@ -5,10 +5,17 @@ each query and key head, rotate them by position; vLLM's `fused_qk_norm_rope`, v
 The reference is the unfused chain itself (rms_norm's and rotary_embedding's references), so the pass's
 numeric check compares like with like. Unlike vLLM's in-place op it returns new tensors, v included: an op
 may not return a view of its input, and v copied out contiguously is what the KV-cache write reads next.
+
+`qk_norm_rope_cache` is the same op followed by that KV-cache write (reshape_and_cache: paged caches, slot -1
+skipped), folded in by the pass where k and v feed only the write: it returns q alone, as attention reads k and
+v from the cache. One launch per layer instead of two, and k, v never round-trip through memory.
 """
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
+from graphinfer.ops.attention import reshape_and_cache
 from graphinfer.ops.library import graphinfer_op, register_fake
 from graphinfer.ops.norm import rms_norm_ref
 from graphinfer.ops.rotary import rotary_ref
@@ -35,3 +42,31 @@ def _(qkv, num_heads, num_kv_heads, head_size, q_weight, k_weight, eps, position
     T = qkv.shape[0]
     return (qkv.new_empty(T, num_heads * head_size), qkv.new_empty(T, num_kv_heads * head_size),
             qkv.new_empty(T, num_kv_heads * head_size))
+
+
+def chain_cache_write(qk_norm_rope_impl: Callable, reshape_and_cache_impl: Callable, module: str) -> Callable:
+    """qk_norm_rope_cache as the two ops it fuses, from an implementation of each: the reference below, and the
+    platforms without a fused kernel for it (cpu, torch_npu). module: the caller's, where Platform.kernels reports
+    the implementation to come from."""
+    def qk_norm_rope_cache(qkv: Tensor, num_heads: int, num_kv_heads: int, head_size: int, q_weight: Tensor,
+                           k_weight: Tensor, eps: float, positions: Tensor, cos_sin_cache: Tensor, is_neox: bool,
+                           key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> Tensor:
+        """qk_norm_rope, then k and v written into the paged caches [num_blocks, block_size, num_kv_heads,
+        head_size] at slot_mapping [T] (slot -1: skipped), as reshape_and_cache does; returns q."""
+        q, k, v = qk_norm_rope_impl(qkv, num_heads, num_kv_heads, head_size, q_weight, k_weight, eps, positions,
+                                    cos_sin_cache, is_neox)
+        heads = (qkv.shape[0], num_kv_heads, head_size)
+        reshape_and_cache_impl(k.view(heads), v.view(heads), key_cache, value_cache, slot_mapping)
+        return q
+    qk_norm_rope_cache.__module__ = module
+    return qk_norm_rope_cache
+
+
+qk_norm_rope_cache = graphinfer_op(mutates_args=("key_cache", "value_cache"))(
+    chain_cache_write(qk_norm_rope.reference, reshape_and_cache.reference, __name__))
+
+
+@register_fake(qk_norm_rope_cache)
+def _(qkv, num_heads, num_kv_heads, head_size, q_weight, k_weight, eps, positions, cos_sin_cache, is_neox,
+      key_cache, value_cache, slot_mapping):
+    return qkv.new_empty(qkv.shape[0], num_heads * head_size)

@@ -7,10 +7,11 @@ q (and k) = [view] <- rms_norm(view(split[0] (k: split[1]), ..., head_size), wei
 `qkv.split([H * head_size, Hkv * head_size, Hkv * head_size], dim=-1)`; neox or GPT-J rotary, full or partial.
 Produces: qk_norm_rope(qkv, H, Hkv, head_size, q_weight, k_weight, eps, positions, cache, is_neox) -> (q, k, v):
 the rotary's outputs become its q and k, split[2] (v, read by the KV-cache write) its v; the chain is erased.
-The KV-cache write that follows is left as it is. Folding it in would save one more launch per layer, but
-make the op mutate the caches (slot mapping, padded slot -1, cache layout and dtype all become its business,
-and the torch_npu mapping would need the write's padded-slot redirect too), for a gain not yet measured:
-tools/h100_bench.sh qknorm times this fusion first.
+Then the KV-cache write: where the op's k and v feed one reshape_and_cache (as key and value, through views)
+and nothing else, and nothing between the op and the write touches the caches, the pair becomes
+qk_norm_rope_cache(<the same args>, key_cache, value_cache, slot_mapping) -> q, placed at the op (the write
+moves up): one launch per layer for split + norms + rope + cache write. Attention reads k and v from the
+cache only, so nothing else needs them in a model; otherwise qk_norm_rope stays, with the reason reported.
 Rotaries with neither input RMSNormed (Llama, Qwen2) are no candidate: nothing to report. Declines (reason in
 the report): only one of q and k normed; different eps for q and k; a norm not over the head dim; q/k not two
 pieces of one three-way split of the last dim sized by the heads; chain values used elsewhere.
@@ -20,7 +21,8 @@ import operator
 from torch import fx
 
 from graphinfer.passes.base import Pass
-from graphinfer.passes.match import arg, get_param, getitem_of, hoist_inputs, is_call, is_op, is_view, used_only_by
+from graphinfer.passes.match import (arg, get_param, getitem_of, hoist_inputs, is_call, is_op, is_view, target_name,
+                                     used_only_by, walk_users)
 from graphinfer.passes.utils import GRAPHINFER
 
 _ROTARY_ARGS = ("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox")
@@ -39,7 +41,8 @@ def _index(node: fx.Node):
 
 class FuseQKNormRopePass(Pass):
     name = "fuse_qknorm_rope"
-    description = "qkv split + per-head q/k rms_norm + rotary_embedding -> qk_norm_rope"
+    description = ("qkv split + per-head q/k rms_norm + rotary_embedding -> qk_norm_rope; with the KV-cache write "
+                   "that follows -> qk_norm_rope_cache")
 
     def _side(self, gm, rot: fx.Node, index: int, head_size: int):
         """For q (index 0) or k (1): (chain from the split piece to the rotary input, split, weight, eps), or
@@ -121,5 +124,49 @@ class FuseQKNormRopePass(Pass):
                 g.erase_node(piece)
             g.erase_node(split)
             hoist_inputs(g)  # a user of v that came before the rotary pulls the op up
+            self._fold_cache_write(g, fused)
             matches += 1
         return matches
+
+    def _fold_cache_write(self, g: fx.Graph, fused: fx.Node) -> None:
+        """qk_norm_rope + the reshape_and_cache of its k and v -> qk_norm_rope_cache, or decline with the reason."""
+        outs = {u.args[1]: u for u in fused.users}  # fused[i]: q, k, v
+        reads = [[(user, value) for user, value in walk_users(outs[i])  # what reads k / v, past their views
+                  if not (is_view(user) and user.args[0] is value)] if i in outs else [] for i in (1, 2)]
+        write = reads[0][0][0] if reads[0] else None
+        if not (is_op(write, GRAPHINFER.reshape_and_cache) and [len(r) for r in reads] == [1, 1]
+                and reads[1][0][0] is write and arg(write, 0, "key") is reads[0][0][1]
+                and arg(write, 1, "value") is reads[1][0][1]):
+            used = ", ".join(sorted({u.name for r in reads for u, _ in r})) or "nothing"
+            return self.decline(f"{fused.name}: its k and v are not just the key and value of one reshape_and_cache "
+                                f"(used by: {used}); the KV-cache write stays a launch of its own")
+        caches = (arg(write, 2, "key_cache"), arg(write, 3, "value_cache"))
+        if write.users:
+            return self.decline(f"{fused.name}: the result of the KV-cache write {write.name} is used")
+        if (other := _cache_access_between(fused, write, caches)) is not None:
+            return self.decline(f"{fused.name}: the KV-cache write {write.name} cannot move up into it: {other.name} "
+                                f"({target_name(other)}) may touch the caches between them")
+        with g.inserting_before(fused):
+            q = g.call_function(GRAPHINFER.qk_norm_rope_cache.default,
+                                (*fused.args, *caches, arg(write, 4, "slot_mapping")))
+        if 0 in outs:
+            outs[0].replace_all_uses_with(q)
+        g.erase_node(write)
+        dead = {fused, *outs.values(), *(u for v in outs.values() for u, _ in walk_users(v))}  # k, v and views
+        for node in reversed(list(g.nodes)):  # users before what they read
+            if node in dead:
+                g.erase_node(node)
+        hoist_inputs(g)  # the caches and the slot mapping were read after the op
+
+
+def _cache_access_between(start: fx.Node, end: fx.Node, caches) -> fx.Node | None:
+    """The first node strictly between start and end with side effects or reading one of the caches (by node, or
+    by the buffer a get_attr names), else None: moving the write from end to start must not reorder it with them."""
+    targets = {c.target for c in caches if isinstance(c, fx.Node) and c.op == "get_attr"}
+    node = start.next
+    while node is not end:
+        if node.is_impure() or any(i in caches or (i.op == "get_attr" and i.target in targets)
+                                   for i in node.all_input_nodes):
+            return node
+        node = node.next
+    return None

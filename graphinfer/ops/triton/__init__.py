@@ -41,7 +41,7 @@ from graphinfer.ops.triton.attention import paged_attention  # noqa: E402
 from graphinfer.ops.triton.fused_moe import fused_moe  # noqa: E402
 from graphinfer.ops.triton.kv_cache import reshape_and_cache  # noqa: E402
 from graphinfer.ops.triton.norm import add_rms_norm, rms_norm  # noqa: E402
-from graphinfer.ops.triton.qk_norm_rope import qk_norm_rope  # noqa: E402
+from graphinfer.ops.triton.qk_norm_rope import qk_norm_rope, qk_norm_rope_cache  # noqa: E402
 from graphinfer.ops.triton.rotary import rotary_embedding  # noqa: E402
 
 TRITON_OPS: dict[str, Callable] = {
@@ -49,11 +49,12 @@ TRITON_OPS: dict[str, Callable] = {
     "add_rms_norm": add_rms_norm,
     "rotary_embedding": rotary_embedding,
     "qk_norm_rope": qk_norm_rope,
+    "qk_norm_rope_cache": qk_norm_rope_cache,
     "silu_and_mul": silu_and_mul,
     "reshape_and_cache": reshape_and_cache,
     "paged_attention": paged_attention,
     "fused_moe": fused_moe,
 }
 
-__all__ = ["TRITON_OPS", "add_rms_norm", "fused_moe", "paged_attention", "qk_norm_rope", "reshape_and_cache", "rms_norm",
-           "rotary_embedding", "silu_and_mul"]
+__all__ = ["TRITON_OPS", "add_rms_norm", "fused_moe", "paged_attention", "qk_norm_rope", "qk_norm_rope_cache",
+           "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]
