@@ -63,6 +63,7 @@ CONFIGS: tuple[SkinnyGemmConfig, ...] = (
     SkinnyGemmConfig(64, 64, split_k=2, use_dot=True),
     SkinnyGemmConfig(32, 128, split_k=4, use_dot=True),
 )
+DEFAULT_CONFIG = CONFIGS[3]  # GRAPHINFER_SKINNY_GEMM=force: split-K keeps the narrow layers' SMs busy (64 tiles x 4)
 
 
 @triton.jit(do_not_specialize=["M"])
