@@ -59,3 +59,36 @@ def test_triton_kernels_on_cpu_need_the_interpreter(monkeypatch):
         CpuPlatform().op_impls("triton")
     with pytest.raises(InvalidConfigError, match="use one of inductor, eager, reference, triton"):
         CpuPlatform().op_impls("torch_npu")
+
+
+SKINNY_SCRIPT = """
+import os
+from graphinfer import LLM, SamplingParams
+from graphinfer.compiler.skinny_gemm import SkinnyLinear
+
+prompts = [[1, 5, 9, 3], [7] * 6, [4, 4, 8]]
+params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True) for _ in prompts]
+kw = dict(max_num_seqs=4, num_gpu_blocks_override=64, block_size=4, dtype="float32", max_num_batched_tokens=16)
+os.environ["GRAPHINFER_SKINNY_GEMM"] = "0"
+ref_llm = LLM("tiny-qwen3", **kw)
+assert ref_llm.llm_engine.skinny_gemm is None
+ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
+os.environ["GRAPHINFER_SKINNY_GEMM"] = "force"
+llm = LLM("tiny-qwen3", **kw)  # the cpu ops, the linears on the interpreted kernel
+engine = llm.llm_engine
+skinny = sum(isinstance(m, SkinnyLinear) for m in engine.model_runner.graph.modules())
+tri = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+print("NONE", ref == tri, skinny, engine.skinny_gemm.mode, ref, tri)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU measures its own choice (tools/gpu_check.py --skinny-gemm)")
+def test_skinny_gemm_linears_give_reference_tokens():
+    """GRAPHINFER_SKINNY_GEMM=force: every linear of the graph on the skinny GEMM kernel for steps of <= 4 rows
+    (decodes, short prompts), the same greedy tokens as the reference ops. (Not in test_capture's device-graph
+    stand-in: it records torch ops, and this kernel is launched by the module, as a CUDA graph records it.)"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", SKINNY_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1].split()
+    assert line[:2] == ["NONE", "True"] and int(line[2]) > 0 and line[3] == "force", out.stdout

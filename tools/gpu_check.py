@@ -22,11 +22,17 @@
    (Qwen3), bf16 logits, temperature 0.6 and greedy: the whole Sampler call (eager, host included) both ways,
    the kernel's device time (in a CUDA graph; target < ~50 us at B = 256), and greedy tokens equal to
    torch.argmax (random bf16 logits have exact ties: the lowest index must win).
+7. Skinny GEMM (issue 15): the decode linears of Qwen3-0.6B (qkv 4096x1024, o_proj 1024x2048, gate_up 6144x1024,
+   down 1024x3072), bf16, M = 1, 2, 4, 8: cuBLAS (F.linear) against every candidate config of the skinny GEMM
+   kernel, device time in a CUDA graph with the weights rotated over copies larger than L2 (as a decode step
+   streams them), the error against an fp32 F.linear, and the start-up timer's (compiler/skinny_gemm.py) view
+   of cuBLAS and the best config, to check that it picks what the graph timing picks.
 
     python tools/gpu_check.py --output-json OUT.json [--smollm2 PATH.gguf] [--quick]
     python tools/gpu_check.py --prefill-attention --output-json OUT.json [--quick]     (part 4 alone)
     python tools/gpu_check.py --qk-norm-rope --output-json OUT.json [--quick]          (part 5 alone)
     python tools/gpu_check.py --sampler --output-json OUT.json [--quick]               (part 6 alone)
+    python tools/gpu_check.py --skinny-gemm --output-json OUT.json [--quick]           (part 7 alone)
 
 --quick uses small shapes and models (a smoke run; also works on CPU for the kernel and prefill parts
 under TRITON_INTERPRET=1). Exits non-zero if any check fails.
@@ -508,27 +514,85 @@ def check_sampler(batch_sizes, vocab: int, device) -> list[dict]:
     return rows_out
 
 
+SKINNY_SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024), "down_proj": (1024, 3072)}
+_L2_BYTES = 64 << 20  # rotate weights over more than an H100's 50 MB L2
+
+
+def check_skinny_gemm(shapes: dict, rows_list, device) -> list[dict]:
+    """cuBLAS vs every skinny GEMM config per shape and row count (bf16), see part 7 of the docstring."""
+    import torch.nn.functional as F
+
+    from graphinfer.compiler.skinny_gemm import LinearShape, event_timer
+    from graphinfer.ops.triton.skinny_gemm import CONFIGS, skinny_gemm
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for name, (n, k) in shapes.items():
+        copies = max(1, -(-_L2_BYTES // (n * k * 2))) if device.type == "cuda" else 1
+        weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).to(device) for _ in range(copies)]
+        for m in rows_list:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
+            want = F.linear(x.float(), weights[0].float())
+
+            def rotating(call):
+                i = iter(range(1 << 30))
+                return lambda: call(weights[next(i) % copies])
+
+            def timed(call) -> float:
+                fn = rotating(call)
+                return graph_ms(fn) if device.type == "cuda" else bench_ms(fn, device)
+
+            cublas_ms = timed(lambda w: F.linear(x, w))
+            configs = {}
+            ok = True
+            for config in CONFIGS:
+                err = (skinny_gemm(x, weights[0], None, config).float() - want).abs().max().item()
+                ok &= err <= 2e-2 * max(1.0, want.abs().max().item())
+                configs[str(config)] = dict(ms=timed(lambda w, c=config: skinny_gemm(x, w, None, c)), max_abs_err=err)
+            best = min(configs, key=lambda c: configs[c]["ms"])
+            row = dict(case=f"skinny_gemm {name} {n}x{k} M={m}", shape=name, n=n, k=k, rows=m, ok=ok,
+                       cublas_us=cublas_ms * 1e3, best=best, best_us=configs[best]["ms"] * 1e3,
+                       speedup=cublas_ms / configs[best]["ms"], configs=configs,
+                       weight_gbps=n * k * 2 / (configs[best]["ms"] * 1e-3) / 1e9)
+            if device.type == "cuda":  # what start-up's measurement sees (eager, queued behind a sleep)
+                timer = event_timer(torch.cuda)
+                shape = LinearShape(n, k, torch.bfloat16, False)
+                best_config = next(c for c in CONFIGS if str(c) == best)
+                row["startup_cublas_us"] = timer(lambda i: F.linear(x, weights[i % copies]), shape, m, "cublas") * 1e6
+                row["startup_best_us"] = timer(lambda i: skinny_gemm(x, weights[i % copies], None, best_config),
+                                               shape, m, best_config) * 1e6
+            out.append(row)
+            print(f"{'ok ' if ok else 'BAD'} {row['case']:40s} cuBLAS {row['cublas_us']:8.1f} us, best {best} "
+                  f"{row['best_us']:8.1f} us (x{row['speedup']:.2f}, {row['weight_gbps']:.0f} GB/s)", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-json", default="gpu_check.json")
     ap.add_argument("--smollm2", default="", help="SmolLM2 GGUF path (default: the bundled one)")
     ap.add_argument("--quick", action="store_true", help="small shapes and tiny models (smoke run)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,modes,capture,prefill,qknorm,sampler")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated parts to skip: kernels,modes,capture,prefill,qknorm,sampler,skinny")
     ap.add_argument("--prefill-attention", action="store_true",
                     help="run only part 4, prefill attention vs SDPA (= --skip kernels,modes,capture)")
     ap.add_argument("--qk-norm-rope", action="store_true",
                     help="run only part 5, the qk_norm_rope kernel vs reference and vs the unfused chain")
     ap.add_argument("--sampler", action="store_true",
                     help="run only part 6, the Sampler's torch path vs the fused sampling kernel")
+    ap.add_argument("--skinny-gemm", action="store_true",
+                    help="run only part 7, cuBLAS vs the skinny GEMM kernel at the Qwen3-0.6B decode linears")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     skip = set(filter(None, args.skip.split(",")))
     if args.prefill_attention:
         skip |= {"kernels", "modes", "capture"}
     if args.qk_norm_rope:
-        skip |= {"kernels", "modes", "capture", "prefill"}
+        skip |= {"kernels", "modes", "capture", "prefill", "skinny"}
     if args.sampler:
-        skip |= {"kernels", "modes", "capture", "prefill", "qknorm"}
+        skip |= {"kernels", "modes", "capture", "prefill", "qknorm", "skinny"}
+    if args.skinny_gemm:
+        skip |= {"kernels", "modes", "capture", "prefill", "qknorm", "sampler"}
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   torch=torch.__version__)
     bw = copy_bandwidth(device, (1 << 31) if device.type == "cuda" and not args.quick else 1 << 24)
@@ -549,6 +613,9 @@ def main() -> int:
     if "sampler" not in skip:
         result["sampler"] = check_sampler([1, 4] if args.quick else [1, 64, 256], 1003 if args.quick else SAMPLER_VOCAB,
                                           device)
+    if "skinny" not in skip:
+        result["skinny_gemm"] = check_skinny_gemm({"tiny": (70, 200)} if args.quick else SKINNY_SHAPES,
+                                                  [1, 3] if args.quick else [1, 2, 4, 8], device)
     if device.type == "cuda":
         models = {"tiny-qwen3": ("tiny-qwen3", "float32")} if args.quick else {
             "smollm2 (fp32)": (args.smollm2, "float32"), "smollm2 (bf16)": (args.smollm2, "bfloat16"),
@@ -569,7 +636,8 @@ def main() -> int:
           [r for r in result.get("graph_modes", []) if not r["ok"]] + \
           [r for r in result.get("prefill_attention", []) if not r["ok"]] + \
           [r for r in result.get("qk_norm_rope", []) if not r["ok"]] + \
-          [r for r in result.get("sampler", []) if not r["ok"]]
+          [r for r in result.get("sampler", []) if not r["ok"]] + \
+          [r for r in result.get("skinny_gemm", []) if not r["ok"]]
     print(f"\n{len(bad)} failing checks; wrote {args.output_json}")
     return 1 if bad else 0
 

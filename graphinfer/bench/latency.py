@@ -68,7 +68,7 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1
             continue
         engine = llm.llm_engine
         entry = {"capture_s": sum(s.seconds for s in (engine.capture_stats, engine.piecewise_capture_stats) if s) or None,
-                 "batches": []}
+                 "skinny_gemm": engine.skinny_gemm.to_json() if engine.skinny_gemm else None, "batches": []}
         for b in batch_sizes:
             m = measure_batch(llm, b, prompt_len, warmup_steps, num_steps, temperature, seed)
             entry["batches"].append(m)

@@ -94,6 +94,11 @@ class CpuPlatform(Platform):
             torch.set_num_threads(physical_cores())
         super().activate(kernels)
 
+    def supports_skinny_gemm(self, kernels: str | None = None) -> bool:
+        """Only under Triton's interpreter (TRITON_INTERPRET=1) and where the graph runs as is (not Inductor); it is
+        used only where forced (GRAPHINFER_SKINNY_GEMM=force): nothing is measured on cpu."""
+        return os.environ.get("TRITON_INTERPRET") == "1" and self.resolve_kernels(kernels) != "inductor"
+
     def compile_graph(self, graph, kernels: str | None = None):
         if self.resolve_kernels(kernels) != "inductor":
             return graph

@@ -55,6 +55,9 @@ class CudaPlatform(Platform):
 
         return dict(TRITON_OPS)
 
+    def supports_skinny_gemm(self, kernels: str | None = None) -> bool:
+        return kernels != "reference"
+
     def sampler_kernel(self, kernels: str | None = None):
         if kernels == "reference":
             return None

@@ -102,6 +102,11 @@ class Platform:
         Sampler's fast path), or None: the Sampler's torch path alone. Default: None."""
         return None
 
+    def supports_skinny_gemm(self, kernels: str | None = None) -> bool:
+        """Whether the Triton skinny GEMM (ops/triton/skinny_gemm.py) may serve this platform's decode linears
+        (compiler/skinny_gemm.py decides where, by measurement). Default: no."""
+        return False
+
     def compile_graph(self, graph, kernels: str | None = None):
         """What the model runner executes for the fused graph on this platform (cpu: Inductor-compiled);
         default: the graph itself, run eagerly or captured."""

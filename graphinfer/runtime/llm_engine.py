@@ -21,6 +21,7 @@ from graphinfer.compiler import artifact, kernel_cache
 from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.fingerprint import model_fingerprint
 from graphinfer.compiler.piecewise import fit_graph_budget
+from graphinfer.compiler.skinny_gemm import event_timer, lower_skinny_gemm
 from graphinfer.compiler.split import DEFAULT_SPLITTING_OPS, split_graph
 from graphinfer.compiler.trace import rebind_buffers, trace_model
 from graphinfer.config import FULL_GRAPH_MODES, PIECEWISE_GRAPH_MODES, EngineConfig, default_capture_sizes
@@ -108,6 +109,12 @@ class LLMEngine:
         if isinstance(self.graph, fx.GraphModule):
             rebind_buffers(self.graph, self.model)  # onto the runner's KV cache
         self.model_runner.graph = self.platform.compile_graph(self.graph, comp.kernels)  # cpu: Inductor
+        self.skinny_gemm = None  # decode linears on the skinny GEMM kernel where measured faster (for reports)
+        if self.platform.supports_skinny_gemm(comp.kernels):
+            with timer.phase("skinny gemm (measure)"):
+                timer_fn = event_timer(self.platform.device_module) if self.device.type != "cpu" else None
+                self.skinny_gemm, self.model_runner.graph = lower_skinny_gemm(self._fx_graph(), sc.max_num_seqs,
+                                                                              timer_fn)
         if comp.npu_compiler:
             self.model_runner.graph = self._torchair(comp.npu_compiler)
         if self.device.type != "cpu":  # cpu: compile_graph above compiled (Inductor) or there is nothing to compile
@@ -157,10 +164,11 @@ class LLMEngine:
         for request_id in list(getattr(self, "requests", ())):
             self.abort_request(request_id)
         self._in_flight = None
+        runner_graph = getattr(runner, "graph", None)
         if runner is not None:
             runner.release()
-        if isinstance(graph, fx.GraphModule):
-            graph.graph.owning_module = None  # an fx GraphModule and its Graph refer to each other: no cycle left
+        for gm in {id(g): g for g in (graph, runner_graph) if isinstance(g, fx.GraphModule)}.values():
+            gm.graph.owning_module = None  # an fx GraphModule and its Graph refer to each other: no cycle left
         self.model_runner = self.graph = self.model = self.split = None
         return True
 
@@ -201,7 +209,10 @@ class LLMEngine:
         return fit_graph_budget(sizes, num_pieces, budget)
 
     def _fx_graph(self) -> fx.GraphModule:
-        """The fused forward as an fx graph (an artifact's graph.py is re-traced: same nodes, no passes)."""
+        """The fused forward as an fx graph, as the runner executes it: with skinny GEMM linears where start-up
+        chose them, else the engine's graph (an artifact's graph.py is re-traced: same nodes, no passes)."""
+        if self.skinny_gemm is not None:
+            return self.model_runner.graph
         if isinstance(self.graph, fx.GraphModule):
             return self.graph
         return trace_model(self.graph)
