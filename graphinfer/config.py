@@ -133,11 +133,43 @@ class CompileConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor parallelism over torch.distributed (vLLM's names). One node: graphinfer starts the other ranks
+    itself. Several nodes: every node runs the same command with its node_rank; node 0 runs rank 0 (the
+    scheduler, the sampler and any server), the others run workers only."""
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # where node 0 listens for the other ranks (torchrun's MASTER_ADDR)
+    master_port: int | None = None  # None: a free port on one node; 29500 (torchrun's) across nodes
+    timeout_s: float = 600.0  # a collective or rendezvous that waits longer fails, naming the rank and the step
+
+    def __post_init__(self):
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1:
+            raise InvalidConfigError(f"tensor_parallel_size={tp} must be >= 1.")
+        if nnodes < 1 or not 0 <= self.node_rank < nnodes:
+            raise InvalidConfigError(f"node_rank={self.node_rank} must be in [0, nnodes={nnodes}).")
+        if tp % nnodes:
+            raise InvalidConfigError(f"tensor_parallel_size={tp} must be a multiple of nnodes={nnodes}: every node "
+                                     f"runs tensor_parallel_size / nnodes ranks.")
+        if self.master_port is None and nnodes > 1:
+            self.master_port = 29500
+        if self.timeout_s <= 0:
+            raise InvalidConfigError(f"timeout_s={self.timeout_s} must be > 0 (seconds).")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     compile_config: CompileConfig = field(default_factory=CompileConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     artifact: str | None = None  # a `graphinfer compile` output directory to start from
     # `graphinfer compile`: a 1-block placeholder KV cache; graphs are captured only where that warms compiled
     # kernels into the artifact's kernel cache (GPU platforms), never on cpu

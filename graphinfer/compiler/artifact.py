@@ -38,7 +38,7 @@ from graphinfer.compiler.report import histogram_table, pass_table
 from graphinfer.compiler.split import SplitInfo
 from graphinfer.compiler.trace import op_histogram
 from graphinfer.errors import ArtifactMismatchError
-from graphinfer.models.layers import init_rotary_caches
+from graphinfer.models.layers import init_buffers
 from graphinfer.models.loader import PlainConfig, load_fast_tokenizer, meta_model
 from graphinfer.passes import CheckResult, PassError, PassReport, PassReports
 from graphinfer.passes.utils import release_fused_sources
@@ -318,7 +318,7 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
             if buf is not None and buf.is_meta:
                 module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)  # not empty_like:
                 # on a meta tensor that runs through torch._refs, which imports sympy
-    init_rotary_caches(model, device)
+    init_buffers(model, device)
     return model.eval()
 
 

@@ -90,6 +90,8 @@ def _functional(piece: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tenso
     import torch.nn.functional as F
     from torch import nn
 
+    from graphinfer.compiler.trace import is_leaf_layer
+
     nodes = list(piece.graph.nodes)
     reads: dict[fx.Node, list[torch.Tensor]] = {}
     for n in nodes:
@@ -97,7 +99,7 @@ def _functional(piece: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tenso
             reads[n] = [operator.attrgetter(n.target)(piece)]
         elif n.op == "call_module":
             m = piece.get_submodule(n.target)
-            if type(m) not in (nn.Linear, nn.Embedding):
+            if not is_leaf_layer(m):
                 return None
             reads[n] = [m.weight] + ([m.bias] if isinstance(m, nn.Linear) and m.bias is not None else [])
     graph, env, weights = fx.Graph(), {}, []

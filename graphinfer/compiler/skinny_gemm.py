@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from graphinfer.compiler.trace import is_leaf_layer
 from graphinfer.errors import InvalidConfigError
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,8 @@ def linear_shapes(gm: fx.GraphModule) -> dict[LinearShape, list[str]]:
     """Each distinct Linear shape the graph calls -> the targets of its modules, in graph order."""
     shapes: dict[LinearShape, list[str]] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_module" and type(mod := gm.get_submodule(node.target)) is nn.Linear:
+        mod = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(mod, nn.Linear) and not isinstance(mod, SkinnyLinear) and is_leaf_layer(mod):
             shape = LinearShape(mod.out_features, mod.in_features, mod.weight.dtype, mod.bias is not None)
             shapes.setdefault(shape, []).append(node.target)
     return shapes

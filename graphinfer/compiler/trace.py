@@ -3,15 +3,22 @@
 torch.fx symbolic tracing, not torch.export (docs/architecture.md says why): nn.Linear and nn.Embedding
 stay `call_module` leaves, so a pass can see a projection, read its weight and swap in a fused module;
 every graphinfer:: op is one `call_function` node (its impl is opaque to the tracer); the token count T
-stays symbolic (`x.shape[0]` becomes graph nodes), so one graph serves every batch shape.
+stays symbolic (`x.shape[0]` becomes graph nodes), so one graph serves every batch shape. Tensor-parallel
+layers with a collective (models/parallel_layers.py at tp > 1) are traced through, so the graphinfer::
+collectives are nodes passes can see and device graphs capture.
 """
 import torch
 from torch import fx, nn
 
 
+def is_leaf_layer(m: nn.Module) -> bool:
+    """A Linear / Embedding whose forward is F.linear / F.embedding (at tp 1 the parallel layers are)."""
+    return isinstance(m, (nn.Linear, nn.Embedding)) and not getattr(m, "has_collective", False)
+
+
 class GraphinferTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, (nn.Linear, nn.Embedding))
+        return is_leaf_layer(m)
 
 
 def trace_model(model: nn.Module) -> fx.GraphModule:

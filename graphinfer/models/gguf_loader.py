@@ -1,7 +1,8 @@
 """Load a llama.cpp GGUF file (config, weights, tokenizer) with HF names, using the `gguf` package directly.
 
 Weights are dequantized by gguf.quants (numpy) rather than transformers' GGUF path, which builds a whole HF
-model first; the result is bit-identical to it (tests/test_gguf_loader.py checks every tensor).
+model first; the result is bit-identical to it (tests/test_gguf_loader.py checks every tensor). A tensor-parallel
+rank dequantizes only its slices (GGUFTensor).
 """
 import hashlib
 import os
@@ -9,13 +10,15 @@ import re
 import shutil
 import tempfile
 
+import numpy as np
 import torch
 import transformers
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf.quants import dequantize
 
 from graphinfer.config import cache_dir
 from graphinfer.errors import UnsupportedArchitectureError
+from graphinfer.models.checkpoint_tensor import CheckpointTensor
 
 _ARCHS = {  # general.architecture -> (transformers config class name, HF architectures entry)
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -106,12 +109,51 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def load_gguf_state_dict(src: "str | GGUFReader", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Every GGUF tensor dequantized, in torch shape and `dtype`, under its HF name (no lm_head when tied)."""
-    reader = _open(src)  # memory-maps the file: only one tensor is dequantized (in f32) at a time
+class GGUFTensor(CheckpointTensor):
+    """One GGUF tensor in torch's layout, dequantized as it is read: a slice of rows dequantizes only those
+    rows, a slice of columns only its quant blocks where it starts and ends on block boundaries (a
+    row-parallel shard of a matrix whose width is a multiple of tp x the block size)."""
+
+    def __init__(self, t, name: str, n_head: int | None = None):
+        self.t, self.name, self.n_head = t, name, n_head  # n_head: llama's q / k rows to unpermute
+        self.shape = tuple(reversed(t.shape.tolist()))
+
+    def _dequantize(self, data) -> np.ndarray:
+        try:
+            out = dequantize(data, self.t.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedArchitectureError(
+                f"GGUF tensor {self.t.name!r} has type {self.t.tensor_type.name}, which the installed gguf package "
+                f"cannot dequantize; use a GGUF quantized to e.g. Q8_0, Q4_K or F16.") from None
+        return out if out.flags.writeable else out.copy()  # F32 comes back as a view of the read-only mmap
+
+    def read(self, dim=None, start=0, length=None) -> torch.Tensor:
+        data, shape = self.t.data, list(self.shape)  # data: [rows, bytes of a row] for quantized types
+        heads = self.n_head
+        if dim is not None:
+            shape[dim] = length
+        if dim == 0:
+            data = data[start:start + length]
+            heads = heads and heads * length // self.shape[0]  # whole heads: unpermuting commutes with the slice
+        w = None
+        if dim == 1:
+            block, type_size = GGML_QUANT_SIZES[self.t.tensor_type]
+            if data.dtype != np.uint8:  # F32 / F16: elements, not bytes
+                block, type_size = 1, 1
+            if start % block == 0 and length % block == 0:
+                data = data[:, start // block * type_size:(start + length) // block * type_size]
+            else:  # not on block boundaries: the whole rows, then the columns
+                w = torch.from_numpy(self._dequantize(data)).reshape(self.shape).narrow(1, start, length)
+        if w is None:
+            w = torch.from_numpy(self._dequantize(data)).reshape(shape)
+        return _unpermute(w, heads) if heads else w
+
+
+def gguf_tensors(src: "str | GGUFReader"):
+    """(HF name, GGUFTensor) for every tensor of the file (no lm_head when tied); nothing is read yet."""
+    reader = _open(src)  # memory-maps the file
     arch = _arch(reader)
     n_head, n_kv = _heads(reader, arch)
-    out = {}
     for t in reader.tensors:
         if t.name in _GLOBAL_NAMES:
             name, kind = _GLOBAL_NAMES[t.name], None
@@ -119,19 +161,13 @@ def load_gguf_state_dict(src: "str | GGUFReader", dtype: torch.dtype = torch.flo
             name, kind = f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}", m[2]
         else:  # e.g. llama3's rope_freqs: silently dropping it would give a wrong model
             raise UnsupportedArchitectureError(f"GGUF tensor {t.name!r} in {reader.data.filename} has no graphinfer equivalent.")
-        try:
-            data = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise UnsupportedArchitectureError(
-                f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which the installed gguf package "
-                f"cannot dequantize; use a GGUF quantized to e.g. Q8_0, Q4_K or F16.") from None
-        if not data.flags.writeable:  # F32 comes back as a view of the read-only mmap: own a copy
-            data = data.copy()
-        w = torch.from_numpy(data).reshape(tuple(reversed(t.shape.tolist()))).to(dtype)
-        if arch == "llama" and kind in ("attn_q", "attn_k"):
-            w = _unpermute(w, n_head if kind == "attn_q" else n_kv)
-        out[name] = w
-    return out
+        heads = (n_head if kind == "attn_q" else n_kv) if arch == "llama" and kind in ("attn_q", "attn_k") else None
+        yield name, GGUFTensor(t, name, heads)
+
+
+def load_gguf_state_dict(src: "str | GGUFReader", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every GGUF tensor dequantized, in torch shape and `dtype`, under its HF name (no lm_head when tied)."""
+    return {name: t.read().to(dtype) for name, t in gguf_tensors(src)}
 
 
 def _tokenizer_cache_dir(path: str) -> str:

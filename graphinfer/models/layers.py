@@ -70,7 +70,7 @@ class RotaryEmbedding(nn.Module):
             return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
     def reset_cache(self, device: torch.device | str):
-        """Compute the cache on `device` after meta-device construction (see init_rotary_caches)."""
+        """Compute the cache on `device` after meta-device construction (see init_buffers)."""
         self.cos_sin_cache = self._compute_cache().to(device)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
@@ -101,10 +101,13 @@ class PagedAttention(nn.Module):
         return o.view(T, self.num_heads * self.head_dim)
 
 
-def init_rotary_caches(model: nn.Module, device: torch.device | str) -> None:
-    """Compute the cos/sin caches of a model built on the meta device, once per shape: every layer shares it."""
+def init_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Compute the non-persistent buffers of a model built on the meta device: the cos/sin caches once per shape
+    (every layer shares it), and those of modules with reset_buffers (a vocab-parallel embedding's offset)."""
     caches: dict[tuple, Tensor] = {}
     for m in model.modules():
+        if hasattr(m, "reset_buffers"):
+            m.reset_buffers(device)
         if isinstance(m, RotaryEmbedding):
             key = (m.head_dim, m.max_position)
             if key not in caches:

@@ -2,12 +2,17 @@
 
 Deliberately naive: separate q/k/v and gate/up projections, a plain residual add before each RMSNorm.
 Fusion is the compiler passes' job. Input is a flat batch of T tokens across requests (no batch dim).
+Tensor parallel through the layers of parallel_layers.py (as vLLM's models): each rank holds its heads and
+its part of the MLP; at tp 1 they are the plain nn.Linear / nn.Embedding.
 """
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from graphinfer.distributed import parallel_state as ps
 from graphinfer.models.layers import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding
+from graphinfer.models.parallel_layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                               VocabParallelEmbedding, local_heads, local_kv_heads)
 
 
 class LlamaAttention(nn.Module):
@@ -15,14 +20,15 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config, bias: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size,
-                                bias=getattr(config, "attention_bias", False))
+        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads, self.num_kv_heads = local_heads(total_heads), local_kv_heads(total_kv_heads)  # this rank's
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        kv_shards = min(ps.tp_size(), total_kv_heads)  # fewer KV heads than ranks: replicated
+        self.q_proj = ColumnParallelLinear(config.hidden_size, total_heads * self.head_dim, bias=bias)
+        self.k_proj = ColumnParallelLinear(config.hidden_size, total_kv_heads * self.head_dim, bias, kv_shards)
+        self.v_proj = ColumnParallelLinear(config.hidden_size, total_kv_heads * self.head_dim, bias, kv_shards)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False))
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -48,9 +54,9 @@ class Qwen3Attention(LlamaAttention):
 class LlamaMLP(nn.Module):
     def __init__(self, config, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_proj = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -79,7 +85,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, make_layer):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -95,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.make_layer)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
     def tie_weights(self):

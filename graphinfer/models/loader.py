@@ -11,7 +11,10 @@ from torch import nn
 
 from graphinfer.errors import ModelNotFoundError
 from graphinfer.models import get_model_class
-from graphinfer.models.layers import init_rotary_caches
+from graphinfer.distributed import parallel_state as ps
+from graphinfer.models.checkpoint_tensor import SafetensorsTensor, as_checkpoint_tensor
+from graphinfer.models.layers import init_buffers
+from graphinfer.models.parallel_layers import _load_slice
 from graphinfer.models.presets import PRESET_NAMES, init_random_weights, preset_config
 
 _EXPECTED = "an HF checkpoint directory (config.json + *.safetensors) or a .gguf file"
@@ -38,13 +41,15 @@ def load_hf_config(path: str):
 
 
 def _safetensors_weights(path: str):
+    """(name, SafetensorsTensor) of every tensor in the directory's *.safetensors: read as they are loaded,
+    a tensor-parallel rank reading only its slices."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelNotFoundError(f"{path!r} has no *.safetensors weights. Pass {_EXPECTED}.")
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, SafetensorsTensor(f, name)
 
 
 _PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -69,13 +74,15 @@ def _expert_target(name: str, params: dict) -> tuple[str, int | None, int | None
 
 
 def load_weights(model: nn.Module, weights, tied: bool) -> None:
-    """Copy named tensors into the model's parameters; every parameter must be covered exactly once.
-    Per-expert tensors are copied into their slice of the stacked expert weights (see _expert_target)."""
+    """Copy named checkpoint tensors (CheckpointTensors or tensors) into the model's parameters; every parameter
+    must be covered exactly once. A parameter's module may have a weight_loader (the tensor-parallel layers:
+    models/parallel_layers.py), which copies its rank's slice; per-expert tensors go to their slice of the
+    stacked expert weights (see _expert_target)."""
     params = dict(model.named_parameters())  # a tied lm_head shares (and so omits) the embedding's entry
     missing = set(params)
     pieces: dict[str, set] = {}  # stacked expert weight -> (expert, half) slices loaded so far
     for name, tensor in weights:
-        target, expert, half = name, None, None
+        target, expert_args = name, {}
         if name not in params:
             if (found := _expert_target(name, params)) is None:
                 if tied and name == "lm_head.weight":
@@ -85,22 +92,21 @@ def load_weights(model: nn.Module, weights, tied: bool) -> None:
                 raise ModelNotFoundError(f"Checkpoint tensor {name!r} has no parameter in {type(model).__name__}; "
                                          f"the checkpoint does not match its config.")
             target, expert, half = found
-        param = params[target]
-        if expert is not None and expert >= param.shape[0]:
-            raise ModelNotFoundError(f"Checkpoint tensor {name!r} is for expert {expert}, the model has "
-                                     f"{param.shape[0]}; the checkpoint does not match its config.")
-        dest = param if expert is None else param[expert]
-        if half is not None:
-            dest = dest.chunk(2)[half]
-        if dest.shape != tensor.shape:
-            raise ModelNotFoundError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                                     f"expects {tuple(dest.shape)}; the checkpoint does not match its config.")
-        with torch.no_grad():
-            dest.copy_(tensor)
-        if expert is not None:
+            if expert is not None and expert >= params[target].shape[0]:
+                raise ModelNotFoundError(f"Checkpoint tensor {name!r} is for expert {expert}, the model has "
+                                         f"{params[target].shape[0]}; the checkpoint does not match its config.")
+            expert_args = {"expert": expert, "half": half}
+        param, src = params[target], as_checkpoint_tensor(tensor)
+        owner, _, attr = target.rpartition(".")
+        loader = getattr(model.get_submodule(owner), "weight_loader", None)
+        if loader is not None:
+            loader(attr, param, src, name, **expert_args)
+        else:
+            _load_slice(name, param, src, None)
+        if expert_args.get("expert") is not None:
             got = pieces.setdefault(target, set())
-            got.add((expert, half))
-            if len(got) < param.shape[0] * (1 if half is None else 2):
+            got.add((expert_args["expert"], expert_args["half"]))
+            if len(got) < param.shape[0] * (1 if expert_args["half"] is None else 2):
                 continue
         missing.discard(target)
     if missing:
@@ -137,7 +143,7 @@ def build_model(config, dtype: torch.dtype, device: str | torch.device) -> nn.Mo
     model = meta_model(config)
     model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    init_rotary_caches(model, device)
+    init_buffers(model, device)
     return model.eval()
 
 
@@ -174,22 +180,28 @@ def release_tensors(model: nn.Module) -> None:
 
 
 def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0):
-    """(model, hf_config) with weights loaded (a named preset gets random weights from `seed`)."""
+    """(model, hf_config) with weights loaded (a named preset gets random weights from `seed`). Under tensor
+    parallelism the model is this rank's shard, and only its slices are read."""
     config = preset_config(path)
     if config is not None:
+        with ps.layout(0, 1):  # the whole model's random weights, the same on every rank, then this rank's part
+            full = build_model(config, torch.float32, "cpu")
+        init_random_weights(full, seed)  # drawn on CPU in fp32 so every device and dtype gets the same values
+        if ps.tp_size() == 1:
+            return full.to(device=device, dtype=dtype), config
         model = build_model(config, torch.float32, "cpu")
-        init_random_weights(model, seed)  # drawn on CPU in fp32 so every device and dtype gets the same values
+        load_weights(model, full.state_dict().items(), config.tie_word_embeddings)
         return model.to(device=device, dtype=dtype), config
     _check_path(path)
     if path.endswith(".gguf"):
         from gguf import GGUFReader
 
-        from graphinfer.models.gguf_loader import load_gguf_config, load_gguf_state_dict
+        from graphinfer.models.gguf_loader import gguf_tensors, load_gguf_config
 
         reader = GGUFReader(path)
         config = load_gguf_config(reader)
         model = build_model(config, dtype, device)
-        weights = load_gguf_state_dict(reader).items()
+        weights = gguf_tensors(reader)
     else:
         config = load_hf_config(path)
         model = build_model(config, dtype, device)

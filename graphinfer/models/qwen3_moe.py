@@ -1,33 +1,17 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B), written plainly like HF's modeling_qwen3_moe.
 
 Attention and the decoder layer are llama.py's Qwen3 ones. The sparse MoE block is the naive chain:
-router Linear -> softmax (fp32) -> top-k -> optional renormalisation -> moe_dispatch -> moe_grouped_mlp ->
-moe_combine. The fuse_moe pass turns that chain into one graphinfer::fused_moe.
+router Linear -> softmax (fp32) -> top-k -> optional renormalisation -> the experts (parallel_layers.MoEExperts:
+moe_dispatch -> moe_grouped_mlp -> moe_combine, each expert's intermediate dimension split over the TP ranks).
+The fuse_moe pass turns that chain into one graphinfer::fused_moe.
 """
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphinfer import ops
 from graphinfer.errors import UnsupportedArchitectureError
 from graphinfer.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, Qwen3Attention
-
-
-class Qwen3MoeExperts(nn.Module):
-    """num_experts SwiGLU experts as stacked weights (vLLM's FusedMoE names): w13_weight [E, 2I, H] is
-    cat(gate_proj, up_proj) per expert (HF's gate_up_proj), w2_weight [E, H, I] the down_proj."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.num_experts = config.num_experts
-        E, H, I = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(E, 2 * I, H))
-        self.w2_weight = nn.Parameter(torch.empty(E, H, I))
-
-    def forward(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        sorted_hidden, expert_offsets, inverse_perm = ops.moe_dispatch(hidden_states, topk_ids, self.num_experts)
-        expert_out = ops.moe_grouped_mlp(sorted_hidden, expert_offsets, self.w13_weight, self.w2_weight)
-        return ops.moe_combine(expert_out, inverse_perm, topk_weights)
+from graphinfer.models.parallel_layers import MoEExperts
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
@@ -36,7 +20,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router
-        self.experts = Qwen3MoeExperts(config)
+        self.experts = MoEExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         router_logits = self.gate(hidden_states)  # [T, E]

@@ -5,7 +5,7 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from graphinfer.compiler.artifact import read_manifest
-from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
+from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from graphinfer.errors import GraphinferError, InvalidConfigError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime.chat_template import chat_prompt_ids
@@ -33,6 +33,10 @@ class LLM:
     kernels: the platform's op implementations (None: its default; "reference": PyTorch).
     npu_compiler="torchair": torchair compiles the fused graph and captures ACL graphs (npu, graph_mode NONE).
     async_scheduling: prepare and launch each step while the previous one runs (see LLMEngine).
+    tensor_parallel_size: shard the model over that many ranks (devices; on cpu, processes sharing the cores) with
+    torch.distributed (gloo on cpu, NCCL on cuda, HCCL on npu); graphinfer starts the other ranks of this node.
+    Across nodes (nnodes > 1, node_rank, master_addr, master_port: vLLM's / torchrun's names) this process is
+    node 0; the other nodes run `graphinfer serve|generate ... --node-rank N` with the same arguments.
     gpu_memory_utilization: the fraction of the device's total memory this engine may use (weights, graphs and
     KV cache; as in vLLM, so two engines at 0.4 fit on one device). A KV cache that cannot hold one request of
     max_model_len tokens is refused at start-up (KVCacheTooSmallError).
@@ -47,7 +51,8 @@ class LLM:
                  passes: str | list[str] = "default", graph_mode: str | None = None, capture_sizes: list[int] | None = None,
                  capture_lm_head: bool = True, kernels: str | None = None, npu_compiler: str | None = None,
                  max_capture_size: int | None = None, splitting_ops: list[str] | None = None,
-                 artifact: str | None = None):
+                 tensor_parallel_size: int = 1, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, artifact: str | None = None):
         if artifact:
             manifest = read_manifest(artifact)
             model = model or manifest["model"]["path"]
@@ -62,7 +67,8 @@ class LLM:
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, async_scheduling),
             CompileConfig(graph_mode, passes, capture_sizes, capture_lm_head, kernels, npu_compiler, max_capture_size,
                           splitting_ops),
-            artifact,
+            ParallelConfig(tensor_parallel_size, nnodes, node_rank, master_addr, master_port),
+            artifact=artifact,
         ))
 
     def shutdown(self) -> None:

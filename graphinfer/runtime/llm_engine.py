@@ -25,16 +25,19 @@ from graphinfer.compiler.skinny_gemm import event_timer, lower_skinny_gemm
 from graphinfer.compiler.split import DEFAULT_SPLITTING_OPS, split_graph
 from graphinfer.compiler.trace import rebind_buffers, trace_model
 from graphinfer.config import FULL_GRAPH_MODES, PIECEWISE_GRAPH_MODES, EngineConfig, default_capture_sizes
+from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidConfigError, InvalidRequestError,
                                KVCacheTooSmallError, PromptTooLongError)
 from graphinfer.models.layers import rope_parameters
 from graphinfer.models.loader import load_config, load_model, load_tokenizer, release_tensors
+from graphinfer.models.parallel_layers import check_tensor_parallel
 from graphinfer.models.presets import PRESET_NAMES
 from graphinfer.passes import PassCheckError, resolve_passes
-from graphinfer.platforms import platform_for_device
+from graphinfer.platforms import Platform, platform_for_device
 from graphinfer.passes.utils import release_fused_sources
 from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from graphinfer.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
+from graphinfer.runtime.executor import MultiprocExecutor
 from graphinfer.runtime.model_runner import ModelRunner
 from graphinfer.runtime.sampler import SamplerOutput
 from graphinfer.runtime.scheduler import Scheduler, SchedulerOutput
@@ -56,19 +59,36 @@ class _InFlight:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, platform: Platform | None = None):
+        """platform: the one to run on (a tensor-parallel worker gets rank 0's); None: the device's."""
         self.config = config
+        self.executor = None  # tensor parallel, on rank 0: the other ranks (runtime/executor.py)
+        # Platform first: activating it loads its torch backend (npu: torch_npu), so "npu" parses below even
+        # with TORCH_DEVICE_BACKEND_AUTOLOAD=0.
+        self.platform = platform or platform_for_device(str(config.model_config.device).split(":")[0])
+        self.platform.activate(config.compile_config.kernels)
+        if config.parallel_config.tensor_parallel_size > 1 and not ps.is_initialized():
+            self._check_tensor_parallel()
+            self.executor = MultiprocExecutor(config, self.platform)
+        try:
+            self._build(config)
+        except BaseException as e:
+            if self.executor is not None:  # stop the other ranks; say why the group broke, if a rank died
+                self.executor.shutdown()
+                if self.executor.dead is not None and isinstance(e, ps.DistributedError):
+                    raise ps.DistributedError(f"{self.executor.dead} while the engine started: {e}") from None
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.startup = timer = StartupTimer()
         if (since_start := seconds_since_process_start()) is not None:
             timer.record("imports (process start to engine start)", since_start)
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         torch.manual_seed(mc.seed)
-        # Platform first: activating it loads its torch backend (npu: torch_npu), so "npu" parses below even
-        # with TORCH_DEVICE_BACKEND_AUTOLOAD=0.
-        self.platform = platform_for_device(str(mc.device).split(":")[0])
-        self.platform.activate(config.compile_config.kernels)
         self.device = torch.device(mc.device)
+        if ps.is_initialized() and self.device.type != "cpu" and self.device.index is None:
+            self.device = torch.device(self.device.type, ps.local_rank())  # one device per rank of this node
         memory_at_start = self.platform.memory_allocated(self.device)
         comp = config.compile_config
         if comp.graph_mode is None:
@@ -82,7 +102,7 @@ class LLMEngine:
         # From an artifact, the tokenizer (mostly transformers' import) loads in a thread while the weights and graph
         # load, where nothing else imports transformers meanwhile (its lazy module is not safe to import from two
         # threads at once; RoPE other than "default" uses transformers' init functions).
-        in_thread = self.manifest is not None and \
+        in_thread = self.manifest is not None and ps.tp_rank() == 0 and \
             rope_parameters(artifact.load_config(config.artifact)).get("rope_type", "default") == "default"
         with ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(self._load_tokenizer, "tokenizer (in a thread)") if in_thread else None
@@ -93,8 +113,10 @@ class LLMEngine:
             if tokenizer is not None:
                 with timer.phase("tokenizer (wait for its thread)"):
                     self.tokenizer = tokenizer.result()
-            else:
+            elif ps.tp_rank() == 0:  # the other ranks neither tokenize nor detokenize
                 self.tokenizer = self._load_tokenizer("tokenizer")
+            else:
+                self.tokenizer = None
         self.max_model_len = self._resolve_max_model_len(mc.max_model_len)
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
             raise InvalidConfigError(
@@ -106,6 +128,8 @@ class LLMEngine:
             engine_bytes = self.platform.memory_allocated(self.device) - memory_at_start
             self.model_runner = ModelRunner(self.model, cc, self.device, self.platform, self.eos_token_ids, mc.seed,
                                             self.max_model_len, engine_bytes, placeholder_kv=config.compile_only)
+        if self.executor is not None:
+            self.model_runner.channel = self.executor.channel
         if isinstance(self.graph, fx.GraphModule):
             rebind_buffers(self.graph, self.model)  # onto the runner's KV cache
         self.model_runner.graph = self.platform.compile_graph(self.graph, comp.kernels)  # cpu: Inductor
@@ -158,6 +182,11 @@ class LLMEngine:
     def _release(self) -> bool:
         """Free the graphs, static buffers and KV cache, and drop the engine's references (weights go with the last
         reference to them). False if already done."""
+        if getattr(self, "executor", None) is not None:  # stop the other tensor-parallel ranks
+            self.executor, executor = None, self.executor
+            executor.shutdown()
+        elif ps.is_initialized():  # a worker rank, told to stop by rank 0
+            ps.destroy()
         runner, graph = getattr(self, "model_runner", None), getattr(self, "graph", None)
         if runner is None and graph is None:  # released, or __init__ failed before loading anything
             return False
@@ -179,6 +208,16 @@ class LLMEngine:
             self._release()
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
+
+    def _check_tensor_parallel(self) -> None:
+        """Refuse a tensor-parallel size the model cannot be split by (with the numbers) before starting ranks."""
+        cfg, tp = self.config, self.config.parallel_config.tensor_parallel_size
+        if cfg.parallel_config.node_rank != 0:
+            raise InvalidConfigError(
+                f"node_rank={cfg.parallel_config.node_rank}: nodes other than 0 run workers only; start them with "
+                f"`graphinfer serve|generate|compile|bench ... --node-rank N` (graphinfer.runtime.worker.run_node).")
+        check_tensor_parallel(artifact.load_config(cfg.artifact) if cfg.artifact else
+                              load_config(cfg.model_config.model), tp)
 
     def _check_graph_mode(self) -> None:
         cc = self.config.compile_config

@@ -13,6 +13,7 @@ from graphinfer.compiler.capture import CaptureStats, DecodeGraphs, staged
 from graphinfer.compiler.piecewise import PiecewiseGraphs
 from graphinfer.compiler.split import SplitGraph
 from graphinfer.config import CacheConfig
+from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import KVCacheTooSmallError
 from graphinfer.models.layers import AttentionMetadata, PagedAttention, allocate_kv_cache
 from graphinfer.platforms import Platform
@@ -65,11 +66,13 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = 1 if placeholder_kv else self._num_kv_blocks(cache_config, max_model_len, engine_bytes)
+        self.num_blocks = ps.min_across_ranks(self.num_blocks)  # tensor parallel: every rank's cache alike
         self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size)
         if not placeholder_kv:
             logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                         self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
         self.sampler = Sampler(eos_token_ids, seed=seed, device=device, kernel=platform.sample_kernel)
+        self.channel = None  # tensor parallel, on rank 0: the StepChannel to the other ranks
 
     def _block_bytes(self) -> int:
         a = self.attn_layers[0]
@@ -200,22 +203,40 @@ class ModelRunner:
         self.piecewise_graphs = PiecewiseGraphs(split, self.platform, self.device, sizes)
         return self.piecewise_graphs.capture(progress)
 
-    def _replayable(self, out: SchedulerOutput) -> bool:
+    def _replayable(self, h: HostInputs) -> bool:
+        """A uniform decode batch (one token per request) that a full decode graph covers."""
         g = self.decode_graphs
-        return g is not None and len(out.scheduled) <= g.max_size and all(n == 1 for _, n in out.scheduled)
+        return g is not None and len(h.seq_lens) <= g.max_size and len(h.input_ids) == len(h.seq_lens)
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput,
-                      prev_tokens: torch.Tensor | None = None) -> tuple[list[Sequence], SamplerOutput | None]:
+    def execute_model(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
+                      share_sampled: bool = False) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run one step; returns the sequences that sample this step and the sampler's output, on the device
-        (nothing here waits for the device). prev_tokens: the in-flight step's sampled ids (async scheduling).
+        (nothing here waits for the device). prev_tokens: the in-flight step's sampled ids (async scheduling),
+        which, with share_sampled, the other tensor-parallel ranks get too."""
+        h = self.host_inputs(out)
+        share = share_sampled and self.channel is not None and len(h.logits_indices) > 0
+        if self.channel is not None:  # the other ranks run the same step on the same inputs
+            self.channel.send_step(h, share)
+            ps.set_phase(f"step {self.channel.steps}")
+        logits = self.step_logits(h, prev_tokens)
+        if logits is None:
+            return h.rows, None
+        sampled = self.sampler(logits, h.rows)
+        if share:
+            ps.broadcast_from_rank0(sampled.sampled_token_ids)
+        return h.rows, sampled
+
+    @torch.inference_mode()
+    def step_logits(self, h: HostInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The step's logits for the rows that sample (None when every sequence is mid-prompt); every
+        tensor-parallel rank runs this, in the same order, with the same inputs.
 
         A uniform decode batch replays a full decode graph if there is one of its size; any other step up to
         the largest piecewise size replays the pieces; the rest run the graph eagerly."""
-        h = self.host_inputs(out)
         fill_pending = lambda ids: self.fill_pending(ids, h, prev_tokens)  # noqa: E731
         logits_ready = False
-        if self._replayable(out):
+        if self._replayable(h):
             hidden = self.decode_graphs.replay(h.input_ids, h.positions, h.slot_mapping, h.block_tables, h.seq_lens,
                                                fill_pending=fill_pending)
             logits_ready = self.lm_head_in_graph
@@ -229,10 +250,9 @@ class ModelRunner:
             fill_pending(input_ids)
             md = AttentionMetadata(t(h.slot_mapping), t(h.block_tables), t(h.query_start_loc), t(h.seq_lens))
             hidden = self.graph(input_ids, t(h.positions), md)
-        if not h.rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet
-            return h.rows, None
-        if len(h.rows) < len(h.input_ids):  # some rows are not the last of their sequence's scheduled tokens
+        rows = len(h.logits_indices)
+        if not rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet
+            return None
+        if rows < len(h.input_ids):  # some rows are not the last of their sequence's scheduled tokens
             hidden = hidden[self.to_device(h.logits_indices)]
-        logits = hidden if logits_ready else self.model.compute_logits(hidden)
-        return h.rows, self.sampler(logits, h.rows)
-
+        return hidden if logits_ready else self.model.compute_logits(hidden)

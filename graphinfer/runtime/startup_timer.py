@@ -4,6 +4,8 @@ import logging
 import os
 import time
 
+from graphinfer.distributed import parallel_state as ps
+
 logger = logging.getLogger("graphinfer.startup")
 
 
@@ -33,6 +35,7 @@ class StartupTimer:
     def phase(self, name: str):
         start = time.perf_counter()
         try:
-            yield
+            with ps.phase(f"start-up ({name})"):  # named by a collective that fails in it (tensor parallel)
+                yield
         finally:
             self.record(name, time.perf_counter() - start)

@@ -1,0 +1,182 @@
+"""Tensor-parallel process groups over torch.distributed (vLLM's parallel_state, reduced to one TP group).
+
+Rank r of N holds 1/N of every sharded layer. Each rank has two groups:
+- the device group "tp" on the platform's backend (gloo on cpu, nccl on cuda, hccl on npu): the
+  graphinfer:: collectives (communication_op.py) run on it, looked up by name, so a traced graph and an
+  artifact's graph.py name their group as a plain string;
+- a gloo group for the host-side messages rank 0 sends each step (runtime/step_channel.py), with a
+  timeout long enough for an idle server: a dead peer still ends a wait at once (its sockets close).
+
+The layout (rank, size) is what the parallel layers shard by. `layout(rank, size)` sets one without any
+process group, to build and look at one rank's model or graph (`graphinfer passes show --tp 2`).
+"""
+import contextlib
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from graphinfer.errors import GraphinferError
+
+logger = logging.getLogger(__name__)
+
+TP_GROUP = "tp"
+_IDLE_TIMEOUT = datetime.timedelta(days=30)  # the step channel waits as long as a server may stay idle
+
+
+class DistributedError(GraphinferError, RuntimeError):
+    """The rendezvous or a collective failed or timed out: a peer rank died, stalled, or never started."""
+
+
+@dataclass
+class _State:
+    rank: int = 0
+    world_size: int = 1
+    ranks_per_node: int = 1
+    groups: dict = field(default_factory=dict)  # name -> device ProcessGroup
+    cpu_group: object = None
+    timeout_s: float = 0.0
+    phase: str = "start-up"  # what this rank is doing, for error messages
+    comm_seconds: float = 0.0  # host time inside collective calls (bench: the time spent in collectives)
+    comm_calls: int = 0
+
+
+_state = _State()
+
+
+def tp_rank() -> int:
+    return _state.rank
+
+
+def tp_size() -> int:
+    return _state.world_size
+
+
+def local_rank() -> int:
+    return _state.rank % _state.ranks_per_node
+
+
+def ranks_per_node() -> int:
+    return _state.ranks_per_node
+
+
+def is_initialized() -> bool:
+    """Whether this process is a rank of a running TP group (not just a layout)."""
+    return bool(_state.groups)
+
+
+@contextlib.contextmanager
+def layout(rank: int, size: int):
+    """Shard as rank `rank` of `size` while building a model, without process groups (nothing can run)."""
+    global _state
+    saved, _state = _state, _State(rank=rank, world_size=size)
+    try:
+        yield
+    finally:
+        _state = saved
+
+
+def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: str, master_addr: str,
+                     master_port: int, timeout_s: float) -> None:
+    """Join the TP group as `rank`: rendezvous at master_addr:master_port (rank 0 hosts the store, torchrun-style),
+    then the device group on `backend` and the gloo step-channel group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    _state.phase = "rendezvous"
+    try:
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    except (RuntimeError, DistributedError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+        raise DistributedError(
+            f"rank {rank} of {world_size}: the rendezvous at {master_addr}:{master_port} failed ({e}). Check that "
+            f"every node runs the same command with its own --node-rank, that --master-addr / --master-port name "
+            f"node 0 and are reachable from here, and that no other job uses the port.") from None
+    _state.rank, _state.world_size, _state.ranks_per_node = rank, world_size, ranks_per_node
+    _state.groups = {TP_GROUP: dist.group.WORLD}
+    _state.cpu_group, _state.timeout_s = cpu_group, timeout_s
+    _state.phase = "start-up"
+    logger.info("rank %d of %d joined the TP group (%s, rendezvous %s:%d)", rank, world_size, backend, master_addr,
+                master_port)
+
+
+def destroy() -> None:
+    """Leave the TP group (engine shutdown); a no-op when not in one."""
+    global _state
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # a peer may be gone already
+            dist.destroy_process_group()
+    _state = _State()
+
+
+def abort() -> None:
+    """Unblock collectives that wait for a dead peer (best effort, from another thread)."""
+    abort_pg = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort_pg is not None and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            abort_pg()
+
+
+def get_group(name: str):
+    group = _state.groups.get(name)
+    if group is None:
+        raise DistributedError(f"graphinfer collective on group {name!r}, but this process is not a rank of a "
+                               f"tensor-parallel group (tensor_parallel_size={_state.world_size}).")
+    return group
+
+
+def cpu_group():
+    return _state.cpu_group
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Label what this rank is doing (a start-up phase, a step), for the message of a collective that fails."""
+    saved, _state.phase = _state.phase, name
+    try:
+        yield
+    finally:
+        _state.phase = saved
+
+
+def set_phase(name: str) -> None:
+    _state.phase = name
+
+
+def collective(what: str, group_name: str, run: Callable[[object], None]) -> None:
+    """run(group) timed into the communication counters; a failure becomes a DistributedError naming this rank,
+    the collective and the phase it waited in."""
+    group = get_group(group_name)
+    start = time.perf_counter()
+    try:
+        run(group)
+    except RuntimeError as e:
+        raise DistributedError(
+            f"rank {_state.rank} of {_state.world_size}: {what} on group {group_name!r} failed during "
+            f"{_state.phase}: {e}. Another rank died or stalled (timeout {_state.timeout_s:g} s); its log says "
+            f"why.") from None
+    finally:
+        _state.comm_seconds += time.perf_counter() - start
+        _state.comm_calls += 1
+
+
+def comm_counters() -> tuple[float, int]:
+    """(seconds, calls) spent in collective calls by this process so far (host time: on GPUs the launch)."""
+    return _state.comm_seconds, _state.comm_calls
+
+
+def min_across_ranks(value: int) -> int:
+    """The smallest of every rank's value (e.g. KV blocks, so every rank's cache has the same block count)."""
+    if not is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    collective("all_reduce(min)", TP_GROUP, lambda _: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_state.cpu_group))
+    return int(t.item())
+
+
+def broadcast_from_rank0(t: torch.Tensor) -> None:
+    """t <- rank 0's t, on the device group (in place)."""
+    collective("broadcast", TP_GROUP, lambda group: dist.broadcast(t, src=0, group=group))

@@ -1,0 +1,200 @@
+"""Tensor-parallel layers (vLLM's names), sharded by the process's layout (distributed.parallel_state).
+
+At tp 1 each is exactly the plain layer (nn.Linear, nn.Embedding), so the traced graph is today's. At tp N:
+- ColumnParallelLinear: output features split; no communication (q/k/v, gate/up: the passes still fuse them);
+- RowParallelLinear: input features split, partial sums all-reduced (o_proj, down_proj); the bias is added
+  after the all-reduce, so every rank runs the same graph;
+- VocabParallelEmbedding / ParallelLMHead: the vocabulary split in padded equal parts; the embedding looks
+  up the ids it owns and all-reduces, the LM head all-gathers the logits (every rank holds them, rank 0
+  samples);
+- MoEExperts: each expert's intermediate dimension split (TP for MoE), the combined output all-reduced.
+Layers with a collective are traced through (compiler/trace.py), so graphinfer::all_reduce and
+graphinfer::all_gather are nodes of the graph. Each layer's weight_loader copies its slice of a checkpoint
+tensor (models/checkpoint_tensor.py), so a rank reads only its part.
+"""
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from graphinfer import ops
+from graphinfer.distributed import parallel_state as ps
+from graphinfer.distributed.communication_op import (tensor_model_parallel_all_gather,
+                                                     tensor_model_parallel_all_reduce)
+from graphinfer.errors import InvalidConfigError, ModelNotFoundError
+from graphinfer.models.checkpoint_tensor import CheckpointTensor
+
+
+def check_tensor_parallel(config, tp: int) -> None:
+    """Refuse, with the numbers, a tensor-parallel size that does not split the model's heads or MLPs."""
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    sizes = {"attention heads (num_attention_heads)": heads}
+    for attr in ("intermediate_size", "moe_intermediate_size"):
+        if getattr(config, attr, None):
+            sizes[attr] = getattr(config, attr)
+    bad = [f"{name} = {n}" for name, n in sizes.items() if n % tp]
+    if kv % tp and tp % kv:  # fewer KV heads than ranks: each KV head is replicated on tp / kv ranks
+        bad.append(f"KV heads (num_key_value_heads) = {kv}, which tp must divide or be a multiple of")
+    if bad:
+        fits = [d for d in range(1, heads + 1) if all(n % d == 0 for n in sizes.values()) and (kv % d == 0 or d % kv == 0)]
+        raise InvalidConfigError(f"tensor_parallel_size={tp} does not split this model: {'; '.join(bad)}. Use a "
+                                 f"tensor_parallel_size that divides them: one of {fits}.")
+
+
+def _load_slice(label: str, dest: Tensor, src: CheckpointTensor, dim: int | None, index: int = 0,
+                num_shards: int = 1) -> None:
+    """dest <- part `index` of `num_shards` equal parts of src along dim (all of src for dim None)."""
+    want = list(dest.shape)
+    if dim is not None:
+        want[dim] *= num_shards
+    if list(src.shape) != want:
+        per_rank = " per rank" if num_shards > 1 else ""
+        raise ModelNotFoundError(f"Checkpoint tensor {label!r} has shape {tuple(src.shape)}, the model expects "
+                                 f"{tuple(dest.shape)}{per_rank}; the checkpoint does not match its config.")
+    with torch.no_grad():
+        if dim is None or num_shards == 1:
+            dest.copy_(src.read())
+        else:
+            n = dest.shape[dim]
+            dest.copy_(src.read(dim, index * n, n))
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features split in num_shards parts (default: one per rank). num_shards < tp replicates: rank r
+    holds part r * num_shards // tp (KV projections when tp > num_kv_heads, as vLLM)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, num_shards: int | None = None):
+        tp = ps.tp_size()
+        self.num_shards = num_shards or tp
+        self.shard_index = ps.tp_rank() * self.num_shards // tp
+        super().__init__(in_features, out_features // self.num_shards, bias)
+
+    def weight_loader(self, name: str, param: Tensor, src: CheckpointTensor, label: str) -> None:
+        _load_slice(label, param, src, 0, self.shard_index, self.num_shards)
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split; y = all_reduce(x_r W_r^T) + b."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(in_features // ps.tp_size(), out_features, bias)
+        self.has_collective = ps.tp_size() > 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.has_collective:
+            return F.linear(x, self.weight, self.bias)
+        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def weight_loader(self, name: str, param: Tensor, src: CheckpointTensor, label: str) -> None:
+        _load_slice(label, param, src, 1 if name == "weight" else None, ps.tp_rank(), ps.tp_size())
+
+
+def _vocab_part(vocab_size: int) -> tuple[int, int]:
+    """(rows per rank, first row of this rank): the vocabulary padded to a multiple of tp."""
+    per = -(-vocab_size // ps.tp_size())
+    return per, ps.tp_rank() * per
+
+
+def _load_vocab_rows(label: str, param: Tensor, src: CheckpointTensor, vocab_size: int) -> None:
+    per, start = _vocab_part(vocab_size)
+    if tuple(src.shape) != (vocab_size, param.shape[1]):
+        raise ModelNotFoundError(f"Checkpoint tensor {label!r} has shape {tuple(src.shape)}, the model expects "
+                                 f"{(vocab_size, param.shape[1])}; the checkpoint does not match its config.")
+    n = max(0, min(per, vocab_size - start))
+    with torch.no_grad():
+        param[n:].zero_()  # the padding rows of the last rank
+        if n:
+            param[:n].copy_(src.read(0, start, n) if ps.tp_size() > 1 else src.read())
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows of the vocabulary split; each rank embeds the ids it owns (zeros elsewhere), then all-reduce."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        per, start = _vocab_part(num_embeddings)
+        super().__init__(per, embedding_dim)
+        self.org_vocab_size = num_embeddings
+        self.has_collective = ps.tp_size() > 1
+        if self.has_collective:  # a buffer, not a constant: every rank's graph is the same code
+            self.register_buffer("vocab_start", torch.tensor(start), persistent=False)
+
+    def reset_buffers(self, device) -> None:
+        if self.has_collective:
+            self.vocab_start = torch.tensor(_vocab_part(self.org_vocab_size)[1], device=device)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if not self.has_collective:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        owned = (local >= 0) & (local < self.num_embeddings)
+        rows = F.embedding(torch.where(owned, local, 0), self.weight)
+        return tensor_model_parallel_all_reduce(rows * owned.unsqueeze(-1).to(rows.dtype))
+
+    def weight_loader(self, name: str, param: Tensor, src: CheckpointTensor, label: str) -> None:
+        _load_vocab_rows(label, param, src, self.org_vocab_size)
+
+
+class ParallelLMHead(nn.Linear):
+    """The LM head over the padded vocabulary split like VocabParallelEmbedding (so a tied head shares its
+    rows); the logits are all-gathered and the padding dropped."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(hidden_size, _vocab_part(vocab_size)[0], bias=False)
+        self.org_vocab_size = vocab_size
+        self.has_collective = ps.tp_size() > 1
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        if not self.has_collective:
+            return logits
+        return tensor_model_parallel_all_gather(logits, -1)[..., :self.org_vocab_size]
+
+    def weight_loader(self, name: str, param: Tensor, src: CheckpointTensor, label: str) -> None:
+        _load_vocab_rows(label, param, src, self.org_vocab_size)
+
+
+class MoEExperts(nn.Module):
+    """num_experts SwiGLU experts as stacked weights (vLLM's FusedMoE names): w13_weight [E, 2I, H] is
+    cat(gate_proj, up_proj) per expert (HF's gate_up_proj), w2_weight [E, H, I] the down_proj; I is split
+    over the TP ranks and the combined output all-reduced. Naive on purpose: dispatch -> grouped MLP ->
+    combine, which the fuse_moe pass turns into one fused_moe."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        E, H, I = num_experts, hidden_size, intermediate_size // ps.tp_size()
+        self.w13_weight = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.w2_weight = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        sorted_hidden, expert_offsets, inverse_perm = ops.moe_dispatch(hidden_states, topk_ids, self.num_experts)
+        expert_out = ops.moe_grouped_mlp(sorted_hidden, expert_offsets, self.w13_weight, self.w2_weight)
+        return tensor_model_parallel_all_reduce(ops.moe_combine(expert_out, inverse_perm, topk_weights))
+
+    def weight_loader(self, name: str, param: Tensor, src: CheckpointTensor, label: str,
+                      expert: int | None = None, half: int | None = None) -> None:
+        """A per-expert tensor (expert e, half 0 gate / 1 up / None down) or a stacked one (expert None:
+        [E, 2I, H] gate_up or [E, H, I] down, transformers' in-memory layout)."""
+        rank = ps.tp_rank()
+        if name == "w2_weight":  # down: [.., H, I], split along I
+            dest = param if expert is None else param[expert]
+            return _load_slice(label, dest, src, dest.dim() - 1, rank, ps.tp_size())
+        if expert is not None:
+            return _load_slice(label, param[expert].chunk(2)[half], src, 0, rank, ps.tp_size())
+        I_local = param.shape[1] // 2
+        if tuple(src.shape) != (param.shape[0], 2 * I_local * ps.tp_size(), param.shape[2]):
+            raise ModelNotFoundError(f"Checkpoint tensor {label!r} has shape {tuple(src.shape)}, the model expects "
+                                     f"{tuple(param.shape)} per rank; the checkpoint does not match its config.")
+        I = I_local * ps.tp_size()
+        with torch.no_grad():
+            for h in (0, 1):  # gate rows [0, I), up rows [I, 2I): this rank's part of each
+                param[:, h * I_local:(h + 1) * I_local].copy_(src.read(1, h * I + rank * I_local, I_local))
+
+
+def local_heads(total: int) -> int:
+    return total // ps.tp_size()
+
+
+def local_kv_heads(total: int) -> int:
+    """KV heads per rank: replicated (one per rank) when there are fewer KV heads than ranks."""
+    return max(1, total // ps.tp_size())

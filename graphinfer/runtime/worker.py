@@ -1,0 +1,83 @@
+"""A tensor-parallel rank other than 0: `python -m graphinfer.runtime.worker`, launch spec on stdin (see
+distributed/launch.py), or a node > 0's main process (run_node).
+
+It joins the group, builds the same engine as rank 0 in the same order (weights: its shard; passes and their
+checks; KV cache; capture: the collectives in them pair up), then runs each step rank 0 sends: the same
+forward on its shard, no scheduling and no sampling.
+"""
+import logging
+import os
+import pickle
+import signal
+import sys
+
+import torch
+
+from graphinfer.config import EngineConfig
+from graphinfer.distributed import launch
+from graphinfer.distributed import parallel_state as ps
+from graphinfer.platforms import platform_for_device
+from graphinfer.runtime.executor import WORKER_MODULE, join_group
+from graphinfer.runtime.step_channel import StepChannel, StepMessage
+
+logger = logging.getLogger(__name__)
+
+
+def run_rank(config: EngineConfig, rank: int, master_port: int, platform_cls=None) -> int:
+    """Be rank `rank` until rank 0 shuts the group down (0) or goes away (1)."""
+    from graphinfer.runtime.llm_engine import LLMEngine
+
+    pc = config.parallel_config
+    platform = platform_cls() if platform_cls is not None else \
+        platform_for_device(str(config.model_config.device).split(":")[0])
+    try:
+        join_group(rank, pc, master_port, platform)
+        if rank >= pc.ranks_per_node:  # on another node than rank 0: heartbeats tell it this rank lives
+            launch.start_heartbeat(pc.master_addr, master_port, rank)
+        engine = LLMEngine(config, platform=platform)
+        serve_steps(engine)
+    except ps.DistributedError as e:
+        logger.error("%s; exiting", e)
+        return 1
+    return 0
+
+
+def serve_steps(engine) -> None:
+    """Run what rank 0 sends until it says shut down."""
+    channel, runner = StepChannel(), engine.model_runner
+    prev = None  # the last shared sampled ids (async scheduling fills pending input ids from them)
+    while (msg := channel.recv()) is not None:
+        if not isinstance(msg, StepMessage):  # ("call", method, args)
+            getattr(engine, msg[1])(*msg[2])
+            continue
+        ps.set_phase(f"step {msg.step}")
+        runner.step_logits(msg.inputs, prev)
+        if msg.share_sampled:
+            prev = torch.empty(len(msg.inputs.logits_indices), dtype=torch.int64, device=engine.device)
+            ps.broadcast_from_rank0(prev)
+    engine.shutdown()
+
+
+def run_node(config: EngineConfig) -> int:
+    """Node rank > 0 (`--node-rank R`): start this node's ranks, be the first of them, wait for the others."""
+    pc = config.parallel_config
+    first = pc.node_rank * pc.ranks_per_node
+    spec = {"config": config, "platform_cls": None, "master_port": pc.master_port}
+    others = launch.start_ranks(WORKER_MODULE, list(range(first + 1, first + pc.ranks_per_node)), spec)
+    logger.info("node %d of %d: ranks %d..%d, rendezvous at %s:%d", pc.node_rank, pc.nnodes, first,
+                first + pc.ranks_per_node - 1, pc.master_addr, pc.master_port)
+    code = run_rank(config, first, pc.master_port)
+    launch.stop_ranks(others)
+    return code or max((r.process.returncode or 0 for r in others), default=0)
+
+
+def main() -> int:
+    spec = pickle.load(sys.stdin.buffer)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
+    logging.basicConfig(level=os.environ.get("GRAPHINFER_LOG_LEVEL", "INFO"),
+                        format=f"(rank {spec['rank']}) %(levelname)s %(name)s: %(message)s")
+    return run_rank(spec["config"], spec["rank"], spec["master_port"], spec["platform_cls"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
