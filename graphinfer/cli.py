@@ -44,6 +44,22 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, servin
                         "| per op, e.g. 'torch_npu,paged_attention=triton'")
     g.add_argument("--npu-compiler", default=None, choices=["torchair", "torchair:reduce-overhead"],
                    help="npu: hand the fused graph to torchair (ACL graphs; use with --graph-mode NONE)")
+    _add_parallel_args(p)
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tensor parallel (vLLM's / torchrun's flags)")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N ranks (gloo on cpu, NCCL on cuda, HCCL on npu); one node: graphinfer "
+                        "starts the other ranks")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes the ranks are spread over (tp / nnodes each); every "
+                                                         "node runs the same command with its --node-rank")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this node: 0 runs rank 0 (scheduler, sampler, server); others run workers only and take the "
+                        "engine settings from node 0")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="node 0's rendezvous port (default: a free one on one node, 29500 across nodes)")
 
 
 def _add_graph_mode_args(g) -> None:
@@ -86,7 +102,19 @@ def _engine_kwargs(args) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
                 max_capture_size=args.max_capture_size, splitting_ops=_splitting_ops(args),
-                capture_lm_head=args.capture_lm_head, kernels=args.kernels, npu_compiler=args.npu_compiler)
+                capture_lm_head=args.capture_lm_head, kernels=args.kernels, npu_compiler=args.npu_compiler,
+                **_parallel_kwargs(args))
+
+
+def _parallel_kwargs(args) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+                master_addr=args.master_addr, master_port=args.master_port)
+
+
+def _parallel_config(args):
+    from graphinfer.config import ParallelConfig
+
+    return ParallelConfig(**_parallel_kwargs(args))
 
 
 def _splitting_ops(args) -> list[str] | None:
@@ -163,7 +191,7 @@ def _compile(args) -> None:
         model_config, CacheConfig(), SchedulerConfig(max_num_seqs=args.max_num_seqs),
         CompileConfig(args.graph_mode, args.passes, sizes, max_capture_size=args.max_capture_size,
                       splitting_ops=_splitting_ops(args)),
-        compile_only=True))
+        _parallel_config(args), compile_only=True))
     print(pass_table(engine.pass_reports.rejudge(args.atol, args.rtol)))
     manifest = engine.save_artifact(args.output, atol=args.atol, rtol=args.rtol,
                                     allow_check_failure=args.allow_check_failure)
@@ -321,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write the artifact even if a pass fails its numeric check (recorded in the manifest)")
     comp.add_argument("--dtype", default="auto")
     comp.add_argument("--device", default="auto", help="auto (the detected platform) or a torch device")
+    _add_parallel_args(comp)
     comp.set_defaults(func=_compile)
 
     ps = sub.add_parser("passes", help="tooling for pass developers").add_subparsers(dest="action", required=True)
@@ -428,6 +457,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("GRAPHINFER_LOG_LEVEL", "INFO"),
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "node_rank", 0) > 0:  # another node's ranks: workers only, node 0 does the rest
+            from graphinfer.runtime.worker import run_node
+
+            return run_node(_parallel_config(args))
         return args.func(args) or 0
     except GraphinferError as e:
         print(f"graphinfer: error: {e}", file=sys.stderr)

@@ -81,13 +81,17 @@ def layout(rank: int, size: int):
 
 
 def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: str, master_addr: str,
-                     master_port: int, timeout_s: float) -> None:
-    """Join the TP group as `rank`: rendezvous at master_addr:master_port (rank 0 hosts the store, torchrun-style),
-    then the device group on `backend` and the gloo step-channel group."""
+                     master_port: int, timeout_s: float, publish: dict[str, bytes] | None = None) -> None:
+    """Join the TP group as `rank`: rendezvous at master_addr:master_port (rank 0 hosts the store, torchrun-style,
+    and first puts `publish` in it: what the other nodes wait for), then the device group on `backend` and the
+    gloo step-channel group."""
     timeout = datetime.timedelta(seconds=timeout_s)
     _state.phase = "rendezvous"
     try:
-        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+        for key, value in (publish or {}).items():
+            store.set(key, value)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     except (RuntimeError, DistributedError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
@@ -101,6 +105,17 @@ def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: s
     _state.phase = "start-up"
     logger.info("rank %d of %d joined the TP group (%s, rendezvous %s:%d)", rank, world_size, backend, master_addr,
                 master_port)
+
+
+def fetch(master_addr: str, master_port: int, key: str, timeout_s: float) -> bytes:
+    """What rank 0 published under `key` (blocks until it has, up to timeout_s)."""
+    try:
+        store = dist.TCPStore(master_addr, master_port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        return store.get(key)
+    except RuntimeError as e:
+        raise DistributedError(f"could not reach node 0 at {master_addr}:{master_port} within {timeout_s:g} s ({e}); "
+                               f"start node 0 (--node-rank 0) and check --master-addr / --master-port.") from None
 
 
 def destroy() -> None:

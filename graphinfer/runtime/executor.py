@@ -8,6 +8,7 @@ the engine and whoever listens: the server answers 503 and exits), and stops the
 import atexit
 import logging
 import os
+import pickle
 
 import torch
 
@@ -22,14 +23,18 @@ logger = logging.getLogger(__name__)
 WORKER_MODULE = "graphinfer.runtime.worker"
 
 
-def join_group(rank: int, pc: ParallelConfig, master_port: int, platform: Platform) -> None:
+CONFIG_KEY = "graphinfer/engine_config"  # rank 0's EngineConfig, pickled, for the other nodes (worker.run_node)
+
+
+def join_group(rank: int, pc: ParallelConfig, master_port: int, platform: Platform,
+               publish: dict[str, bytes] | None = None) -> None:
     """Make this process rank `rank` of the TP group: its device (cuda:<local rank>), the process groups, and
     on cpu its share of the node's cores (ranks of one node split them)."""
     local = rank % pc.ranks_per_node
     if platform.device_module is not None:
         platform.device_module.set_device(local)
     ps.init_distributed(rank, pc.tensor_parallel_size, pc.ranks_per_node, platform.dist_backend, pc.master_addr,
-                        master_port, pc.timeout_s)
+                        master_port, pc.timeout_s, publish)
     if platform.device_type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         from graphinfer.platforms.cpu import physical_cores
 
@@ -48,7 +53,7 @@ class MultiprocExecutor:
         logger.info("tensor parallel: %d ranks on %d node(s); started ranks %s here", pc.tensor_parallel_size,
                     pc.nnodes, [r.rank for r in self.ranks])
         try:
-            join_group(0, pc, self.port, platform)
+            join_group(0, pc, self.port, platform, {CONFIG_KEY: pickle.dumps(config)})
         except BaseException:
             launch.stop_ranks(self.ranks, timeout=0)
             raise

@@ -13,11 +13,11 @@ import sys
 
 import torch
 
-from graphinfer.config import EngineConfig
+from graphinfer.config import EngineConfig, ParallelConfig
 from graphinfer.distributed import launch
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.platforms import platform_for_device
-from graphinfer.runtime.executor import WORKER_MODULE, join_group
+from graphinfer.runtime.executor import CONFIG_KEY, WORKER_MODULE, join_group
 from graphinfer.runtime.step_channel import StepChannel, StepMessage
 
 logger = logging.getLogger(__name__)
@@ -58,14 +58,17 @@ def serve_steps(engine) -> None:
     engine.shutdown()
 
 
-def run_node(config: EngineConfig) -> int:
-    """Node rank > 0 (`--node-rank R`): start this node's ranks, be the first of them, wait for the others."""
-    pc = config.parallel_config
+def run_node(pc: ParallelConfig) -> int:
+    """Node rank > 0 (`--node-rank R`): take rank 0's engine config from the rendezvous store (so every rank
+    builds the same engine, whatever else this node's command line says), start this node's ranks, be the
+    first of them, and wait for the others."""
+    config = pickle.loads(ps.fetch(pc.master_addr, pc.master_port, CONFIG_KEY, pc.timeout_s))
+    config.parallel_config.node_rank = pc.node_rank
     first = pc.node_rank * pc.ranks_per_node
     spec = {"config": config, "platform_cls": None, "master_port": pc.master_port}
     others = launch.start_ranks(WORKER_MODULE, list(range(first + 1, first + pc.ranks_per_node)), spec)
-    logger.info("node %d of %d: ranks %d..%d, rendezvous at %s:%d", pc.node_rank, pc.nnodes, first,
-                first + pc.ranks_per_node - 1, pc.master_addr, pc.master_port)
+    logger.info("node %d of %d: ranks %d..%d of %s (rendezvous %s:%d)", pc.node_rank, pc.nnodes, first,
+                first + pc.ranks_per_node - 1, config.model_config.model, pc.master_addr, pc.master_port)
     code = run_rank(config, first, pc.master_port)
     launch.stop_ranks(others)
     return code or max((r.process.returncode or 0 for r in others), default=0)
