@@ -203,16 +203,16 @@ def _compile(args) -> None:
 
 
 def _passes(args) -> int:
-    from graphinfer.passes import tools
+    from graphinfer.compiler import pass_tools as tools
 
     if args.action == "list":
         print(tools.list_passes())
     elif args.action == "show":
         print(tools.show(args.model, args.after, args.dtype, args.onnx, split=args.split, passes=args.passes,
-                         dump_dir=args.dump_dir))
+                         dump_dir=args.dump_dir, tp=args.tp))
     elif args.action == "diff":
         print(tools.diff(args.model, args.pass_name, args.dtype, passes=args.passes or "default",
-                         dump_dir=args.dump_dir))
+                         dump_dir=args.dump_dir, tp=args.tp))
     else:
         text, reports = tools.verify(args.model, args.passes, args.dtype, args.onnx, atol=args.atol, rtol=args.rtol,
                                      dump_dir=args.dump_dir)
@@ -376,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the graph as traced and after each pass there (NN-<pass>.py code, .txt nodes)")
         if name != "diff":
             p.add_argument("--onnx", default=None, help="also export the graph as ONNX for Netron")
+        if name != "verify":
+            p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                           help="the graph of rank 0 of N tensor-parallel ranks: its shard, the collectives as nodes "
+                                "(built here, nothing runs; `compile -tp N` checks the passes on every rank)")
     sub.choices["passes"].set_defaults(func=_passes)
 
     bench = sub.add_parser("bench", help="benchmarks (write JSON)").add_subparsers(dest="bench", required=True)

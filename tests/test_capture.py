@@ -5,77 +5,12 @@ against a CPU stand-in for a device graph: `OpTapeGraph` records every aten / gr
 capturing and replays the tape on the same tensors, which is what a CUDA graph does with kernels. It is
 test scaffolding, not a graphinfer platform. With a GPU the same checks run with real CUDA graphs.
 """
-import contextlib
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from capture_standin import OpTapePlatform
 
 from graphinfer import LLM, SamplingParams
 from graphinfer.config import default_capture_sizes
-from graphinfer.platforms.cpu import CpuPlatform
-
-
-class OpTapeGraph:
-    """Records ops during capture; replay re-runs them writing into the tensors they produced then."""
-
-    def __init__(self):
-        self.tape = []
-
-    def replay(self):
-        for func, args, kwargs, out in self.tape:
-            result = func(*args, **kwargs)
-            if out is None:
-                continue
-            for dst, src in zip(out if isinstance(out, (tuple, list)) else [out], result if isinstance(result, (tuple, list)) else [result]):
-                if isinstance(dst, torch.Tensor):
-                    dst.copy_(src)
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self, graph: OpTapeGraph):
-        super().__init__()
-        self.graph = graph
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        mutates = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-        fresh = not _aliases_an_input(out, args, kwargs)  # views see what replay refreshes in place
-        if mutates or fresh:  # an op that writes an input and returns a new tensor (qk_norm_rope_cache) needs both
-            self.graph.tape.append((func, args, kwargs, out if fresh else None))
-        return out
-
-
-def _storages(x) -> set[int]:
-    items = x if isinstance(x, (tuple, list)) else [x]
-    return {t.untyped_storage().data_ptr() for t in items if isinstance(t, torch.Tensor)}
-
-
-def _aliases_an_input(out, args, kwargs) -> bool:
-    """By storage, not schema: to / reshape / contiguous declare "may alias" but often copy."""
-    inputs = set().union(*(_storages(a) for a in [*args, *kwargs.values()]))
-    outs = _storages(out)
-    return bool(outs) and outs <= inputs
-
-
-class OpTapePlatform(CpuPlatform):
-    """The cpu platform plus the OpTapeGraph stand-in for device graphs (tests only)."""
-    supports_graph_capture = True
-
-    def graph_class(self):
-        return OpTapeGraph
-
-    def graph_pool_handle(self):
-        return None
-
-    def new_stream(self):
-        return None
-
-    @contextlib.contextmanager
-    def graph_capture(self, graph, pool, stream):
-        with _Recorder(graph):
-            yield
 
 
 PROMPTS = [[1, 5, 9, 3], [7] * 11, list(range(2, 40)), [4, 4, 8], list(range(100, 121)), [9, 8, 7, 6, 5],

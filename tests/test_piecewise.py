@@ -16,7 +16,8 @@ from graphinfer.compiler.piecewise import fit_graph_budget
 from graphinfer.compiler.split import split_graph
 from graphinfer.compiler.trace import node_target_name
 from graphinfer.errors import InvalidConfigError
-from test_capture import PROMPTS, OpTapePlatform
+from capture_standin import OpTapePlatform
+from test_capture import PROMPTS
 
 SIZES = [1, 2, 4, 8, 16]  # max_num_batched_tokens 24 below: 17..24-token steps run eagerly
 

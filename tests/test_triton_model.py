@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, {tests_dir!r})
 import graphinfer.runtime.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
-from test_capture import OpTapePlatform
+from capture_standin import OpTapePlatform
 
 prompts = [[1, 5, 9, 3], [7] * 11, list(range(2, 28)), [4, 4, 8]]  # 26 tokens: two chunks over cached blocks
 params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(4)]

@@ -86,6 +86,11 @@ class Platform:
         """Context manager that records the work issued inside it into `graph` (torch.cuda.graph and its kin)."""
         raise NotImplementedError(f"the {self.name} platform has no device graphs")
 
+    def capture_budget(self, comm_groups: int, graphs_per_size: int) -> int | None:
+        """Device graphs capturable in all when the graphs hold collectives of `comm_groups` process groups (tensor
+        parallel: 1), for sizes costing `graphs_per_size` graphs each; None: no limit."""
+        return self.max_capture_graphs
+
     def before_graph_replay(self, graph, seq_lens) -> None:
         """Called right before `graph.replay()` with the step's host seq_lens for the graph's batch (numpy,
         padded rows 0). For kernels whose captured launches bake host-side arguments (Ascend FIA's lengths):

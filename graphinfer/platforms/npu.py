@@ -122,6 +122,18 @@ class NpuPlatform(Platform):
     def is_available(cls) -> bool:
         return importlib.util.find_spec("torch_npu") is not None and any(os.environ.get(v) for v in CANN_ENV_VARS)
 
+    def capture_budget(self, comm_groups: int, graphs_per_size: int) -> int | None:
+        """HCCL's collectives take streams inside the graphs too (vllm-ascend's update_aclgraph_sizes): with
+        HCCL_OP_EXPANSION_MODE=AIV each group adds one stream per graph and a reserve of one size; by default
+        (FFTS+ / AICPU unfolding) up to two per group and 40 streams per group."""
+        budget = self.max_capture_graphs
+        if comm_groups == 0:
+            return budget
+        if os.environ.get("HCCL_OP_EXPANSION_MODE") == "AIV":
+            factor = 1 + comm_groups
+            return (budget - factor * graphs_per_size) // factor
+        return (budget - 40 * comm_groups) // (1 + 2 * comm_groups)
+
     @property
     def torch_npu(self):
         if self._torch_npu is None:

@@ -240,7 +240,7 @@ class LLMEngine:
         platform's graph budget (Ascend: its streams) after the full decode graphs took theirs."""
         mbt = self.config.scheduler_config.max_num_batched_tokens
         sizes = [s for s in self.capture_sizes if s <= mbt] or [min(self.capture_sizes)]
-        budget = self.platform.max_capture_graphs
+        budget = self.platform.capture_budget(int(ps.tp_size() > 1), num_pieces)  # Ascend: HCCL takes streams too
         if budget is None:
             return sizes
         if self.config.compile_config.graph_mode in FULL_GRAPH_MODES:
@@ -427,7 +427,7 @@ class LLMEngine:
         launched = None
         if sched.scheduled:
             prev = self._in_flight.sampled.sampled_token_ids if self._in_flight is not None else None
-            rows, sampled = self.model_runner.execute_model(sched, prev)
+            rows, sampled = self.model_runner.execute_model(sched, prev, share_sampled=True)
             for seq, n in sched.scheduled:
                 seq.num_computed_tokens += n
             if sampled is not None:

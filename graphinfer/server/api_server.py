@@ -188,8 +188,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         return error_response(503, str(exc), "ServiceUnavailableError")
 
     @app.exception_handler(EngineDeadError)
-    async def on_dead(_, exc: EngineDeadError):
-        return error_response(500, str(exc), "InternalServerError")
+    async def on_dead(_, exc: EngineDeadError):  # the server is going away (serve.py exits): try elsewhere
+        return error_response(503, str(exc), "ServiceUnavailableError")
 
     @app.exception_handler(GraphinferError)
     async def on_graphinfer(_, exc: GraphinferError):  # the typed errors a user can cause
@@ -433,8 +433,7 @@ def _sse(streams: list[RequestStream], fmt, params, include_usage: bool, metrics
             if include_usage:
                 yield f"data: {json.dumps(fmt.head(fmt.chunk_object, [], _usage(streams, completion_tokens)))}\n\n"
         except (EngineDeadError, ServerShuttingDownError) as e:  # as vLLM: an error event, then [DONE]
-            status = 503 if isinstance(e, ServerShuttingDownError) else 500
-            error = {"message": str(e), "type": _ERROR_TYPES[status], "param": None, "code": status}
+            error = {"message": str(e), "type": _ERROR_TYPES[503], "param": None, "code": 503}
             yield f"data: {json.dumps({'error': error})}\n\n"
         finally:  # also when the client disconnects mid-stream (the generator is closed): free its KV blocks
             _close(streams, metrics)

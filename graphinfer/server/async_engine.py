@@ -24,7 +24,8 @@ class EngineOverloadedError(GraphinferError):
 
 
 class EngineDeadError(GraphinferError):
-    """The engine loop stopped on an internal error; the server can no longer serve."""
+    """The engine loop stopped (an internal error, or a tensor-parallel rank died); the server can no longer
+    serve (HTTP 503, and the server exits non-zero)."""
 
 
 class ServerShuttingDownError(GraphinferError):
@@ -51,6 +52,9 @@ class RequestStream:
         if item is None:  # aborted while we waited
             raise StopAsyncIteration
         if isinstance(item, ServerShuttingDownError):
+            self.finished = True
+            raise item
+        if isinstance(item, EngineDeadError):
             self.finished = True
             raise item
         if isinstance(item, BaseException):
@@ -80,6 +84,9 @@ class AsyncLLMEngine:
         self._closed = False  # end_all() ran: no new requests
         self.error: BaseException | None = None
         self.on_step = None  # callback(engine) after each step, for metrics (runs on the engine thread)
+        self.on_dead: list = []  # callbacks(error) once the engine can no longer run (the server then exits)
+        if engine.executor is not None:  # a tensor-parallel rank that dies ends the engine
+            engine.executor.death_listeners.append(lambda message: self.fail(EngineDeadError(message)))
         self._thread = threading.Thread(target=self._run, name="graphinfer-engine", daemon=True)
         self._thread.start()
 
@@ -188,10 +195,18 @@ class AsyncLLMEngine:
                             del self._streams[out.request_id]
                     if stream is not None:
                         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-        except BaseException as e:  # a bug: fail every request loudly instead of hanging them
+        except BaseException as e:  # a bug, or a rank gone: fail every request loudly instead of hanging them
             logger.exception("engine loop died")
-            self.error = e
-            with self._lock:
-                streams, self._streams = list(self._streams.values()), {}
-            for stream in streams:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+            dead = engine.executor.dead if engine.executor is not None else None
+            self.fail(EngineDeadError(f"{dead}: {e}") if dead else e)
+
+    def fail(self, error: BaseException) -> None:
+        """The engine can no longer run: end every request with `error` and tell the on_dead callbacks (once)."""
+        with self._lock:
+            first, self.error = self.error is None, self.error or error
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, self.error)
+        if first:
+            for callback in self.on_dead:
+                callback(self.error)

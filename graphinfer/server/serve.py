@@ -7,6 +7,9 @@ serve the OpenAI-compatible API with uvicorn.
   --shutdown-timeout seconds; then every remaining stream ends with an error event and [DONE] (a non-streaming
   request gets a 503), the engine stops, its KV blocks are all free, and the process exits 0.
   A second signal ends the drain at once.
+- A dead engine (a tensor-parallel rank that exits, or the engine loop on an error) ends the server: requests
+  get 503 for a second, then it exits non-zero, naming the cause.
+- Tensor parallel: only node rank 0 serves; other nodes run workers (cli.py).
 """
 import asyncio
 import contextlib
@@ -30,6 +33,8 @@ from graphinfer.server.defaults import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_
                                         resolve_serve_engine_args)
 
 logger = logging.getLogger(__name__)
+
+_DEAD_ENGINE_GRACE_S = 1.0  # a dead engine: how long clients still get their 503 before the server exits
 
 
 def is_artifact(path: str) -> bool:
@@ -94,6 +99,19 @@ class _Server(uvicorn.Server):
         self.stop_now = asyncio.Event()
         self.drained = None  # (finished, ended at the timeout) once the drain ran
         self.drain_task: asyncio.Task | None = None
+        self.engine_error: BaseException | None = None
+
+    def engine_died(self, error: BaseException) -> None:
+        """The engine can no longer run (a tensor-parallel rank died, or its loop did): requests get 503 for a
+        moment (AsyncLLMEngine.fail ended those in flight), then the server stops and serve() exits non-zero."""
+        self.engine_error = error
+        if self.loop is None or not self.started:
+            self.should_exit = True
+        else:
+            self.loop.call_soon_threadsafe(self.loop.call_later, _DEAD_ENGINE_GRACE_S, self._exit_now)
+
+    def _exit_now(self) -> None:
+        self.should_exit = True
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -194,10 +212,14 @@ def serve(target: str, host: str, port: int, api_key: str | None, served_model_n
             print(banner(name, host, port, api_key, engine.tokenizer is not None), flush=True)
 
         server = _Server(config, app, shutdown_timeout, on_started=on_started)
+        async_engine.on_dead.append(server.engine_died)
         t0 = time.monotonic()
         server.run(sockets=[sock])
     finally:
         sock.close()
+    if server.engine_error is not None:
+        raise GraphinferError(f"the engine stopped ({server.engine_error}); the server answered 503 and exited. "
+                              f"The log above says why.")
     if server.drained is not None:
         finished, ended = server.drained
         print(f"graphinfer: stopped after {time.monotonic() - t0:.1f} s: {finished} request(s) finished while "

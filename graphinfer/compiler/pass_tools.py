@@ -2,8 +2,12 @@
 
 MODEL is a checkpoint path or a named preset with random weights (e.g. tiny-qwen3), so a pass can be tried
 on a 2-layer graph in a second. PASSES, wherever taken, is a pipeline as `--passes` / `LLM(passes=)` take
-it: 'default', 'none', 'a,b,c', 'default,my_pass' or a list of names and Pass instances.
+it: 'default', 'none', 'a,b,c', 'default,my_pass' or a list of names and Pass instances. `show` and `diff`
+take tp: the graph of rank 0 of a tensor-parallel layout (its shard, the collectives as nodes), built in this
+one process: nothing runs, so no other rank is needed.
 """
+import contextlib
+
 import warnings
 
 import torch
@@ -13,7 +17,9 @@ from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.report import histogram_table, pass_table
 from graphinfer.compiler.trace import node_target_name, op_histogram
 from graphinfer.config import resolve_dtype
-from graphinfer.models.loader import load_model
+from graphinfer.distributed import parallel_state as ps
+from graphinfer.models.loader import load_config, load_model
+from graphinfer.models.parallel_layers import check_tensor_parallel
 from graphinfer.passes.base import PassReports
 from graphinfer.passes.manager import PassManager
 from graphinfer.passes.registry import DEFAULT_PASSES, available_passes, resolve_passes
@@ -51,9 +57,14 @@ def _title(passes: list) -> str:
 
 
 def _compile(model: str, passes: list, dtype: str, check: bool, atol=None, rtol=None,
-             dump_dir: str | None = None) -> tuple[fx.GraphModule, PassReports]:
-    m, _ = load_model(model, resolve_dtype(dtype))
-    return compile_model(m, passes, check=check, atol=atol, rtol=rtol, dump_dir=dump_dir)
+             dump_dir: str | None = None, tp: int = 1) -> tuple[fx.GraphModule, PassReports]:
+    layout = contextlib.nullcontext()
+    if tp > 1:
+        check_tensor_parallel(load_config(model), tp)
+        layout = ps.layout(0, tp)
+    with layout:
+        m, _ = load_model(model, resolve_dtype(dtype))
+        return compile_model(m, passes, check=check, atol=atol, rtol=rtol, dump_dir=dump_dir)
 
 
 def _export(gm: fx.GraphModule, onnx: str | None) -> str:
@@ -66,12 +77,14 @@ def _export(gm: fx.GraphModule, onnx: str | None) -> str:
 
 
 def show(model: str, after: str | None = None, dtype: str = "auto", onnx: str | None = None, split: bool = False,
-         passes=None, dump_dir: str | None = None) -> str:
+         passes=None, dump_dir: str | None = None, tp: int = 1) -> str:
     """The graph after `passes` (default: none; with `after`, the default pipeline) up to and including
-    `after`, with its op histogram."""
+    `after`, with its op histogram (tp > 1: rank 0's graph)."""
     pipeline = pipeline_through(after, passes or "default") if after else resolve_passes(passes or "none")
-    gm, _ = _compile(model, pipeline, dtype, check=False, dump_dir=dump_dir)
+    gm, _ = _compile(model, pipeline, dtype, check=False, dump_dir=dump_dir, tp=tp)
     title = f"after {_title(pipeline)}" if pipeline else "as traced (no passes)"
+    if tp > 1:
+        title += f", rank 0 of tensor_parallel_size={tp}"
     return (f"# {model}: graph {title}, {len(gm.graph.nodes)} nodes\n{gm.code}\n## Op histogram\n\n"
             f"{histogram_table(op_histogram(gm))}\n{_export(gm, onnx)}" + (show_split(gm) if split else ""))
 
@@ -118,12 +131,14 @@ def _describe(node: fx.Node) -> str:
     return f"%{node.name} = {method}{target}({_args(node)})"
 
 
-def diff(model: str, pass_name: str, dtype: str = "auto", passes="default", dump_dir: str | None = None) -> str:
+def diff(model: str, pass_name: str, dtype: str = "auto", passes="default", dump_dir: str | None = None,
+         tp: int = 1) -> str:
     """What `pass_name` changed, applied where it sits in the pipeline `passes` (or after all of it): the nodes
-    it removed and added, and the nodes it kept whose arguments it rewired, with their arguments."""
+    it removed and added, and the nodes it kept whose arguments it rewired, with their arguments (tp > 1: on
+    rank 0's graph)."""
     pipeline = pipeline_through(pass_name, passes)
     before_passes, p = pipeline[:-1], pipeline[-1]
-    gm, _ = _compile(model, before_passes, dtype, check=False)
+    gm, _ = _compile(model, before_passes, dtype, check=False, tp=tp)
     before = {n: _describe(n) for n in gm.graph.nodes}
     [report] = PassManager([p], dump_dir=dump_dir).run(gm)
     after = {n: _describe(n) for n in gm.graph.nodes}

@@ -1,0 +1,115 @@
+"""Tensor parallel on CPU (gloo, real worker processes): greedy tokens at tp 2 (tp 3 for SmolLM2) identical to tp 1.
+
+Every model family, loaded from HF safetensors checkpoints (so each rank reads its slices), runs one workload
+that goes through chunked prefill (prompts longer than the step budget), prefix-cache hits (the same prompts
+twice), preemption (a KV pool too small for the batch) and async scheduling (the workload again with it on),
+in NONE and, for two families, with the recorded-op stand-in for the capturing modes (FULL_AND_PIECEWISE, so
+collectives run inside both full decode graphs and pieces, in every rank's replay).
+"""
+import functools
+
+import pytest
+import torch
+from capture_standin import OpTapePlatform
+
+import graphinfer.runtime.llm_engine as llm_engine
+from graphinfer import LLM, SamplingParams
+from graphinfer.distributed import parallel_state as ps
+from graphinfer.errors import InvalidConfigError
+
+KW = dict(device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=28, max_num_seqs=6,
+          max_num_batched_tokens=32)
+PREFIX = list(range(3, 43))  # 40 tokens: 10 full blocks the second pass finds in the prefix cache
+PROMPTS = [PREFIX + [50 + i] * (1 + 2 * i) for i in range(5)] + [[7, 8, 9], list(range(100, 133))]
+
+
+def _params():
+    return [SamplingParams(temperature=0, max_tokens=5 + 2 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
+def _run(llm: LLM) -> dict:
+    """The workload twice (prefix-cache hits the second time), then again with async scheduling."""
+    engine = llm.llm_engine
+    preempted = engine.scheduler.num_preemptions
+    first = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    second = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    engine.async_scheduling = True
+    async_ = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    engine.async_scheduling = False
+    return {"tokens": [[o.outputs[0].token_ids for o in run] for run in (first, second, async_)],
+            "cached": sum(o.num_cached_tokens for o in second),
+            "preemptions": engine.scheduler.num_preemptions - preempted}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_checkpoint, tmp_path_factory):
+    """arch -> HF checkpoint dir; "llama_kv1": one KV head (replicated at tp 2) and a vocabulary of 251 rows
+    (padded to 2 x 126 in the vocab-parallel embedding and LM head)."""
+    def path(arch: str) -> str:
+        if arch != "llama_kv1":
+            return tiny_checkpoint(arch)[0]
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from conftest import TINY
+        torch.manual_seed(1)
+        config = LlamaConfig(**{**TINY, "num_key_value_heads": 1, "vocab_size": 251}, tie_word_embeddings=False)
+        out = str(tmp_path_factory.mktemp("tiny-llama-kv1"))
+        LlamaForCausalLM(config).save_pretrained(out)
+        return out
+
+    return functools.cache(path)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """arch -> the tp-1 NONE run of the workload (computed once per family)."""
+    return functools.cache(lambda arch: _run(LLM(checkpoints(arch), **KW)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "llama_kv1"])
+def test_tp2_matches_tp1(arch, checkpoints, reference):
+    ref = reference(arch)
+    assert ref["cached"] > 0 and ref["preemptions"] > 0  # the workload reaches both paths
+    with LLM(checkpoints(arch), tensor_parallel_size=2, **KW) as llm:
+        got = _run(llm)
+        attn = llm.llm_engine.model_runner.attn_layers[0]
+        reports = llm.llm_engine.pass_reports
+    assert got["tokens"] == ref["tokens"] and got["cached"] == ref["cached"]
+    assert got["tokens"][0] == got["tokens"][2]  # async scheduling changed nothing either
+    assert attn.num_heads == 2 and attn.num_kv_heads == 1  # rank 0's share (llama_kv1: its one KV head, replicated)
+    assert reports.passed, reports.failures()  # every pass checked on every rank, collectives included
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_tp2_capture_standin_matches_none(arch, checkpoints, reference, monkeypatch):
+    """FULL_AND_PIECEWISE replayed on the recorded-op stand-in on both ranks (rank 0 hands its platform class to
+    the worker): uniform decode steps replay full graphs, mixed steps the pieces, collectives inside both."""
+    monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
+    with LLM(checkpoints(arch), tensor_parallel_size=2, graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 32],
+             **KW) as llm:
+        runner = llm.llm_engine.model_runner
+        replays = []
+        for graphs in (runner.decode_graphs, runner.piecewise_graphs):
+            method = "replay" if graphs is runner.decode_graphs else "run"
+            original = getattr(graphs, method)
+            monkeypatch.setattr(graphs, method, lambda *a, _o=original, _m=method, **k: replays.append(_m) or _o(*a, **k))
+        got = _run(llm)
+    assert got["tokens"] == reference(arch)["tokens"]
+    assert {"replay", "run"} <= set(replays)
+
+
+def test_bad_tensor_parallel_size_is_refused_with_the_numbers(smollm2_path):
+    with pytest.raises(InvalidConfigError, match=r"tensor_parallel_size=2 .*num_attention_heads\) = 9.*one of \[1, 3\]"):
+        LLM(smollm2_path, tensor_parallel_size=2, dtype="float32")
+    assert not ps.is_initialized()  # refused before any rank started
+
+
+def test_smollm2_tp3_matches_tp1_and_hf(smollm2_llm, hf_smollm2):
+    from test_smollm2 import PROMPTS as SMOL_PROMPTS, _hf_greedy
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in smollm2_llm.generate(SMOL_PROMPTS, params, use_tqdm=False)]
+    with LLM(dtype="float32", max_model_len=1024, tensor_parallel_size=3) as llm:
+        outs = llm.generate(SMOL_PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert outs[0].outputs[0].token_ids == _hf_greedy(hf_smollm2, outs[0].prompt_token_ids, 16)[0]
