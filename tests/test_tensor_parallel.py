@@ -113,3 +113,16 @@ def test_smollm2_tp3_matches_tp1_and_hf(smollm2_llm, hf_smollm2):
         outs = llm.generate(SMOL_PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert outs[0].outputs[0].token_ids == _hf_greedy(hf_smollm2, outs[0].prompt_token_ids, 16)[0]
+
+
+def test_ascend_capture_budget_counts_hccl_streams(monkeypatch):
+    """vllm-ascend's update_aclgraph_sizes: with one HCCL group a 48-layer model (49 graphs per piecewise size)
+    keeps (1800 - 40) / 3 / 49 = 11 sizes by default, (1800 - 2 * 49) / 2 / 49 = 17 with HCCL_OP_EXPANSION_MODE=AIV."""
+    from graphinfer.platforms.npu import NpuPlatform
+
+    npu = NpuPlatform(torch_npu=object())
+    assert npu.capture_budget(0, 49) == 1800
+    monkeypatch.delenv("HCCL_OP_EXPANSION_MODE", raising=False)
+    assert npu.capture_budget(1, 49) // 49 == 11
+    monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", "AIV")
+    assert npu.capture_budget(1, 49) // 49 == 17
