@@ -17,7 +17,8 @@ from graphinfer.cli import main
 from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.trace import GraphinferTracer
 from graphinfer.models.loader import load_model
-from graphinfer.passes import Pass, PassManager, resolve_passes, tools
+from graphinfer.compiler import pass_tools as tools
+from graphinfer.passes import Pass, PassManager, resolve_passes
 from graphinfer.passes.check import compare, default_tolerances
 from graphinfer.passes.match import hoist_inputs, is_op
 from plugin_utils import make_dist
@@ -174,11 +175,11 @@ def test_verify_cli_exits_non_zero_on_a_failing_pass(wrong_plugin, capsys):
 
 def test_compile_refuses_a_failing_artifact_unless_overridden(wrong_plugin, tmp_path, capsys):
     art = str(tmp_path / "art")
-    rc = main(["compile", "tiny-qwen3", "--passes", "default,swap_qk_norm", "-o", art])
+    rc = main(["compile", "tiny-qwen3", "--dtype", "float32", "--passes", "default,swap_qk_norm", "-o", art])
     err = capsys.readouterr().err
     assert rc == 2 and "no artifact was written" in err and "swap_qk_norm: max abs error" in err
     assert not os.path.exists(os.path.join(art, "manifest.json"))
-    rc = main(["compile", "tiny-qwen3", "--passes", "default,swap_qk_norm", "-o", art, "--allow-check-failure"])
+    rc = main(["compile", "tiny-qwen3", "--dtype", "float32", "--passes", "default,swap_qk_norm", "-o", art, "--allow-check-failure"])
     out = capsys.readouterr()
     assert rc == 0 and "written anyway" in out.err
     manifest = json.load(open(os.path.join(art, "manifest.json")))
@@ -188,7 +189,7 @@ def test_compile_refuses_a_failing_artifact_unless_overridden(wrong_plugin, tmp_
     assert [p["passed"] for p in manifest["passes"]][-1] is False
     assert "numeric check FAILED, artifact written anyway" in open(os.path.join(art, "report.txt")).read()
     # ... and tolerances loose enough make it a passing artifact.
-    assert main(["compile", "tiny-qwen3", "--passes", "default,swap_qk_norm", "-o", art, "--rtol", "10"]) == 0
+    assert main(["compile", "tiny-qwen3", "--dtype", "float32", "--passes", "default,swap_qk_norm", "-o", art, "--rtol", "10"]) == 0
     manifest = json.load(open(os.path.join(art, "manifest.json")))
     assert manifest["check"] == {"passed": True, "failures": [], "atol": 1e-4, "rtol": 10.0, "overridden": False}
 

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from graphinfer.passes import DEFAULT_PASSES, available_passes, resolve_passes, tools
+from graphinfer.compiler import pass_tools as tools
+from graphinfer.passes import DEFAULT_PASSES, available_passes, resolve_passes
 
 BIN = os.path.join(os.path.dirname(sys.executable), "graphinfer")
 
