@@ -46,7 +46,10 @@ def serve_steps(engine) -> None:
     """Run what rank 0 sends until it says shut down."""
     channel, runner = StepChannel(), engine.model_runner
     prev = None  # the last shared sampled ids (async scheduling fills pending input ids from them)
-    while (msg := channel.recv()) is not None:
+    while True:
+        ps.set_phase("the wait for rank 0's next message")
+        if (msg := channel.recv()) is None:
+            break
         if not isinstance(msg, StepMessage):  # ("call", method, args)
             getattr(engine, msg[1])(*msg[2])
             continue
