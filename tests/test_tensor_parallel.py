@@ -126,3 +126,18 @@ def test_ascend_capture_budget_counts_hccl_streams(monkeypatch):
     assert npu.capture_budget(1, 49) // 49 == 11
     monkeypatch.setenv("HCCL_OP_EXPANSION_MODE", "AIV")
     assert npu.capture_budget(1, 49) // 49 == 17
+
+
+def test_a_failed_step_on_rank_0_stops_the_group_instead_of_hanging(monkeypatch):
+    """Rank 0 raises inside a step (after the others got it): the ranks are out of step, so the next step is
+    refused with DistributedError, and shutdown ends the other rank (it may wait in a collective) at once."""
+    llm = LLM("tiny-llama", tensor_parallel_size=2, **KW)
+    runner = llm.llm_engine.model_runner
+    monkeypatch.setattr(runner, "sampler", lambda *a: (_ for _ in ()).throw(RuntimeError("sampler broke")))
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ps.DistributedError, match=r"out of step: step \d+ failed on rank 0 \(RuntimeError: sampler broke\)"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    ranks = llm.llm_engine.executor.ranks
+    llm.shutdown()
+    assert all(r.process.poll() is not None for r in ranks) and not ps.is_initialized()

@@ -79,10 +79,11 @@ class MultiprocExecutor:
         self._stopped = True
         atexit.unregister(self.shutdown)
         self.monitor.stop()
-        if self.dead is None:
+        clean = self.dead is None and self.channel.broken is None  # else they may be stuck: terminate them
+        if clean:
             try:
                 self.channel.shutdown()
             except ps.DistributedError as e:
                 logger.warning("tensor parallel shutdown: %s", e)
-        launch.stop_ranks(self.ranks, timeout=10 if self.dead is None else 0)
+        launch.stop_ranks(self.ranks, timeout=10 if clean else 0)
         ps.destroy()

@@ -219,12 +219,17 @@ class ModelRunner:
         if self.channel is not None:  # the other ranks run the same step on the same inputs
             self.channel.send_step(h, share)
             ps.set_phase(f"step {self.channel.steps}")
-        logits = self.step_logits(h, prev_tokens)
-        if logits is None:
-            return h.rows, None
-        sampled = self.sampler(logits, h.rows)
-        if share:
-            ps.broadcast_from_rank0(sampled.sampled_token_ids)
+        try:
+            logits = self.step_logits(h, prev_tokens)
+            if logits is None:
+                return h.rows, None
+            sampled = self.sampler(logits, h.rows)
+            if share:
+                ps.broadcast_from_rank0(sampled.sampled_token_ids)
+        except BaseException as e:  # the other ranks may wait in a collective of this step: no further step
+            if self.channel is not None:
+                self.channel.broken = f"step {self.channel.steps} failed on rank 0 ({type(e).__name__}: {e})"
+            raise
         return h.rows, sampled
 
     @torch.inference_mode()

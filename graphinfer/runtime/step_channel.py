@@ -33,12 +33,19 @@ class StepChannel:
         self.group = ps.cpu_group()
         self.buf = torch.zeros(_INITIAL_CAPACITY, dtype=torch.int64)
         self.steps = 0
+        self.broken: str | None = None  # rank 0 failed inside a step: the ranks are out of step for good
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise ps.DistributedError(f"The tensor-parallel ranks are out of step: {self.broken}. Shut this engine "
+                                      f"down and start a new one.")
 
     def _broadcast(self) -> None:
         ps.collective("step message broadcast", ps.TP_GROUP,
                       lambda _: dist.broadcast(self.buf, src=0, group=self.group))
 
     def _send(self, cmd: int, header: list[int], payload: np.ndarray) -> None:
+        self._check()
         need = _HEADER + len(payload)
         if need > len(self.buf):
             capacity = 1 << (need - 1).bit_length()
