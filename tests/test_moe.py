@@ -14,7 +14,8 @@ from graphinfer import LLM, SamplingParams
 from graphinfer.compiler.trace import GraphinferTracer, op_histogram
 from graphinfer.models.loader import load_model
 from graphinfer.ops import moe
-from graphinfer.passes import PassManager, tools
+from graphinfer.passes import PassManager
+from graphinfer.compiler import pass_tools as tools
 from graphinfer.passes.fuse_moe import FuseMoEPass
 from test_model_parity import _RecordingSampler  # records the logits the sampler sees
 

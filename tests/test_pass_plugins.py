@@ -14,7 +14,8 @@ from torch import nn
 
 from graphinfer import LLM, SamplingParams
 from graphinfer.errors import ArtifactMismatchError, InvalidConfigError
-from graphinfer.passes import DEFAULT_PASSES, Pass, PassError, PluginWarning, available_passes, resolve_passes, tools
+from graphinfer.passes import DEFAULT_PASSES, Pass, PassError, PluginWarning, available_passes, resolve_passes
+from graphinfer.compiler import pass_tools as tools
 from plugin_utils import install_docs_plugin, make_dist
 
 BIN = os.path.join(os.path.dirname(sys.executable), "graphinfer")

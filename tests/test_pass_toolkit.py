@@ -16,7 +16,8 @@ from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.trace import GraphinferTracer, trace_model
 from graphinfer.errors import InvalidConfigError
 from graphinfer.models.loader import load_model
-from graphinfer.passes import DEFAULT_PASSES, Pass, PassError, PassManager, resolve_passes, tools
+from graphinfer.passes import DEFAULT_PASSES, Pass, PassError, PassManager, resolve_passes
+from graphinfer.compiler import pass_tools as tools
 from graphinfer.passes.cleanup import CleanupPass
 from graphinfer.passes.fuse_add_rmsnorm import FuseAddRMSNormPass
 from graphinfer.passes.fuse_qkv import FuseQKVPass
