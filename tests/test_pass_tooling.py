@@ -91,8 +91,8 @@ def test_show_diff_verify():
     assert "after fuse_qkv -> fuse_qknorm_rope -> fuse_gate_up" in d and "4 matches" in d
     assert "+ %add_rms_norm_default = graphinfer::add_rms_norm(" in d
     text, reports = tools.verify("tiny-qwen2")
-    assert [r.name for r in reports] == ["fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_moe",
-                                         "cleanup"]
+    assert [r.name for r in reports] == ["fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm",
+                                         "fuse_allreduce_add_rmsnorm", "fuse_moe", "cleanup"]
     assert all(r.max_abs_error <= 1e-5 for r in reports) and "| fuse_qkv | 2 |" in text
     assert reports.passed and reports.end_to_end.max_abs_error <= 1e-5 and "all checks passed" in text
 

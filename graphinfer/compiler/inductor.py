@@ -36,11 +36,20 @@ def use_inductor_cache(directory: str) -> None:
 
 
 def inline_pointwise_ops(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of gm (sharing its parameters and buffers) whose INLINED_OPS calls are their Python references."""
+    """A copy of gm (sharing its parameters and buffers) whose INLINED_OPS calls are their Python references,
+    and whose all_reduce_add_rms_norm calls (tensor parallel) are the all_reduce, then add_rms_norm's reference:
+    the collective stays an opaque call, the add + norm is fused by Inductor as at tp 1."""
+    from graphinfer.distributed.communication_op import all_reduce, all_reduce_add_rms_norm
+
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)  # gm stays as it is
     inlined = {getattr(torch.ops.graphinfer, name).default for name in INLINED_OPS}
-    for node in out.graph.nodes:
-        if node.op == "call_function" and node.target in inlined:
+    for node in list(out.graph.nodes):
+        if node.op == "call_function" and node.target is all_reduce_add_rms_norm:
+            x, residual, weight, eps, group_name = node.args
+            with out.graph.inserting_before(node):
+                reduced = out.graph.call_function(all_reduce, (x, group_name))
+            node.target, node.args = torch.ops.graphinfer.add_rms_norm.default.reference, (reduced, residual, weight, eps)
+        elif node.op == "call_function" and node.target in inlined:
             node.target = node.target.reference
     out.recompile()
     return out

@@ -19,6 +19,7 @@ from graphinfer.errors import InvalidConfigError
 from graphinfer.passes.base import Pass
 from graphinfer.passes.cleanup import CleanupPass
 from graphinfer.passes.fuse_add_rmsnorm import FuseAddRMSNormPass
+from graphinfer.passes.fuse_allreduce_add_rmsnorm import FuseAllReduceAddRMSNormPass
 from graphinfer.passes.fuse_gate_up import FuseGateUpPass
 from graphinfer.passes.fuse_moe import FuseMoEPass
 from graphinfer.passes.fuse_qknorm_rope import FuseQKNormRopePass
@@ -26,9 +27,11 @@ from graphinfer.passes.fuse_qkv import FuseQKVPass
 
 GROUP = "graphinfer.passes"
 BUILTIN_PASSES: tuple[type[Pass], ...] = (FuseQKVPass, FuseQKNormRopePass, FuseGateUpPass, FuseAddRMSNormPass,
-                                          FuseMoEPass, CleanupPass)
-# fuse_qknorm_rope matches only where q and k are RMSNormed per head (Qwen3); elsewhere it finds no candidate.
-DEFAULT_PASSES = ("fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_moe", "cleanup")
+                                          FuseAllReduceAddRMSNormPass, FuseMoEPass, CleanupPass)
+# fuse_qknorm_rope matches only where q and k are RMSNormed per head (Qwen3), fuse_allreduce_add_rmsnorm only at
+# tp > 1; elsewhere they find no candidate.
+DEFAULT_PASSES = ("fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_allreduce_add_rmsnorm",
+                  "fuse_moe", "cleanup")
 
 
 class PluginWarning(UserWarning):
