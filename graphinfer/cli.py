@@ -49,9 +49,9 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, servin
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tensor parallel (vLLM's / torchrun's flags)")
-    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=None,
                    help="shard the model over N ranks (gloo on cpu, NCCL on cuda, HCCL on npu); one node: graphinfer "
-                        "starts the other ranks")
+                        "starts the other ranks (default: an artifact's size, else 1)")
     g.add_argument("--nnodes", type=int, default=1, help="nodes the ranks are spread over (tp / nnodes each); every "
                                                          "node runs the same command with its --node-rank")
     g.add_argument("--node-rank", type=int, default=0,
@@ -112,9 +112,20 @@ def _parallel_kwargs(args) -> dict:
 
 
 def _parallel_config(args):
+    """compile's, or (--node-rank > 0) another node's: the tensor-parallel size as given, else the artifact's as
+    node 0 takes it, else 1."""
     from graphinfer.config import ParallelConfig
 
-    return ParallelConfig(**_parallel_kwargs(args))
+    kwargs = _parallel_kwargs(args)
+    if kwargs["tensor_parallel_size"] is None:
+        kwargs["tensor_parallel_size"] = 1
+        if art := getattr(args, "artifact", None) or getattr(args, "target", None):  # generate --artifact, serve ART
+            from graphinfer.compiler.artifact import read_manifest, tensor_parallel_size
+            from graphinfer.server.serve import is_artifact
+
+            if is_artifact(art):
+                kwargs["tensor_parallel_size"] = tensor_parallel_size(read_manifest(art))
+    return ParallelConfig(**kwargs)
 
 
 def _splitting_ops(args) -> list[str] | None:
@@ -175,6 +186,7 @@ def _compile(args) -> None:
     import torch
 
     from graphinfer.compiler import kernel_cache
+    from graphinfer.compiler.artifact import WEIGHTS, rank_file
     from graphinfer.compiler.report import pass_table
     from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
     from graphinfer.platforms.cpu import CpuPlatform
@@ -198,8 +210,11 @@ def _compile(args) -> None:
     if manifest["check"]["overridden"]:
         print("\nwarning: the numeric check failed; written anyway (--allow-check-failure, recorded in the manifest)",
               file=sys.stderr)
-    print(f"\ncompiled {manifest['model']['path']} "
-          f"({manifest['platform']}, {manifest['dtype']}, {manifest['graph_mode']}) -> {args.output}")
+    tp = manifest["tensor_parallel_size"]
+    print(f"\ncompiled {manifest['model']['path']} ({manifest['platform']}, {manifest['dtype']}, "
+          f"{manifest['graph_mode']}, tensor_parallel_size {tp}) -> {args.output}")
+    for rank in range(tp) if tp > 1 else ():
+        print(f"  rank {rank} weights: {os.path.join(args.output, rank_file(WEIGHTS, rank, tp))}")
 
 
 def _passes(args) -> int:

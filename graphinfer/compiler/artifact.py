@@ -8,10 +8,13 @@ compilation. Layout (docs/architecture.md):
   graph.py           the fused graph's Python code (torch.fx codegen with its import block)
   config.json        the model config (HF's to_dict()), read back without transformers' model classes
   model.safetensors  the weights as the graph reads them: dequantised, fused (qkv_proj, gate_up_proj), in the
-                     artifact's dtype; loaded straight to the device
+                     artifact's dtype; loaded straight to the device. Compiled for tensor_parallel_size N > 1:
+                     model-rank{r}-of-{N}.safetensors, rank r's shard, which only rank r loads (graph.py is the
+                     same code on every rank)
   tokenizer/         the tokenizer in HF form (tokenizer.json, tokenizer_config.json, chat template); absent for
                      models without one
-  added_modules.pt   only when passes added submodules or tensors the checkpoint does not have (torch.save)
+  added_modules.pt   only when passes added submodules or tensors the checkpoint does not have (torch.save);
+                     per rank like the weights at N > 1
   kernel_cache/      GPU platforms: the compiled kernels (compiler/kernel_cache.py)
   report.txt         the pass table and op histogram, for people
 
@@ -19,7 +22,8 @@ Loading imports the plugin passes' modules (their ops must be registered before 
 model on the meta device with the fused projections in place, loads the weights into it, puts back what
 passes added, and executes graph.py over the model's modules. An artifact made for other graphinfer / torch /
 python versions, platform or dtype, for another model than the one named with it, plugins that are missing or
-at other versions here, or whose files were edited, is refused.
+at other versions here, or whose files were edited, is refused (each tensor-parallel rank checks the files it
+reads); so is one compiled for another tensor_parallel_size (runtime/llm_engine.py).
 """
 import dataclasses
 import importlib
@@ -27,6 +31,7 @@ import importlib.metadata
 import json
 import os
 import platform as py_platform
+import re
 import shutil
 
 import torch
@@ -37,7 +42,8 @@ from graphinfer.compiler.fingerprint import file_sha256 as _file_sha256
 from graphinfer.compiler.report import histogram_table, pass_table
 from graphinfer.compiler.split import SplitInfo
 from graphinfer.compiler.trace import op_histogram
-from graphinfer.errors import ArtifactMismatchError
+from graphinfer.distributed import parallel_state as ps
+from graphinfer.errors import ArtifactMismatchError, InvalidConfigError
 from graphinfer.models.layers import init_buffers
 from graphinfer.models.loader import PlainConfig, load_fast_tokenizer, meta_model
 from graphinfer.passes import CheckResult, PassError, PassReport, PassReports
@@ -63,39 +69,44 @@ def graph_source(gm: fx.GraphModule) -> str:
     return f"# graphinfer compiled graph (torch.fx codegen)\n{_format_import_block(code.globals, sys_importer)}\n{code.src}"
 
 
-def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *, fingerprint: dict,
-                  device: torch.device, dtype: torch.dtype, graph_mode: str, capture_sizes: list[int],
-                  model: nn.Module, hf_config, tokenizer=None, split: SplitInfo | None = None,
-                  check: dict | None = None) -> dict:
-    """Write the artifact. model: the module tree gm was traced from (its weights, and what passes added to gm
-    beyond it, go into the artifact); hf_config / tokenizer: the model's, saved in HF form; check: how the pass
-    checks were judged ({passed, atol, rtol, overridden})."""
+def rank_file(name: str, rank: int, size: int) -> str:
+    """The file of rank `rank` of `size` tensor-parallel ranks: `name` itself at size 1 (model.safetensors), else
+    vLLM's sharded-state style (model-rank0-of-2.safetensors)."""
+    if size == 1:
+        return name
+    stem, _, ext = name.partition(".")
+    return f"{stem}-rank{rank}-of-{size}.{ext}"
+
+
+_RANK_FILE = re.compile(r"(model|added_modules)-rank\d+-of-\d+\.(safetensors|pt)")
+
+
+def tensor_parallel_size(manifest: dict) -> int:
+    return manifest.get("tensor_parallel_size", 1)  # absent from artifacts made before tensor parallelism: 1
+
+
+def prepare_dir(out_dir: str, gm: fx.GraphModule, model: nn.Module) -> None:
+    """Refuse passes a loaded artifact could not import (before anything is written), then clear out_dir of what
+    an earlier compile into it may have left: every rank writes its files into it next."""
+    _plugins(gm)
+    _added_state(gm, model)
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if name == TOKENIZER and os.path.isdir(path):
+            shutil.rmtree(path)
+        elif name in (ADDED, WEIGHTS) or _RANK_FILE.fullmatch(name):
+            os.remove(path)
+
+
+def save_rank_files(out_dir: str, gm: fx.GraphModule, model: nn.Module, rank: int = 0, size: int = 1) -> None:
+    """Write the tensors of rank `rank` of `size` (the only rank at size 1): its final weights, and what passes
+    added to its graph beyond the model."""
     from safetensors.torch import save_file
 
-    plugins = _plugins(gm)
     added = _added_state(gm, model)
-    os.makedirs(out_dir, exist_ok=True)
-    for stale in (ADDED, WEIGHTS, TOKENIZER):  # what an earlier compile into this directory may have left
-        path = os.path.join(out_dir, stale)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-    source = graph_source(gm)
-    e2e = getattr(reports, "end_to_end", None)
-    fused = gm.meta.get("fused_linears", {})
-    manifest = {
-        "format": FORMAT, "model": fingerprint, **environment(device), "dtype": str(dtype).removeprefix("torch."),
-        "graph_mode": graph_mode, "capture_sizes": capture_sizes, "passes": [r.to_json() for r in reports],
-        "end_to_end_check": e2e.to_json() if e2e is not None else None,
-        "check": check,
-        "plugins": plugins,  # plugin passes: imported (at these versions) before graph.py runs
-        "added_modules": sorted(added),
-        "fused_linears": fused,
-        "split": dataclasses.asdict(split) if split is not None else None,  # PIECEWISE: the pieces around attention
-    }
     if added:
-        added_path = os.path.join(out_dir, ADDED)
+        added_path = os.path.join(out_dir, rank_file(ADDED, rank, size))
         try:
             torch.save(added, added_path + ".tmp")
         except Exception as e:
@@ -103,21 +114,52 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
                             f"({type(e).__name__}: {e}); a pass's modules must be picklable (module-level classes "
                             f"holding tensors).") from None
         os.replace(added_path + ".tmp", added_path)
-    save_file(final_weights(gm, model), os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
+    save_file(final_weights(gm, model), os.path.join(out_dir, rank_file(WEIGHTS, rank, size)),
+              metadata={"format": "pt"})
+
+
+def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *, fingerprint: dict,
+                  device: torch.device, dtype: torch.dtype, graph_mode: str, capture_sizes: list[int],
+                  model: nn.Module, hf_config, tokenizer=None, split: SplitInfo | None = None,
+                  check: dict | None = None, tensor_parallel_size: int = 1) -> dict:
+    """Complete the artifact in out_dir (prepare_dir'ed, every rank's save_rank_files done): the graph, config,
+    tokenizer, report and the manifest hashing every file. model: the module tree gm was traced from; hf_config /
+    tokenizer: the model's, saved in HF form; check: how the pass checks were judged ({passed, atol, rtol,
+    overridden})."""
+    tp = tensor_parallel_size
+    weights = [rank_file(WEIGHTS, r, tp) for r in range(tp)]
+    if missing := [w for w in weights if not os.path.isfile(os.path.join(out_dir, w))]:
+        raise InvalidConfigError(f"{', '.join(missing)} did not appear in {out_dir!r}, where those ranks wrote their "
+                                 f"weights: across nodes, compile into a directory every node shares at that path.")
+    e2e = getattr(reports, "end_to_end", None)
+    manifest = {
+        "format": FORMAT, "model": fingerprint, **environment(device), "dtype": str(dtype).removeprefix("torch."),
+        "tensor_parallel_size": tp,  # rank r loads its own shard, rank_file(WEIGHTS, r, tp)
+        "graph_mode": graph_mode, "capture_sizes": capture_sizes, "passes": [r.to_json() for r in reports],
+        "end_to_end_check": e2e.to_json() if e2e is not None else None,
+        "check": check,
+        "plugins": _plugins(gm),  # plugin passes: imported (at these versions) before graph.py runs
+        "added_modules": sorted(_added_state(gm, model)),
+        "fused_linears": gm.meta.get("fused_linears", {}),
+        "split": dataclasses.asdict(split) if split is not None else None,  # PIECEWISE: the pieces around attention
+    }
     with open(os.path.join(out_dir, CONFIG), "w") as f:
         json.dump(hf_config.to_dict(), f, indent=2, sort_keys=True, default=str)
     if tokenizer is not None:
         tokenizer.save_pretrained(os.path.join(out_dir, TOKENIZER))
     with open(os.path.join(out_dir, GRAPH), "w") as f:
-        f.write(source)
+        f.write(graph_source(gm))
     # safetensors writes its file owner-only; give it the mode the umask gives the other files (movable, servable)
-    os.chmod(os.path.join(out_dir, WEIGHTS), os.stat(os.path.join(out_dir, GRAPH)).st_mode & 0o777)
-    manifest["files"] = {name: _file_sha256(os.path.join(out_dir, name)) for name in _artifact_files(out_dir)}
+    for name in weights:
+        os.chmod(os.path.join(out_dir, name), os.stat(os.path.join(out_dir, GRAPH)).st_mode & 0o777)
+    manifest["files"] = {name: _file_sha256(os.path.join(out_dir, name)) for name in _artifact_files(out_dir, tp)}
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
+    plugins = manifest["plugins"]
     with open(os.path.join(out_dir, REPORT), "w") as f:
         f.write(f"graphinfer compile report\n\nmodel: {fingerprint['path']}\nplatform: {device.type}, dtype: "
-                f"{manifest['dtype']}, graph mode: {graph_mode}\n\n## Passes\n\n{pass_table(reports)}\n\n"
+                f"{manifest['dtype']}, graph mode: {graph_mode}, tensor_parallel_size: {tp}\n\n## Passes\n\n"
+                f"{pass_table(reports)}\n\n"
                 + (f"plugins: {', '.join(_plugin_name(p) for p in plugins)}\n\n" if plugins else "")
                 + ("numeric check FAILED, artifact written anyway (--allow-check-failure): "
                    f"{'; '.join(check['failures'])}\n\n" if check and check.get("overridden") else "")
@@ -126,9 +168,10 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
     return manifest
 
 
-def _artifact_files(art_dir: str) -> list[str]:
+def _artifact_files(art_dir: str, tp: int) -> list[str]:
     """The files the manifest hashes: all but itself, the report and the kernel cache (which Triton extends)."""
-    names = [n for n in (GRAPH, CONFIG, WEIGHTS, ADDED) if os.path.isfile(os.path.join(art_dir, n))]
+    per_rank = [rank_file(name, r, tp) for name in (WEIGHTS, ADDED) for r in range(tp)]
+    names = [n for n in (GRAPH, CONFIG, *per_rank) if os.path.isfile(os.path.join(art_dir, n))]
     tok = os.path.join(art_dir, TOKENIZER)
     if os.path.isdir(tok):
         names += sorted(f"{TOKENIZER}/{n}" for n in os.listdir(tok))
@@ -245,14 +288,19 @@ def read_manifest(art_dir: str) -> dict:
 def verify_artifact(art_dir: str, manifest: dict, *, device: torch.device, dtype: torch.dtype,
                     fingerprint: dict | None = None) -> None:
     """Raise ArtifactMismatchError naming every difference between the artifact and what would run it: the
-    environment, the dtype, each file's hash, and (fingerprint: of a model named together with the artifact)
-    the model it was compiled from."""
+    environment, the dtype, the hash of each file this rank reads (the shared files and its own weights: each
+    tensor-parallel rank checks its own, on its node), and (fingerprint: of a model named together with the
+    artifact) the model it was compiled from."""
     expected = {"dtype": (manifest["dtype"], str(dtype).removeprefix("torch."))}
     if fingerprint is not None:
         expected["model config"] = (manifest["model"]["config_sha256"], fingerprint["config_sha256"])
         expected["model weights"] = (manifest["model"]["weights_sha256"], fingerprint["weights_sha256"])
     expected.update({k: (manifest[k], v) for k, v in environment(device).items()})
+    tp = tensor_parallel_size(manifest)
+    others = {rank_file(name, r, tp) for name in (WEIGHTS, ADDED) for r in range(tp) if r != ps.tp_rank()}
     for name, digest in manifest["files"].items():
+        if name in others:
+            continue
         path = os.path.join(art_dir, name)
         expected[name] = (digest, _file_sha256(path) if os.path.isfile(path) else "missing")
     diffs = [f"{k}: artifact has {a!r}, here {b!r}" for k, (a, b) in expected.items() if a != b]
@@ -273,7 +321,7 @@ def verify_artifact(art_dir: str, manifest: dict, *, device: torch.device, dtype
         model = fingerprint["path"] if fingerprint is not None else manifest["model"]["path"]
         raise ArtifactMismatchError(
             f"Artifact {art_dir!r} does not match this model / environment:\n  " + "\n  ".join(diffs) +
-            f"{fix}graphinfer compile {model} -o {art_dir}")
+            f"{fix}graphinfer compile {model} -o {art_dir}" + (f" --tensor-parallel-size {tp}" if tp > 1 else ""))
 
 
 def load_reports(manifest: dict) -> PassReports:
@@ -295,7 +343,8 @@ def load_tokenizer(art_dir: str):
 
 def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn.Module:
     """The model with the artifact's final weights, loaded straight to `device`: built on the meta device with
-    the fused projections in place of their sources, then given the saved tensors (no copy, no re-fuse)."""
+    the fused projections in place of their sources, then given the saved tensors (no copy, no re-fuse). In a
+    tensor-parallel group: this rank's shard of the model, from this rank's file."""
     from safetensors.torch import load_file
 
     model = meta_model(config)
@@ -306,12 +355,13 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
             fused = nn.Linear(mods[0].in_features, sum(m.out_features for m in mods), bias=mods[0].bias is not None)
         setattr(model.get_submodule(parent), name, fused)
     release_fused_sources(model, manifest["fused_linears"])
-    state = load_file(os.path.join(art_dir, WEIGHTS), device=str(device))
+    weights = rank_file(WEIGHTS, ps.tp_rank(), tensor_parallel_size(manifest))  # meta_model built this rank's shapes
+    state = load_file(os.path.join(art_dir, weights), device=str(device))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     missing = [k for k in missing if model.get_parameter(k).is_meta] if missing else []
     if missing or unexpected:
-        raise ArtifactMismatchError(f"Artifact {art_dir!r}: {WEIGHTS} does not fit the model of its {CONFIG} "
+        raise ArtifactMismatchError(f"Artifact {art_dir!r}: {weights} does not fit the model of its {CONFIG} "
                                     f"(missing {missing[:3]}, unexpected {unexpected[:3]}); recompile the artifact.")
     for module in model.modules():  # non-persistent buffers (KV-cache placeholders, rotary caches)
         for name, buf in module._buffers.items():
@@ -334,7 +384,8 @@ def load_graph(art_dir: str, manifest: dict, model: nn.Module) -> nn.Module:
                 f"{', distribution ' + p['distribution'] if p.get('distribution') else ''}), which fails to import "
                 f"here: {type(e).__name__}: {e}. Install it, or recompile without it.") from None
     if manifest.get("added_modules"):
-        _install_added(model, torch.load(os.path.join(art_dir, ADDED), weights_only=False,
+        added = rank_file(ADDED, ps.tp_rank(), tensor_parallel_size(manifest))
+        _install_added(model, torch.load(os.path.join(art_dir, added), weights_only=False,
                                          map_location=next(model.parameters()).device))
     namespace: dict = {}
     with open(os.path.join(art_dir, GRAPH)) as f:

@@ -192,6 +192,15 @@ def min_across_ranks(value: int) -> int:
     return int(t.item())
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's obj (picklable), in rank order, on every rank (host side, the gloo group); [obj] outside a group."""
+    if not is_initialized():
+        return [obj]
+    out = [None] * _state.world_size
+    collective("all_gather_object", TP_GROUP, lambda _: dist.all_gather_object(out, obj, group=_state.cpu_group))
+    return out
+
+
 def broadcast_from_rank0(t: torch.Tensor) -> None:
     """t <- rank 0's t, on the device group (in place)."""
     collective("broadcast", TP_GROUP, lambda group: dist.broadcast(t, src=0, group=group))

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 from tqdm.auto import tqdm
 
-from graphinfer.compiler.artifact import read_manifest
+from graphinfer.compiler import artifact as artifacts
 from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from graphinfer.errors import GraphinferError, InvalidConfigError
 from graphinfer.outputs import RequestOutput
@@ -21,7 +21,7 @@ class LLM:
     keep vLLM's names (dtype, max_model_len, block_size, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, seed, ...). The model is traced and optimised by `passes` ("default", "none" or
     a list of names) at start-up, unless `artifact` names a `graphinfer compile` output to start from
-    (its model, dtype, graph mode and capture sizes are then the defaults).
+    (its model, dtype, graph mode, capture sizes and tensor_parallel_size are then the defaults).
 
     device: "auto" picks the detected platform (cuda, npu, else cpu). graph_mode (vLLM's CUDAGraphMode names;
     default: the platform's, FULL_AND_PIECEWISE on cuda / npu and NONE on cpu): "NONE" runs every step eagerly;
@@ -35,6 +35,7 @@ class LLM:
     async_scheduling: prepare and launch each step while the previous one runs (see LLMEngine).
     tensor_parallel_size: shard the model over that many ranks (devices; on cpu, processes sharing the cores) with
     torch.distributed (gloo on cpu, NCCL on cuda, HCCL on npu); graphinfer starts the other ranks of this node.
+    Default: the artifact's (an artifact runs only at the size it was compiled for), else 1.
     Across nodes (nnodes > 1, node_rank, master_addr, master_port: vLLM's / torchrun's names) this process is
     node 0; the other nodes run `graphinfer serve|generate ... --node-rank N` with the same arguments.
     gpu_memory_utilization: the fraction of the device's total memory this engine may use (weights, graphs and
@@ -51,15 +52,19 @@ class LLM:
                  passes: str | list[str] = "default", graph_mode: str | None = None, capture_sizes: list[int] | None = None,
                  capture_lm_head: bool = True, kernels: str | None = None, npu_compiler: str | None = None,
                  max_capture_size: int | None = None, splitting_ops: list[str] | None = None,
-                 tensor_parallel_size: int = 1, nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, artifact: str | None = None):
+                 tensor_parallel_size: int | None = None, nnodes: int = 1, node_rank: int = 0,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None, artifact: str | None = None):
         if artifact:
-            manifest = read_manifest(artifact)
+            manifest = artifacts.read_manifest(artifact)
             model = model or manifest["model"]["path"]
             dtype = manifest["dtype"] if dtype == "auto" else dtype
             graph_mode = graph_mode or manifest["graph_mode"]
             capture_sizes = capture_sizes or manifest["capture_sizes"]
             splitting_ops = splitting_ops or (manifest.get("split") or {}).get("splitting_ops")
+            if tensor_parallel_size is None:
+                tensor_parallel_size = artifacts.tensor_parallel_size(manifest)
+        if tensor_parallel_size is None:
+            tensor_parallel_size = 1
         self.llm_engine = LLMEngine(EngineConfig(
             ModelConfig(model, dtype, max_model_len, seed, device),
             CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization,

@@ -7,6 +7,7 @@ for stops and returned while step N+1 runs. The price: a request that stops on a
 strings) has computed one more row, which is dropped; requests that stop on length never do.
 """
 import gc
+import hashlib
 import itertools
 import logging
 import os
@@ -67,6 +68,9 @@ class LLMEngine:
         # with TORCH_DEVICE_BACKEND_AUTOLOAD=0.
         self.platform = platform or platform_for_device(str(config.model_config.device).split(":")[0])
         self.platform.activate(config.compile_config.kernels)
+        self.manifest = artifact.read_manifest(config.artifact) if config.artifact else None
+        if self.manifest is not None:
+            self._check_artifact_tensor_parallel()
         if config.parallel_config.tensor_parallel_size > 1 and not ps.is_initialized():
             self._check_tensor_parallel()
             self.executor = MultiprocExecutor(config, self.platform)
@@ -96,7 +100,6 @@ class LLMEngine:
         self._check_graph_mode()
         self.capture_sizes = comp.capture_sizes or default_capture_sizes(
             comp.max_capture_size or min(2 * sc.max_num_seqs, 512))
-        self.manifest = artifact.read_manifest(config.artifact) if config.artifact else None
         if self.manifest is not None and os.environ.get("GRAPHINFER_KERNEL_CACHE", "on") != "off":
             kernel_cache.use(config.artifact, self.device)  # before any kernel compiles
         # From an artifact, the tokenizer (mostly transformers' import) loads in a thread while the weights and graph
@@ -219,6 +222,18 @@ class LLMEngine:
         check_tensor_parallel(artifact.load_config(cfg.artifact) if cfg.artifact else
                               load_config(cfg.model_config.model), tp)
 
+    def _check_artifact_tensor_parallel(self) -> None:
+        """Refuse an artifact compiled for another tensor-parallel size (its weights are split for that many ranks)
+        before starting any rank."""
+        art, tp = self.config.artifact, self.config.parallel_config.tensor_parallel_size
+        compiled = artifact.tensor_parallel_size(self.manifest)
+        if compiled != tp:
+            raise ArtifactMismatchError(
+                f"Artifact {art!r} was compiled for tensor_parallel_size={compiled}, but this engine runs "
+                f"tensor_parallel_size={tp}. Run it with --tensor-parallel-size {compiled} (LLM(tensor_parallel_size="
+                f"{compiled})), or recompile it for {tp}: graphinfer compile {self.manifest['model']['path']} -o {art} "
+                f"--tensor-parallel-size {tp}")
+
     def _check_graph_mode(self) -> None:
         cc = self.config.compile_config
         if cc.graph_mode == "NONE":
@@ -281,14 +296,29 @@ class LLMEngine:
         art, manifest = self.config.artifact, self.manifest
         named = mc.model if mc.model in PRESET_NAMES else os.path.abspath(mc.model)
         fingerprint = None
-        if named != manifest["model"]["path"]:  # another model named with the artifact: is it the same one?
+        # another model named with the artifact: is it the same one? (rank 0 checks, the others follow its verdict)
+        if named != manifest["model"]["path"] and ps.tp_rank() == 0:
             fingerprint = model_fingerprint(mc.model, load_config(mc.model), mc.seed)
-        artifact.verify_artifact(art, manifest, device=self.device, dtype=mc.torch_dtype, fingerprint=fingerprint)
+        self._verify_artifact(fingerprint)
         if manifest["graph_mode"] != self.config.compile_config.graph_mode:
             raise ArtifactMismatchError(f"Artifact {art!r} was compiled for graph_mode={manifest['graph_mode']!r}; "
                                         f"run it with that mode or recompile.")
         hf_config = artifact.load_config(art)
         return artifact.load_model(art, manifest, hf_config, self.device), hf_config
+
+    def _verify_artifact(self, fingerprint: dict | None) -> None:
+        """Each rank checks the files it reads (artifact.verify_artifact). In a tensor-parallel group every rank then
+        learns every rank's verdict, so that all stop together, with the first rank's reasons that found any (one
+        rank's shard alone may be damaged)."""
+        try:
+            artifact.verify_artifact(self.config.artifact, self.manifest, device=self.device,
+                                     dtype=self.config.model_config.torch_dtype, fingerprint=fingerprint)
+            error = None
+        except ArtifactMismatchError as e:
+            error = str(e)
+        for rank, found in enumerate(ps.all_gather_object(error)):
+            if found is not None:
+                raise ArtifactMismatchError(found if rank == 0 else f"(found by rank {rank}) {found}")
 
     def _compile(self):
         """The forward the runner executes: traced and optimised by the passes, or read from an artifact."""
@@ -320,11 +350,41 @@ class LLMEngine:
         if e2e is not None:
             check.update(atol=e2e.atol, rtol=e2e.rtol)
         mc = self.config.model_config
+        artifact.prepare_dir(out_dir, self.graph, self.model)
+        if self.executor is not None:
+            self.executor.channel.call("save_rank_files", out_dir)  # the other ranks write their shards meanwhile
+        self.save_rank_files(out_dir)
         return artifact.save_artifact(
             out_dir, self.graph, reports, fingerprint=model_fingerprint(mc.model, self.hf_config, mc.seed),
             device=self.device, dtype=mc.torch_dtype, graph_mode=self.config.compile_config.graph_mode,
             capture_sizes=self.capture_sizes, split=self.split.info if self.split is not None else None,
-            model=self.model, hf_config=self.hf_config, tokenizer=self.tokenizer, check=check)
+            model=self.model, hf_config=self.hf_config, tokenizer=self.tokenizer, check=check,
+            tensor_parallel_size=self.config.parallel_config.tensor_parallel_size)
+
+    def save_rank_files(self, out_dir: str) -> None:
+        """Write this rank's weights (and what passes added) into the artifact directory out_dir (from save_artifact:
+        on rank 0 directly, on the others through the step channel), then wait for every rank's. That wait is what
+        orders the other ranks' writes before rank 0 hashes their files (channel.call only sends the message): a
+        collective that gathers each rank's failure, if any (a rank that failed joins it too, so none waits
+        forever), and the digest of its graph code, which must be rank 0's: graph.py is written once, for all."""
+        error = None
+        try:
+            artifact.save_rank_files(out_dir, self.graph, self.model, ps.tp_rank(), ps.tp_size())
+        except Exception as e:  # rank 0 raises it, below
+            error = e
+        digest = hashlib.sha256(artifact.graph_source(self.graph).encode()).hexdigest()
+        ranks = ps.all_gather_object((None if error is None else f"{type(error).__name__}: {error}", digest))
+        if ps.tp_rank() > 0:
+            return
+        if error is not None:
+            raise error
+        if failed := [f"rank {r}: {e}" for r, (e, _) in enumerate(ranks) if e is not None]:
+            raise GraphinferError(f"Not every rank could write its files into {out_dir!r}, so the artifact is "
+                                  f"incomplete:\n  " + "\n  ".join(failed))
+        if differ := [r for r, (_, d) in enumerate(ranks) if d != digest]:
+            raise GraphinferError(f"Ranks {differ} compiled other graph code than rank 0, so one graph.py cannot serve "
+                                  f"them all; a layer puts rank-dependent values into the graph (a bug: keep them in "
+                                  f"buffers, as VocabParallelEmbedding does).")
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048

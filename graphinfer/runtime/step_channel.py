@@ -68,8 +68,9 @@ class StepChannel:
 
     def call(self, method: str, *args) -> None:
         """Have every other rank run engine.<method>(*args) (control: off the step path)."""
-        data = np.frombuffer(pickle.dumps((method, args)), dtype=np.uint8)
-        self._send(_CALL, [len(data)], np.frombuffer(data.tobytes() + bytes(-len(data) % 8), dtype=np.int64))
+        data = pickle.dumps((method, args))
+        padded = bytearray(data + bytes(-len(data) % 8))  # writable: torch.from_numpy warns on a read-only array
+        self._send(_CALL, [len(data)], np.frombuffer(padded, dtype=np.int64))
 
     def shutdown(self) -> None:
         self._send(_SHUTDOWN, [], np.zeros(0, dtype=np.int64))

@@ -16,6 +16,7 @@ import torch
 from graphinfer.config import EngineConfig, ParallelConfig
 from graphinfer.distributed import launch
 from graphinfer.distributed import parallel_state as ps
+from graphinfer.errors import GraphinferError
 from graphinfer.platforms import platform_for_device
 from graphinfer.runtime.executor import CONFIG_KEY, WORKER_MODULE, join_group
 from graphinfer.runtime.step_channel import StepChannel, StepMessage
@@ -36,7 +37,7 @@ def run_rank(config: EngineConfig, rank: int, master_port: int, platform_cls=Non
             launch.start_heartbeat(pc.master_addr, master_port, rank)
         engine = LLMEngine(config, platform=platform)
         serve_steps(engine)
-    except ps.DistributedError as e:
+    except GraphinferError as e:  # the group broke, or a refusal every rank made (e.g. a damaged artifact)
         logger.error("%s; exiting", e)
         return 1
     return 0
