@@ -89,7 +89,7 @@ def test_roofline_matches_the_h100_reference_figure():
 def test_shape_from_engine_counts_fused_weights_once():
     from graphinfer import LLM
 
-    engine = LLM("tiny-llama", max_model_len=256, num_gpu_blocks_override=8).llm_engine
+    engine = LLM("tiny-llama", dtype="float32", max_model_len=256, num_gpu_blocks_override=8).llm_engine
     assert ModelShape.from_engine(engine).param_bytes == ModelShape.from_model(
         _meta_model(engine.hf_config)).param_bytes
 
@@ -172,3 +172,40 @@ def test_cli_bad_sweep_is_a_clear_error(capsys):
     assert "--sweep 'block-size=16'" in capsys.readouterr().err
     assert main(["bench", "throughput", "--sweep", "async-scheduling=maybe"]) == 2
     assert "'maybe': use on or off" in capsys.readouterr().err
+
+
+def _child_pids() -> set[int]:
+    """This process's live children (a tensor-parallel engine's worker ranks), from /proc."""
+    kids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            kids.add(int(pid))
+    return kids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads this process's children from /proc")
+def test_throughput_tensor_parallel_sweep_records_collectives(capsys):
+    """tp 1 and tp 2 in one run (gloo, 2 ranks): both rows, the collective time of rank 0 per step, and the
+    tp-2 engine's worker process gone once the run returns (each configuration's engine is shut down)."""
+    from graphinfer.bench.throughput import run
+
+    before = _child_pids()
+    result = run("tiny-llama", dtype="float32", device="cpu", tensor_parallel_size=(1, 2), num_prompts=4, min_len=8,
+                 max_len=16)
+    assert _child_pids() == before
+    tp1, tp2 = result["runs"]
+    assert (tp1["tensor_parallel_size"], tp2["tensor_parallel_size"]) == (1, 2)
+    for r in (tp1, tp2):
+        _check_run(r, result["workload"])
+    assert tp1["collective_s"] == tp1["collective_calls"] == 0 and tp1["collective_fraction"] == 0
+    assert tp2["collective_decode_s"] > 0 and tp2["collective_prefill_s"] > 0
+    assert tp2["collective_s"] == pytest.approx(tp2["collective_prefill_s"] + tp2["collective_decode_s"])
+    assert tp2["collective_calls"] >= 2 * tp2["num_steps"]  # at least the step message and the logits' all-gather
+    assert 0 < tp2["collective_fraction"] < 1 and "gloo" in tp2["collective_measure"]
+    assert tp2["threads_per_rank"] <= tp1["threads_per_rank"]
+    assert "| NONE | 256 | 2 |" in capsys.readouterr().out

@@ -85,6 +85,24 @@ def test_activate_registers_and_replaces_impls_under_the_dispatch_key():
         p.activate("reference")
 
 
+def test_cpu_activation_keeps_a_tensor_parallel_rank_to_its_share_of_the_cores(monkeypatch):
+    """A worker rank activates its platform after joining the group: it must not take every core back."""
+    from graphinfer.distributed import parallel_state as ps
+    from graphinfer.platforms.cpu import CpuPlatform, physical_cores
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    saved = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(ps._state, "ranks_per_node", 2)
+        CpuPlatform().activate("reference")
+        assert torch.get_num_threads() == max(1, physical_cores() // 2)
+        monkeypatch.setattr(ps._state, "ranks_per_node", 1)
+        CpuPlatform().activate("reference")
+        assert torch.get_num_threads() == physical_cores()
+    finally:
+        CpuPlatform().activate("reference")  # the conftest default: reference ops under the CPU key
+        torch.set_num_threads(saved)
+
 def test_importing_graphinfer_does_not_import_torch_npu_or_triton():
     code = ("import sys, graphinfer, graphinfer.platforms, graphinfer.ops; "
             "from graphinfer.platforms import current_platform; current_platform(); "

@@ -39,6 +39,9 @@
 #               compiled to an artifact first; then the gpu-marked memory-lifecycle test.
 #               Target: "artifact" healthy in <= 10 s for both. RUNS=N runs per cache state (default 2);
 #               SKIP_SMOLLM2=1 measures $MODEL alone (if both do not fit one 10-minute call) (~8 min, not in the default)
+#   tp          issue 25: needs >= 2 GPUs (refuses on one). The standard workload at max_num_seqs 256, tensor parallel 1
+#               vs 2 (NCCL), each in FULL_DECODE_ONLY and FULL_AND_PIECEWISE, in one run: tok/s, decode step time and
+#               rank 0's time in collective calls (launch time on cuda)                  (~6 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -177,6 +180,22 @@ step_launch() {  # issue 19 item 2: cheap launches for the eager path (graphinfe
     echo "=== launch_check: GRAPHINFER_TRITON_FAST_LAUNCH=check tools/gpu_check.py ${check_args[*]}"
     GRAPHINFER_TRITON_FAST_LAUNCH=check "$PY" tools/gpu_check.py "${check_args[@]}" \
         --output-json "$OUT_DIR/gpu_check_fast_launch.json" 2>&1 | tee "$OUT_DIR/gpu_check_fast_launch.log"
+}
+
+step_tp() {  # issue 25: tensor parallel 2 vs 1 in the same run; NCCL needs a GPU per rank
+    local modes=FULL_DECODE_ONLY,FULL_AND_PIECEWISE gpus
+    if [ "${SMOKE:-0}" = 1 ]; then
+        modes=NONE  # cpu rehearsal: the same command, tp 2 as two processes over gloo
+    else
+        gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+        if [ "${gpus:-0}" -lt 2 ]; then
+            echo "=== tp: needs >= 2 GPUs (tensor parallel 2 runs one rank per GPU over NCCL); nvidia-smi -L shows" \
+                 "${gpus:-0}. Run it on a machine with >= 2 GPUs; SMOKE=1 rehearses it on CPU." >&2
+            exit 3
+        fi
+    fi
+    bench tp throughput "${COMMON[@]}" --max-num-seqs 256 --sweep graph-mode=$modes \
+        --sweep tensor-parallel-size=1,2 --output-json "$OUT_DIR/tp.json" --plot "$OUT_DIR/tp.png"
 }
 
 step_prefill() {  # issue 19: prefill attention kernel (its tests compiled for the GPU, then TFLOP/s vs SDPA)

@@ -71,6 +71,8 @@ class StepRecord:
     rows: int
     tokens: int
     kv_tokens: int  # roofline.row_kv_tokens summed over rows
+    comm_seconds: float = 0.0  # host time of this process inside collective calls (parallel_state.comm_counters)
+    comm_calls: int = 0
 
 
 @dataclass
@@ -79,6 +81,9 @@ class StepLog:
 
     def seconds(self, kind: str) -> float:
         return sum(s.seconds for s in self.steps if s.kind == kind)
+
+    def comm_seconds(self, kind: str) -> float:
+        return sum(s.comm_seconds for s in self.steps if s.kind == kind)
 
     def of(self, kind: str) -> list[StepRecord]:
         return [s for s in self.steps if s.kind == kind]
@@ -92,6 +97,18 @@ class StepLog:
                 "median_decode_step_ms": med([s.seconds for s in dec]),
                 "median_prefill_step_ms": med([s.seconds for s in pre])}
 
+    def collective_summary(self) -> dict:
+        """Time in collective calls (tensor parallel), split like the steps, and its share of the step time."""
+        dec = self.of("decode")
+        pre_s, dec_s = self.comm_seconds("prefill"), self.comm_seconds("decode")
+        step_s = self.seconds("prefill") + self.seconds("decode")
+        return {"collective_s": pre_s + dec_s, "collective_prefill_s": pre_s, "collective_decode_s": dec_s,
+                "collective_calls": sum(s.comm_calls for s in self.steps),
+                "collective_fraction": (pre_s + dec_s) / step_s if step_s else None,
+                "collective_decode_fraction": dec_s / self.seconds("decode") if dec else None,
+                "median_decode_step_collective_ms":
+                    statistics.median(s.comm_seconds for s in dec) * 1e3 if dec else None}
+
 
 def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
     """LLM.generate's loop over engine.step(), timing each step and classifying it by what was scheduled.
@@ -101,7 +118,10 @@ def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
     step's wall time covers its device work; `sync` (the device's synchronize) also brackets each step.
     (With async scheduling a step ends by waiting for the previous step's tokens, so its time is that of
     the device work it overlapped; pass no `sync` then.)
+    Each step also records the host time this process spent inside collective calls (tensor parallel; 0 at tp 1).
     `until(outputs)` may stop the loop early. Returns the finished RequestOutputs."""
+    from graphinfer.distributed.parallel_state import comm_counters
+
     sched = engine.scheduler
     current: list = []
 
@@ -120,6 +140,7 @@ def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
         while engine.has_unfinished_requests():
             if sync:
                 sync()
+            comm_s, comm_n = comm_counters()
             t = time.perf_counter()
             outs = engine.step()
             if sync:
@@ -127,8 +148,13 @@ def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
             dt = time.perf_counter() - t
             rec = current.pop()
             rec.seconds = dt
+            comm_s2, comm_n2 = comm_counters()
+            rec.comm_seconds, rec.comm_calls = comm_s2 - comm_s, comm_n2 - comm_n
             if rec.kind == "idle" and log.steps:  # it only waited for the step before (async scheduling)
-                log.steps[-1].seconds += dt
+                prev = log.steps[-1]
+                prev.seconds += dt
+                prev.comm_seconds += rec.comm_seconds
+                prev.comm_calls += rec.comm_calls
             else:
                 log.steps.append(rec)
             finished.extend(o for o in outs if o.finished)

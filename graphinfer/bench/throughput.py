@@ -6,7 +6,11 @@ ignore_eos, max_model_len 4096; one warm-up generate; throughput = output tokens
 whole generate. The generate is LLM.generate's own loop over engine.step(), with each step timed and
 classed as prefill (any prompt token scheduled) or decode, so the run also splits its time and gets
 compared with a memory roofline (graphinfer/bench/roofline.py) at a bandwidth measured in the same run.
-Several configurations (max_num_seqs x graph mode) run one after another in one process.
+Several configurations (graph mode x async scheduling x max_num_seqs x tensor-parallel size) run one after
+another in one process, each engine shut down (its tensor-parallel ranks stopped) before the next starts.
+At tp > 1 each step also records the host time rank 0 spends inside collective calls (the step message's
+broadcast and the graph's all-reduces / all-gathers; on gloo they are synchronous, so this includes waiting
+for the other ranks).
 """
 import random
 import time
@@ -101,7 +105,21 @@ def roofline_report(engine, shape: ModelShape, workload: Workload, log: common.S
             # The same model over the steps that actually ran (all, and the pure-decode ones vs their time).
             "schedule_s": ran, "schedule_fraction": ran / stats["total_s"],
             "decode_steps_s": decode, "decode_fraction": decode / stats["decode_s"] if stats["decode_s"] else None,
-            "bandwidth_bytes_per_s": bandwidth}
+            "bandwidth_bytes_per_s": bandwidth,
+            "scope": "the whole model" if engine.config.parallel_config.tensor_parallel_size == 1 else
+            "rank 0's shard at one device's bandwidth (every rank reads its own in parallel; cpu ranks share one "
+            "memory bus, so there the bound is optimistic)"}
+
+
+def collective_measure(engine) -> str:
+    """What the collective fields of a row measured (the JSON says so next to them)."""
+    if engine.config.parallel_config.tensor_parallel_size == 1:
+        return "none: tp 1 runs no collectives"
+    what = "host time of rank 0 inside collective calls (parallel_state.comm_counters), per engine step"
+    if engine.platform.dist_backend == "gloo":
+        return what + "; gloo collectives are synchronous: this is their whole time, waits for the other ranks included"
+    return (what + f"; {engine.platform.dist_backend} collectives return once enqueued, so this is launch time only "
+            f"(none while a captured graph replays), plus the step message's gloo broadcast, which is synchronous")
 
 
 def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature: float, bandwidth: float,
@@ -110,33 +128,48 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
 
     t = time.perf_counter()
     llm = LLM(model, **engine_kwargs)
-    engine = llm.llm_engine
-    row = {"init_s": time.perf_counter() - t,
-           "capture_s": sum(s.seconds for s in (engine.capture_stats, engine.piecewise_capture_stats) if s) or None,
-           "num_kv_blocks": engine.model_runner.num_blocks}
-    warm = warmup_workload(min(len(workload.prompts), engine.config.scheduler_config.max_num_seqs), min_len,
-                           engine.hf_config.vocab_size, engine.max_model_len)
-    t = time.perf_counter()
-    timed_generate(llm, warm, temperature)
-    row["warmup_s"] = time.perf_counter() - t
-    stats, log = timed_generate(llm, workload, temperature)
-    shape = ModelShape.from_engine(engine)
-    row.update(stats, roofline=roofline_report(engine, shape, workload, log, stats, bandwidth),
-               model_shape=shape.to_dict())
-    del llm, engine
-    return row
+    try:
+        engine = llm.llm_engine
+        row = {"init_s": time.perf_counter() - t,
+               "capture_s": sum(s.seconds for s in (engine.capture_stats, engine.piecewise_capture_stats) if s) or None,
+               "num_kv_blocks": engine.model_runner.num_blocks,
+               # rank 0's; on cpu every rank of a node takes the same share of its cores (runtime/executor.join_group)
+               "threads_per_rank": torch.get_num_threads()}
+        warm = warmup_workload(min(len(workload.prompts), engine.config.scheduler_config.max_num_seqs), min_len,
+                               engine.hf_config.vocab_size, engine.max_model_len)
+        t = time.perf_counter()
+        timed_generate(llm, warm, temperature)
+        row["warmup_s"] = time.perf_counter() - t
+        stats, log = timed_generate(llm, workload, temperature)
+        shape = ModelShape.from_engine(engine)  # at tp > 1: rank 0's shard
+        row.update(stats, **log.collective_summary(), collective_measure=collective_measure(engine),
+                   roofline=roofline_report(engine, shape, workload, log, stats, bandwidth),
+                   model_shape=shape.to_dict())
+        return row
+    finally:  # the next configuration starts on free memory, and a tp > 1 engine's other ranks exit here
+        llm.shutdown()
 
 
 def _mode(r: dict) -> str:
     return r["graph_mode"] + (" + async" if r.get("async_scheduling") else "")
 
 
+def _tp(runs: list[dict]) -> bool:
+    """Whether the tables show the tensor-parallel columns (some run has tp > 1)."""
+    return any(r.get("tensor_parallel_size", 1) > 1 for r in runs)
+
+
 def _fmt_row(r: dict) -> str:
+    tp = r.get("tensor_parallel_size", 1)
+    name = f"{_mode(r)} max_num_seqs={r['max_num_seqs']}" + (f" tp={tp}" if tp > 1 else "")
     if "unavailable" in r:
-        return f"{_mode(r)} max_num_seqs={r['max_num_seqs']}: unavailable ({r['unavailable']})"
+        return f"{name}: unavailable ({r['unavailable']})"
     rf = r["roofline"]
     dec = f", decode steps at {rf['decode_fraction']:.1%} of their roofline" if rf["decode_fraction"] else ""
-    return (f"{_mode(r)} max_num_seqs={r['max_num_seqs']}: {r['output_tokens']:,} output tokens in "
+    if tp > 1:
+        dec += (f"; {r['threads_per_rank']} thread(s) per rank, {r['collective_s']:.2f} s in collective calls "
+                f"({r['collective_fraction']:.1%} of the step time)")
+    return (f"{name}: {r['output_tokens']:,} output tokens in "
             f"{r['total_s']:.2f} s = {r['output_tok_s']:,.1f} tok/s (prefill {r['prefill_s']:.2f} s / "
             f"{r['num_prefill_steps']} steps, decode {r['decode_s']:.2f} s / {r['num_decode_steps']} steps, mean "
             f"decode batch {r['mean_decode_batch'] or 0:.1f}); {rf['fraction']:.1%} of the memory roofline "
@@ -145,20 +178,26 @@ def _fmt_row(r: dict) -> str:
 
 def table(result: dict) -> str:
     hf = result.get("hf") if "output_tok_s" in result.get("hf", {}) else None
-    headers = ["graph mode", "max_num_seqs", "time (s)", "output tok/s", "prefill s", "decode s", "steps",
-               "mean decode batch", "roofline %"] + (["vs HF"] if hf else [])
+    tp = _tp(result["runs"])
+    headers = ["graph mode", "max_num_seqs"] + (["tp", "threads/rank"] if tp else []) + [
+        "time (s)", "output tok/s", "prefill s", "decode s", "steps", "mean decode batch"] + (
+        ["median decode step ms", "collective s", "% of step time"] if tp else []) + ["roofline %"] + (
+        ["vs HF"] if hf else [])
     rows = []
     for r in result["runs"]:
+        head = [_mode(r), r["max_num_seqs"]] + ([r.get("tensor_parallel_size", 1)] if tp else [])
         if "unavailable" in r:
             why = "failed" if r["unavailable"].startswith("failed") else "unavailable"
-            rows.append([_mode(r), r["max_num_seqs"], why] + [None] * (len(headers) - 3))
+            rows.append(head + [why] + [None] * (len(headers) - len(head) - 1))
             continue
-        rows.append([_mode(r), r["max_num_seqs"], f"{r['total_s']:.2f}", f"{r['output_tok_s']:,.2f}",
-                     f"{r['prefill_s']:.2f}", f"{r['decode_s']:.2f}", r["num_steps"], r["mean_decode_batch"],
-                     f"{100 * r['roofline']['fraction']:.1f}"] + ([f"{r['vs_hf']:.2f}x"] if hf else []))
+        rows.append(head + ([r["threads_per_rank"]] if tp else []) + [
+            f"{r['total_s']:.2f}", f"{r['output_tok_s']:,.2f}", f"{r['prefill_s']:.2f}", f"{r['decode_s']:.2f}",
+            r["num_steps"], r["mean_decode_batch"]] + (
+            [r["median_decode_step_ms"], f"{r['collective_s']:.2f}", f"{100 * (r['collective_fraction'] or 0):.1f}"]
+            if tp else []) + [f"{100 * r['roofline']['fraction']:.1f}"] + ([f"{r['vs_hf']:.2f}x"] if hf else []))
     if hf:
-        rows.append(["HF generate_batch", "-", f"{hf['total_s']:.2f}", f"{hf['output_tok_s']:,.2f}"]
-                    + [None] * (len(headers) - 4))
+        rows.append(["HF generate_batch", "-"] + (["-", "-"] if tp else []) + [
+            f"{hf['total_s']:.2f}", f"{hf['output_tok_s']:,.2f}"] + [None] * (len(headers) - 4 - 2 * tp))
     return common.markdown_table(headers, rows)
 
 
@@ -170,8 +209,9 @@ def plot(result: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     runs = [r for r in result["runs"] if "unavailable" not in r]
     xs = sorted({r["max_num_seqs"] for r in runs})
-    for mode in dict.fromkeys(map(_mode, runs)):
-        pts = sorted((r["max_num_seqs"], r["output_tok_s"]) for r in runs if _mode(r) == mode)
+    label = (lambda r: f"{_mode(r)} tp {r['tensor_parallel_size']}") if _tp(runs) else _mode  # noqa: E731
+    for mode in dict.fromkeys(map(label, runs)):
+        pts = sorted((r["max_num_seqs"], r["output_tok_s"]) for r in runs if label(r) == mode)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"graphinfer {mode}")
     if "output_tok_s" in result.get("hf", {}):
         ax.axhline(result["hf"]["output_tok_s"], color="gray", ls="--", label="HF generate_batch")
@@ -249,12 +289,14 @@ def run_hf(path: str, dtype: torch.dtype, device: str, workload: Workload, tempe
 
 
 def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("NONE",), max_num_seqs=(256,),
-        async_scheduling=(False,), capture_sizes: list[int] | None = None, passes: str = "default",
+        async_scheduling=(False,), tensor_parallel_size=(1,), parallel: dict | None = None,
+        capture_sizes: list[int] | None = None, passes: str = "default",
         num_prompts: int = 256, min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
         hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None,
         hf_dtype: str | None = None, kernels: str | None = None, block_size: int = 16, enable_prefix_caching: bool = True) -> dict:
-    """Every (graph mode, async scheduling, max_num_seqs) configuration on the same workload; optionally HF too."""
+    """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size) configuration on the same workload;
+    optionally HF too. parallel: the node flags (nnodes, node_rank, master_addr, master_port) for tp > 1."""
     import tempfile
 
     from graphinfer.config import resolve_dtype
@@ -268,7 +310,8 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         fixed_output_len = 512
     with tempfile.TemporaryDirectory(prefix="graphinfer-bench-") as tmp:
         # HF needs a checkpoint with graphinfer's weights; a sweep saves re-drawing a preset's random weights.
-        configs = [(mode, a, mns) for mode in graph_modes for a in async_scheduling for mns in max_num_seqs]
+        configs = [(mode, a, mns, tp) for mode in graph_modes for a in async_scheduling for mns in max_num_seqs
+                   for tp in tensor_parallel_size]
         gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) if compare_hf or len(configs) > 1 else model
         max_model_len = common.clamp_max_model_len(gi_model, max_model_len)
         vocab = _vocab_size(gi_model)
@@ -285,13 +328,14 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                   "runs": []}
         print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
               f"tokens; copy bandwidth {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s on {result['env']['device_name']}")
-        for mode, a, mns in configs:
+        for mode, a, mns, tp in configs:
             sizes = capture_sizes  # the engine keeps the sizes each kind of graph can use
             kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
                       async_scheduling=a, passes=passes, max_model_len=max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens, seed=seed, kernels=kernels, block_size=block_size,
-                      enable_prefix_caching=enable_prefix_caching)
-            row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "capture_sizes": sizes}
+                      enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tp, **(parallel or {}))
+            row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "tensor_parallel_size": tp,
+                   "capture_sizes": sizes}
             try:
                 row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len))
             except InvalidConfigError as e:  # e.g. FULL_DECODE_ONLY on CPU: no device graphs there

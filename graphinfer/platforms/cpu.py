@@ -91,7 +91,11 @@ class CpuPlatform(Platform):
 
     def activate(self, kernels: str | None = None) -> None:
         if not os.environ.get("OMP_NUM_THREADS"):  # one thread per physical core (SMT siblings only contend)
-            torch.set_num_threads(physical_cores())
+            from graphinfer.distributed.parallel_state import ranks_per_node
+
+            # A tensor-parallel worker activates after joining its group: keep its share of the node's cores
+            # (runtime/executor.join_group), or its ranks would oversubscribe them.
+            torch.set_num_threads(max(1, physical_cores() // ranks_per_node()))
         super().activate(kernels)
 
     def supports_skinny_gemm(self, kernels: str | None = None) -> bool:
