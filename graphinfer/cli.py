@@ -276,7 +276,7 @@ def _bench_throughput(args) -> None:
     from graphinfer.bench.throughput import run
 
     grid = {"max_num_seqs": [args.max_num_seqs], "graph_mode": [args.graph_mode],
-            "async_scheduling": [args.async_scheduling], "tensor_parallel_size": [args.tensor_parallel_size]}
+            "async_scheduling": [args.async_scheduling], "tensor_parallel_size": [args.tensor_parallel_size or 1]}
     for spec in args.sweep or []:  # --sweep max-num-seqs=16,32 --sweep graph-mode=NONE,FULL_DECODE_ONLY: a grid
         key, _, values = spec.partition("=")
         if key not in _SWEEPS or not values:

@@ -54,7 +54,7 @@ def test_plugin_pass_is_discovered_listed_and_runs(plugin_path):
     assert info.origin == "plugin (graphinfer-test-plugin 0.1)"
     assert ("silu_to_sigmoid_mul | silu(x) -> x * sigmoid(x) (test plugin) | plugin (graphinfer-test-plugin 0.1)"
             in tools.list_passes())
-    text, reports = tools.verify("tiny-llama", "silu_to_sigmoid_mul")
+    text, reports = tools.verify("tiny-llama", "silu_to_sigmoid_mul", dtype="float32")
     assert reports[0].matches == 2 and reports[0].max_rel_error < 1e-6 and reports[0].passed
     # through the real console script, found via the entry point on PYTHONPATH
     env = dict(os.environ, PYTHONPATH=str(plugin_path))

@@ -64,6 +64,7 @@ class LLMEngine:
         """platform: the one to run on (a tensor-parallel worker gets rank 0's); None: the device's."""
         self.config = config
         self.executor = None  # tensor parallel, on rank 0: the other ranks (runtime/executor.py)
+        self._is_worker = ps.is_initialized()  # a rank > 0: its group is this engine's to destroy on release
         # Platform first: activating it loads its torch backend (npu: torch_npu), so "npu" parses below even
         # with TORCH_DEVICE_BACKEND_AUTOLOAD=0.
         self.platform = platform or platform_for_device(str(config.model_config.device).split(":")[0])
@@ -188,7 +189,8 @@ class LLMEngine:
         if getattr(self, "executor", None) is not None:  # stop the other tensor-parallel ranks
             self.executor, executor = None, self.executor
             executor.shutdown()
-        elif ps.is_initialized():  # a worker rank, told to stop by rank 0
+        elif getattr(self, "_is_worker", False):  # a worker rank, told to stop by rank 0
+            self._is_worker = False  # once: a later engine in this process may own a new group
             ps.destroy()
         runner, graph = getattr(self, "model_runner", None), getattr(self, "graph", None)
         if runner is None and graph is None:  # released, or __init__ failed before loading anything
