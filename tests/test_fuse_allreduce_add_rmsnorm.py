@@ -3,8 +3,7 @@ the add_rms_norm they feed, on every model family, and leaves the embedding's; i
 argument position; it declines an all-reduce with other users; at tp 1 it finds nothing; the cpu Inductor lowering
 keeps the collective a call and inlines the add + norm. Pattern tests build one rank's graph in-process
 (parallel_state.layout, no process group); the numeric check (fused == unfused, bit for bit) needs real
-collectives, so it runs in tp-2 engines (gloo, two processes) and is read from rank 0's reports."""
-import gc
+collectives, so it is asserted in tests/test_tensor_parallel.py's tp-2 engines (gloo, two processes)."""
 import operator
 
 import pytest
@@ -12,7 +11,6 @@ import torch
 from torch import fx, nn
 
 import graphinfer.ops  # noqa: F401  (registers the ops)
-from graphinfer import LLM
 from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.inductor import inline_pointwise_ops
 from graphinfer.compiler.trace import GraphinferTracer, op_histogram
@@ -124,29 +122,3 @@ def test_declines_an_all_reduce_with_other_users(module, readers):
     [report] = PassManager([FuseAllReduceAddRMSNormPass()]).run(gm)
     assert report.matches == 0 and str(gm.graph) == before
     assert report.declined == [f"add_rms_norm: the all-reduce it adds is also read by {readers}; left unfused"]
-
-
-@pytest.fixture(scope="module")
-def tp2_reports():
-    """{preset: (rank 0's pass reports, num_layers)} from a tp-2 engine each (gloo; the numeric checks run their
-    collectives on both ranks in lockstep: the same passes over identically seeded check inputs)."""
-    out = {}
-    for preset in ("tiny-llama", "tiny-qwen3-moe"):
-        llm = LLM(preset, device="cpu", dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=64)
-        engine = llm.llm_engine
-        out[preset] = (engine.pass_reports, engine.hf_config.num_hidden_layers)
-        llm.shutdown()
-        # Collected before the next engine starts: a shut-down engine collected later would leave that one's group.
-        del llm, engine
-        gc.collect()
-    return out
-
-
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3-moe"])
-def test_fused_equals_unfused_on_two_ranks(tp2_reports, preset):
-    reports, layers = tp2_reports[preset]
-    r = _report(reports)
-    assert r.matches == 2 * layers and r.declined == []
-    # Checked with real all-reduces; addition commutes exactly, so the fused graph's outputs are the same bits.
-    assert r.passed and r.max_abs_error == 0.0
-    assert reports.passed and reports.end_to_end.passed, reports.failures()

@@ -73,11 +73,15 @@ def test_tp2_matches_tp1(arch, checkpoints, reference):
     with LLM(checkpoints(arch), tensor_parallel_size=2, **KW) as llm:
         got = _run(llm)
         attn = llm.llm_engine.model_runner.attn_layers[0]
-        reports = llm.llm_engine.pass_reports
+        reports, layers = llm.llm_engine.pass_reports, llm.llm_engine.hf_config.num_hidden_layers
     assert got["tokens"] == ref["tokens"] and got["cached"] == ref["cached"]
     assert got["tokens"][0] == got["tokens"][2]  # async scheduling changed nothing either
     assert attn.num_heads == 2 and attn.num_kv_heads == 1  # rank 0's share (llama_kv1: its one KV head, replicated)
     assert reports.passed, reports.failures()  # every pass checked on every rank, collectives included
+    fused = next(r for r in reports if r.name == "fuse_allreduce_add_rmsnorm")
+    # Both row-parallel all-reduces of every layer fused; checked with real all-reduces, where addition commutes
+    # exactly, so the fused graph's outputs are the unfused graph's bits.
+    assert fused.matches == 2 * layers and fused.max_abs_error == 0.0
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
