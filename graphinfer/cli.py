@@ -60,6 +60,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
     g.add_argument("--master-port", type=int, default=None,
                    help="node 0's rendezvous port (default: a free one on one node, 29500 across nodes)")
+    g.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="MoE models: partition whole experts over the ranks (expert parallel, EP size = tp) instead "
+                        "of splitting each expert (default: an artifact's setting, else off)")
 
 
 def _add_graph_mode_args(g) -> None:
@@ -108,7 +111,8 @@ def _engine_kwargs(args) -> dict:
 
 def _parallel_kwargs(args) -> dict:
     return dict(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
-                master_addr=args.master_addr, master_port=args.master_port)
+                master_addr=args.master_addr, master_port=args.master_port,
+                enable_expert_parallel=args.enable_expert_parallel)
 
 
 def _parallel_config(args):
@@ -117,14 +121,20 @@ def _parallel_config(args):
     from graphinfer.config import ParallelConfig
 
     kwargs = _parallel_kwargs(args)
-    if kwargs["tensor_parallel_size"] is None:
-        kwargs["tensor_parallel_size"] = 1
-        if art := getattr(args, "artifact", None) or getattr(args, "target", None):  # generate --artifact, serve ART
-            from graphinfer.compiler.artifact import read_manifest, tensor_parallel_size
-            from graphinfer.server.serve import is_artifact
+    manifest = None
+    if art := getattr(args, "artifact", None) or getattr(args, "target", None):  # generate --artifact, serve ART
+        from graphinfer.compiler.artifact import read_manifest
+        from graphinfer.server.serve import is_artifact
 
-            if is_artifact(art):
-                kwargs["tensor_parallel_size"] = tensor_parallel_size(read_manifest(art))
+        manifest = read_manifest(art) if is_artifact(art) else None
+    if kwargs["tensor_parallel_size"] is None:
+        from graphinfer.compiler.artifact import tensor_parallel_size
+
+        kwargs["tensor_parallel_size"] = tensor_parallel_size(manifest) if manifest else 1
+    if kwargs["enable_expert_parallel"] is None:
+        from graphinfer.compiler.artifact import expert_parallel
+
+        kwargs["enable_expert_parallel"] = expert_parallel(manifest) if manifest else False
     return ParallelConfig(**kwargs)
 
 
@@ -224,10 +234,10 @@ def _passes(args) -> int:
         print(tools.list_passes())
     elif args.action == "show":
         print(tools.show(args.model, args.after, args.dtype, args.onnx, split=args.split, passes=args.passes,
-                         dump_dir=args.dump_dir, tp=args.tp))
+                         dump_dir=args.dump_dir, tp=args.tp, ep=args.ep))
     elif args.action == "diff":
         print(tools.diff(args.model, args.pass_name, args.dtype, passes=args.passes or "default",
-                         dump_dir=args.dump_dir, tp=args.tp))
+                         dump_dir=args.dump_dir, tp=args.tp, ep=args.ep))
     else:
         text, reports = tools.verify(args.model, args.passes, args.dtype, args.onnx, atol=args.atol, rtol=args.rtol,
                                      dump_dir=args.dump_dir)
@@ -398,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                            help="the graph of rank 0 of N tensor-parallel ranks: its shard, the collectives as nodes "
                                 "(built here, nothing runs; `compile -tp N` checks the passes on every rank)")
+            p.add_argument("--ep", "--enable-expert-parallel", dest="ep", action="store_true",
+                           help="with --tp N: MoE experts partitioned over the N ranks (expert parallel)")
     sub.choices["passes"].set_defaults(func=_passes)
 
     bench = sub.add_parser("bench", help="benchmarks (write JSON)").add_subparsers(dest="bench", required=True)

@@ -143,6 +143,9 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"  # where node 0 listens for the other ranks (torchrun's MASTER_ADDR)
     master_port: int | None = None  # None: a free port on one node; 29500 (torchrun's) across nodes
     timeout_s: float = 600.0  # a collective or rendezvous that waits longer fails, naming the rank and the step
+    # MoE layers partition whole experts over the EP group (tp x dp ranks; dp = 1 for now) instead of splitting
+    # each expert; dense models are unaffected (vLLM's flag)
+    enable_expert_parallel: bool = False
 
     def __post_init__(self):
         tp, nnodes = self.tensor_parallel_size, self.nnodes

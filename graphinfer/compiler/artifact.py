@@ -23,7 +23,7 @@ model on the meta device with the fused projections in place, loads the weights 
 passes added, and executes graph.py over the model's modules. An artifact made for other graphinfer / torch /
 python versions, platform or dtype, for another model than the one named with it, plugins that are missing or
 at other versions here, or whose files were edited, is refused (each tensor-parallel rank checks the files it
-reads); so is one compiled for another tensor_parallel_size (runtime/llm_engine.py).
+reads); so is one compiled for another tensor_parallel_size or expert-parallel setting (runtime/llm_engine.py).
 """
 import dataclasses
 import importlib
@@ -85,6 +85,11 @@ def tensor_parallel_size(manifest: dict) -> int:
     return manifest.get("tensor_parallel_size", 1)  # absent from artifacts made before tensor parallelism: 1
 
 
+def expert_parallel(manifest: dict) -> bool:
+    """Whether the artifact's MoE experts are partitioned over its ranks (absent before expert parallel: no)."""
+    return manifest.get("enable_expert_parallel", False)
+
+
 def prepare_dir(out_dir: str, gm: fx.GraphModule, model: nn.Module) -> None:
     """Refuse passes a loaded artifact could not import (before anything is written), then clear out_dir of what
     an earlier compile into it may have left: every rank writes its files into it next."""
@@ -121,7 +126,7 @@ def save_rank_files(out_dir: str, gm: fx.GraphModule, model: nn.Module, rank: in
 def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *, fingerprint: dict,
                   device: torch.device, dtype: torch.dtype, graph_mode: str, capture_sizes: list[int],
                   model: nn.Module, hf_config, tokenizer=None, split: SplitInfo | None = None,
-                  check: dict | None = None, tensor_parallel_size: int = 1) -> dict:
+                  check: dict | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False) -> dict:
     """Complete the artifact in out_dir (prepare_dir'ed, every rank's save_rank_files done): the graph, config,
     tokenizer, report and the manifest hashing every file. model: the module tree gm was traced from; hf_config /
     tokenizer: the model's, saved in HF form; check: how the pass checks were judged ({passed, atol, rtol,
@@ -135,6 +140,7 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
     manifest = {
         "format": FORMAT, "model": fingerprint, **environment(device), "dtype": str(dtype).removeprefix("torch."),
         "tensor_parallel_size": tp,  # rank r loads its own shard, rank_file(WEIGHTS, r, tp)
+        "enable_expert_parallel": expert_parallel,  # MoE experts partitioned over the ranks (only if that applies)
         "graph_mode": graph_mode, "capture_sizes": capture_sizes, "passes": [r.to_json() for r in reports],
         "end_to_end_check": e2e.to_json() if e2e is not None else None,
         "check": check,
@@ -158,7 +164,8 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
     plugins = manifest["plugins"]
     with open(os.path.join(out_dir, REPORT), "w") as f:
         f.write(f"graphinfer compile report\n\nmodel: {fingerprint['path']}\nplatform: {device.type}, dtype: "
-                f"{manifest['dtype']}, graph mode: {graph_mode}, tensor_parallel_size: {tp}\n\n## Passes\n\n"
+                f"{manifest['dtype']}, graph mode: {graph_mode}, tensor_parallel_size: {tp}, "
+                f"expert parallel: {'on' if expert_parallel else 'off'}\n\n## Passes\n\n"
                 f"{pass_table(reports)}\n\n"
                 + (f"plugins: {', '.join(_plugin_name(p) for p in plugins)}\n\n" if plugins else "")
                 + ("numeric check FAILED, artifact written anyway (--allow-check-failure): "

@@ -83,6 +83,74 @@ def _(x, residual, weight, eps, group_name):
     return torch.empty_like(x), torch.empty_like(x)
 
 
+@graphinfer_op()
+def sequence_parallel_chunk(x: Tensor, world_size: int, group_name: str) -> Tensor:
+    """This rank's contiguous part of the rows of x (vLLM's sequence_parallel_chunk): x padded with zero rows to
+    a multiple of world_size, then chunk `rank` of world_size -> [ceil(T / world_size), ...]. The rank is the
+    process's rank in the group (a host int), so every rank's graph is the same code."""
+    rows = -(-x.shape[0] // world_size)
+    padded = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, rows * world_size - x.shape[0]))
+    return padded[ps.group_rank(group_name) * rows:][:rows].clone()
+
+
+@register_fake(sequence_parallel_chunk)
+def _(x, world_size, group_name):
+    return x.new_empty((-(-x.shape[0] // world_size), *x.shape[1:]))
+
+
+def _all_to_all(x: Tensor, what: str, group_name: str) -> Tensor:
+    out = torch.empty_like(x)
+    ps.collective(what, group_name, lambda group: dist.all_to_all_single(out, x, group=group))
+    return out
+
+
+@graphinfer_op()
+def ep_dispatch(hidden: Tensor, topk_ids: Tensor, num_experts: int, ep_size: int,
+                group_name: str) -> tuple[Tensor, Tensor]:
+    """Send each routed slot to the EP rank owning its expert (rank r owns experts [r*E/ep, (r+1)*E/ep)).
+
+    hidden [Tl, H], topk_ids [Tl, K] (global ids) -> (recv_hidden [ep*Tl*K, H], recv_ids [ep*Tl*K] int64).
+    The send buffer is the worst case, [ep, Tl*K, H]: chunk d row j holds flat slot j (token j // K) if its
+    expert lives on rank d, else zeros with id -1; one all_to_all with equal splits (and one for the ids).
+    So row s*Tl*K + j received here is source rank s's slot j: its local expert id, or -1 and a zero row.
+    Static shapes, no sort, no host read: capturable."""
+    Tl, K = topk_ids.shape
+    per_rank = num_experts // ep_size
+    ids = topk_ids.reshape(-1).long()
+    owner = ids // per_rank
+    mine = owner == torch.arange(ep_size, device=ids.device).unsqueeze(1)  # [ep, Tl*K]
+    rows = hidden.unsqueeze(1).expand(Tl, K, hidden.shape[1]).reshape(Tl * K, hidden.shape[1])
+    send = torch.where(mine.unsqueeze(-1), rows, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+    send_ids = torch.where(mine, ids - owner * per_rank, -1)
+    recv = _all_to_all(send, "ep_dispatch", group_name)
+    recv_ids = _all_to_all(send_ids, "ep_dispatch(ids)", group_name)
+    return recv.view(-1, hidden.shape[1]), recv_ids.view(-1)
+
+
+@register_fake(ep_dispatch)
+def _(hidden, topk_ids, num_experts, ep_size, group_name):
+    n = ep_size * topk_ids.shape[0] * topk_ids.shape[1]
+    return hidden.new_empty((n, hidden.shape[1])), topk_ids.new_empty(n, dtype=torch.int64)
+
+
+@graphinfer_op()
+def ep_combine(expert_rows: Tensor, topk_weights: Tensor, ep_size: int, group_name: str) -> Tensor:
+    """ep_dispatch's way back: expert_rows [ep*Tl*K, H] (row s*Tl*K + j: this rank's output for rank s's slot j,
+    zero where slot j is not this rank's) -> out [Tl, H], out[t] = sum_k topk_weights[t, k] * row of slot t*K + k.
+
+    One all_to_all, then the ep partial rows of each slot summed (exactly one is non-zero, so the sum is that
+    row) and weighted in fp32, as moe_combine does; the result in expert_rows' dtype."""
+    Tl, K = topk_weights.shape
+    back = _all_to_all(expert_rows.reshape(ep_size, Tl * K, -1), "ep_combine", group_name)
+    rows = back.float().sum(dim=0).view(Tl, K, -1)
+    return (rows * topk_weights.float().unsqueeze(-1)).sum(dim=1).to(expert_rows.dtype)
+
+
+@register_fake(ep_combine)
+def _(expert_rows, topk_weights, ep_size, group_name):
+    return expert_rows.new_empty((topk_weights.shape[0], expert_rows.shape[1]))
+
+
 def tensor_model_parallel_all_reduce(x: Tensor) -> Tensor:
     """x summed over the TP group; x itself at tp 1 (no node in the graph)."""
     return all_reduce(x, ps.TP_GROUP) if ps.tp_size() > 1 else x

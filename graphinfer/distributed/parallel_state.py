@@ -9,6 +9,10 @@ Rank r of N holds 1/N of every sharded layer. Each rank has two groups:
 
 The layout (rank, size) is what the parallel layers shard by. `layout(rank, size)` sets one without any
 process group, to build and look at one rank's model or graph (`graphinfer passes show --tp 2`).
+
+Expert parallel (enable_expert_parallel): the MoE layers partition whole experts over the EP group instead of
+splitting each expert's intermediate dimension. With data parallel size 1 the EP group is the TP group
+(ep_size() = tp x dp, dp = 1); its collectives use the name EP_GROUP.
 """
 import contextlib
 import datetime
@@ -25,6 +29,7 @@ from graphinfer.errors import GraphinferError
 logger = logging.getLogger(__name__)
 
 TP_GROUP = "tp"
+EP_GROUP = TP_GROUP  # data parallel size 1: the EP ranks are the TP ranks
 _IDLE_TIMEOUT = datetime.timedelta(days=30)  # the step channel waits as long as a server may stay idle
 
 
@@ -43,6 +48,7 @@ class _State:
     phase: str = "start-up"  # what this rank is doing, for error messages
     comm_seconds: float = 0.0  # host time inside collective calls (bench: the time spent in collectives)
     comm_calls: int = 0
+    expert_parallel: bool = False  # enable_expert_parallel: MoE experts partitioned over the EP group
 
 
 _state = _State()
@@ -54,6 +60,23 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _state.world_size
+
+
+def dp_size() -> int:
+    return 1  # data parallel is not built yet; ep_size / ep_rank multiply it in
+
+
+def dp_rank() -> int:
+    return 0
+
+
+def ep_size() -> int:
+    """Ranks the MoE experts are partitioned over: tp x dp with expert parallel on, else 1 (experts TP-split)."""
+    return tp_size() * dp_size() if _state.expert_parallel else 1
+
+
+def ep_rank() -> int:
+    return dp_rank() * tp_size() + tp_rank() if _state.expert_parallel else 0
 
 
 def local_rank() -> int:
@@ -70,10 +93,10 @@ def is_initialized() -> bool:
 
 
 @contextlib.contextmanager
-def layout(rank: int, size: int):
+def layout(rank: int, size: int, expert_parallel: bool = False):
     """Shard as rank `rank` of `size` while building a model, without process groups (nothing can run)."""
     global _state
-    saved, _state = _state, _State(rank=rank, world_size=size)
+    saved, _state = _state, _State(rank=rank, world_size=size, expert_parallel=expert_parallel)
     try:
         yield
     finally:
@@ -81,7 +104,8 @@ def layout(rank: int, size: int):
 
 
 def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: str, master_addr: str,
-                     master_port: int, timeout_s: float, publish: dict[str, bytes] | None = None) -> None:
+                     master_port: int, timeout_s: float, publish: dict[str, bytes] | None = None,
+                     expert_parallel: bool = False) -> None:
     """Join the TP group as `rank`: rendezvous at master_addr:master_port (rank 0 hosts the store, torchrun-style,
     and first puts `publish` in it: what the other nodes wait for), then the device group on `backend` and the
     gloo step-channel group."""
@@ -102,6 +126,7 @@ def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: s
     _state.rank, _state.world_size, _state.ranks_per_node = rank, world_size, ranks_per_node
     _state.groups = {TP_GROUP: dist.group.WORLD}
     _state.cpu_group, _state.timeout_s = cpu_group, timeout_s
+    _state.expert_parallel = expert_parallel
     _state.phase = "start-up"
     logger.info("rank %d of %d joined the TP group (%s, rendezvous %s:%d)", rank, world_size, backend, master_addr,
                 master_port)
@@ -141,6 +166,11 @@ def get_group(name: str):
         raise DistributedError(f"graphinfer collective on group {name!r}, but this process is not a rank of a "
                                f"tensor-parallel group (tensor_parallel_size={_state.world_size}).")
     return group
+
+
+def group_rank(name: str) -> int:
+    """This process's rank in the group `name`."""
+    return dist.get_rank(get_group(name))
 
 
 def cpu_group():

@@ -92,9 +92,14 @@ def load_weights(model: nn.Module, weights, tied: bool) -> None:
                 raise ModelNotFoundError(f"Checkpoint tensor {name!r} has no parameter in {type(model).__name__}; "
                                          f"the checkpoint does not match its config.")
             target, expert, half = found
-            if expert is not None and expert >= params[target].shape[0]:
-                raise ModelNotFoundError(f"Checkpoint tensor {name!r} is for expert {expert}, the model has "
-                                         f"{params[target].shape[0]}; the checkpoint does not match its config.")
+            experts = model.get_submodule(target.rpartition(".")[0])
+            if expert is not None:
+                total = getattr(experts, "global_num_experts", params[target].shape[0])
+                if expert >= total:
+                    raise ModelNotFoundError(f"Checkpoint tensor {name!r} is for expert {expert}, the model has "
+                                             f"{total}; the checkpoint does not match its config.")
+                if hasattr(experts, "local_expert") and (expert := experts.local_expert(expert)) is None:
+                    continue  # expert parallel: another rank's expert, never read here
             expert_args = {"expert": expert, "half": half}
         param, src = params[target], as_checkpoint_tensor(tensor)
         owner, _, attr = target.rpartition(".")
@@ -151,8 +156,16 @@ class PlainConfig:
     """A model config read back from its `to_dict()` (an artifact's config.json): the attributes the model
     classes read, without importing transformers' per-model config classes."""
 
+    _ALIASES = {"num_experts": "num_local_experts"}  # name the models read -> transformers 5's saved name
+
     def __init__(self, values: dict):
         self.__dict__.update(values)
+
+    def __getattr__(self, name: str):  # only for names not saved: the alias's value (to_dict stays as saved)
+        saved = self._ALIASES.get(name)
+        if saved is not None and saved in self.__dict__:
+            return self.__dict__[saved]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

@@ -7,7 +7,8 @@ At tp 1 each is exactly the plain layer (nn.Linear, nn.Embedding), so the traced
 - VocabParallelEmbedding / ParallelLMHead: the vocabulary split in padded equal parts; the embedding looks
   up the ids it owns and all-reduces, the LM head all-gathers the logits (every rank holds them, rank 0
   samples);
-- MoEExperts: each expert's intermediate dimension split (TP for MoE), the combined output all-reduced.
+- MoEExperts: each expert's intermediate dimension split (TP for MoE), the combined output all-reduced; with
+  expert parallel on, whole experts partitioned over the EP ranks instead (see MoEExperts).
 Layers with a collective are traced through (compiler/trace.py), so graphinfer::all_reduce and
 graphinfer::all_gather are nodes of the graph. Each layer's weight_loader copies its slice of a checkpoint
 tensor (models/checkpoint_tensor.py), so a rank reads only its part.
@@ -18,17 +19,36 @@ from torch import Tensor, nn
 
 from graphinfer import ops
 from graphinfer.distributed import parallel_state as ps
-from graphinfer.distributed.communication_op import (tensor_model_parallel_all_gather,
+from graphinfer.distributed.communication_op import (all_gather, ep_combine, ep_dispatch, sequence_parallel_chunk,
+                                                     tensor_model_parallel_all_gather,
                                                      tensor_model_parallel_all_reduce)
 from graphinfer.errors import InvalidConfigError, ModelNotFoundError
 from graphinfer.models.checkpoint_tensor import CheckpointTensor
 
 
-def check_tensor_parallel(config, tp: int) -> None:
-    """Refuse, with the numbers, a tensor-parallel size that does not split the model's heads or MLPs."""
+def num_experts(config) -> int:
+    """The routed expert count of an MoE config (transformers 5 saves Qwen3-MoE's as num_local_experts), else 0."""
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+
+
+def uses_expert_parallel(config, tp: int, enable_expert_parallel: bool) -> bool:
+    """Whether the flag changes anything: experts to partition and more than one rank (a dense model ignores it)."""
+    return enable_expert_parallel and tp > 1 and num_experts(config) > 0
+
+
+def check_tensor_parallel(config, tp: int, expert_parallel: bool = False) -> None:
+    """Refuse, with the numbers, a tensor-parallel size that does not split the model's heads or MLPs (with
+    expert parallel: an expert count the EP size, tp x dp, does not divide)."""
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    experts = num_experts(config)
+    if expert_parallel and experts and experts % tp:
+        fits = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise InvalidConfigError(f"enable_expert_parallel with tensor_parallel_size={tp} (expert parallel size {tp}) "
+                                 f"does not partition this model's {experts} experts (num_experts) evenly. Use an "
+                                 f"expert parallel size that divides {experts}: one of {fits}, or leave expert "
+                                 f"parallel off (each expert's intermediate dimension is then split).")
     sizes = {"attention heads (num_attention_heads)": heads}
-    for attr in ("intermediate_size", "moe_intermediate_size"):
+    for attr in ("intermediate_size",) + (() if expert_parallel and experts else ("moe_intermediate_size",)):
         if getattr(config, attr, None):
             sizes[attr] = getattr(config, attr)
     bad = [f"{name} = {n}" for name, n in sizes.items() if n % tp]
@@ -155,40 +175,73 @@ class ParallelLMHead(nn.Linear):
 
 class MoEExperts(nn.Module):
     """num_experts SwiGLU experts as stacked weights (vLLM's FusedMoE names): w13_weight [E, 2I, H] is
-    cat(gate_proj, up_proj) per expert (HF's gate_up_proj), w2_weight [E, H, I] the down_proj; I is split
-    over the TP ranks and the combined output all-reduced. Naive on purpose: dispatch -> grouped MLP ->
-    combine, which the fuse_moe pass turns into one fused_moe."""
+    cat(gate_proj, up_proj) per expert (HF's gate_up_proj), w2_weight [E, H, I] the down_proj. Naive on purpose:
+    dispatch -> grouped MLP -> combine, which the fuse_moe pass turns into one fused_moe.
+
+    Tensor parallel: I is split over the TP ranks and the combined output all-reduced. Expert parallel
+    (ps.ep_size() > 1): EP rank r holds experts [r*E/ep, (r+1)*E/ep) whole, and the block is vLLM's
+    sequence-parallel MoE: each rank takes its slice of the T (replicated) tokens, ep_dispatch sends every routed
+    slot to its expert's rank, the local chain runs there (fuse_moe: one fused_experts), ep_combine brings the
+    rows back weighted, and all_gather rebuilds [T, H] on every rank (no all-reduce)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.num_experts = num_experts
-        E, H, I = num_experts, hidden_size, intermediate_size // ps.tp_size()
+        self.ep_size, self.global_num_experts = ps.ep_size(), num_experts
+        self.num_experts = num_experts // self.ep_size  # local experts
+        self.expert_start = ps.ep_rank() * self.num_experts  # global id of local expert 0
+        self.tp_split = 1 if self.ep_size > 1 else ps.tp_size()  # shards of each expert's intermediate dim
+        E, H, I = self.num_experts, hidden_size, intermediate_size // self.tp_split
         self.w13_weight = nn.Parameter(torch.empty(E, 2 * I, H))
         self.w2_weight = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        if self.ep_size > 1:
+            return self._forward_ep(hidden_states, topk_ids, topk_weights)
         sorted_hidden, expert_offsets, inverse_perm = ops.moe_dispatch(hidden_states, topk_ids, self.num_experts)
         expert_out = ops.moe_grouped_mlp(sorted_hidden, expert_offsets, self.w13_weight, self.w2_weight)
         return tensor_model_parallel_all_reduce(ops.moe_combine(expert_out, inverse_perm, topk_weights))
 
+    def _forward_ep(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        ep, group = self.ep_size, ps.EP_GROUP
+        x, ids, weights = (sequence_parallel_chunk(t, ep, group) for t in (hidden_states, topk_ids, topk_weights))
+        rows, local_ids = ep_dispatch(x, ids, self.global_num_experts, ep, group)
+        # A row with id -1 (a slot of another rank's expert) is a zero row: expert 0 with weight 0 adds exactly 0.
+        valid = (local_ids >= 0).unsqueeze(-1)
+        out = self._local_experts(rows, local_ids.clamp(min=0).unsqueeze(-1), valid.to(rows.dtype))
+        out = all_gather(ep_combine(out, weights, ep, group), 0, ep, group)
+        return out[:hidden_states.shape[0]]
+
+    def _local_experts(self, rows: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        sorted_rows, expert_offsets, inverse_perm = ops.moe_dispatch(rows, ids, self.num_experts)
+        expert_out = ops.moe_grouped_mlp(sorted_rows, expert_offsets, self.w13_weight, self.w2_weight)
+        return ops.moe_combine(expert_out, inverse_perm, weights)
+
     def weight_loader(self, name: str, param: Tensor, src: CheckpointTensor, label: str,
                       expert: int | None = None, half: int | None = None) -> None:
-        """A per-expert tensor (expert e, half 0 gate / 1 up / None down) or a stacked one (expert None:
-        [E, 2I, H] gate_up or [E, H, I] down, transformers' in-memory layout)."""
-        rank = ps.tp_rank()
+        """A per-expert tensor (local expert `expert`, half 0 gate / 1 up / None down) or a stacked one (expert
+        None: [E, 2I, H] gate_up or [E, H, I] down, transformers' in-memory layout; with expert parallel this
+        rank's experts are sliced out of the expert dim)."""
+        if expert is None and self.ep_size > 1:  # stacked, expert parallel: this rank's experts, whole
+            return _load_slice(label, param, src, 0, ps.ep_rank(), self.ep_size)
+        rank, shards = (0, 1) if self.tp_split == 1 else (ps.tp_rank(), self.tp_split)
         if name == "w2_weight":  # down: [.., H, I], split along I
             dest = param if expert is None else param[expert]
-            return _load_slice(label, dest, src, dest.dim() - 1, rank, ps.tp_size())
+            return _load_slice(label, dest, src, dest.dim() - 1, rank, shards)
         if expert is not None:
-            return _load_slice(label, param[expert].chunk(2)[half], src, 0, rank, ps.tp_size())
+            return _load_slice(label, param[expert].chunk(2)[half], src, 0, rank, shards)
         I_local = param.shape[1] // 2
-        if tuple(src.shape) != (param.shape[0], 2 * I_local * ps.tp_size(), param.shape[2]):
+        if tuple(src.shape) != (param.shape[0], 2 * I_local * shards, param.shape[2]):
             raise ModelNotFoundError(f"Checkpoint tensor {label!r} has shape {tuple(src.shape)}, the model expects "
                                      f"{tuple(param.shape)} per rank; the checkpoint does not match its config.")
-        I = I_local * ps.tp_size()
+        I = I_local * shards
         with torch.no_grad():
             for h in (0, 1):  # gate rows [0, I), up rows [I, 2I): this rank's part of each
                 param[:, h * I_local:(h + 1) * I_local].copy_(src.read(1, h * I + rank * I_local, I_local))
+
+    def local_expert(self, expert: int) -> int | None:
+        """The local index of global expert `expert`, or None when another EP rank holds it."""
+        local = expert - self.expert_start
+        return local if 0 <= local < self.num_experts else None
 
 
 def local_heads(total: int) -> int:

@@ -1,4 +1,5 @@
-"""Mixture-of-experts ops: the naive dispatch -> grouped MLP -> combine chain, and fused_moe (the whole block).
+"""Mixture-of-experts ops: the naive dispatch -> grouped MLP -> combine chain, fused_experts (that chain as one
+op, routing given: expert parallel's local experts) and fused_moe (the whole block, routing included).
 
 Dropless and static-shaped, so the unfused graph traces and captures: T tokens routed to K experts each
 give N = T * K rows, whatever the routing. Experts are SwiGLU MLPs over stacked weights
@@ -110,6 +111,25 @@ def _(expert_out, inverse_perm, topk_weights):
     return expert_out.new_empty(topk_weights.shape[0], expert_out.shape[1])
 
 
+def _experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    sorted_hidden, offsets, inverse_perm = _dispatch(hidden, topk_ids, w13.shape[0])
+    out = _grouped_mlp(sorted_hidden, offsets, w13, w2, sync_free=hidden.device.type != "cpu")
+    return _combine(out, inverse_perm, topk_weights)
+
+
+@graphinfer_op()
+def fused_experts(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """moe_dispatch -> moe_grouped_mlp -> moe_combine as one op, routing given (vLLM's fused_experts):
+    hidden [T, H], topk_ids [T, K] in [0, E), topk_weights [T, K] -> [T, H],
+    out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]). The reference is that chain."""
+    return _experts(hidden, topk_ids, topk_weights, w13, w2)
+
+
+@register_fake(fused_experts)
+def _(hidden, topk_ids, topk_weights, w13, w2):
+    return torch.empty_like(hidden)
+
+
 @graphinfer_op()
 def fused_moe(hidden: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool) -> Tensor:
     """The whole softmax-routed MoE block: hidden [T, H], router_logits [T, E] -> [T, H].
@@ -123,9 +143,7 @@ def fused_moe(hidden: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, to
     The reference is the unfused chain itself (same arithmetic), so fusing never changes results on CPU.
     """
     weights, ids = _route(router_logits, top_k, renormalize, hidden.dtype)
-    sorted_hidden, offsets, inverse_perm = _dispatch(hidden, ids, w13.shape[0])
-    out = _grouped_mlp(sorted_hidden, offsets, w13, w2, sync_free=hidden.device.type != "cpu")
-    return _combine(out, inverse_perm, weights)
+    return _experts(hidden, ids, weights, w13, w2)
 
 
 @register_fake(fused_moe)

@@ -20,7 +20,7 @@ from torch import Tensor
 from graphinfer.ops.qk_norm_rope import chain_cache_write
 
 NPU_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "qk_norm_rope", "qk_norm_rope_cache", "silu_and_mul",
-           "reshape_and_cache", "paged_attention", "fused_moe")
+           "reshape_and_cache", "paged_attention", "fused_moe", "fused_experts")
 MASK_SIZE = 2048  # FIA sparse_mode 2/3/4 take this fixed-size compressed causal mask
 
 
@@ -164,13 +164,16 @@ class NpuOps:
     def fused_moe(self, hidden: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
                   renormalize: bool) -> Tensor:
         tnpu = self.torch_npu
-        num_tokens, num_experts = hidden.shape[0], w13.shape[0]
         # Softmax routing: npu_moe_gating_top_k_softmax is exactly softmax -> top-k (npu_moe_gating_top_k targets
         # grouped / sigmoid routing and supports renorm=0 only). fp32 in, as the reference routes in fp32.
         weights, ids, _ = tnpu.npu_moe_gating_top_k_softmax(router_logits.float(), None, k=top_k)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(hidden.dtype)
+        return self.fused_experts(hidden, ids, weights.to(hidden.dtype), w13, w2)
+
+    def fused_experts(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+        tnpu, weights, ids = self.torch_npu, topk_weights, topk_ids.to(torch.int32)  # routing v2 takes int32 ids
+        num_tokens, top_k, num_experts = hidden.shape[0], topk_ids.shape[1], w13.shape[0]
         # Dropless dispatch: rows sorted by expert; per-expert counts (expert_tokens_num_type=1) for the matmuls.
         x, row_idx, counts, _ = tnpu.npu_moe_init_routing_v2(
             hidden, ids, active_num=num_tokens * top_k, expert_num=num_experts, expert_tokens_num_type=1,

@@ -12,6 +12,10 @@ Every node of the chain but router_logits and hidden must be used only inside th
 Produces: graphinfer::fused_moe(hidden, router_logits, w13, w2, k, renormalize) in place of the combine;
 the chain's nodes are erased. Shared experts (Qwen2-MoE style) sit outside the chain, added to the
 combine's output, so only the routed part is fused and they stay as they are.
+Expert parallel's local experts (models/parallel_layers.MoEExperts with EP on): a chain whose ids come from
+graphinfer::ep_dispatch (through elementwise / view ops: the clamp of its -1 ids) has its routing on other
+ranks, so it becomes graphinfer::fused_experts(hidden, ids, weights, w13, w2) (the chain as one op, weights
+the combine's); ep_dispatch / ep_combine stay separate nodes.
 Declines (reason in the report): a router that is not softmax (sigmoid scores, grouped top-k), weights
 that pass through anything else (a routed scaling factor, an epsilon in the renormalisation, a cast
 before the renormalisation), a softmax not in fp32, expert ids that are not the top-k's (e.g. shared
@@ -29,14 +33,24 @@ from graphinfer.passes.utils import GRAPHINFER
 
 _SOFTMAX = (F.softmax, torch.softmax, "softmax")
 _LAST = (-1, 1)  # router tensors are [T, E] / [T, K]: dim 1 is the last
+_ID_STEPS = ("clamp", "unsqueeze", "view", "reshape", "to", "long")  # what may sit between ep_dispatch and ids
+
+
+def _from_ep_dispatch(ids: fx.Node) -> bool:
+    """ids are ep_dispatch's received expert ids, through a few single-input steps (clamp, unsqueeze, ...)."""
+    node = ids
+    while is_call(node, *_ID_STEPS):
+        node = node.args[0]
+    return is_op(getitem_of(node, 1), GRAPHINFER.ep_dispatch.default)
 
 
 class FuseMoEPass(Pass):
     name = "fuse_moe"
-    description = "softmax/top-k routing + moe_dispatch/grouped_mlp/combine -> fused_moe"
+    description = ("softmax/top-k routing + moe_dispatch/grouped_mlp/combine -> fused_moe (expert parallel's local "
+                   "experts -> fused_experts)")
 
     def _match(self, gm: fx.GraphModule, combine: fx.Node):
-        """(fused_moe args, chain nodes to erase) or None, after declining with the reason."""
+        """(fused op, its args, chain nodes to erase) or None, after declining with the reason."""
         where = combine.name
         expert_out, inverse_perm, weights = combine.args
         if not is_op(expert_out, GRAPHINFER.moe_grouped_mlp.default):
@@ -52,6 +66,11 @@ class FuseMoEPass(Pass):
         if w13_tensor is not None and w13_tensor.shape[0] != num_experts:
             return self.decline(f"{where}: moe_dispatch has {num_experts} experts, w13 has {w13_tensor.shape[0]}")
 
+        chain = [combine, expert_out, sorted_hidden, offsets, inverse_perm, dispatch]
+        if _from_ep_dispatch(ids):  # expert parallel: routed on the source ranks, ids and weights as given
+            if bad := [n.name for n in chain[1:] if not used_only_by(n, set(chain))]:
+                return self.decline(f"{where}: {bad[0]} is used outside the MoE chain")
+            return GRAPHINFER.fused_experts.default, (hidden, ids, weights, w13, w2), chain
         topk = getitem_of(ids, 1)
         if not is_call(topk, torch.topk, "topk"):
             return self.decline(f"{where}: expert ids come from {target_name(ids)}, not the router's top-k")
@@ -59,7 +78,7 @@ class FuseMoEPass(Pass):
         if not isinstance(top_k, int) or arg(topk, 2, "dim", -1) not in _LAST or not arg(topk, 3, "largest", True):
             return self.decline(f"{where}: top-k is not a constant k over the last dim, largest first")
 
-        chain = [combine, expert_out, sorted_hidden, offsets, inverse_perm, dispatch, ids, topk]
+        chain += [ids, topk]
         w = weights
         cast = None
         if is_call(w, "to"):
@@ -105,7 +124,7 @@ class FuseMoEPass(Pass):
         for node in chain[1:]:  # the combine's own users are what the fused op takes over
             if not used_only_by(node, inside):
                 return self.decline(f"{where}: {node.name} is used outside the MoE chain")
-        return (hidden, router_logits, w13, w2, top_k, renormalize), chain
+        return GRAPHINFER.fused_moe.default, (hidden, router_logits, w13, w2, top_k, renormalize), chain
 
     def apply(self, gm: fx.GraphModule) -> int:
         g = gm.graph
@@ -113,9 +132,9 @@ class FuseMoEPass(Pass):
         for combine in list(g.nodes):
             if not is_op(combine, GRAPHINFER.moe_combine.default) or (found := self._match(gm, combine)) is None:
                 continue
-            args, chain = found
+            op, args, chain = found
             with g.inserting_before(combine):  # every input is defined before the combine
-                fused = g.call_function(GRAPHINFER.fused_moe.default, args)
+                fused = g.call_function(op, args)
             combine.replace_all_uses_with(fused)
             dead = set(chain)
             for node in reversed(list(g.nodes)):  # users before what they use

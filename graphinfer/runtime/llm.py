@@ -36,6 +36,9 @@ class LLM:
     tensor_parallel_size: shard the model over that many ranks (devices; on cpu, processes sharing the cores) with
     torch.distributed (gloo on cpu, NCCL on cuda, HCCL on npu); graphinfer starts the other ranks of this node.
     Default: the artifact's (an artifact runs only at the size it was compiled for), else 1.
+    enable_expert_parallel: MoE models partition whole experts over the ranks (expert parallel, EP size =
+    tensor_parallel_size) instead of splitting every expert; dense models are unaffected. Default: the
+    artifact's, else False.
     Across nodes (nnodes > 1, node_rank, master_addr, master_port: vLLM's / torchrun's names) this process is
     node 0; the other nodes run `graphinfer serve|generate ... --node-rank N` with the same arguments.
     gpu_memory_utilization: the fraction of the device's total memory this engine may use (weights, graphs and
@@ -53,7 +56,8 @@ class LLM:
                  capture_lm_head: bool = True, kernels: str | None = None, npu_compiler: str | None = None,
                  max_capture_size: int | None = None, splitting_ops: list[str] | None = None,
                  tensor_parallel_size: int | None = None, nnodes: int = 1, node_rank: int = 0,
-                 master_addr: str = "127.0.0.1", master_port: int | None = None, artifact: str | None = None):
+                 master_addr: str = "127.0.0.1", master_port: int | None = None,
+                 enable_expert_parallel: bool | None = None, artifact: str | None = None):
         if artifact:
             manifest = artifacts.read_manifest(artifact)
             model = model or manifest["model"]["path"]
@@ -63,6 +67,8 @@ class LLM:
             splitting_ops = splitting_ops or (manifest.get("split") or {}).get("splitting_ops")
             if tensor_parallel_size is None:
                 tensor_parallel_size = artifacts.tensor_parallel_size(manifest)
+            if enable_expert_parallel is None:
+                enable_expert_parallel = artifacts.expert_parallel(manifest)
         if tensor_parallel_size is None:
             tensor_parallel_size = 1
         self.llm_engine = LLMEngine(EngineConfig(
@@ -72,7 +78,8 @@ class LLM:
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, async_scheduling),
             CompileConfig(graph_mode, passes, capture_sizes, capture_lm_head, kernels, npu_compiler, max_capture_size,
                           splitting_ops),
-            ParallelConfig(tensor_parallel_size, nnodes, node_rank, master_addr, master_port),
+            ParallelConfig(tensor_parallel_size, nnodes, node_rank, master_addr, master_port,
+                           enable_expert_parallel=bool(enable_expert_parallel)),
             artifact=artifact,
         ))
 

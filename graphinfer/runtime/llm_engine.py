@@ -31,7 +31,7 @@ from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidCo
                                KVCacheTooSmallError, PromptTooLongError)
 from graphinfer.models.layers import rope_parameters
 from graphinfer.models.loader import load_config, load_model, load_tokenizer, release_tensors
-from graphinfer.models.parallel_layers import check_tensor_parallel
+from graphinfer.models.parallel_layers import check_tensor_parallel, uses_expert_parallel
 from graphinfer.models.presets import PRESET_NAMES
 from graphinfer.passes import PassCheckError, resolve_passes
 from graphinfer.platforms import Platform, platform_for_device
@@ -221,8 +221,11 @@ class LLMEngine:
             raise InvalidConfigError(
                 f"node_rank={cfg.parallel_config.node_rank}: nodes other than 0 run workers only; start them with "
                 f"`graphinfer serve|generate|compile|bench ... --node-rank N` (graphinfer.runtime.worker.run_node).")
-        check_tensor_parallel(artifact.load_config(cfg.artifact) if cfg.artifact else
-                              load_config(cfg.model_config.model), tp)
+        check_tensor_parallel(self._model_config(), tp, cfg.parallel_config.enable_expert_parallel)
+
+    def _model_config(self):
+        cfg = self.config
+        return artifact.load_config(cfg.artifact) if cfg.artifact else load_config(cfg.model_config.model)
 
     def _check_artifact_tensor_parallel(self) -> None:
         """Refuse an artifact compiled for another tensor-parallel size (its weights are split for that many ranks)
@@ -235,6 +238,16 @@ class LLMEngine:
                 f"tensor_parallel_size={tp}. Run it with --tensor-parallel-size {compiled} (LLM(tensor_parallel_size="
                 f"{compiled})), or recompile it for {tp}: graphinfer compile {self.manifest['model']['path']} -o {art} "
                 f"--tensor-parallel-size {tp}")
+        ep = uses_expert_parallel(self._model_config(), tp, self.config.parallel_config.enable_expert_parallel)
+        if ep != (compiled := artifact.expert_parallel(self.manifest)):
+            state = {True: "on", False: "off"}
+            run = "with" if compiled else "without"
+            raise ArtifactMismatchError(
+                f"Artifact {art!r} was compiled with expert parallel {state[compiled]}, but this engine runs it "
+                f"{state[ep]} (the experts are laid out over the ranks differently). Run it {run} "
+                f"--enable-expert-parallel (LLM(enable_expert_parallel={compiled})), or recompile it: graphinfer "
+                f"compile {self.manifest['model']['path']} -o {art} --tensor-parallel-size {tp}"
+                + (" --enable-expert-parallel" if ep else ""))
 
     def _check_graph_mode(self) -> None:
         cc = self.config.compile_config
@@ -361,7 +374,8 @@ class LLMEngine:
             device=self.device, dtype=mc.torch_dtype, graph_mode=self.config.compile_config.graph_mode,
             capture_sizes=self.capture_sizes, split=self.split.info if self.split is not None else None,
             model=self.model, hf_config=self.hf_config, tokenizer=self.tokenizer, check=check,
-            tensor_parallel_size=self.config.parallel_config.tensor_parallel_size)
+            tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
+            expert_parallel=any(getattr(m, "ep_size", 1) > 1 for m in self.model.modules()))
 
     def save_rank_files(self, out_dir: str) -> None:
         """Write this rank's weights (and what passes added) into the artifact directory out_dir (from save_artifact:

@@ -38,7 +38,7 @@ _backport_interpreter_index_fix()
 
 from graphinfer.ops.triton.activation import silu_and_mul  # noqa: E402
 from graphinfer.ops.triton.attention import paged_attention  # noqa: E402
-from graphinfer.ops.triton.fused_moe import fused_moe  # noqa: E402
+from graphinfer.ops.triton.fused_moe import fused_experts_op, fused_moe  # noqa: E402
 from graphinfer.ops.triton.kv_cache import reshape_and_cache  # noqa: E402
 from graphinfer.ops.triton.norm import add_rms_norm, rms_norm  # noqa: E402
 from graphinfer.ops.triton.qk_norm_rope import qk_norm_rope, qk_norm_rope_cache  # noqa: E402
@@ -54,6 +54,7 @@ TRITON_OPS: dict[str, Callable] = {
     "reshape_and_cache": reshape_and_cache,
     "paged_attention": paged_attention,
     "fused_moe": fused_moe,
+    "fused_experts": fused_experts_op,
 }
 
 __all__ = ["TRITON_OPS", "add_rms_norm", "fused_moe", "paged_attention", "qk_norm_rope", "qk_norm_rope_cache",

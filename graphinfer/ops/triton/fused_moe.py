@@ -409,6 +409,11 @@ def fused_experts(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: T
     return out_k.view(T, K, H).sum(dim=1)
 
 
+def fused_experts_op(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """The `graphinfer::fused_experts` contract (routing given: expert parallel's local experts)."""
+    return fused_experts(hidden, topk_weights, topk_ids, w13, w2)
+
+
 def fused_moe(hidden: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool) -> Tensor:
     """The `graphinfer::fused_moe` contract: softmax/top-k routing (torch) + the Triton expert GEMMs."""
     probs = torch.softmax(router_logits.float(), dim=-1)
