@@ -60,3 +60,66 @@ def test_fake_impls_give_the_shapes():
 def test_a_collective_outside_a_group_says_so():
     with pytest.raises(ps.DistributedError, match="not a rank of a tensor-parallel group"):
         OPS.all_reduce(torch.ones(2), "tp")
+
+
+E, K, H, I = 8, 2, 6, 4  # experts, slots per token, hidden, intermediate (expert parallel op tests)
+
+
+def _ep_case(T: int, skewed: bool):
+    """Replicated tokens, routing and expert weights (seeded alike on every rank): random top-k ids, or every
+    token routed to experts of rank 1 only (the maximally skewed dispatch)."""
+    g = torch.Generator().manual_seed(T)
+    hidden = torch.randn(T, H, generator=g)
+    scores = torch.rand(T, E, generator=g)
+    if skewed:
+        scores[:, : E // 2] = -1  # rank 0's experts never chosen
+    ids = scores.topk(K, dim=-1).indices
+    weights = torch.rand(T, K, generator=g)
+    return hidden, ids, weights, torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+
+
+def _ep_ranks(rank: int, port: int) -> None:
+    """ep_dispatch -> local experts (fused_experts, -1 rows as the layer feeds them) -> ep_combine -> all_gather
+    against the single-device chain, for token counts not divisible by ep (padding) and one below it."""
+    from graphinfer.ops import moe
+
+    ps.init_distributed(rank, 2, 2, "gloo", "127.0.0.1", port, 60, expert_parallel=True)
+    assert (ps.ep_size(), ps.ep_rank()) == (2, rank)
+    for T in (7, 1, 12):
+        for skewed in (False, True):
+            hidden, ids, weights, w13, w2 = _ep_case(T, skewed)
+            ref = moe.moe_combine(*_grouped(moe, hidden, ids, w13, w2), weights)
+            x, ids_l, w_l = (OPS.sequence_parallel_chunk(t, 2, "tp") for t in (hidden, ids, weights))
+            rows, local_ids = OPS.ep_dispatch(x, ids_l, E, 2, "tp")
+            assert rows.shape == (2 * x.shape[0] * K, H) and local_ids.shape == (2 * x.shape[0] * K,)
+            assert ((local_ids >= -1) & (local_ids < E // 2)).all()
+            assert (rows[local_ids < 0] == 0).all()  # other ranks' slots arrive as zero rows
+            if skewed and rank == 0 and T % 2 == 0:  # (a padding row's ids are 0: rank 0's expert 0)
+                assert (local_ids == -1).all()  # nothing for rank 0's experts: rank 1 computes every slot
+            mine = slice(rank * E // 2, (rank + 1) * E // 2)
+            valid = (local_ids >= 0).unsqueeze(-1)
+            out = OPS.fused_experts(rows, local_ids.clamp(min=0).unsqueeze(-1), valid.to(rows.dtype),
+                                    w13[mine], w2[mine])
+            got = OPS.all_gather(OPS.ep_combine(out, w_l, 2, "tp"), 0, 2, "tp")[:T]
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    ps.destroy()
+
+
+def _grouped(moe, hidden, ids, w13, w2):
+    sorted_hidden, offsets, inverse_perm = moe.moe_dispatch(hidden, ids, E)
+    return moe.moe_grouped_mlp(sorted_hidden, offsets, w13, w2), inverse_perm
+
+
+def test_expert_parallel_dispatch_and_combine_on_two_gloo_ranks():
+    mp.start_processes(_ep_ranks, args=(launch.free_port(),), nprocs=2, start_method="spawn")
+
+
+def test_expert_parallel_fake_impls_give_the_shapes():
+    with FakeTensorMode():
+        hidden, ids, w = torch.empty(3, 6), torch.empty(3, 2, dtype=torch.int64), torch.empty(3, 2)
+        assert OPS.sequence_parallel_chunk(torch.empty(7, 6), 2, "tp").shape == (4, 6)
+        rows, local_ids = OPS.ep_dispatch(hidden, ids, 8, 2, "tp")
+        assert rows.shape == (12, 6) and local_ids.shape == (12,) and local_ids.dtype == torch.int64
+        assert OPS.ep_combine(rows, w, 2, "tp").shape == (3, 6)
+        assert OPS.fused_experts(rows, local_ids.view(-1, 1), torch.empty(12, 1), torch.empty(4, 8, 6),
+                                 torch.empty(4, 6, 4)).shape == (12, 6)

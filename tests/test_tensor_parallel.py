@@ -16,6 +16,7 @@ import graphinfer.runtime.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import InvalidConfigError
+from graphinfer.models.parallel_layers import MoEExperts
 
 KW = dict(device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=28, max_num_seqs=6,
           max_num_batched_tokens=32)
@@ -66,31 +67,43 @@ def reference(checkpoints):
     return functools.cache(lambda arch: _run(LLM(checkpoints(arch), **KW)))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "llama_kv1"])
-def test_tp2_matches_tp1(arch, checkpoints, reference):
+@pytest.mark.parametrize("arch,ep", [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen3_moe", False),
+                                     ("qwen3_moe", True), ("llama_kv1", False), ("qwen3", True)])
+def test_tp2_matches_tp1(arch, ep, checkpoints, reference):
+    """ep: expert parallel (whole experts per rank, ep_dispatch / ep_combine); on a dense model (qwen3) a no-op."""
     ref = reference(arch)
     assert ref["cached"] > 0 and ref["preemptions"] > 0  # the workload reaches both paths
-    with LLM(checkpoints(arch), tensor_parallel_size=2, **KW) as llm:
+    with LLM(checkpoints(arch), tensor_parallel_size=2, enable_expert_parallel=ep, **KW) as llm:
         got = _run(llm)
         attn = llm.llm_engine.model_runner.attn_layers[0]
-        reports, layers = llm.llm_engine.pass_reports, llm.llm_engine.hf_config.num_hidden_layers
+        reports, config = llm.llm_engine.pass_reports, llm.llm_engine.hf_config
+        experts = [tuple(m.w2_weight.shape) for m in llm.llm_engine.model.modules() if isinstance(m, MoEExperts)]
     assert got["tokens"] == ref["tokens"] and got["cached"] == ref["cached"]
     assert got["tokens"][0] == got["tokens"][2]  # async scheduling changed nothing either
     assert attn.num_heads == 2 and attn.num_kv_heads == 1  # rank 0's share (llama_kv1: its one KV head, replicated)
     assert reports.passed, reports.failures()  # every pass checked on every rank, collectives included
     fused = next(r for r in reports if r.name == "fuse_allreduce_add_rmsnorm")
-    # Both row-parallel all-reduces of every layer fused; checked with real all-reduces, where addition commutes
-    # exactly, so the fused graph's outputs are the unfused graph's bits.
-    assert fused.matches == 2 * layers and fused.max_abs_error == 0.0
+    layers = config.num_hidden_layers
+    moe_ep = ep and bool(experts)
+    # Both row-parallel all-reduces of every layer fused (with expert parallel the MoE block has none); checked
+    # with real all-reduces, where addition commutes exactly, so the fused graph's outputs are the unfused bits.
+    assert fused.matches == 2 * layers - (len(experts) if moe_ep else 0) and fused.max_abs_error == 0.0
+    if experts:  # rank 0 holds experts [0, E/2) whole with EP, else all E with half of each intermediate dim
+        E, I = config.num_experts, config.moe_intermediate_size
+        assert set(experts) == {(E // 2, config.hidden_size, I) if ep else
+                                                               (E, config.hidden_size, I // 2)}
+        moe = next(r for r in reports if r.name == "fuse_moe")
+        assert moe.matches == len(experts) and moe.declined == []  # EP: the local experts fused into fused_experts
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_tp2_capture_standin_matches_none(arch, checkpoints, reference, monkeypatch):
+@pytest.mark.parametrize("arch,ep", [("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True)])
+def test_tp2_capture_standin_matches_none(arch, ep, checkpoints, reference, monkeypatch):
     """FULL_AND_PIECEWISE replayed on the recorded-op stand-in on both ranks (rank 0 hands its platform class to
-    the worker): uniform decode steps replay full graphs, mixed steps the pieces, collectives inside both."""
+    the worker): uniform decode steps replay full graphs, mixed steps the pieces, collectives inside both (ep:
+    ep_dispatch / ep_combine / all_gather replayed at each bucket's static shapes)."""
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
     with LLM(checkpoints(arch), tensor_parallel_size=2, graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 32],
-             **KW) as llm:
+             enable_expert_parallel=ep, **KW) as llm:
         runner = llm.llm_engine.model_runner
         replays = []
         for graphs in (runner.decode_graphs, runner.piecewise_graphs):
@@ -106,6 +119,14 @@ def test_bad_tensor_parallel_size_is_refused_with_the_numbers(smollm2_path):
     with pytest.raises(InvalidConfigError, match=r"tensor_parallel_size=2 .*num_attention_heads\) = 9.*one of \[1, 3\]"):
         LLM(smollm2_path, tensor_parallel_size=2, dtype="float32")
     assert not ps.is_initialized()  # refused before any rank started
+
+
+def test_expert_count_not_divisible_by_the_ep_size_is_refused_with_the_numbers(checkpoints):
+    """tiny Qwen3-MoE has 8 experts: 3 EP ranks cannot partition them (without EP, tp 3 fails on the heads)."""
+    with pytest.raises(InvalidConfigError, match=r"tensor_parallel_size=3 \(expert parallel size 3\) does not "
+                                                 r"partition this model's 8 experts.*one of \[1, 2, 4, 8\]"):
+        LLM(checkpoints("qwen3_moe"), tensor_parallel_size=3, enable_expert_parallel=True, **KW)
+    assert not ps.is_initialized()
 
 
 def test_smollm2_tp3_matches_tp1_and_hf(smollm2_llm, hf_smollm2):
