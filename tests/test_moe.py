@@ -336,3 +336,34 @@ def test_fuse_moe_declines_what_it_does_not_cover(module, reason):
     gm, report = _run_fuse_moe(module())
     assert report.matches == 0 and len(report.declined) == 1 and reason in report.declined[0], report.declined
     assert report.max_abs_error == 0 and "fused_moe" not in gm.code
+
+
+def test_expert_parallel_rank_reads_only_its_experts():
+    """EP rank 1 of 2 (a layout, no group): per-expert tensors of rank 0's experts are never read, stacked ones are
+    sliced on the expert dim; both give experts [4, 8) whole (no intermediate split)."""
+    from torch import nn
+
+    from graphinfer.distributed import parallel_state as ps
+    from graphinfer.models.checkpoint_tensor import InMemoryTensor
+    from graphinfer.models.loader import load_weights
+    from graphinfer.models.parallel_layers import MoEExperts
+
+    class Unreadable(InMemoryTensor):
+        def read(self, *a, **k):
+            raise AssertionError("read another EP rank's expert")
+
+    E, H, I = 8, 4, 6
+    gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    with ps.layout(1, 2, expert_parallel=True):
+        per_expert, stacked = (nn.ModuleDict({"mlp": nn.ModuleDict({"experts": MoEExperts(E, H, I)})}) for _ in "ab")
+    assert per_expert.mlp.experts.w13_weight.shape == (E // 2, 2 * I, H)
+    tensors = []
+    for e in range(E):
+        kind = InMemoryTensor if e >= E // 2 else Unreadable
+        tensors += [(f"mlp.experts.{e}.gate_proj.weight", kind(gate_up[e, :I])),
+                    (f"mlp.experts.{e}.up_proj.weight", kind(gate_up[e, I:])),
+                    (f"mlp.experts.{e}.down_proj.weight", kind(down[e]))]
+    load_weights(per_expert, tensors, tied=False)
+    load_weights(stacked, [("mlp.experts.gate_up_proj", gate_up), ("mlp.experts.down_proj", down)], tied=False)
+    for m in (per_expert, stacked):
+        assert torch.equal(m.mlp.experts.w13_weight, gate_up[E // 2:]) and torch.equal(m.mlp.experts.w2_weight, down[E // 2:])

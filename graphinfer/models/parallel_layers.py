@@ -186,9 +186,9 @@ class MoEExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.ep_size, self.global_num_experts = ps.ep_size(), num_experts
+        self.ep_size, self.ep_rank, self.global_num_experts = ps.ep_size(), ps.ep_rank(), num_experts
         self.num_experts = num_experts // self.ep_size  # local experts
-        self.expert_start = ps.ep_rank() * self.num_experts  # global id of local expert 0
+        self.expert_start = self.ep_rank * self.num_experts  # global id of local expert 0
         self.tp_split = 1 if self.ep_size > 1 else ps.tp_size()  # shards of each expert's intermediate dim
         E, H, I = self.num_experts, hidden_size, intermediate_size // self.tp_split
         self.w13_weight = nn.Parameter(torch.empty(E, 2 * I, H))
@@ -222,7 +222,7 @@ class MoEExperts(nn.Module):
         None: [E, 2I, H] gate_up or [E, H, I] down, transformers' in-memory layout; with expert parallel this
         rank's experts are sliced out of the expert dim)."""
         if expert is None and self.ep_size > 1:  # stacked, expert parallel: this rank's experts, whole
-            return _load_slice(label, param, src, 0, ps.ep_rank(), self.ep_size)
+            return _load_slice(label, param, src, 0, self.ep_rank, self.ep_size)
         rank, shards = (0, 1) if self.tp_split == 1 else (ps.tp_rank(), self.tp_split)
         if name == "w2_weight":  # down: [.., H, I], split along I
             dest = param if expert is None else param[expert]
