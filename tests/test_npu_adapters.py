@@ -440,3 +440,16 @@ def test_npu_compiler_config_errors():
         CompileConfig(npu_compiler="inductor")
     with pytest.raises(InvalidConfigError, match="needs the npu platform; this engine runs on cpu"):
         LLM("tiny-llama", npu_compiler="torchair", device="cpu")
+
+
+def test_fused_experts_as_expert_parallel_feeds_it(ops):
+    """Expert parallel's local experts: one slot per row (K = 1), int64 ids, weight 0 and a zero row for the
+    slots of other ranks' experts (id clamped to 0), as MoEExperts passes them."""
+    N, H, inter, E = 10, 16, 8, 4
+    rows, ids = torch.randn(N, H), torch.randint(0, E, (N, 1))
+    weights = torch.ones(N, 1)
+    rows[::3], ids[::3], weights[::3] = 0, 0, 0
+    w13, w2 = torch.randn(E, 2 * inter, H) * 0.3, torch.randn(E, H, inter) * 0.3
+    got = ops.fused_experts(rows, ids, weights, w13, w2)
+    torch.testing.assert_close(got, ref.fused_experts(rows, ids, weights, w13, w2))
+    assert torch.equal(got[::3], torch.zeros_like(got[::3]))

@@ -186,3 +186,18 @@ def test_path_chosen_by_token_count(T, renormalize, monkeypatch):
     hidden, logits, w13, w2 = make_inputs(T, E, H, I, torch.float32, seed=T)
     check(fused_moe(hidden, logits, w13, w2, K, renormalize), hidden, logits, w13, w2, K, renormalize)
     assert bool(calls) == (T <= fused_moe_module.DECODE_MAX_TOKENS)
+
+
+def test_fused_experts_op_matches_the_reference_chain():
+    """graphinfer::fused_experts on Triton (routing given: expert parallel's local experts, K = 1, zero rows with
+    weight 0 for other ranks' slots) against its reference, the moe_dispatch -> grouped_mlp -> combine chain."""
+    from graphinfer.ops.triton import TRITON_OPS
+
+    torch.manual_seed(0)
+    N, H, inter, E = 12, 32, 16, 4
+    rows, ids, weights = torch.randn(N, H), torch.randint(0, E, (N, 1)), torch.ones(N, 1)
+    rows[1::4], ids[1::4], weights[1::4] = 0, 0, 0
+    w13, w2 = torch.randn(E, 2 * inter, H) * 0.2, torch.randn(E, H, inter) * 0.2
+    got = TRITON_OPS["fused_experts"](rows, ids, weights, w13, w2)
+    torch.testing.assert_close(got, torch.ops.graphinfer.fused_experts(rows, ids, weights, w13, w2), rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[1::4], torch.zeros_like(got[1::4]))
