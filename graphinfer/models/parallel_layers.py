@@ -7,7 +7,8 @@ At tp 1 each is exactly the plain layer (nn.Linear, nn.Embedding), so the traced
 - VocabParallelEmbedding / ParallelLMHead: the vocabulary split in padded equal parts; the embedding looks
   up the ids it owns and all-reduces, the LM head all-gathers the logits (every rank holds them, rank 0
   samples);
-- MoEExperts: each expert's intermediate dimension split (TP for MoE), the combined output all-reduced.
+- MoEExperts: each expert's intermediate dimension split (TP for MoE), the combined output all-reduced; it
+  also counts the tokens routed to each expert (expert_counts, runtime/expert_load.py).
 Layers with a collective are traced through (compiler/trace.py), so graphinfer::all_reduce and
 graphinfer::all_gather are nodes of the graph. Each layer's weight_loader copies its slice of a checkpoint
 tensor (models/checkpoint_tensor.py), so a rank reads only its part.
@@ -157,7 +158,12 @@ class MoEExperts(nn.Module):
     """num_experts SwiGLU experts as stacked weights (vLLM's FusedMoE names): w13_weight [E, 2I, H] is
     cat(gate_proj, up_proj) per expert (HF's gate_up_proj), w2_weight [E, H, I] the down_proj; I is split
     over the TP ranks and the combined output all-reduced. Naive on purpose: dispatch -> grouped MLP ->
-    combine, which the fuse_moe pass turns into one fused_moe."""
+    combine, which the fuse_moe pass turns into one fused_moe.
+
+    Expert load (EPLB's input): expert_counts [E] int64 accumulates the tokens routed to each expert, on the
+    device, inside the graph; num_tokens [1] is the step's real token count, the model runner's static tensor
+    (set_num_tokens), so the padded rows of a captured bucket count nothing. Both are non-persistent buffers:
+    never in a checkpoint or an artifact's weights."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -165,8 +171,15 @@ class MoEExperts(nn.Module):
         E, H, I = num_experts, hidden_size, intermediate_size // ps.tp_size()
         self.w13_weight = nn.Parameter(torch.empty(E, 2 * I, H))
         self.w2_weight = nn.Parameter(torch.empty(E, H, I))
+        self.register_buffer("expert_counts", torch.zeros(E, dtype=torch.int64), persistent=False)
+        self.register_buffer("num_tokens", torch.zeros(1, dtype=torch.int64), persistent=False)
+
+    def reset_buffers(self, device) -> None:
+        self.expert_counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        self.num_tokens = torch.zeros(1, dtype=torch.int64, device=device)
 
     def forward(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        ops.moe_count_experts(topk_ids, self.expert_counts, self.num_tokens)
         sorted_hidden, expert_offsets, inverse_perm = ops.moe_dispatch(hidden_states, topk_ids, self.num_experts)
         expert_out = ops.moe_grouped_mlp(sorted_hidden, expert_offsets, self.w13_weight, self.w2_weight)
         return tensor_model_parallel_all_reduce(ops.moe_combine(expert_out, inverse_perm, topk_weights))
