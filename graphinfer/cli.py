@@ -308,6 +308,15 @@ def _bench_throughput(args) -> None:
         enable_prefix_caching=args.enable_prefix_caching)
 
 
+def _bench_moe_balance(args) -> None:
+    from graphinfer.bench.moe_balance import run
+
+    run(args.model, ep_size=args.ep_size, dtype=args.dtype, device=args.device, num_prompts=args.num_prompts,
+        min_len=args.min_len, max_len=args.max_len, fixed_output_len=args.fixed_output_len,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, graph_mode=args.graph_mode,
+        temperature=args.temperature, seed=args.seed, output_json=args.output_json, passes=args.passes)
+
+
 def _bench_latency(args) -> None:
     from graphinfer.bench.latency import run
 
@@ -463,6 +472,32 @@ def build_parser() -> argparse.ArgumentParser:
                     help="disable prefix caching")
     _add_parallel_args(bt)
     bt.set_defaults(func=_bench_throughput)
+
+    bm = bench.add_parser(
+        "moe-balance", help="tokens per expert and per expert-parallel rank of each MoE layer on the standard "
+                            "workload, and their imbalance (EPLB's input)",
+        description="Runs bench throughput's standard workload once and prints, per MoE layer, the tokens routed to "
+                    "each expert, the tokens per EP rank when --ep-size N ranks own the experts contiguously (rank r: "
+                    "experts [r*E/N, (r+1)*E/N), vLLM's default placement) and imbalance = max / mean tokens per rank. "
+                    "It is a statistic of the routing: any --ep-size is evaluated in one process, on one device "
+                    "(a CPU works), without starting N ranks.")
+    bm.add_argument("--model", default="tiny-qwen3-moe", help="a MoE model: HF checkpoint dir or a preset "
+                                                              "(tiny-qwen3-moe, ...)")
+    bm.add_argument("--dtype", default="auto")
+    bm.add_argument("--device", default="auto")
+    bm.add_argument("--passes", default="default", help="compiler passes: 'default', 'none' or a comma-separated list")
+    bm.add_argument("--max-model-len", type=int, default=4096, help="clamped to the model's context")
+    bm.add_argument("--temperature", type=float, default=0.6)
+    bm.add_argument("--seed", type=int, default=0)
+    bm.add_argument("--output-json", default=None)
+    bm.add_argument("--ep-size", type=int, default=1, help="expert-parallel size to partition the experts for")
+    bm.add_argument("--graph-mode", default="NONE", choices=GRAPH_MODES)
+    bm.add_argument("--max-num-seqs", type=int, default=256)
+    bm.add_argument("--num-prompts", type=int, default=64)
+    bm.add_argument("--min-len", type=int, default=100, help="shortest prompt and output (tokens)")
+    bm.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (tokens)")
+    bm.add_argument("--fixed-output-len", type=int, default=None, help="every request generates N tokens")
+    bm.set_defaults(func=_bench_moe_balance)
 
     bl = bench.add_parser("latency", help="decode step latency per batch size and graph mode")
     _add_offline_bench_args(bl)

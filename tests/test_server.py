@@ -3,8 +3,8 @@
 One SmolLM2 server (fp32, --max-model-len 1024, --async-scheduling, so that the answers are also checked
 against the synchronous offline engine; --max-num-batched-tokens 64, so that a long prompt is prefilled in
 many chunks; --shutdown-timeout 2) answers the official `openai` client and the bad inputs, and is stopped
-with SIGTERM while requests are in flight at the end. A tiny-llama server with --api-key checks
-authentication. Both start together at the beginning of the module, so their start-up overlaps.
+with SIGTERM while requests are in flight at the end. A tiny-qwen3-moe server with --api-key checks
+authentication and the MoE expert-load metrics. Both start together at the beginning of the module, so their start-up overlaps.
 Shutdown with requests that finish while draining, SIGINT and a busy port: test_server_shutdown.py.
 """
 import math
@@ -25,6 +25,7 @@ import graphinfer
 from server_utils import Server, assert_openai_error, metric, metric_samples, running_servers, sse_events
 
 MODEL = "smol"
+KEYED = "tiny-qwen3-moe"  # no tokenizer; MoE layers: the expert-load metrics
 MAX_MODEL_LEN, BUDGET = 1024, 64
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -35,7 +36,7 @@ def servers(tmp_path_factory):
     with running_servers({
         "smol": ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL,
                  "--async-scheduling", "--max-num-batched-tokens", str(BUDGET), "--shutdown-timeout", "2"],
-        "keyed": ["tiny-llama", "--api-key", "secret", "--max-model-len", "256"],
+        "keyed": [KEYED, "--api-key", "secret", "--max-model-len", "256"],
     }, tmp_path_factory.mktemp("servers")) as launched:
         yield launched
 
@@ -438,14 +439,14 @@ def test_non_stream_client_disconnect_aborts(smol, http):
 
 def test_api_key(keyed):
     url = keyed.url
-    body = {"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 2}
+    body = {"model": KEYED, "prompt": [1, 2, 3], "max_tokens": 2}
     assert_openai_error(httpx.post(f"{url}/v1/completions", json=body), 401)
     assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401)
     assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "secret"}), 401)
     assert_openai_error(httpx.get(f"{url}/v1/models"), 401)
     ok = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer secret"}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
-    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer secret"}).json()["data"][0]["id"] == "tiny-llama"
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer secret"}).json()["data"][0]["id"] == KEYED
     # the unauthenticated endpoints
     assert httpx.get(f"{url}/health").status_code == 200
     metrics = httpx.get(f"{url}/metrics")
@@ -454,12 +455,34 @@ def test_api_key(keyed):
 
     with openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
-            bad.completions.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=2)
+            bad.completions.create(model=KEYED, prompt=[1, 2, 3], max_tokens=2)
     with openai.OpenAI(base_url=f"{url}/v1", api_key="secret", max_retries=0) as good:
-        assert good.completions.create(model="tiny-llama", prompt=[1, 2, 3], max_tokens=2).usage.completion_tokens == 2
-        # tiny-llama has no tokenizer, so no chat template: a 400, not a crash
+        assert good.completions.create(model=KEYED, prompt=[1, 2, 3], max_tokens=2).usage.completion_tokens == 2
+        # the tiny presets have no tokenizer, so no chat template: a 400, not a crash
         with pytest.raises(openai.BadRequestError):
-            good.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=2)
+            good.chat.completions.create(model=KEYED, messages=CHAT, max_tokens=2)
+
+
+def test_moe_expert_load_metrics(keyed):
+    """Per layer and expert: the tokens routed there (a request of 3 prompt tokens and 2 output tokens runs 4
+    tokens through every layer: the prompt, then one decode step; each counts top_k = 2 times), and the
+    imbalances."""
+    def scrape():
+        return metric_samples(httpx.get(f"{keyed.url}/metrics").text)
+
+    def routed(samples, layer):
+        return sum(metric(samples, "graphinfer:moe_expert_tokens_total", layer=str(layer), expert=str(e))
+                   for e in range(8))
+
+    before = scrape()
+    body = {"model": KEYED, "prompt": [1, 2, 3], "max_tokens": 2}
+    ok = httpx.post(f"{keyed.url}/v1/completions", json=body, headers={"Authorization": "Bearer secret"}, timeout=60)
+    assert ok.status_code == 200
+    after = scrape()
+    for layer in (0, 1):
+        assert routed(after, layer) - routed(before, layer) == 4 * 2
+        assert metric(after, "graphinfer:moe_expert_imbalance", layer=str(layer)) >= 1.0
+        assert metric(after, "graphinfer:moe_ep_rank_imbalance", layer=str(layer), ep_size="1") == 1.0
 
 
 # ----- large requests never stall the others -----

@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 from capture_standin import OpTapePlatform
+from test_expert_load import count_tokens
 
 import graphinfer.runtime.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
@@ -110,9 +111,14 @@ def test_tp2_capture_standin_matches_none(arch, ep, checkpoints, reference, monk
             method = "replay" if graphs is runner.decode_graphs else "run"
             original = getattr(graphs, method)
             monkeypatch.setattr(graphs, method, lambda *a, _o=original, _m=method, **k: replays.append(_m) or _o(*a, **k))
+        seen = count_tokens(runner, monkeypatch)
         got = _run(llm)
+        load = llm.llm_engine.expert_load()
     assert got["tokens"] == reference(arch)["tokens"]
     assert {"replay", "run"} <= set(replays)
+    if arch == "qwen3_moe":  # rank 0's expert load is the total: every rank routes the same tokens, padding excluded
+        top_k = llm.llm_engine.hf_config.num_experts_per_tok
+        assert load and all(sum(c) == sum(seen) * top_k for c in load.values())
 
 
 def test_bad_tensor_parallel_size_is_refused_with_the_numbers(smollm2_path):

@@ -140,11 +140,14 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
         t = time.perf_counter()
         timed_generate(llm, warm, temperature)
         row["warmup_s"] = time.perf_counter() - t
+        engine.reset_expert_load()  # the timed run's routing only
         stats, log = timed_generate(llm, workload, temperature)
         shape = ModelShape.from_engine(engine)  # at tp > 1: rank 0's shard
         row.update(stats, **log.collective_summary(), collective_measure=collective_measure(engine),
                    roofline=roofline_report(engine, shape, workload, log, stats, bandwidth),
                    model_shape=shape.to_dict())
+        if engine.model_runner.moe_layers:  # tokens per expert per MoE layer, and their imbalance
+            row["expert_load"] = engine.expert_load_summary()
         return row
     finally:  # the next configuration starts on free memory, and a tp > 1 engine's other ranks exit here
         llm.shutdown()

@@ -30,7 +30,7 @@ def trace_model(model: nn.Module) -> fx.GraphModule:
 def rebind_buffers(gm: fx.GraphModule, model: nn.Module) -> None:
     """Point gm's buffer reads at model's current buffers of the same path (e.g. a re-allocated KV cache):
     a GraphModule keeps its own module tree, holding the tensors that existed when it was traced."""
-    buffers = dict(model.named_buffers())
+    buffers = dict(model.named_buffers(remove_duplicate=False))  # a tensor shared by layers, at each path
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in buffers:
             parent, _, name = node.target.rpartition(".")

@@ -8,7 +8,8 @@ At tp 1 each is exactly the plain layer (nn.Linear, nn.Embedding), so the traced
   up the ids it owns and all-reduces, the LM head all-gathers the logits (every rank holds them, rank 0
   samples);
 - MoEExperts: each expert's intermediate dimension split (TP for MoE), the combined output all-reduced; with
-  expert parallel on, whole experts partitioned over the EP ranks instead (see MoEExperts).
+  expert parallel on, whole experts partitioned over the EP ranks instead (see MoEExperts). It also counts the
+  tokens routed to each expert (expert_counts, runtime/expert_load.py).
 Layers with a collective are traced through (compiler/trace.py), so graphinfer::all_reduce and
 graphinfer::all_gather are nodes of the graph. Each layer's weight_loader copies its slice of a checkpoint
 tensor (models/checkpoint_tensor.py), so a rank reads only its part.
@@ -182,7 +183,12 @@ class MoEExperts(nn.Module):
     (ps.ep_size() > 1): EP rank r holds experts [r*E/ep, (r+1)*E/ep) whole, and the block is vLLM's
     sequence-parallel MoE: each rank takes its slice of the T (replicated) tokens, ep_dispatch sends every routed
     slot to its expert's rank, the local chain runs there (fuse_moe: one fused_experts), ep_combine brings the
-    rows back weighted, and all_gather rebuilds [T, H] on every rank (no all-reduce)."""
+    rows back weighted, and all_gather rebuilds [T, H] on every rank (no all-reduce).
+
+    Expert load (EPLB's input): expert_counts [E] int64 (all experts, with EP too) accumulates the tokens routed
+    to each expert on the device, inside the graph; num_tokens [1] is the step's real token count, the model runner's static tensor
+    (set_num_tokens), so the padded rows of a captured bucket count nothing. Both are non-persistent buffers:
+    never in a checkpoint or an artifact's weights."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -193,8 +199,16 @@ class MoEExperts(nn.Module):
         E, H, I = self.num_experts, hidden_size, intermediate_size // self.tp_split
         self.w13_weight = nn.Parameter(torch.empty(E, 2 * I, H))
         self.w2_weight = nn.Parameter(torch.empty(E, H, I))
+        self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("num_tokens", torch.zeros(1, dtype=torch.int64), persistent=False)
+
+    def reset_buffers(self, device) -> None:
+        self.expert_counts = torch.zeros(self.global_num_experts, dtype=torch.int64, device=device)
+        self.num_tokens = torch.zeros(1, dtype=torch.int64, device=device)
 
     def forward(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        # Counted on the whole (replicated) batch before any EP chunking: every rank holds the totals.
+        ops.moe_count_experts(topk_ids, self.expert_counts, self.num_tokens)
         if self.ep_size > 1:
             return self._forward_ep(hidden_states, topk_ids, topk_weights)
         sorted_hidden, expert_offsets, inverse_perm = ops.moe_dispatch(hidden_states, topk_ids, self.num_experts)

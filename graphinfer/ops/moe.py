@@ -5,6 +5,7 @@ Dropless and static-shaped, so the unfused graph traces and captures: T tokens r
 give N = T * K rows, whatever the routing. Experts are SwiGLU MLPs over stacked weights
 w13 [E, 2I, H] = cat(gate, up) along dim 1 (vLLM's w13, HF's gate_up_proj) and w2 [E, H, I] (down).
 Index outputs are int64. No op here reads a value on the host, except moe_grouped_mlp on CPU (see there).
+moe_count_experts is the expert-load statistic (EPLB's input): it adds to a per-layer counter in place.
 """
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,23 @@ def _combine(expert_out: Tensor, inverse_perm: Tensor, topk_weights: Tensor) -> 
     T, K = topk_weights.shape
     rows = expert_out.index_select(0, inverse_perm).view(T, K, expert_out.shape[1])
     return (rows.float() * topk_weights.float().unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)
+
+
+@graphinfer_op(mutates_args=("expert_counts",))
+def moe_count_experts(topk_ids: Tensor, expert_counts: Tensor, num_tokens: Tensor) -> None:
+    """expert_counts[e] += the number of slots of the first num_tokens rows of topk_ids [T, K] routed to expert e.
+
+    expert_counts [E] int64; num_tokens [1] int64, the step's real token count on the device: rows past it are
+    padding (a captured graph's bucket) and count nothing. No host read, static shapes: capture-safe.
+    """
+    T, K = topk_ids.shape
+    real = (torch.arange(T, device=topk_ids.device) < num_tokens).to(expert_counts.dtype)  # [T] 1 / 0 (padding)
+    expert_counts.scatter_add_(0, topk_ids.reshape(-1).long(), real.unsqueeze(1).expand(T, K).reshape(-1))
+
+
+@register_fake(moe_count_experts)
+def _(topk_ids, expert_counts, num_tokens):
+    return None
 
 
 @graphinfer_op()

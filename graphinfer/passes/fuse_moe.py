@@ -8,9 +8,11 @@ Matches, walking back from each graphinfer::moe_combine(expert_out, inverse_perm
   hidden's or router_logits' dtype (a router Linear shares the model dtype) or to the parameters' dtype;
   with no cast the parameters must be fp32;
 - probs = softmax(router_logits, dim=-1) computed in fp32 (dtype=torch.float32, or on `.float()` logits).
-Every node of the chain but router_logits and hidden must be used only inside the chain.
+Every node of the chain but router_logits and hidden must be used only inside the chain, except the expert ids,
+which graphinfer::moe_count_experts (the expert-load statistic) may read too.
 Produces: graphinfer::fused_moe(hidden, router_logits, w13, w2, k, renormalize) in place of the combine;
-the chain's nodes are erased. Shared experts (Qwen2-MoE style) sit outside the chain, added to the
+the chain's nodes are erased, but for the routing (softmax, top-k, ids) that a moe_count_experts still reads:
+fused_moe routes again inside (a softmax and a top-k over [T, E], small beside the experts). Shared experts (Qwen2-MoE style) sit outside the chain, added to the
 combine's output, so only the routed part is fused and they stay as they are.
 Expert parallel's local experts (models/parallel_layers.MoEExperts with EP on): a chain whose ids come from
 graphinfer::ep_dispatch (through elementwise / view ops: the clamp of its -1 ids) has its routing on other
@@ -120,11 +122,14 @@ class FuseMoEPass(Pass):
         elif not (is_op(cast, getattr) and cast.args[0] in (hidden, router_logits) and cast.args[1] == "dtype"):
             return self.decline(f"{where}: routing weights are cast to {target_name(cast)}, not the model dtype")
 
-        inside = set(chain)
+        counts = [u for u in ids.users if is_op(u, GRAPHINFER.moe_count_experts.default)]
+        inside = set(chain) | set(counts)
         for node in chain[1:]:  # the combine's own users are what the fused op takes over
             if not used_only_by(node, inside):
                 return self.decline(f"{where}: {node.name} is used outside the MoE chain")
-        return GRAPHINFER.fused_moe.default, (hidden, router_logits, w13, w2, top_k, renormalize), chain
+        kept = {ids, topk, probs} if counts else set()  # the routing the count reads stays
+        return GRAPHINFER.fused_moe.default, (hidden, router_logits, w13, w2, top_k, renormalize), \
+            [n for n in chain if n not in kept]
 
     def apply(self, gm: fx.GraphModule) -> int:
         g = gm.graph

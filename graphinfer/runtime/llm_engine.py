@@ -39,6 +39,7 @@ from graphinfer.passes.utils import release_fused_sources
 from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from graphinfer.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
 from graphinfer.runtime.executor import MultiprocExecutor
+from graphinfer.runtime.expert_load import read_expert_load, reset_expert_load, summarize
 from graphinfer.runtime.model_runner import ModelRunner
 from graphinfer.runtime.sampler import SamplerOutput
 from graphinfer.runtime.scheduler import Scheduler, SchedulerOutput
@@ -167,7 +168,33 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.reset_expert_load()  # warm-up, capture and the passes' checks ran the MoE layers on synthetic inputs
         timer.record("engine ready", time.perf_counter() - started)
+
+    # ----- expert load (runtime/expert_load.py) -----
+    @property
+    def expert_parallel_size(self) -> int:
+        """The EP size the load is summarised for: tp with expert parallel on (and experts to split), else 1."""
+        pc = self.config.parallel_config
+        tp = pc.tensor_parallel_size
+        return tp if uses_expert_parallel(self._model_config(), tp, pc.enable_expert_parallel) else 1
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """MoE layer index -> tokens routed to each expert since the engine was ready (or the last
+        reset_expert_load); {} for a dense model. A host sync: call it between steps, not on the step path.
+        Under tensor parallelism rank 0's counts are the totals (every rank routes the same tokens)."""
+        runner = getattr(self, "model_runner", None)
+        return read_expert_load(runner.moe_layers) if runner is not None else {}
+
+    def expert_load_summary(self, ep_size: int | None = None) -> dict:
+        """expert_load() with tokens per EP rank and imbalances (max / mean), for ep_size (default: this
+        engine's expert-parallel size) under the contiguous expert placement."""
+        return summarize(self.expert_load(), ep_size or self.expert_parallel_size)
+
+    def reset_expert_load(self) -> None:
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            reset_expert_load(runner.moe_layers)
 
     def shutdown(self) -> None:
         """Release every device buffer this engine holds: captured graphs and their pool, static buffers, the KV

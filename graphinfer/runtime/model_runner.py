@@ -17,6 +17,7 @@ from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import KVCacheTooSmallError
 from graphinfer.models.layers import AttentionMetadata, PagedAttention, allocate_kv_cache
 from graphinfer.platforms import Platform
+from graphinfer.runtime.expert_load import moe_layers
 from graphinfer.runtime.sampler import Sampler, SamplerOutput
 from graphinfer.runtime.scheduler import SchedulerOutput
 from graphinfer.runtime.sequence import Sequence
@@ -72,6 +73,12 @@ class ModelRunner:
             logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                         self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
         self.sampler = Sampler(eos_token_ids, seed=seed, device=device, kernel=platform.sample_kernel)
+        # MoE models: the step's real token count, read by every MoE layer's expert-load count (runtime/expert_load.py)
+        # at a fixed address, so captured graphs see each step's value and their padded rows count nothing.
+        self.moe_layers = moe_layers(model)
+        self.num_tokens = torch.zeros(1, dtype=torch.int64, device=device) if self.moe_layers else None
+        for layer in self.moe_layers.values():
+            layer.num_tokens = self.num_tokens
         self.channel = None  # tensor parallel, on rank 0: the StepChannel to the other ranks
 
     def _block_bytes(self) -> int:
@@ -131,8 +138,8 @@ class ModelRunner:
         self.decode_graphs = self.piecewise_graphs = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
-        self.kv_cache = self.graph = self.model = self.sampler = None
-        self.attn_layers = []
+        self.kv_cache = self.graph = self.model = self.sampler = self.num_tokens = None
+        self.attn_layers, self.moe_layers = [], {}
 
     def host_inputs(self, out: SchedulerOutput) -> HostInputs:
         """Flat input_ids/positions over all scheduled tokens, the attention metadata, and the rows
@@ -240,6 +247,8 @@ class ModelRunner:
         A uniform decode batch replays a full decode graph if there is one of its size; any other step up to
         the largest piecewise size replays the pieces; the rest run the graph eagerly."""
         fill_pending = lambda ids: self.fill_pending(ids, h, prev_tokens)  # noqa: E731
+        if self.num_tokens is not None:  # the real rows: a padded bucket's others count no expert load
+            self.num_tokens.fill_(len(h.input_ids))
         logits_ready = False
         if self._replayable(h):
             hidden = self.decode_graphs.replay(h.input_ids, h.positions, h.slot_mapping, h.block_tables, h.seq_lens,

@@ -153,6 +153,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     app = FastAPI(title="graphinfer", version=graphinfer.__version__, lifespan=lifespan)
     metrics = Metrics(served_model_name)
     engine.on_step = metrics.update_engine
+    metrics.watch_expert_load(engine.engine)
     app.state.engine, app.state.metrics, app.state.preprocessor = engine, metrics, pre
     app.state.gate = GateState()
     max_model_len = engine.engine.max_model_len
@@ -216,7 +217,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        # In a thread: a MoE model's expert load is read from the device (a sync the event loop must not wait on).
+        return Response(await asyncio.to_thread(metrics.render), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():

@@ -1,5 +1,6 @@
 """Prometheus metrics, named like vLLM's (`vllm:...` -> `graphinfer:...`), on a registry per server."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -33,6 +34,11 @@ class Metrics:
         self.preemptions = Gauge("graphinfer:num_preemptions", "Preemptions so far", ["model_name"],
                                  registry=r).labels(**labels)
 
+    def watch_expert_load(self, engine) -> None:
+        """Export a MoE engine's expert load (runtime/expert_load.py) at each scrape; nothing for a dense model."""
+        if engine.model_runner.moe_layers:
+            self.registry.register(ExpertLoadCollector(engine, self._labels["model_name"]))
+
     def http(self, endpoint: str, status: int) -> None:
         self.http_requests.labels(endpoint=endpoint, status=str(status), **self._labels).inc()
 
@@ -49,3 +55,37 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ExpertLoadCollector:
+    """Per MoE layer: tokens routed to each expert since the engine was ready (a counter: it restarts at
+    reset_expert_load), and the imbalance (max / mean) over experts and over the EP ranks of the engine's
+    expert-parallel size (1.0 with EP off). Read at scrape time: a host sync, off the engine's step path."""
+
+    _NAMES = ("graphinfer:moe_expert_tokens", "graphinfer:moe_expert_imbalance", "graphinfer:moe_ep_rank_imbalance")
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def describe(self):
+        return [GaugeMetricFamily(name, "") for name in self._NAMES]  # names only: no device read at registration
+
+    def collect(self):
+        try:
+            summary = self.engine.expert_load_summary()
+        except (AttributeError, RuntimeError):  # the engine is shutting down: its buffers are gone
+            return
+        m = self.model_name
+        tokens = CounterMetricFamily(self._NAMES[0], "Tokens routed to each expert of each MoE layer (each of a "
+                                     "token's top_k experts counts it once)", labels=["model_name", "layer", "expert"])
+        experts = GaugeMetricFamily(self._NAMES[1], "Max / mean tokens per expert of each MoE layer",
+                                    labels=["model_name", "layer"])
+        ranks = GaugeMetricFamily(self._NAMES[2], "Max / mean tokens per expert-parallel rank of each MoE layer "
+                                  "(contiguous expert placement; 1 with expert parallelism off)",
+                                  labels=["model_name", "layer", "ep_size"])
+        for layer, v in summary["layers"].items():
+            for expert, n in enumerate(v["tokens_per_expert"]):
+                tokens.add_metric([m, layer, str(expert)], n)
+            experts.add_metric([m, layer], v["expert_imbalance"])
+            ranks.add_metric([m, layer, str(summary["ep_size"])], v["rank_imbalance"])
+        yield from (tokens, experts, ranks)

@@ -1,0 +1,63 @@
+"""`graphinfer bench moe-balance`: how evenly a MoE model's router spreads the standard workload's tokens over
+its experts, and over the ranks of expert parallelism of a given size.
+
+A statistic of the routing, not a parallel run: the experts' token counts (runtime/expert_load.py) of one
+engine are partitioned as vLLM places experts by default (contiguously: EP rank r owns experts
+[r * E / N, (r + 1) * E / N)), so any EP size is evaluated on one device, even a CPU. Imbalance is max / mean
+tokens per rank (per expert): 1.0 is perfect balance, and the slowest rank of an EP step does that many times
+the average work. This is the input EPLB (vLLM-Ascend's expert load balancer) rebalances from.
+"""
+from graphinfer.bench import common
+from graphinfer.bench.throughput import _vocab_size, standard_workload, timed_generate
+from graphinfer.errors import InvalidConfigError
+from graphinfer.runtime.expert_load import tokens_per_rank
+
+
+def table(summary: dict) -> str:
+    """Per layer: tokens per EP rank, the rank and expert imbalance; then tokens per expert."""
+    n = summary["ep_size"]
+    rows = [[layer, v["tokens"], " ".join(map(str, v["tokens_per_rank"])), f"{v['rank_imbalance']:.3f}",
+             f"{v['expert_imbalance']:.3f}"] for layer, v in summary["layers"].items()]
+    out = common.markdown_table(["layer", "tokens x top_k", f"tokens per EP rank (ep_size {n})", "rank imbalance",
+                                 "expert imbalance"], rows)
+    experts = "\n".join(f"layer {layer}: {' '.join(map(str, v['tokens_per_expert']))}"
+                        for layer, v in summary["layers"].items())
+    return (f"{out}\nmean rank imbalance {summary['mean_rank_imbalance']:.3f}, worst layer "
+            f"{summary['max_rank_imbalance']:.3f}\n\ntokens per expert:\n{experts}")
+
+
+def run(model: str, *, ep_size: int = 1, dtype: str = "auto", device: str = "auto", num_prompts: int = 64,
+        min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
+        max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, graph_mode: str = "NONE",
+        temperature: float = 0.6, seed: int = 0, output_json: str | None = None, **engine_kwargs) -> dict:
+    """Run the standard workload (bench throughput's draws) once and return (and print, and write as JSON) the
+    expert load of every MoE layer at ep_size."""
+    from graphinfer import LLM
+    from graphinfer.platforms import current_platform
+
+    if device == "auto":
+        device = current_platform().device_type
+    max_model_len = common.clamp_max_model_len(model, max_model_len)
+    workload = standard_workload(num_prompts, min_len, max_len, fixed_output_len, seed, _vocab_size(model))
+    llm = LLM(model, dtype=dtype, device=device, graph_mode=graph_mode, max_num_seqs=max_num_seqs,
+              max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
+    try:
+        engine = llm.llm_engine
+        if not engine.model_runner.moe_layers:
+            raise InvalidConfigError(f"{model!r} has no MoE layers, so there is no expert load to measure; use a MoE "
+                                     f"model (e.g. tiny-qwen3-moe, a Qwen3-MoE checkpoint).")
+        tokens_per_rank([0] * next(iter(engine.model_runner.moe_layers.values())).num_experts, ep_size)  # fits?
+        engine.reset_expert_load()
+        stats, _ = timed_generate(llm, workload, temperature)
+        summary = engine.expert_load_summary(ep_size)
+    finally:
+        llm.shutdown()
+    result = {"benchmark": "moe_balance", "model": model, "env": common.environment(device),
+              "workload": {"num_prompts": num_prompts, "min_len": min_len, "max_len": max_len,
+                           "fixed_output_len": fixed_output_len, "seed": seed, "temperature": temperature,
+                           "prompt_tokens": workload.prompt_tokens, "output_tokens": stats["output_tokens"]},
+              "placement": "contiguous (EP rank r owns experts [r*E/ep_size, (r+1)*E/ep_size))",
+              "expert_load": summary}
+    print(table(summary))
+    common.write_json(output_json, result)
+    return result
