@@ -48,7 +48,7 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, servin
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("tensor parallel (vLLM's / torchrun's flags)")
+    g = p.add_argument_group("tensor, expert and data parallel (vLLM's / torchrun's flags)")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=None,
                    help="shard the model over N ranks (gloo on cpu, NCCL on cuda, HCCL on npu); one node: graphinfer "
                         "starts the other ranks (default: an artifact's size, else 1)")
@@ -61,8 +61,12 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--master-port", type=int, default=None,
                    help="node 0's rendezvous port (default: a free one on one node, 29500 across nodes)")
     g.add_argument("--enable-expert-parallel", action="store_true", default=None,
-                   help="MoE models: partition whole experts over the ranks (expert parallel, EP size = tp) instead "
-                        "of splitting each expert (default: an artifact's setting, else off)")
+                   help="MoE models: partition whole experts over the ranks (expert parallel, EP size = tp x dp) "
+                        "instead of splitting each expert (default: an artifact's setting, else off)")
+    g.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="N engine replicas (each tp ranks, its own scheduler and KV cache) behind this front end, "
+                        "each request on the one with the fewest outstanding tokens; MoE + expert parallel replicas "
+                        "step in lockstep (one node)")
 
 
 def _add_graph_mode_args(g) -> None:
@@ -112,7 +116,7 @@ def _engine_kwargs(args) -> dict:
 def _parallel_kwargs(args) -> dict:
     return dict(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
                 master_addr=args.master_addr, master_port=args.master_port,
-                enable_expert_parallel=args.enable_expert_parallel)
+                enable_expert_parallel=args.enable_expert_parallel, data_parallel_size=args.data_parallel_size)
 
 
 def _parallel_config(args):
@@ -121,6 +125,7 @@ def _parallel_config(args):
     from graphinfer.config import ParallelConfig
 
     kwargs = _parallel_kwargs(args)
+    kwargs["data_parallel_size"] = 1  # an artifact is one replica's; another node runs no replica of its own
     manifest = None
     if art := getattr(args, "artifact", None) or getattr(args, "target", None):  # generate --artifact, serve ART
         from graphinfer.compiler.artifact import read_manifest

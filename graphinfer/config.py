@@ -134,8 +134,8 @@ class CompileConfig:
 
 @dataclass
 class ParallelConfig:
-    """Tensor parallelism over torch.distributed (vLLM's names). One node: graphinfer starts the other ranks
-    itself. Several nodes: every node runs the same command with its node_rank; node 0 runs rank 0 (the
+    """Tensor, expert and data parallelism over torch.distributed (vLLM's names). One node: graphinfer starts
+    the other ranks itself. Several nodes: every node runs the same command with its node_rank; node 0 runs rank 0 (the
     scheduler, the sampler and any server), the others run workers only."""
     tensor_parallel_size: int = 1
     nnodes: int = 1
@@ -143,14 +143,23 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"  # where node 0 listens for the other ranks (torchrun's MASTER_ADDR)
     master_port: int | None = None  # None: a free port on one node; 29500 (torchrun's) across nodes
     timeout_s: float = 600.0  # a collective or rendezvous that waits longer fails, naming the rank and the step
-    # MoE layers partition whole experts over the EP group (tp x dp ranks; dp = 1 for now) instead of splitting
-    # each expert; dense models are unaffected (vLLM's flag)
+    # MoE layers partition whole experts over the EP group (tp x dp ranks) instead of splitting each expert;
+    # dense models are unaffected (vLLM's flag)
     enable_expert_parallel: bool = False
+    # Engine replicas (each tp ranks, its own scheduler and KV cache) behind one front end (runtime/dp_engine.py)
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0  # which replica this engine is (set by the front end for the ones it starts)
 
     def __post_init__(self):
-        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        tp, nnodes, dp = self.tensor_parallel_size, self.nnodes, self.data_parallel_size
         if tp < 1:
             raise InvalidConfigError(f"tensor_parallel_size={tp} must be >= 1.")
+        if dp < 1 or not 0 <= self.data_parallel_rank < dp:
+            raise InvalidConfigError(f"data_parallel_size={dp} must be >= 1 (data_parallel_rank "
+                                     f"{self.data_parallel_rank} in [0, {dp})).")
+        if dp > 1 and nnodes > 1:
+            raise InvalidConfigError(f"data_parallel_size={dp} with nnodes={nnodes}: data parallel runs on one node "
+                                     f"for now; run one server per node, or use tensor parallel across nodes.")
         if nnodes < 1 or not 0 <= self.node_rank < nnodes:
             raise InvalidConfigError(f"node_rank={self.node_rank} must be in [0, nnodes={nnodes}).")
         if tp % nnodes:
@@ -162,8 +171,18 @@ class ParallelConfig:
             raise InvalidConfigError(f"timeout_s={self.timeout_s} must be > 0 (seconds).")
 
     @property
+    def world_size(self) -> int:
+        """Every rank of every replica: the EP group's size with expert parallel on."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
+
+    @property
+    def leader_rank(self) -> int:
+        """The global rank of this replica's TP rank 0 (its scheduler)."""
+        return self.data_parallel_rank * self.tensor_parallel_size
 
 
 @dataclass

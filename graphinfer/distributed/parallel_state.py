@@ -11,8 +11,12 @@ The layout (rank, size) is what the parallel layers shard by. `layout(rank, size
 process group, to build and look at one rank's model or graph (`graphinfer passes show --tp 2`).
 
 Expert parallel (enable_expert_parallel): the MoE layers partition whole experts over the EP group instead of
-splitting each expert's intermediate dimension. With data parallel size 1 the EP group is the TP group
-(ep_size() = tp x dp, dp = 1); its collectives use the name EP_GROUP.
+splitting each expert's intermediate dimension; the EP group is every rank of every replica (ep_size() = tp x dp).
+
+Data parallel (data_parallel_size dp): dp replicas of tp ranks each, global rank = dp_rank * tp + tp_rank, one
+torch.distributed world. Each replica has its own "tp" device group and gloo step-channel group; the replicas'
+TP rank 0s (leaders) share a gloo "dp" group, where the lockstep of MoE + EP replicas is agreed each step
+(runtime/dp_lockstep.py). At dp 1 the TP group is the world, as before.
 """
 import contextlib
 import datetime
@@ -29,7 +33,7 @@ from graphinfer.errors import GraphinferError
 logger = logging.getLogger(__name__)
 
 TP_GROUP = "tp"
-EP_GROUP = TP_GROUP  # data parallel size 1: the EP ranks are the TP ranks
+EP_GROUP = "ep"  # every rank of every replica (the world)
 _IDLE_TIMEOUT = datetime.timedelta(days=30)  # the step channel waits as long as a server may stay idle
 
 
@@ -39,11 +43,13 @@ class DistributedError(GraphinferError, RuntimeError):
 
 @dataclass
 class _State:
-    rank: int = 0
-    world_size: int = 1
+    rank: int = 0  # global: dp_rank * tp + tp_rank
+    world_size: int = 1  # tp x dp
+    tp: int = 1
     ranks_per_node: int = 1
     groups: dict = field(default_factory=dict)  # name -> device ProcessGroup
-    cpu_group: object = None
+    cpu_group: object = None  # this replica's gloo group (step channel)
+    dp_group: object = None  # the replicas' leaders, gloo (lockstep); None at dp 1
     timeout_s: float = 0.0
     phase: str = "start-up"  # what this rank is doing, for error messages
     comm_seconds: float = 0.0  # host time inside collective calls (bench: the time spent in collectives)
@@ -55,28 +61,33 @@ _state = _State()
 
 
 def tp_rank() -> int:
-    return _state.rank
+    return _state.rank % _state.tp
 
 
 def tp_size() -> int:
-    return _state.world_size
+    return _state.tp
 
 
 def dp_size() -> int:
-    return 1  # data parallel is not built yet; ep_size / ep_rank multiply it in
+    return _state.world_size // _state.tp
 
 
 def dp_rank() -> int:
-    return 0
+    return _state.rank // _state.tp
+
+
+def leader_rank() -> int:
+    """The global rank of this replica's TP rank 0, which sends the steps (broadcast sources name it)."""
+    return dp_rank() * _state.tp
 
 
 def ep_size() -> int:
     """Ranks the MoE experts are partitioned over: tp x dp with expert parallel on, else 1 (experts TP-split)."""
-    return tp_size() * dp_size() if _state.expert_parallel else 1
+    return _state.world_size if _state.expert_parallel else 1
 
 
 def ep_rank() -> int:
-    return dp_rank() * tp_size() + tp_rank() if _state.expert_parallel else 0
+    return _state.rank if _state.expert_parallel else 0
 
 
 def local_rank() -> int:
@@ -96,7 +107,7 @@ def is_initialized() -> bool:
 def layout(rank: int, size: int, expert_parallel: bool = False):
     """Shard as rank `rank` of `size` while building a model, without process groups (nothing can run)."""
     global _state
-    saved, _state = _state, _State(rank=rank, world_size=size, expert_parallel=expert_parallel)
+    saved, _state = _state, _State(rank=rank, world_size=size, tp=size, expert_parallel=expert_parallel)
     try:
         yield
     finally:
@@ -105,10 +116,11 @@ def layout(rank: int, size: int, expert_parallel: bool = False):
 
 def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: str, master_addr: str,
                      master_port: int, timeout_s: float, publish: dict[str, bytes] | None = None,
-                     expert_parallel: bool = False) -> None:
-    """Join the TP group as `rank`: rendezvous at master_addr:master_port (rank 0 hosts the store, torchrun-style,
-    and first puts `publish` in it: what the other nodes wait for), then the device group on `backend` and the
-    gloo step-channel group."""
+                     expert_parallel: bool = False, tp: int | None = None) -> None:
+    """Join the world as global rank `rank` (replicas of `tp` ranks; tp None: one replica): rendezvous at
+    master_addr:master_port (rank 0 hosts the store, torchrun-style, and first puts `publish` in it: what the other
+    nodes wait for), then the device groups on `backend` and the gloo step-channel (and lockstep) groups."""
+    tp = tp or world_size
     timeout = datetime.timedelta(seconds=timeout_s)
     _state.phase = "rendezvous"
     try:
@@ -117,18 +129,30 @@ def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: s
         for key, value in (publish or {}).items():
             store.set(key, value)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+        groups, cpu_group, dp_group = {TP_GROUP: dist.group.WORLD, EP_GROUP: dist.group.WORLD}, None, None
+        if tp == world_size:
+            cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+        else:  # every rank creates every group, in the same order (torch.distributed's rule); keeps its own
+            for first in range(0, world_size, tp):
+                replica = list(range(first, first + tp))
+                device_group = dist.new_group(replica)
+                gloo = dist.new_group(replica, backend="gloo", timeout=_IDLE_TIMEOUT)
+                if rank in replica:
+                    groups[TP_GROUP], cpu_group = device_group, gloo
+            dp_group = dist.new_group(list(range(0, world_size, tp)), backend="gloo", timeout=_IDLE_TIMEOUT)
+            if rank % tp == 0:
+                groups["dp"] = dp_group
     except (RuntimeError, DistributedError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
         raise DistributedError(
             f"rank {rank} of {world_size}: the rendezvous at {master_addr}:{master_port} failed ({e}). Check that "
             f"every node runs the same command with its own --node-rank, that --master-addr / --master-port name "
             f"node 0 and are reachable from here, and that no other job uses the port.") from None
-    _state.rank, _state.world_size, _state.ranks_per_node = rank, world_size, ranks_per_node
-    _state.groups = {TP_GROUP: dist.group.WORLD}
-    _state.cpu_group, _state.timeout_s = cpu_group, timeout_s
+    _state.rank, _state.world_size, _state.tp, _state.ranks_per_node = rank, world_size, tp, ranks_per_node
+    _state.groups = groups
+    _state.cpu_group, _state.dp_group, _state.timeout_s = cpu_group, dp_group, timeout_s
     _state.expert_parallel = expert_parallel
     _state.phase = "start-up"
-    logger.info("rank %d of %d joined the TP group (%s, rendezvous %s:%d)", rank, world_size, backend, master_addr,
+    logger.info("rank %d of %d joined (tp %d, %s, rendezvous %s:%d)", rank, world_size, tp, backend, master_addr,
                 master_port)
 
 
@@ -223,14 +247,23 @@ def min_across_ranks(value: int) -> int:
 
 
 def all_gather_object(obj) -> list:
-    """Every rank's obj (picklable), in rank order, on every rank (host side, the gloo group); [obj] outside a group."""
+    """Every rank's obj (picklable), in TP rank order, on every rank of this replica (host side, the gloo group);
+    [obj] outside a group."""
     if not is_initialized():
         return [obj]
-    out = [None] * _state.world_size
+    out = [None] * _state.tp
     collective("all_gather_object", TP_GROUP, lambda _: dist.all_gather_object(out, obj, group=_state.cpu_group))
     return out
 
 
 def broadcast_from_rank0(t: torch.Tensor) -> None:
-    """t <- rank 0's t, on the device group (in place)."""
-    collective("broadcast", TP_GROUP, lambda group: dist.broadcast(t, src=0, group=group))
+    """t <- TP rank 0's t, on this replica's device group (in place)."""
+    collective("broadcast", TP_GROUP, lambda group: dist.broadcast(t, src=leader_rank(), group=group))
+
+
+def dp_all_reduce_max(values: list[int]) -> list[int]:
+    """The element-wise max of every replica leader's values (the "dp" gloo group; leaders only)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    collective("all_reduce(max) across data-parallel ranks", "dp",
+               lambda _: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_state.dp_group))
+    return t.tolist()

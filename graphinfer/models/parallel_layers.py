@@ -37,14 +37,15 @@ def uses_expert_parallel(config, tp: int, enable_expert_parallel: bool) -> bool:
     return enable_expert_parallel and tp > 1 and num_experts(config) > 0
 
 
-def check_tensor_parallel(config, tp: int, expert_parallel: bool = False) -> None:
+def check_tensor_parallel(config, tp: int, expert_parallel: bool = False, dp: int = 1) -> None:
     """Refuse, with the numbers, a tensor-parallel size that does not split the model's heads or MLPs (with
     expert parallel: an expert count the EP size, tp x dp, does not divide)."""
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     experts = num_experts(config)
-    if expert_parallel and experts and experts % tp:
+    if expert_parallel and experts and experts % (tp * dp):
         fits = [d for d in range(1, experts + 1) if experts % d == 0]
-        raise InvalidConfigError(f"enable_expert_parallel with tensor_parallel_size={tp} (expert parallel size {tp}) "
+        raise InvalidConfigError(f"enable_expert_parallel with tensor_parallel_size={tp}, data_parallel_size={dp} "
+                                 f"(expert parallel size {tp * dp}) "
                                  f"does not partition this model's {experts} experts (num_experts) evenly. Use an "
                                  f"expert parallel size that divides {experts}: one of {fits}, or leave expert "
                                  f"parallel off (each expert's intermediate dimension is then split).")
@@ -216,14 +217,18 @@ class MoEExperts(nn.Module):
         return tensor_model_parallel_all_reduce(ops.moe_combine(expert_out, inverse_perm, topk_weights))
 
     def _forward_ep(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        ep, group = self.ep_size, ps.EP_GROUP
-        x, ids, weights = (sequence_parallel_chunk(t, ep, group) for t in (hidden_states, topk_ids, topk_weights))
-        rows, local_ids = ep_dispatch(x, ids, self.global_num_experts, ep, group)
+        ep, tp = self.ep_size, ps.tp_size()
+        x, ids, weights = hidden_states, topk_ids, topk_weights
+        if tp > 1:  # the replica's tokens are replicated over its TP ranks: each takes a slice
+            x, ids, weights = (sequence_parallel_chunk(t, tp, ps.TP_GROUP) for t in (x, ids, weights))
+        rows, local_ids = ep_dispatch(x, ids, self.global_num_experts, ep, ps.EP_GROUP)
         # A row with id -1 (a slot of another rank's expert) is a zero row: expert 0 with weight 0 adds exactly 0.
         valid = (local_ids >= 0).unsqueeze(-1)
         out = self._local_experts(rows, local_ids.clamp(min=0).unsqueeze(-1), valid.to(rows.dtype))
-        out = all_gather(ep_combine(out, weights, ep, group), 0, ep, group)
-        return out[:hidden_states.shape[0]]
+        out = ep_combine(out, weights, ep, ps.EP_GROUP)
+        if tp > 1:
+            out = all_gather(out, 0, tp, ps.TP_GROUP)[:hidden_states.shape[0]]
+        return out
 
     def _local_experts(self, rows: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         sorted_rows, expert_offsets, inverse_perm = ops.moe_dispatch(rows, ids, self.num_experts)

@@ -1,7 +1,7 @@
-"""Tensor parallel, seen from rank 0 (vLLM's MultiprocExecutor, cut to what graphinfer needs).
+"""Tensor parallel, seen from a replica's TP rank 0 (vLLM's MultiprocExecutor, cut to what graphinfer needs).
 
-Rank 0 runs the scheduler and the sampler; every rank runs the same compiled graph on its shard. The executor
-starts node 0's other ranks (graphinfer.runtime.worker), joins the group with them, hands the model runner
+TP rank 0 runs the scheduler and the sampler; every rank runs the same compiled graph on its shard. The executor
+starts the replica's other ranks on this node (graphinfer.runtime.worker), joins the world with them, hands the model runner
 the StepChannel that sends each step's inputs, watches the ranks (a dead one is reported within seconds to
 the engine and whoever listens: the server answers 503 and exits), and stops them at shutdown.
 """
@@ -28,13 +28,14 @@ CONFIG_KEY = "graphinfer/engine_config"  # rank 0's EngineConfig, pickled, for t
 
 def join_group(rank: int, pc: ParallelConfig, master_port: int, platform: Platform,
                publish: dict[str, bytes] | None = None) -> None:
-    """Make this process rank `rank` of the TP group: its device (cuda:<local rank>), the process groups, and
+    """Make this process global rank `rank` (of tp x dp): its device (cuda:<local rank>), the process groups, and
     on cpu its share of the node's cores (ranks of one node split them)."""
     local = rank % pc.ranks_per_node
     if platform.device_module is not None:
         platform.device_module.set_device(local)
-    ps.init_distributed(rank, pc.tensor_parallel_size, pc.ranks_per_node, platform.dist_backend, pc.master_addr,
-                        master_port, pc.timeout_s, publish, expert_parallel=pc.enable_expert_parallel)
+    ps.init_distributed(rank, pc.world_size, pc.ranks_per_node, platform.dist_backend, pc.master_addr,
+                        master_port, pc.timeout_s, publish, expert_parallel=pc.enable_expert_parallel,
+                        tp=pc.tensor_parallel_size)
     if platform.device_type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         from graphinfer.platforms.cpu import physical_cores
 
@@ -49,16 +50,17 @@ class MultiprocExecutor:
         self.dead: str | None = None  # why the group broke, once a rank died
         self.death_listeners: list = []  # callbacks(message), e.g. the server's
         spec = {"config": config, "platform_cls": type(platform), "master_port": self.port}
-        self.ranks = launch.start_ranks(WORKER_MODULE, list(range(1, pc.ranks_per_node)), spec)
+        leader, here = pc.leader_rank, min(pc.tensor_parallel_size, pc.ranks_per_node)  # this replica's ranks here
+        self.ranks = launch.start_ranks(WORKER_MODULE, list(range(leader + 1, leader + here)), spec)
         logger.info("tensor parallel: %d ranks on %d node(s); started ranks %s here", pc.tensor_parallel_size,
                     pc.nnodes, [r.rank for r in self.ranks])
         try:
-            join_group(0, pc, self.port, platform, {CONFIG_KEY: pickle.dumps(config)})
+            join_group(leader, pc, self.port, platform, {CONFIG_KEY: pickle.dumps(config)} if leader == 0 else None)
         except BaseException:
             launch.stop_ranks(self.ranks, timeout=0)
             raise
         self.channel = StepChannel()
-        self.monitor = launch.RankMonitor(self.ranks, list(range(pc.ranks_per_node, pc.tensor_parallel_size)),
+        self.monitor = launch.RankMonitor(self.ranks, list(range(leader + here, leader + pc.tensor_parallel_size)),
                                           pc.master_addr, self.port, self._on_death)
         self._stopped = False
         atexit.register(self.shutdown)  # an engine never shut down still stops its ranks at exit

@@ -9,6 +9,7 @@ from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelCon
 from graphinfer.errors import GraphinferError, InvalidConfigError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime.chat_template import chat_prompt_ids
+from graphinfer.runtime.dp_engine import DPEngine
 from graphinfer.runtime.llm_engine import LLMEngine
 from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -37,8 +38,11 @@ class LLM:
     torch.distributed (gloo on cpu, NCCL on cuda, HCCL on npu); graphinfer starts the other ranks of this node.
     Default: the artifact's (an artifact runs only at the size it was compiled for), else 1.
     enable_expert_parallel: MoE models partition whole experts over the ranks (expert parallel, EP size =
-    tensor_parallel_size) instead of splitting every expert; dense models are unaffected. Default: the
-    artifact's, else False.
+    tensor_parallel_size x data_parallel_size) instead of splitting every expert; dense models are unaffected.
+    Default: the artifact's, else False.
+    data_parallel_size: that many engine replicas (each tensor_parallel_size ranks, its own scheduler and KV
+    cache; replica 0 in this process), each request on the replica with the fewest outstanding tokens
+    (runtime/dp_engine.py). MoE + expert parallel replicas step in lockstep. One node only.
     Across nodes (nnodes > 1, node_rank, master_addr, master_port: vLLM's / torchrun's names) this process is
     node 0; the other nodes run `graphinfer serve|generate ... --node-rank N` with the same arguments.
     gpu_memory_utilization: the fraction of the device's total memory this engine may use (weights, graphs and
@@ -57,7 +61,8 @@ class LLM:
                  max_capture_size: int | None = None, splitting_ops: list[str] | None = None,
                  tensor_parallel_size: int | None = None, nnodes: int = 1, node_rank: int = 0,
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
-                 enable_expert_parallel: bool | None = None, artifact: str | None = None):
+                 enable_expert_parallel: bool | None = None, data_parallel_size: int = 1,
+                 artifact: str | None = None):
         if artifact:
             manifest = artifacts.read_manifest(artifact)
             model = model or manifest["model"]["path"]
@@ -71,7 +76,8 @@ class LLM:
                 enable_expert_parallel = artifacts.expert_parallel(manifest)
         if tensor_parallel_size is None:
             tensor_parallel_size = 1
-        self.llm_engine = LLMEngine(EngineConfig(
+        engine_cls = DPEngine if data_parallel_size > 1 else LLMEngine
+        self.llm_engine = engine_cls(EngineConfig(
             ModelConfig(model, dtype, max_model_len, seed, device),
             CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization,
                         num_gpu_blocks_override),
@@ -79,7 +85,8 @@ class LLM:
             CompileConfig(graph_mode, passes, capture_sizes, capture_lm_head, kernels, npu_compiler, max_capture_size,
                           splitting_ops),
             ParallelConfig(tensor_parallel_size, nnodes, node_rank, master_addr, master_port,
-                           enable_expert_parallel=bool(enable_expert_parallel)),
+                           enable_expert_parallel=bool(enable_expert_parallel),
+                           data_parallel_size=data_parallel_size),
             artifact=artifact,
         ))
 

@@ -38,6 +38,7 @@ from graphinfer.platforms import Platform, platform_for_device
 from graphinfer.passes.utils import release_fused_sources
 from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from graphinfer.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
+from graphinfer.runtime import dp_lockstep
 from graphinfer.runtime.executor import MultiprocExecutor
 from graphinfer.runtime.expert_load import read_expert_load, reset_expert_load, summarize
 from graphinfer.runtime.model_runner import ModelRunner
@@ -73,7 +74,7 @@ class LLMEngine:
         self.manifest = artifact.read_manifest(config.artifact) if config.artifact else None
         if self.manifest is not None:
             self._check_artifact_tensor_parallel()
-        if config.parallel_config.tensor_parallel_size > 1 and not ps.is_initialized():
+        if config.parallel_config.world_size > 1 and not ps.is_initialized():
             self._check_tensor_parallel()
             self.executor = MultiprocExecutor(config, self.platform)
         try:
@@ -133,8 +134,11 @@ class LLMEngine:
             engine_bytes = self.platform.memory_allocated(self.device) - memory_at_start
             self.model_runner = ModelRunner(self.model, cc, self.device, self.platform, self.eos_token_ids, mc.seed,
                                             self.max_model_len, engine_bytes, placeholder_kv=config.compile_only)
-        if self.executor is not None:
+        if self.executor is not None and ps.tp_size() > 1:
             self.model_runner.channel = self.executor.channel
+        # MoE + expert parallel over several replicas: their MoE layers share all-to-alls, so they step together
+        self.dp_lockstep = ps.dp_size() > 1 and ps.ep_size() > 1 and bool(self.model_runner.moe_layers)
+        self.dp_stopped = False  # lockstep: the front end ended the replicas' rounds
         if isinstance(self.graph, fx.GraphModule):
             rebind_buffers(self.graph, self.model)  # onto the runner's KV cache
         self.model_runner.graph = self.platform.compile_graph(self.graph, comp.kernels)  # cpu: Inductor
@@ -174,10 +178,10 @@ class LLMEngine:
     # ----- expert load (runtime/expert_load.py) -----
     @property
     def expert_parallel_size(self) -> int:
-        """The EP size the load is summarised for: tp with expert parallel on (and experts to split), else 1."""
+        """The EP size the load is summarised for: tp x dp with expert parallel on (and experts to split), else 1."""
         pc = self.config.parallel_config
-        tp = pc.tensor_parallel_size
-        return tp if uses_expert_parallel(self._model_config(), tp, pc.enable_expert_parallel) else 1
+        ranks = pc.world_size
+        return ranks if uses_expert_parallel(self._model_config(), ranks, pc.enable_expert_parallel) else 1
 
     def expert_load(self) -> dict[int, list[int]]:
         """MoE layer index -> tokens routed to each expert since the engine was ready (or the last
@@ -248,7 +252,8 @@ class LLMEngine:
             raise InvalidConfigError(
                 f"node_rank={cfg.parallel_config.node_rank}: nodes other than 0 run workers only; start them with "
                 f"`graphinfer serve|generate|compile|bench ... --node-rank N` (graphinfer.runtime.worker.run_node).")
-        check_tensor_parallel(self._model_config(), tp, cfg.parallel_config.enable_expert_parallel)
+        check_tensor_parallel(self._model_config(), tp, cfg.parallel_config.enable_expert_parallel,
+                              cfg.parallel_config.data_parallel_size)
 
     def _model_config(self):
         cfg = self.config
@@ -265,6 +270,14 @@ class LLMEngine:
                 f"tensor_parallel_size={tp}. Run it with --tensor-parallel-size {compiled} (LLM(tensor_parallel_size="
                 f"{compiled})), or recompile it for {tp}: graphinfer compile {self.manifest['model']['path']} -o {art} "
                 f"--tensor-parallel-size {tp}")
+        pc = self.config.parallel_config
+        if pc.data_parallel_size > 1 and uses_expert_parallel(self._model_config(), pc.world_size,
+                                                              pc.enable_expert_parallel):
+            raise InvalidConfigError(
+                f"Artifact {art!r}: expert parallel over data_parallel_size={pc.data_parallel_size} replicas runs from "
+                f"the checkpoint for now (an artifact's experts are laid out over its tensor-parallel ranks only): "
+                f"graphinfer serve {self.manifest['model']['path']} --data-parallel-size {pc.data_parallel_size} "
+                f"--enable-expert-parallel, or leave data parallel off.")
         ep = uses_expert_parallel(self._model_config(), tp, self.config.parallel_config.enable_expert_parallel)
         if ep != (compiled := artifact.expert_parallel(self.manifest)):
             state = {True: "on", False: "off"}
@@ -504,6 +517,22 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def scheduler_stats(self) -> dict:
+        """The scheduler's load, for /metrics and the data-parallel front end."""
+        sched = self.scheduler
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_usage": sched.block_manager.usage,
+                "preemptions": sched.num_preemptions}
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine can no longer run (a tensor-parallel rank died), or None."""
+        return self.executor.dead if self.executor is not None else None
+
+    def on_death(self, callback) -> None:
+        """callback(message) once a rank this engine needs dies."""
+        if self.executor is not None:
+            self.executor.death_listeners.append(callback)
+
     # ----- stepping -----
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step. Returns an output for each request that got a token (with
@@ -512,9 +541,12 @@ class LLMEngine:
         if self.async_scheduling:
             return self._step_async()
         sched = self._schedule()
+        dp = self._dp_agree(sched)
         if not sched.scheduled:
+            if dp is not None:  # another replica has work: run the padding its MoE all-to-alls pair with
+                self.model_runner.execute_model(None, dp_step=dp)
             return []
-        rows, sampled = self.model_runner.execute_model(sched)
+        rows, sampled = self.model_runner.execute_model(sched, dp_step=dp)
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
         self._cache_full_blocks(sched)
@@ -527,10 +559,13 @@ class LLMEngine:
         if self._in_flight is not None and any(s.sampling_params.has_penalties for s in self._in_flight.rows):
             outputs = self._finish_in_flight()  # penalties count output tokens: they must be on the host
         sched = self._schedule(in_flight=self._in_flight is not None)
+        dp = self._dp_agree(sched)
         launched = None
+        if not sched.scheduled and dp is not None:
+            self.model_runner.execute_model(None, dp_step=dp)
         if sched.scheduled:
             prev = self._in_flight.sampled.sampled_token_ids if self._in_flight is not None else None
-            rows, sampled = self.model_runner.execute_model(sched, prev, share_sampled=True)
+            rows, sampled = self.model_runner.execute_model(sched, prev, share_sampled=True, dp_step=dp)
             for seq, n in sched.scheduled:
                 seq.num_computed_tokens += n
             if sampled is not None:
@@ -556,6 +591,20 @@ class LLMEngine:
         outputs = self._process(step.rows, step.host)
         self._cache_full_blocks(step.sched)  # only now: a block's last token may have been in flight
         return outputs
+
+    def _dp_agree(self, sched: SchedulerOutput, stop: bool = False) -> "dp_lockstep.DPStep | None":
+        """Lockstep replicas (runtime/dp_lockstep.py): the step shape every replica pads to, or None when no
+        replica has work (or the front end stopped the rounds: dp_stopped). Otherwise None."""
+        if not self.dp_lockstep:
+            return None
+        step = dp_lockstep.agree(sched, stop)
+        self.dp_stopped |= step.stop
+        return step if step.num_tokens and not step.stop else None
+
+    def stop_dp_rounds(self) -> None:
+        """Front end (replica 0), at shutdown: one last round that tells the other lockstep replicas to stop."""
+        if self.dp_lockstep and not self.dp_stopped:
+            self._dp_agree(None, stop=True)
 
     def _schedule(self, in_flight: bool = False) -> SchedulerOutput:
         sched = self.scheduler.schedule()

@@ -42,6 +42,11 @@ class HostInputs:
     # which are still on the device (input_ids holds 0 there until the device fills it in).
     pending_dst: list[int]
     pending_src: list[int]
+    # Data-parallel lockstep (runtime/dp_lockstep.py): the last num_pad tokens are padding every replica's step
+    # to the same shape, and decode_graphs False keeps a uniform decode batch off the decode graphs because
+    # another replica's step cannot replay one (their collectives must pair).
+    decode_graphs: bool = True
+    num_pad: int = 0
 
     def pending_index(self) -> np.ndarray | None:
         """[2, P] int64 (dst; src), or None when the pending ids are simply the first P sampled ones, in order."""
@@ -213,15 +218,21 @@ class ModelRunner:
     def _replayable(self, h: HostInputs) -> bool:
         """A uniform decode batch (one token per request) that a full decode graph covers."""
         g = self.decode_graphs
-        return g is not None and len(h.seq_lens) <= g.max_size and len(h.input_ids) == len(h.seq_lens)
+        return g is not None and h.decode_graphs and len(h.seq_lens) <= g.max_size and \
+            len(h.input_ids) == len(h.seq_lens)
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
-                      share_sampled: bool = False) -> tuple[list[Sequence], SamplerOutput | None]:
+    def execute_model(self, out: SchedulerOutput | None, prev_tokens: torch.Tensor | None = None,
+                      share_sampled: bool = False, dp_step=None) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run one step; returns the sequences that sample this step and the sampler's output, on the device
         (nothing here waits for the device). prev_tokens: the in-flight step's sampled ids (async scheduling),
-        which, with share_sampled, the other tensor-parallel ranks get too."""
-        h = self.host_inputs(out)
+        which, with share_sampled, the other tensor-parallel ranks get too. dp_step: the shape the data-parallel
+        replicas agreed on (runtime/dp_lockstep.py), to pad to; out None: a padding-only step."""
+        h = self.host_inputs(out) if out is not None else None
+        if dp_step is not None:
+            from graphinfer.runtime import dp_lockstep  # it builds on HostInputs
+
+            h = dp_lockstep.pad(h or dp_lockstep.empty_inputs(), dp_step)
         share = share_sampled and self.channel is not None and len(h.logits_indices) > 0
         if self.channel is not None:  # the other ranks run the same step on the same inputs
             self.channel.send_step(h, share)
@@ -248,7 +259,7 @@ class ModelRunner:
         the largest piecewise size replays the pieces; the rest run the graph eagerly."""
         fill_pending = lambda ids: self.fill_pending(ids, h, prev_tokens)  # noqa: E731
         if self.num_tokens is not None:  # the real rows: a padded bucket's others count no expert load
-            self.num_tokens.fill_(len(h.input_ids))
+            self.num_tokens.fill_(len(h.input_ids) - h.num_pad)
         logits_ready = False
         if self._replayable(h):
             hidden = self.decode_graphs.replay(h.input_ids, h.positions, h.slot_mapping, h.block_tables, h.seq_lens,

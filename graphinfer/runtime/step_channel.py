@@ -17,7 +17,7 @@ from graphinfer.distributed import parallel_state as ps
 from graphinfer.runtime.model_runner import HostInputs
 
 _STEP, _CALL, _GROW, _SHUTDOWN = 1, 2, 3, 4
-_HEADER = 10  # cmd, payload length, step, T, B, W, R, P, share sampled, spare
+_HEADER = 11  # cmd, payload length, step, T, B, W, R, P, share sampled, no decode graphs, data-parallel padding
 _INITIAL_CAPACITY = 1 << 13
 
 
@@ -42,7 +42,7 @@ class StepChannel:
 
     def _broadcast(self) -> None:
         ps.collective("step message broadcast", ps.TP_GROUP,
-                      lambda _: dist.broadcast(self.buf, src=0, group=self.group))
+                      lambda _: dist.broadcast(self.buf, src=ps.leader_rank(), group=self.group))
 
     def _send(self, cmd: int, header: list[int], payload: np.ndarray) -> None:
         self._check()
@@ -64,7 +64,7 @@ class StepChannel:
                  h.logits_indices, np.asarray(h.pending_dst, dtype=np.int64), np.asarray(h.pending_src, dtype=np.int64)]
         payload = np.concatenate([p.astype(np.int64, copy=False) for p in parts])
         self._send(_STEP, [self.steps, len(h.input_ids), B, W, len(h.logits_indices), len(h.pending_dst),
-                           int(share_sampled)], payload)
+                           int(share_sampled), int(not h.decode_graphs), h.num_pad], payload)
 
     def call(self, method: str, *args) -> None:
         """Have every other rank run engine.<method>(*args) (control: off the step path)."""
@@ -89,10 +89,10 @@ class StepChannel:
                 return None
             if cmd == _CALL:
                 return ("call", *pickle.loads(payload.view(np.uint8)[:head[0]].tobytes()))
-            step, T, B, W, R, P, share = head[:7]
+            step, T, B, W, R, P, share, no_graphs, num_pad = head[:9]
             sizes = [T, T, T, B * W, B + 1, B, R, P, P]
             a = np.split(payload, np.cumsum(sizes)[:-1])
             inputs = HostInputs(a[0].copy(), a[1].copy(), a[2].copy(), a[3].reshape(B, W).astype(np.int32),
                                 a[4].astype(np.int32), a[5].astype(np.int32), a[6].copy(), [], a[7].tolist(),
-                                a[8].tolist())
+                                a[8].tolist(), decode_graphs=not no_graphs, num_pad=num_pad)
             return StepMessage(step, inputs, bool(share))

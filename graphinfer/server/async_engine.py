@@ -85,8 +85,8 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
         self.on_step = None  # callback(engine) after each step, for metrics (runs on the engine thread)
         self.on_dead: list = []  # callbacks(error) once the engine can no longer run (the server then exits)
-        if engine.executor is not None:  # a tensor-parallel rank that dies ends the engine
-            engine.executor.death_listeners.append(lambda message: self.fail(EngineDeadError(message)))
+        # a tensor-parallel rank or a data-parallel replica that dies ends the engine
+        engine.on_death(lambda message: self.fail(EngineDeadError(message)))
         self._thread = threading.Thread(target=self._run, name="graphinfer-engine", daemon=True)
         self._thread.start()
 
@@ -157,7 +157,7 @@ class AsyncLLMEngine:
 
     @property
     def kv_blocks_in_use(self) -> int:
-        bm = self.engine.scheduler.block_manager
+        bm = self.engine.scheduler.block_manager  # replica 0's (the others free theirs as they stop)
         return bm.num_blocks - bm.num_free_blocks
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -197,7 +197,7 @@ class AsyncLLMEngine:
                         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
         except BaseException as e:  # a bug, or a rank gone: fail every request loudly instead of hanging them
             logger.exception("engine loop died")
-            dead = engine.executor.dead if engine.executor is not None else None
+            dead = engine.dead
             self.fail(EngineDeadError(f"{dead}: {e}") if dead else e)
 
     def fail(self, error: BaseException) -> None:

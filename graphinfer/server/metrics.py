@@ -33,6 +33,16 @@ class Metrics:
                               ["model_name"], registry=r).labels(**labels)
         self.preemptions = Gauge("graphinfer:num_preemptions", "Preemptions so far", ["model_name"],
                                  registry=r).labels(**labels)
+        # data parallel: each replica's own (label engine = its data-parallel rank, as vLLM's engine label)
+        per_engine = ["model_name", "engine"]
+        self.engine_running = Gauge("graphinfer:engine_num_requests_running", "Requests running on each "
+                                    "data-parallel replica", per_engine, registry=r)
+        self.engine_waiting = Gauge("graphinfer:engine_num_requests_waiting", "Requests waiting on each "
+                                    "data-parallel replica", per_engine, registry=r)
+        self.engine_kv_usage = Gauge("graphinfer:engine_kv_cache_usage_perc", "KV-cache use of each data-parallel "
+                                     "replica (0-1)", per_engine, registry=r)
+        self.engine_requests = Gauge("graphinfer:engine_requests_routed", "Requests the front end sent to each "
+                                     "data-parallel replica so far", per_engine, registry=r)
 
     def watch_expert_load(self, engine) -> None:
         """Export a MoE engine's expert load (runtime/expert_load.py) at each scrape; nothing for a dense model."""
@@ -46,12 +56,19 @@ class Metrics:
         self.request_success.labels(finished_reason=reason, **self._labels).inc()
 
     def update_engine(self, engine) -> None:
-        """Scheduler and cache gauges; called on the engine thread after each step."""
-        sched = engine.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.kv_usage.set(sched.block_manager.usage)
-        self.preemptions.set(sched.num_preemptions)
+        """Scheduler and cache gauges (summed over data-parallel replicas); called on the engine thread after each
+        step."""
+        stats = engine.scheduler_stats()
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.kv_usage.set(stats["kv_usage"])
+        self.preemptions.set(stats["preemptions"])
+        for d, e in enumerate(stats.get("engines", [])):
+            labels = {**self._labels, "engine": str(d)}
+            self.engine_running.labels(**labels).set(e["running"])
+            self.engine_waiting.labels(**labels).set(e["waiting"])
+            self.engine_kv_usage.labels(**labels).set(e["kv_usage"])
+            self.engine_requests.labels(**labels).set(e["requests"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

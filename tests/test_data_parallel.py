@@ -1,0 +1,108 @@
+"""Data parallel on CPU (gloo, real replica processes): two replicas behind one front end.
+
+MoE + expert parallel (tiny Qwen3-MoE from an HF checkpoint, EP 2 over DP 2 x TP 1): greedy tokens identical to
+one plain engine, with requests on both replicas, on one replica only (the other runs padding-only steps in
+lockstep: no hang), in NONE and under the recorded-op capture stand-in with async scheduling (decode graphs and
+pieces replayed on both replicas with the same buckets); the expert counts, summed over the replicas, are the
+tokens computed x top_k in every layer. A dense server with --data-parallel-size 2 serves two clients' requests on
+different replicas (the per-replica gauges of /metrics) and ends when a replica dies.
+"""
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from capture_standin import OpTapePlatform
+from server_utils import Server, metric, metric_samples
+
+import graphinfer.runtime.llm_engine as llm_engine
+from graphinfer import LLM, SamplingParams
+
+KW = dict(device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=64, max_num_seqs=4,
+          max_num_batched_tokens=16)
+PROMPTS = [[3 + i] * (2 + 5 * i) for i in range(4)] + [list(range(100, 121))]  # prefill chunks of up to 16 tokens
+
+
+def _params():
+    return [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_checkpoint):
+    path, hf = tiny_checkpoint("qwen3_moe")
+    ref = LLM(path, **KW)
+    tokens = {"all": _tokens(ref.generate(PROMPTS, _params(), use_tqdm=False)),
+              "one": _tokens(ref.generate(PROMPTS[-1:], _params()[-1:], use_tqdm=False))}
+    ref.shutdown()
+    return path, hf.config.num_experts_per_tok, tokens
+
+
+@pytest.mark.parametrize("mode", ["NONE", "capture-standin"])
+def test_dp2_ep2_matches_one_engine(mode, moe, monkeypatch):
+    path, top_k, ref = moe
+    kw = dict(KW)
+    if mode != "NONE":  # the replicas get the front end's platform class: the stand-in replays on both
+        monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
+        kw.update(graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8], async_scheduling=True)
+    with LLM(path, data_parallel_size=2, enable_expert_parallel=True, **kw) as llm:
+        engine = llm.llm_engine
+        assert engine.local.dp_lockstep and engine.expert_parallel_size == 2
+        both = llm.generate(PROMPTS, _params(), use_tqdm=False)
+        assert engine.requests_routed[0] > 0 and engine.requests_routed[1] > 0
+        routed = list(engine.requests_routed)
+        one = llm.generate(PROMPTS[-1:], _params()[-1:], use_tqdm=False)  # one replica works, the other pads
+        assert sum(engine.requests_routed) - sum(routed) == 1
+        load = engine.expert_load()
+    assert _tokens(both) == ref["all"] and _tokens(one) == ref["one"]
+    computed = sum(len(o.prompt_token_ids) - o.num_cached_tokens + len(o.outputs[0].token_ids) - 1
+                   for o in both + one)
+    assert load and all(sum(counts) == computed * top_k for counts in load.values()), (load, computed)
+
+
+def test_dense_dp2_server_spreads_clients_and_ends_when_a_replica_dies(tmp_path):
+    from openai import OpenAI
+
+    server = Server(["tiny-qwen3", "--device", "cpu", "--dtype", "float32", "--max-model-len", "128",
+                     "--data-parallel-size", "2"], tmp_path / "dp.log").launch()
+    try:
+        server.wait_ready(180)
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        prompt = [5, 9, 2, 7, 7]
+        ref = LLM("tiny-qwen3", device="cpu", dtype="float32", max_model_len=128).generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+        answers = [None, None]
+
+        def ask(i):  # two clients at once: the second goes to the replica with fewer outstanding tokens
+            answers[i] = client.completions.create(model="tiny-qwen3", prompt=prompt, max_tokens=24, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+
+        clients = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(120)
+        assert [a.usage.completion_tokens for a in answers] == [24, 24]
+        text = httpx.get(f"{server.url}/metrics").text
+        samples = metric_samples(text)
+        routed = [metric(samples, "graphinfer:engine_requests_routed", engine=str(d)) for d in range(2)]
+        assert routed == [1, 1], text
+        assert metric(samples, "graphinfer:generation_tokens_total") == 48
+        if ref.outputs[0].text:  # a preset has no tokenizer: its texts are empty, the token counts say it all
+            assert all(a.choices[0].text == ref.outputs[0].text for a in answers)
+        # replica 1 dies: the front end learns it from its connection and the server exits non-zero
+        replica = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                   if "graphinfer.runtime.dp_engine" in " ".join(p.cmdline())]
+        assert len(replica) == 1
+        replica[0].send_signal(signal.SIGKILL)
+        started = time.monotonic()
+        assert server.proc.wait(30) != 0
+        assert time.monotonic() - started < 20
+        assert "data-parallel replica 1" in server.log()
+    finally:
+        server.stop()
