@@ -59,6 +59,17 @@ def test_dp2_ep2_matches_one_engine(mode, moe, monkeypatch):
         one = llm.generate(PROMPTS[-1:], _params()[-1:], use_tqdm=False)  # one replica works, the other pads
         assert sum(engine.requests_routed) - sum(routed) == 1
         load = engine.expert_load()
+        if mode == "NONE":  # a request aborted on replica 1 stays outstanding until that replica freed it
+            seq = engine.make_sequence(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+            engine.add_sequence(seq, dp_rank=1)
+            engine.step()
+            engine.abort_request(seq.request_id)
+            for _ in range(200):
+                if not engine.has_unfinished_requests():
+                    break
+                engine.step()
+            assert not engine.has_unfinished_requests() and engine.outstanding == [0, 0]
+            assert engine.scheduler_stats()["engines"][1]["running"] == 0
     assert _tokens(both) == ref["all"] and _tokens(one) == ref["one"]
     computed = sum(len(o.prompt_token_ids) - o.num_cached_tokens + len(o.outputs[0].token_ids) - 1
                    for o in both + one)
@@ -103,6 +114,6 @@ def test_dense_dp2_server_spreads_clients_and_ends_when_a_replica_dies(tmp_path)
         started = time.monotonic()
         assert server.proc.wait(30) != 0
         assert time.monotonic() - started < 20
-        assert "data-parallel replica 1" in server.log()
+        assert "data-parallel replica" in server.log()
     finally:
         server.stop()

@@ -129,9 +129,12 @@ def test_bad_tensor_parallel_size_is_refused_with_the_numbers(smollm2_path):
 
 def test_expert_count_not_divisible_by_the_ep_size_is_refused_with_the_numbers(checkpoints):
     """tiny Qwen3-MoE has 8 experts: 3 EP ranks cannot partition them (without EP, tp 3 fails on the heads)."""
-    with pytest.raises(InvalidConfigError, match=r"tensor_parallel_size=3 \(expert parallel size 3\) does not "
-                                                 r"partition this model's 8 experts.*one of \[1, 2, 4, 8\]"):
+    with pytest.raises(InvalidConfigError, match=r"tensor_parallel_size=3, data_parallel_size=1 \(expert parallel "
+                                                 r"size 3\) does not partition this model's 8 experts.*one of "
+                                                 r"\[1, 2, 4, 8\]"):
         LLM(checkpoints("qwen3_moe"), tensor_parallel_size=3, enable_expert_parallel=True, **KW)
+    with pytest.raises(InvalidConfigError, match=r"data_parallel_size=3 \(expert parallel size 3\)"):
+        LLM(checkpoints("qwen3_moe"), data_parallel_size=3, enable_expert_parallel=True, **KW)  # refused before start
     assert not ps.is_initialized()
 
 

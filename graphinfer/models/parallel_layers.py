@@ -181,10 +181,11 @@ class MoEExperts(nn.Module):
     dispatch -> grouped MLP -> combine, which the fuse_moe pass turns into one fused_moe.
 
     Tensor parallel: I is split over the TP ranks and the combined output all-reduced. Expert parallel
-    (ps.ep_size() > 1): EP rank r holds experts [r*E/ep, (r+1)*E/ep) whole, and the block is vLLM's
-    sequence-parallel MoE: each rank takes its slice of the T (replicated) tokens, ep_dispatch sends every routed
-    slot to its expert's rank, the local chain runs there (fuse_moe: one fused_experts), ep_combine brings the
-    rows back weighted, and all_gather rebuilds [T, H] on every rank (no all-reduce).
+    (ps.ep_size() = tp x dp > 1): EP rank r holds experts [r*E/ep, (r+1)*E/ep) whole, and the block is vLLM's
+    sequence-parallel MoE: each TP rank takes its slice of its replica's T (replicated) tokens, ep_dispatch sends
+    every routed slot to its expert's rank (of any replica), the local chain runs there (fuse_moe: one
+    fused_experts), ep_combine brings the rows back weighted, and all_gather over TP rebuilds [T, H] (no
+    all-reduce).
 
     Expert load (EPLB's input): expert_counts [E] int64 (all experts, with EP too) accumulates the tokens routed
     to each expert on the device, inside the graph; num_tokens [1] is the step's real token count, the model runner's static tensor

@@ -54,6 +54,7 @@ class DPEngine:
     def __init__(self, config: EngineConfig, platform=None):
         # every replica on the same platform (class): their graph paths, and so their collectives, must pair
         platform = platform or llm_engine.platform_for_device(str(config.model_config.device).split(":")[0])
+        llm_engine.check_parallel_config(config)  # before any replica starts
         pc = config.parallel_config
         pc.master_port = pc.master_port or launch.free_port()
         self.dp_size, tp = pc.data_parallel_size, pc.tensor_parallel_size
@@ -71,7 +72,8 @@ class DPEngine:
         self.requests_routed = [0] * self.dp_size
         self._stopped = False
         threading.Thread(target=self._accept, name="graphinfer-dp-accept", daemon=True).start()
-        self._monitor = launch.RankMonitor(self.procs, [], pc.master_addr, pc.master_port, self._on_death)
+        self._monitor = launch.RankMonitor(self.procs, [], pc.master_addr, pc.master_port,
+                                           lambda m: self._on_death(f"a data-parallel replica's process ended ({m})"))
         try:
             self.local = LLMEngine(replace(config, parallel_config=replace(pc, data_parallel_rank=0)), platform)
             for d in range(1, self.dp_size):
@@ -113,6 +115,8 @@ class DPEngine:
                         self._outputs.put(out)
                 elif kind == "ready":
                     r.ready.set()
+                elif kind == "aborted":
+                    self._outputs.put(body[0])  # the request id: step() forgets it there
                 elif kind == "reply":
                     r.replies.put(body[0])
                 elif kind == "error":
@@ -158,11 +162,12 @@ class DPEngine:
             self.replicas[d].send("add", seq.prompt, seq.prompt_token_ids, seq.sampling_params, seq.request_id)
 
     def abort_request(self, request_id: str) -> None:
-        owner = self._finish(request_id)
-        if owner == 0:
+        d, _ = self._owner.get(request_id, (None, 0))
+        if d == 0:
+            self._finish(request_id)
             self.local.abort_request(request_id)
-        elif owner is not None and not self.dead:
-            self.replicas[owner].send("abort", request_id)
+        elif d is not None and not self.dead:  # outstanding until the replica says it freed it (its next step)
+            self.replicas[d].send("abort", request_id)
 
     def _finish(self, request_id: str) -> int | None:
         d, cost = self._owner.pop(request_id, (None, 0))
@@ -178,25 +183,24 @@ class DPEngine:
             raise GraphinferError(f"The data-parallel engine cannot run: {self.dead}")
 
     def step(self) -> list[RequestOutput]:
-        """One step of replica 0 (in lockstep: one round of every replica), and whatever the others finished."""
+        """One step of replica 0 (in lockstep: one round of every replica), and whatever the others sent."""
         self._check()
+        arrived = []
         if self.local.dp_lockstep or self.local.has_unfinished_requests():
             outs = self.local.step()
-        else:  # only other replicas have work: wait for their outputs instead of spinning
+        else:  # only other replicas have work: wait for what they send instead of spinning
             outs = []
             try:
-                first = self._outputs.get(timeout=0.01)
-                if first is not None:
-                    outs.append(first)
+                arrived.append(self._outputs.get(timeout=0.01))
             except queue.Empty:
                 pass
-        while True:
-            try:
-                out = self._outputs.get_nowait()
-            except queue.Empty:
-                break
-            if out is not None:
-                outs.append(out)
+        while not self._outputs.empty():
+            arrived.append(self._outputs.get_nowait())
+        for item in arrived:
+            if isinstance(item, str):  # a replica freed an aborted request
+                self._finish(item)
+            elif item is not None:  # None: a death's wake-up
+                outs.append(item)
         self._check()
         for out in outs:
             if out.finished:
@@ -249,7 +253,7 @@ class DPEngine:
         local = self.__dict__.get("local")
         if local is not None and local.model_runner is not None and not self.dead:
             local.stop_dp_rounds()  # lockstep replicas wait in a round: this one tells them to stop
-        launch.stop_ranks(self.procs, timeout=30 if not self.dead else 0)
+        launch.stop_ranks(self.procs, timeout=30 if local is not None and not self.dead else 0)
         self._listener.close()
         if local is not None:
             local.shutdown()
@@ -273,7 +277,8 @@ def serve_replica(engine: LLMEngine, send, inbox: queue.Queue) -> None:
                 engine.add_sequence(seq)
             elif msg[0] == "abort":
                 engine.abort_request(msg[1])
-        busy = engine.has_unfinished_requests()
+                send("aborted", msg[1])
+        busy = engine.has_unfinished_requests() or bool(msgs)  # msgs: an abort changes the load too
         outs = engine.step()  # lockstep: one round, a padding-only step when only other replicas have work
         if engine.dp_stopped:
             return

@@ -61,6 +61,29 @@ class _InFlight:
     event: object  # None on cpu
 
 
+def model_config_of(config: EngineConfig):
+    return artifact.load_config(config.artifact) if config.artifact else load_config(config.model_config.model)
+
+
+def check_parallel_config(config: EngineConfig) -> None:
+    """Refuse a tensor / expert / data-parallel layout the model cannot take (with the numbers) before any rank
+    or replica starts."""
+    pc = config.parallel_config
+    if pc.node_rank != 0:
+        raise InvalidConfigError(
+            f"node_rank={pc.node_rank}: nodes other than 0 run workers only; start them with "
+            f"`graphinfer serve|generate|compile|bench ... --node-rank N` (graphinfer.runtime.worker.run_node).")
+    model = model_config_of(config)
+    check_tensor_parallel(model, pc.tensor_parallel_size, pc.enable_expert_parallel, pc.data_parallel_size)
+    if config.artifact and pc.data_parallel_size > 1 and uses_expert_parallel(model, pc.world_size,
+                                                                               pc.enable_expert_parallel):
+        raise InvalidConfigError(
+            f"Artifact {config.artifact!r}: expert parallel over data_parallel_size={pc.data_parallel_size} replicas "
+            f"runs from the checkpoint for now (an artifact's experts are laid out over its tensor-parallel ranks "
+            f"only): serve the model's checkpoint with --data-parallel-size {pc.data_parallel_size} "
+            f"--enable-expert-parallel, or leave data parallel off.")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, platform: Platform | None = None):
         """platform: the one to run on (a tensor-parallel worker gets rank 0's); None: the device's."""
@@ -75,7 +98,7 @@ class LLMEngine:
         if self.manifest is not None:
             self._check_artifact_tensor_parallel()
         if config.parallel_config.world_size > 1 and not ps.is_initialized():
-            self._check_tensor_parallel()
+            check_parallel_config(config)
             self.executor = MultiprocExecutor(config, self.platform)
         try:
             self._build(config)
@@ -245,19 +268,8 @@ class LLMEngine:
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
 
-    def _check_tensor_parallel(self) -> None:
-        """Refuse a tensor-parallel size the model cannot be split by (with the numbers) before starting ranks."""
-        cfg, tp = self.config, self.config.parallel_config.tensor_parallel_size
-        if cfg.parallel_config.node_rank != 0:
-            raise InvalidConfigError(
-                f"node_rank={cfg.parallel_config.node_rank}: nodes other than 0 run workers only; start them with "
-                f"`graphinfer serve|generate|compile|bench ... --node-rank N` (graphinfer.runtime.worker.run_node).")
-        check_tensor_parallel(self._model_config(), tp, cfg.parallel_config.enable_expert_parallel,
-                              cfg.parallel_config.data_parallel_size)
-
     def _model_config(self):
-        cfg = self.config
-        return artifact.load_config(cfg.artifact) if cfg.artifact else load_config(cfg.model_config.model)
+        return model_config_of(self.config)
 
     def _check_artifact_tensor_parallel(self) -> None:
         """Refuse an artifact compiled for another tensor-parallel size (its weights are split for that many ranks)
@@ -270,14 +282,6 @@ class LLMEngine:
                 f"tensor_parallel_size={tp}. Run it with --tensor-parallel-size {compiled} (LLM(tensor_parallel_size="
                 f"{compiled})), or recompile it for {tp}: graphinfer compile {self.manifest['model']['path']} -o {art} "
                 f"--tensor-parallel-size {tp}")
-        pc = self.config.parallel_config
-        if pc.data_parallel_size > 1 and uses_expert_parallel(self._model_config(), pc.world_size,
-                                                              pc.enable_expert_parallel):
-            raise InvalidConfigError(
-                f"Artifact {art!r}: expert parallel over data_parallel_size={pc.data_parallel_size} replicas runs from "
-                f"the checkpoint for now (an artifact's experts are laid out over its tensor-parallel ranks only): "
-                f"graphinfer serve {self.manifest['model']['path']} --data-parallel-size {pc.data_parallel_size} "
-                f"--enable-expert-parallel, or leave data parallel off.")
         ep = uses_expert_parallel(self._model_config(), tp, self.config.parallel_config.enable_expert_parallel)
         if ep != (compiled := artifact.expert_parallel(self.manifest)):
             state = {True: "on", False: "off"}
