@@ -12,7 +12,9 @@ process group, to build and look at one rank's model or graph (`graphinfer passe
 
 Expert parallel (enable_expert_parallel): the MoE layers partition whole experts over the EP group instead of
 splitting each expert's intermediate dimension. With data parallel size 1 the EP group is the TP group
-(ep_size() = tp x dp, dp = 1); its collectives use the name EP_GROUP.
+(ep_size() = tp x dp, dp = 1); its collectives use the name EP_GROUP. On Ascend a second device group of the
+same ranks, MC2_GROUP, is kept for the MC2 dispatch / combine ops alone (vllm-ascend's get_mc2_group): their
+HCCL communicator may carry no other op.
 """
 import contextlib
 import datetime
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 TP_GROUP = "tp"
 EP_GROUP = TP_GROUP  # data parallel size 1: the EP ranks are the TP ranks
+MC2_GROUP = "mc2"  # the EP ranks again, for Ascend's MC2 ops only (init_distributed(mc2_group=True))
 _IDLE_TIMEOUT = datetime.timedelta(days=30)  # the step channel waits as long as a server may stay idle
 
 
@@ -105,10 +108,10 @@ def layout(rank: int, size: int, expert_parallel: bool = False):
 
 def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: str, master_addr: str,
                      master_port: int, timeout_s: float, publish: dict[str, bytes] | None = None,
-                     expert_parallel: bool = False) -> None:
+                     expert_parallel: bool = False, mc2_group: bool = False) -> None:
     """Join the TP group as `rank`: rendezvous at master_addr:master_port (rank 0 hosts the store, torchrun-style,
     and first puts `publish` in it: what the other nodes wait for), then the device group on `backend` and the
-    gloo step-channel group."""
+    gloo step-channel group; with expert_parallel and mc2_group, also the MC2 group."""
     timeout = datetime.timedelta(seconds=timeout_s)
     _state.phase = "rendezvous"
     try:
@@ -118,13 +121,14 @@ def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: s
             store.set(key, value)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+        mc2 = dist.new_group(backend=backend, timeout=timeout) if expert_parallel and mc2_group else None
     except (RuntimeError, DistributedError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
         raise DistributedError(
             f"rank {rank} of {world_size}: the rendezvous at {master_addr}:{master_port} failed ({e}). Check that "
             f"every node runs the same command with its own --node-rank, that --master-addr / --master-port name "
             f"node 0 and are reachable from here, and that no other job uses the port.") from None
     _state.rank, _state.world_size, _state.ranks_per_node = rank, world_size, ranks_per_node
-    _state.groups = {TP_GROUP: dist.group.WORLD}
+    _state.groups = {TP_GROUP: dist.group.WORLD} | ({MC2_GROUP: mc2} if mc2 is not None else {})
     _state.cpu_group, _state.timeout_s = cpu_group, timeout_s
     _state.expert_parallel = expert_parallel
     _state.phase = "start-up"

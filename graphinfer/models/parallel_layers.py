@@ -218,11 +218,12 @@ class MoEExperts(nn.Module):
     def _forward_ep(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         ep, group = self.ep_size, ps.EP_GROUP
         x, ids, weights = (sequence_parallel_chunk(t, ep, group) for t in (hidden_states, topk_ids, topk_weights))
-        rows, local_ids = ep_dispatch(x, ids, self.global_num_experts, ep, group)
+        rows, local_ids, combine_metadata = ep_dispatch(x, ids, self.global_num_experts, ep, group)
         # A row with id -1 (a slot of another rank's expert) is a zero row: expert 0 with weight 0 adds exactly 0.
         valid = (local_ids >= 0).unsqueeze(-1)
         out = self._local_experts(rows, local_ids.clamp(min=0).unsqueeze(-1), valid.to(rows.dtype))
-        out = all_gather(ep_combine(out, weights, ep, group), 0, ep, group)
+        out = ep_combine(out, ids, weights, combine_metadata, self.global_num_experts, ep, group)
+        out = all_gather(out, 0, ep, group)
         return out[:hidden_states.shape[0]]
 
     def _local_experts(self, rows: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
