@@ -21,6 +21,7 @@ import contextlib
 import types
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils._pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,6 +50,9 @@ class _State:
         self.workspaces = set()  # data_ptrs handed out by _npu_fused_infer_attention_score_get_max_workspace
         self.no_tape = 0  # > 0 while the emulation checks arguments: those aten ops are not taped
         self.calls = []  # names of the torch_npu ops called, for the tests
+        self.soc_version = 223  # npu.get_soc_version(): an Atlas A2 (220-225; A3: 250-255)
+        self.comm_groups = {}  # HCCL communicator name -> the (gloo) process group standing in for it
+        self.mc2_dispatched = {}  # group_ep -> the last MC2 dispatch's (expert_ids, outputs), for its combine
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -233,6 +237,9 @@ class _NpuNamespace:
     def set_compile_mode(self, jit_compile=False):
         pass
 
+    def get_soc_version(self):
+        return self._state.soc_version
+
 
 # ----------------------------------------------------------------------------------------------------------
 # npu_fused_infer_attention_score (FIA)
@@ -378,8 +385,9 @@ class _Fia:
 
 # ----------------------------------------------------------------------------------------------------------
 
-def make_torch_npu():
+def make_torch_npu(soc_version: int = 223):
     st = _State()
+    st.soc_version = soc_version
     fia = _Fia(st)
     m = types.ModuleType("torch_npu")
     m.__doc__ = "EMULATION of torch_npu (tests/npu_emulation.py), not the real package."
@@ -554,5 +562,138 @@ def make_torch_npu():
         T, K = probs.shape
         rows = permuted_tokens[sorted_indices.long()].view(T, K, -1)
         return (rows.float() * probs.float().unsqueeze(-1)).sum(1).to(permuted_tokens.dtype)
+
+
+    # ----- MC2 expert parallel -----
+    # [OP] torch_npu-npu_moe_distribute_dispatch / -npu_moe_distribute_combine (op-plugin docs/context; output
+    # shapes from op-plugin's MoeDistributeDispatchKernelOpApi.cpp); [VA] TokenDispatcherWithMC2.
+    # group_ep names an HCCL communicator (a stand-in: `emulation_comm_name(group)` registers a gloo group under a
+    # name); every rank of it calls the op together. Covered: unquantised (quant_mode 0, no scales), no shared-expert
+    # ranks, global_bs 0 or BS*ep (the same BS on every rank), no TP domain (A2: its defaults only; A3: tp_world_size
+    # 0 or 1). Expert e lives on rank e // (E / ep).
+    # Dispatch: expand_x [A, H], A = BS*ep*min(local_expert_num, K), holds the rows received, grouped by local
+    # expert, with expert_token_nums their counts (type 1) or cumsum (type 0); the order inside a group is not
+    # documented (here: source rank, then token); rows past the last count are not defined (NaN here). expand_idx
+    # [BS*K], ep_recv_counts [ep*local] (cumulative) and tp_recv_counts [tp_world_size] are documented only as "pass
+    # them to combine" (values differ by product and version); here expand_idx[t*K + k] = the slot's place among
+    # this rank's tokens for that expert, ep_recv_counts = cumulative counts per (local expert, source rank).
+    # expand_scales [A] float (A3: None). Combine goes the dispatch's path back: out[t] = sum_k expert_scales[t, k]
+    # * (the row of expand_x, on the expert's rank, that slot (t, k) went to), in expand_x's dtype. It takes the
+    # dispatch's expert_ids, expand_idx and ep_recv_counts (as ep_send_counts) with the same group and sizes; A2
+    # requires the dispatch's expand_scales back, A3 takes none (tp_send_counts = tp_recv_counts instead).
+    def emulation_comm_name(group):  # stands in for group._get_backend(npu).get_hccl_comm_name(rank)
+        name = f"hccl_emulated_{id(group)}"
+        st.comm_groups[name] = group
+        return name
+
+    m.emulation_comm_name = emulation_comm_name
+
+    def mc2_group(group_ep, ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
+                  expert_shard_type, shared_expert_rank_num, global_bs, bs):
+        group = st.comm_groups.get(group_ep)
+        if group is None or dist.get_world_size(group) != ep_world_size or dist.get_rank(group) != ep_rank_id:
+            raise ValueError(f"group_ep {group_ep!r}: an HCCL communicator name of ep_world_size ranks, ep_rank_id "
+                             f"this rank's place in it")
+        if moe_expert_num % ep_world_size or not 0 < moe_expert_num <= 512:
+            raise ValueError("moe_expert_num in [1, 512], a multiple of ep_world_size - shared_expert_rank_num")
+        if expert_shard_type != 0 or shared_expert_rank_num != 0:
+            raise NotImplementedError("emulation covers MoE expert ranks only (no shared-expert ranks)")
+        a2 = 220 <= st.soc_version <= 225
+        if (a2 and (group_tp != "" or tp_world_size != 0 or tp_rank_id != 0)) or tp_world_size not in (0, 1):
+            raise NotImplementedError("no TP domain: A2 takes the defaults, A3 tp_world_size 0 or 1 (no TP comm)")
+        with _untaped(st):
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(ep_world_size)]
+            dist.all_gather(sizes, torch.tensor([bs]), group=group)
+        if global_bs not in (0, bs * ep_world_size) or len({int(n) for n in sizes}) != 1:
+            raise NotImplementedError("emulation covers the same BS on every rank with global_bs 0 or BS * ep")
+        return group, a2
+
+    def gather(t, group):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @traced("npu_moe_distribute_dispatch")
+    def _(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *, scales=None, x_active_mask=None,
+          expert_scales=None, group_tp="", tp_world_size=0, tp_rank_id=0, expert_shard_type=0, shared_expert_num=1,
+          shared_expert_rank_num=0, quant_mode=0, global_bs=0, expert_token_nums_type=1):
+        bs, k = expert_ids.shape
+        if x.dim() != 2 or expert_ids.dtype != torch.int32 or x.shape[0] != bs or not 0 < k <= moe_expert_num:
+            raise ValueError("x [BS, H], expert_ids int32 [BS, K], 0 < K <= moe_expert_num")
+        if quant_mode != 0 or scales is not None or expert_scales is not None or x_active_mask is not None:
+            raise NotImplementedError("emulation covers the unquantised form without expert_scales")
+        if expert_token_nums_type not in (0, 1):
+            raise ValueError("expert_token_nums_type: 0 (cumsum) or 1 (counts)")
+        group, a2 = mc2_group(group_ep, ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size,
+                              tp_rank_id, expert_shard_type, shared_expert_rank_num, global_bs, bs)
+        if st.capturing is None:
+            ordered = expert_ids.sort(-1).values
+            repeat = (ordered[:, 1:] == ordered[:, :-1]).any()
+            if bool(((expert_ids < 0) | (expert_ids >= moe_expert_num)).any() or repeat):
+                raise ValueError("expert_ids: values in [0, moe_expert_num), the K of a row distinct")
+        ep, local, me = ep_world_size, moe_expert_num // ep_world_size, ep_rank_id
+        xs, ids = gather(x, group), gather(expert_ids, group).long()  # [ep, BS, H], [ep, BS, K]
+        src, tok, slot = (ids // local == me).nonzero(as_tuple=True)
+        expert = ids[src, tok, slot] - me * local
+        order = torch.argsort((expert * ep + src) * bs + tok)
+        rows, expert, src = xs[src, tok][order], expert[order], src[order]
+        a = bs * ep * min(local, k)
+        expand_x = torch.full((a * max(tp_world_size, 1), x.shape[1]), float("nan"), dtype=x.dtype)
+        expand_x[:rows.shape[0]] = rows
+        counts = torch.bincount(expert, minlength=local)
+        expert_token_nums = counts.cumsum(0) if expert_token_nums_type == 0 else counts
+        ep_recv_counts = torch.bincount(expert * ep + src, minlength=local * ep).cumsum(0).to(torch.int32)
+        mine = F.one_hot(expert_ids.long(), moe_expert_num).sum(1)  # [BS, E]: which experts each token goes to
+        expand_idx = (mine.cumsum(0) - mine).gather(1, expert_ids.long()).reshape(-1).to(torch.int32)
+        tp_recv_counts = torch.full((tp_world_size,), rows.shape[0], dtype=torch.int32)
+        # without expert_scales in, its values are not defined: non-zero here, so a lost round trip shows
+        expand_scales = torch.arange(a, dtype=torch.float32) + 0.5 if a2 else None
+        out = (expand_x, torch.zeros(a, dtype=torch.float32), expand_idx, expert_token_nums, ep_recv_counts,
+               tp_recv_counts, expand_scales)
+        st.mc2_dispatched[group_ep] = (expert_ids.clone(), out)
+        return out
+
+    @traced("npu_moe_distribute_combine")
+    def _(expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales, group_ep, ep_world_size, ep_rank_id,
+          moe_expert_num, *, tp_send_counts=None, x_active_mask=None, activation_scale=None, weight_scale=None,
+          group_list=None, expand_scales=None, shared_expert_x=None, group_tp="", tp_world_size=0, tp_rank_id=0,
+          expert_shard_type=0, shared_expert_num=1, shared_expert_rank_num=0, global_bs=0, out_dtype=0,
+          comm_quant_mode=0, group_list_type=0):
+        bs, k = expert_ids.shape
+        if any(t is not None for t in (x_active_mask, activation_scale, weight_scale, group_list, shared_expert_x)):
+            raise ValueError("reserved parameters: leave them at their defaults")
+        if comm_quant_mode != 0:
+            raise NotImplementedError("emulation covers comm_quant_mode 0")
+        group, a2 = mc2_group(group_ep, ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size,
+                              tp_rank_id, expert_shard_type, shared_expert_rank_num, global_bs, bs)
+        ep, local, me = ep_world_size, moe_expert_num // ep_world_size, ep_rank_id
+        a = bs * ep * min(local, k)
+        if (expand_x.shape[0] != a * max(tp_world_size, 1) or expert_scales.dtype != torch.float32
+                or expert_scales.shape != (bs, k) or expand_idx.dtype != torch.int32 or expand_idx.shape != (bs * k,)
+                or ep_send_counts.dtype != torch.int32 or ep_send_counts.shape != (ep * local,)):
+            raise ValueError("expand_x [A, H], expert_scales float32 [BS, K], expand_idx int32 [BS*K], "
+                             "ep_send_counts int32 [ep*local]: the dispatch's")
+        if a2 and (expand_scales is None or expand_scales.dtype != torch.float32 or expand_scales.shape != (a,)):
+            raise ValueError("A2: expand_scales (float32 [A]) from the dispatch is required")
+        if not a2 and (expand_scales is not None or tp_send_counts is None or tp_send_counts.shape != (tp_world_size,)):
+            raise ValueError("A3: no expand_scales; tp_send_counts = the dispatch's tp_recv_counts")
+        if st.capturing is None:  # the dispatch's own tensors come back (its values are opaque to the caller)
+            ids0, out0 = st.mc2_dispatched.get(group_ep, (None, None))
+            if ids0 is None or not (torch.equal(expert_ids.to(torch.int32), ids0) and torch.equal(expand_idx, out0[2])
+                                    and torch.equal(ep_send_counts, out0[4])
+                                    and (not a2 or torch.equal(expand_scales, out0[6]))
+                                    and (a2 or torch.equal(tp_send_counts, out0[5]))):
+                raise ValueError("combine must get its dispatch's expert_ids, expand_idx, ep_recv_counts "
+                                 "(and expand_scales on A2 / tp_recv_counts on A3)")
+        xs, counts = gather(expand_x, group), gather(ep_send_counts, group).long()  # [ep, A, H], [ep, ep*local]
+        ids = expert_ids.long()
+        dest, window = ids // local, (ids % local) * ep + me  # the (local expert, source rank) window on dest
+        ends = counts[dest, window]
+        starts = torch.where(window > 0, counts[dest, (window - 1).clamp(min=0)], 0)
+        row = starts + expand_idx.view(bs, k).long()
+        if st.capturing is None and bool((row >= ends).any()):
+            raise ValueError("expand_idx points past its window: not this dispatch's")
+        vals = xs[dest, row]  # [BS, K, H]
+        return (vals.float() * expert_scales.unsqueeze(-1)).sum(1).to(expand_x.dtype)
 
     return m

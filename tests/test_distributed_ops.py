@@ -65,9 +65,9 @@ def test_a_collective_outside_a_group_says_so():
 E, K, H, I = 8, 2, 6, 4  # experts, slots per token, hidden, intermediate (expert parallel op tests)
 
 
-def _ep_case(T: int, skewed: bool):
+def _ep_case(T: int, skewed: bool, E: int = E, K: int = K):
     """Replicated tokens, routing and expert weights (seeded alike on every rank): random top-k ids, or every
-    token routed to experts of rank 1 only (the maximally skewed dispatch)."""
+    token routed to experts of rank 1 only (the maximally skewed dispatch; as far as K <= E/2 allows)."""
     g = torch.Generator().manual_seed(T)
     hidden = torch.randn(T, H, generator=g)
     scores = torch.rand(T, E, generator=g)
@@ -76,6 +76,21 @@ def _ep_case(T: int, skewed: bool):
     ids = scores.topk(K, dim=-1).indices
     weights = torch.rand(T, K, generator=g)
     return hidden, ids, weights, torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+
+
+def _ep_chunk(hidden, ids, weights, w13, w2):
+    """This rank's sequence_parallel_chunk of the tokens, ids and weights; the expert weights as they are."""
+    return (*(OPS.sequence_parallel_chunk(t, 2, "tp") for t in (hidden, ids, weights)), w13, w2)
+
+
+def _ep_layer(dispatch, combine, x, ids, weights, w13, w2, rank: int, E: int = E):
+    """One rank's EP MoE block as MoEExperts runs it: dispatch -> local experts (fused_experts, -1 rows as the layer
+    feeds them: id 0, weight 0) -> combine. Returns (dispatch's rows and local ids, this rank's [Tl, H])."""
+    rows, local_ids, meta = dispatch(x, ids, E, 2, "tp")
+    mine = slice(rank * E // 2, (rank + 1) * E // 2)
+    valid = (local_ids >= 0).unsqueeze(-1)
+    out = OPS.fused_experts(rows, local_ids.clamp(min=0).unsqueeze(-1), valid.to(rows.dtype), w13[mine], w2[mine])
+    return rows, local_ids, combine(out, ids, weights, meta, E, 2, "tp")
 
 
 def _ep_ranks(rank: int, port: int) -> None:
@@ -90,17 +105,13 @@ def _ep_ranks(rank: int, port: int) -> None:
             hidden, ids, weights, w13, w2 = _ep_case(T, skewed)
             ref = moe.moe_combine(*_grouped(moe, hidden, ids, w13, w2), weights)
             x, ids_l, w_l = (OPS.sequence_parallel_chunk(t, 2, "tp") for t in (hidden, ids, weights))
-            rows, local_ids = OPS.ep_dispatch(x, ids_l, E, 2, "tp")
+            rows, local_ids, out = _ep_layer(OPS.ep_dispatch, OPS.ep_combine, x, ids_l, w_l, w13, w2, rank)
             assert rows.shape == (2 * x.shape[0] * K, H) and local_ids.shape == (2 * x.shape[0] * K,)
             assert ((local_ids >= -1) & (local_ids < E // 2)).all()
             assert (rows[local_ids < 0] == 0).all()  # other ranks' slots arrive as zero rows
             if skewed and rank == 0 and T % 2 == 0:  # (a padding row's ids are 0: rank 0's expert 0)
                 assert (local_ids == -1).all()  # nothing for rank 0's experts: rank 1 computes every slot
-            mine = slice(rank * E // 2, (rank + 1) * E // 2)
-            valid = (local_ids >= 0).unsqueeze(-1)
-            out = OPS.fused_experts(rows, local_ids.clamp(min=0).unsqueeze(-1), valid.to(rows.dtype),
-                                    w13[mine], w2[mine])
-            got = OPS.all_gather(OPS.ep_combine(out, w_l, 2, "tp"), 0, 2, "tp")[:T]
+            got = OPS.all_gather(out, 0, 2, "tp")[:T]
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     ps.destroy()
 
@@ -114,12 +125,59 @@ def test_expert_parallel_dispatch_and_combine_on_two_gloo_ranks():
     mp.start_processes(_ep_ranks, args=(launch.free_port(),), nprocs=2, start_method="spawn")
 
 
+def _mc2_ranks(rank: int, port: int) -> None:
+    """The npu ep adapters, i.e. MC2's npu_moe_distribute_dispatch / _combine as tests/npu_emulation.py emulates them
+    (an EMULATION of torch_npu over gloo, not an NPU), give the reference ep_dispatch / ep_combine's result: on an A2
+    and an A3, random and maximally skewed routings, padded chunks (T odd) and K > E/ep (MC2 hands back fewer rows
+    than ep_dispatch's). ep 2, H 6 and fp32 lie outside MC2's hardware limits, where the adapters run the reference:
+    checked once, then mc2_fits is forced so the MC2 path runs."""
+    from npu_emulation import make_torch_npu
+
+    from graphinfer.ops import npu
+
+    ps.init_distributed(rank, 2, 2, "gloo", "127.0.0.1", port, 60, expert_parallel=True, mc2_group=True)
+    real_fits = npu.mc2_fits
+    for soc in (223, 253):  # Atlas A2, A3
+        tnpu = make_torch_npu(soc)
+        npu.hccl_comm_name = tnpu.emulation_comm_name  # the real one asks torch_npu's ProcessGroupHCCL
+        ops, calls = npu.NpuOps(tnpu), tnpu.emulation_state.calls
+        npu.mc2_fits = real_fits
+        x, ids, w, w13, w2 = _ep_chunk(*_ep_case(7, False))
+        want = _ep_layer(OPS.ep_dispatch, OPS.ep_combine, x, ids, w, w13, w2, rank)[2]
+        torch.testing.assert_close(_ep_layer(ops.ep_dispatch, ops.ep_combine, x, ids, w, w13, w2, rank)[2], want)
+        assert not calls  # fp32, ep 2: the reference all_to_all
+        npu.mc2_fits = lambda *args: True
+        for e, k in ((E, K), (4, 3)):
+            for T in (7, 1, 12):
+                for skewed in (False, True):
+                    x, ids, w, w13, w2 = _ep_chunk(*_ep_case(T, skewed, e, k))
+                    _, ref_ids, want = _ep_layer(OPS.ep_dispatch, OPS.ep_combine, x, ids, w, w13, w2, rank, e)
+                    rows, local_ids, got = _ep_layer(ops.ep_dispatch, ops.ep_combine, x, ids, w, w13, w2, rank, e)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                    assert rows.shape == (2 * x.shape[0] * k, H) and ((local_ids >= -1) & (local_ids < e // 2)).all()
+                    assert (rows[local_ids < 0] == 0).all()  # MC2's undefined tail rows (NaN here) come out zero
+                    # the same slots arrive, grouped by expert instead (a padding row's ids are rewritten: see
+                    # npu._mc2_expert_ids, so compare counts only where no padding row exists)
+                    if T % 2 == 0:
+                        assert torch.equal(torch.bincount(local_ids + 1, minlength=e // 2 + 1),
+                                           torch.bincount(ref_ids + 1, minlength=e // 2 + 1))
+                    if skewed and k <= e // 2 and rank == 0 and T % 2 == 0:
+                        assert (local_ids == -1).all()  # every slot went to rank 1
+        assert calls.count("npu_moe_distribute_dispatch") == calls.count("npu_moe_distribute_combine") == 12
+    ps.destroy()
+
+
+def test_expert_parallel_through_the_npu_mc2_adapters_on_two_gloo_ranks():
+    mp.start_processes(_mc2_ranks, args=(launch.free_port(),), nprocs=2, start_method="spawn")
+
+
 def test_expert_parallel_fake_impls_give_the_shapes():
     with FakeTensorMode():
         hidden, ids, w = torch.empty(3, 6), torch.empty(3, 2, dtype=torch.int64), torch.empty(3, 2)
         assert OPS.sequence_parallel_chunk(torch.empty(7, 6), 2, "tp").shape == (4, 6)
-        rows, local_ids = OPS.ep_dispatch(hidden, ids, 8, 2, "tp")
+        rows, local_ids, meta = OPS.ep_dispatch(hidden, ids, 8, 2, "tp")
         assert rows.shape == (12, 6) and local_ids.shape == (12,) and local_ids.dtype == torch.int64
-        assert OPS.ep_combine(rows, w, 2, "tp").shape == (3, 6)
+        assert meta.shape == (3 * 2 * 3 + 8 + 1,) and meta.dtype == torch.int32
+        assert OPS.ep_combine(rows, ids, w, meta, 8, 2, "tp").shape == (3, 6)
         assert OPS.fused_experts(rows, local_ids.view(-1, 1), torch.empty(12, 1), torch.empty(4, 8, 6),
                                  torch.empty(4, 6, 4)).shape == (12, 6)

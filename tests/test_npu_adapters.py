@@ -18,7 +18,7 @@ from graphinfer import LLM, SamplingParams
 from graphinfer.compiler.capture import DecodeGraphs
 from graphinfer.compiler.torchair_backend import compile_with_torchair
 from graphinfer.errors import InvalidConfigError
-from graphinfer.ops.npu import NPU_OPS, NpuOps
+from graphinfer.ops.npu import NPU_OPS, NpuOps, mc2_fits
 from graphinfer.platforms.cpu import CpuPlatform
 from graphinfer.platforms.npu import NpuPlatform, parse_kernels
 from npu_emulation import make_torch_npu
@@ -204,6 +204,24 @@ def test_op_impls_bind_adapters_and_triton_kernels():
     assert impls["paged_attention"] is _triton()["paged_attention"]
     assert impls["rms_norm"].__self__ is platform.ops and impls["rms_norm"].__name__ == "rms_norm"
     assert set(platform.op_impls("torch_npu")) == set(NPU_OPS)
+    assert impls["ep_dispatch"].__self__ is platform.ops and impls["ep_combine"].__name__ == "ep_combine"  # MC2
+    assert "ep_dispatch" not in platform.op_impls("reference")
+
+
+def test_mc2_is_used_only_within_its_documented_limits():
+    """Outside them the ep adapters run the all_to_all reference (the MC2 path itself: tests/test_distributed_ops.py,
+    on two gloo ranks against the emulation)."""
+    bf16, a2, a3 = torch.bfloat16, 223, 253
+    assert mc2_fits(a2, 256, 8, 4096, bf16, 128, 16)  # A2: ep 16, 8 experts a rank, BS <= 256, H % 32 == 0
+    assert not mc2_fits(a2, 257, 8, 4096, bf16, 128, 16)
+    assert not mc2_fits(a2, 16, 8, 4096, bf16, 128, 8)  # A2: ep 16, 32 or 64 only
+    assert not mc2_fits(a2, 16, 8, 4096, bf16, 512, 16)  # A2: <= 24 experts a rank
+    assert not mc2_fits(a2, 16, 8, 4100, bf16, 128, 16)  # H a multiple of 32
+    assert mc2_fits(a3, 512, 8, 7168, bf16, 256, 8)  # A3: H 7168 only, ep from 8
+    assert not mc2_fits(a3, 16, 8, 4096, bf16, 256, 8)
+    assert not mc2_fits(a3, 16, 8, 7168, bf16, 256, 2)
+    assert not mc2_fits(a3, 16, 8, 7168, torch.float32, 256, 8)  # bf16 / fp16 only
+    assert not mc2_fits(202, 16, 8, 7168, bf16, 256, 8)  # 310P: no MC2
 
 
 # ----- torch_npu import hygiene (subprocesses: a fake torch_npu package with a torch.backends entry point) -----

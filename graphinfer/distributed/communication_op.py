@@ -104,13 +104,24 @@ def _all_to_all(x: Tensor, what: str, group_name: str) -> Tensor:
     return out
 
 
+def combine_metadata_size(tokens: int, top_k: int, num_experts: int, ep_size: int) -> int:
+    """Length of ep_dispatch's combine_metadata (int32): room for what Ascend MC2's combine takes back from its
+    dispatch: expand_idx [Tl*K], ep_recv_counts [E], tp_recv_counts [<= 1] and expand_scales [<= ep*Tl*K] (fp32
+    bits). One size for every implementation, so the graph's shapes do not depend on the platform."""
+    return tokens * top_k * (1 + ep_size) + num_experts + 1
+
+
 @graphinfer_op()
 def ep_dispatch(hidden: Tensor, topk_ids: Tensor, num_experts: int, ep_size: int,
-                group_name: str) -> tuple[Tensor, Tensor]:
+                group_name: str) -> tuple[Tensor, Tensor, Tensor]:
     """Send each routed slot to the EP rank owning its expert (rank r owns experts [r*E/ep, (r+1)*E/ep)).
 
-    hidden [Tl, H], topk_ids [Tl, K] (global ids) -> (recv_hidden [ep*Tl*K, H], recv_ids [ep*Tl*K] int64).
-    The send buffer is the worst case, [ep, Tl*K, H]: chunk d row j holds flat slot j (token j // K) if its
+    hidden [Tl, H], topk_ids [Tl, K] (global ids) -> (recv_hidden [ep*Tl*K, H], recv_ids [ep*Tl*K] int64,
+    combine_metadata int32 [combine_metadata_size]). recv_ids are local expert ids, -1 for a zero row; which
+    received row holds which slot is the implementation's, and combine_metadata is what its ep_combine needs to
+    route the rows back (opaque: zeros here, MC2's routing tensors on npu).
+
+    Here the send buffer is the worst case, [ep, Tl*K, H]: chunk d row j holds flat slot j (token j // K) if its
     expert lives on rank d, else zeros with id -1; one all_to_all with equal splits (and one for the ids).
     So row s*Tl*K + j received here is source rank s's slot j: its local expert id, or -1 and a zero row.
     Static shapes, no sort, no host read: capturable."""
@@ -124,22 +135,28 @@ def ep_dispatch(hidden: Tensor, topk_ids: Tensor, num_experts: int, ep_size: int
     send_ids = torch.where(mine, ids - owner * per_rank, -1)
     recv = _all_to_all(send, "ep_dispatch", group_name)
     recv_ids = _all_to_all(send_ids, "ep_dispatch(ids)", group_name)
-    return recv.view(-1, hidden.shape[1]), recv_ids.view(-1)
+    meta = torch.zeros(combine_metadata_size(Tl, K, num_experts, ep_size), dtype=torch.int32, device=ids.device)
+    return recv.view(-1, hidden.shape[1]), recv_ids.view(-1), meta
 
 
 @register_fake(ep_dispatch)
 def _(hidden, topk_ids, num_experts, ep_size, group_name):
-    n = ep_size * topk_ids.shape[0] * topk_ids.shape[1]
-    return hidden.new_empty((n, hidden.shape[1])), topk_ids.new_empty(n, dtype=torch.int64)
+    Tl, K = topk_ids.shape
+    n = ep_size * Tl * K
+    return (hidden.new_empty((n, hidden.shape[1])), topk_ids.new_empty(n, dtype=torch.int64),
+            topk_ids.new_empty(combine_metadata_size(Tl, K, num_experts, ep_size), dtype=torch.int32))
 
 
 @graphinfer_op()
-def ep_combine(expert_rows: Tensor, topk_weights: Tensor, ep_size: int, group_name: str) -> Tensor:
-    """ep_dispatch's way back: expert_rows [ep*Tl*K, H] (row s*Tl*K + j: this rank's output for rank s's slot j,
-    zero where slot j is not this rank's) -> out [Tl, H], out[t] = sum_k topk_weights[t, k] * row of slot t*K + k.
+def ep_combine(expert_rows: Tensor, topk_ids: Tensor, topk_weights: Tensor, combine_metadata: Tensor,
+               num_experts: int, ep_size: int, group_name: str) -> Tensor:
+    """ep_dispatch's way back: expert_rows [ep*Tl*K, H] (this rank's expert output for each row ep_dispatch gave
+    it, zero for its -1 rows), with the dispatch's topk_ids [Tl, K] and combine_metadata -> out [Tl, H],
+    out[t] = sum_k topk_weights[t, k] * the output row of slot t*K + k.
 
-    One all_to_all, then the ep partial rows of each slot summed (exactly one is non-zero, so the sum is that
-    row) and weighted in fp32, as moe_combine does; the result in expert_rows' dtype."""
+    Here (row s*Tl*K + j: rank s's slot j, zero where slot j is not this rank's): one all_to_all, then the ep
+    partial rows of each slot summed (exactly one is non-zero, so the sum is that row) and weighted in fp32, as
+    moe_combine does; the result in expert_rows' dtype. topk_ids and combine_metadata are not needed."""
     Tl, K = topk_weights.shape
     back = _all_to_all(expert_rows.reshape(ep_size, Tl * K, -1), "ep_combine", group_name)
     rows = back.float().sum(dim=0).view(Tl, K, -1)
@@ -147,7 +164,7 @@ def ep_combine(expert_rows: Tensor, topk_weights: Tensor, ep_size: int, group_na
 
 
 @register_fake(ep_combine)
-def _(expert_rows, topk_weights, ep_size, group_name):
+def _(expert_rows, topk_ids, topk_weights, combine_metadata, num_experts, ep_size, group_name):
     return expert_rows.new_empty((topk_weights.shape[0], expert_rows.shape[1]))
 
 

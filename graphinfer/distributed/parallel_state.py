@@ -17,6 +17,8 @@ Data parallel (data_parallel_size dp): dp replicas of tp ranks each, global rank
 torch.distributed world. Each replica has its own "tp" device group and gloo step-channel group; the replicas'
 TP rank 0s (leaders) share a gloo "dp" group, where the lockstep of MoE + EP replicas is agreed each step
 (runtime/dp_lockstep.py). At dp 1 the TP group is the world, as before.
+On Ascend a second device group of the EP ranks, MC2_GROUP, is kept for the MC2 dispatch / combine ops alone
+(vllm-ascend's get_mc2_group): their HCCL communicator may carry no other op.
 """
 import contextlib
 import datetime
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 TP_GROUP = "tp"
 EP_GROUP = "ep"  # every rank of every replica (the world)
+MC2_GROUP = "mc2"  # the EP ranks again, for Ascend's MC2 ops only (init_distributed(mc2_group=True))
 _IDLE_TIMEOUT = datetime.timedelta(days=30)  # the step channel waits as long as a server may stay idle
 
 
@@ -116,10 +119,11 @@ def layout(rank: int, size: int, expert_parallel: bool = False):
 
 def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: str, master_addr: str,
                      master_port: int, timeout_s: float, publish: dict[str, bytes] | None = None,
-                     expert_parallel: bool = False, tp: int | None = None) -> None:
+                     expert_parallel: bool = False, tp: int | None = None, mc2_group: bool = False) -> None:
     """Join the world as global rank `rank` (replicas of `tp` ranks; tp None: one replica): rendezvous at
     master_addr:master_port (rank 0 hosts the store, torchrun-style, and first puts `publish` in it: what the other
-    nodes wait for), then the device groups on `backend` and the gloo step-channel (and lockstep) groups."""
+    nodes wait for), then the device groups on `backend` and the gloo step-channel (and lockstep) groups; with
+    expert_parallel and mc2_group, also the MC2 group."""
     tp = tp or world_size
     timeout = datetime.timedelta(seconds=timeout_s)
     _state.phase = "rendezvous"
@@ -142,6 +146,8 @@ def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: s
             dp_group = dist.new_group(list(range(0, world_size, tp)), backend="gloo", timeout=_IDLE_TIMEOUT)
             if rank % tp == 0:
                 groups["dp"] = dp_group
+        if expert_parallel and mc2_group:
+            groups[MC2_GROUP] = dist.new_group(backend=backend, timeout=timeout)
     except (RuntimeError, DistributedError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
         raise DistributedError(
             f"rank {rank} of {world_size}: the rendezvous at {master_addr}:{master_port} failed ({e}). Check that "

@@ -222,11 +222,11 @@ class MoEExperts(nn.Module):
         x, ids, weights = hidden_states, topk_ids, topk_weights
         if tp > 1:  # the replica's tokens are replicated over its TP ranks: each takes a slice
             x, ids, weights = (sequence_parallel_chunk(t, tp, ps.TP_GROUP) for t in (x, ids, weights))
-        rows, local_ids = ep_dispatch(x, ids, self.global_num_experts, ep, ps.EP_GROUP)
+        rows, local_ids, combine_metadata = ep_dispatch(x, ids, self.global_num_experts, ep, ps.EP_GROUP)
         # A row with id -1 (a slot of another rank's expert) is a zero row: expert 0 with weight 0 adds exactly 0.
         valid = (local_ids >= 0).unsqueeze(-1)
         out = self._local_experts(rows, local_ids.clamp(min=0).unsqueeze(-1), valid.to(rows.dtype))
-        out = ep_combine(out, weights, ep, ps.EP_GROUP)
+        out = ep_combine(out, ids, weights, combine_metadata, self.global_num_experts, ep, ps.EP_GROUP)
         if tp > 1:
             out = all_gather(out, 0, tp, ps.TP_GROUP)[:hidden_states.shape[0]]
         return out

@@ -7,7 +7,8 @@ to call, or looks `torch_npu` up on first use: importing this file never imports
 pass the emulation in tests/npu_emulation.py instead.
 
 Not run on NPU hardware by this project: verified against that emulation only (tools/npu_smoke.py checks
-every adapter against the reference ops on an Atlas A2/A3).
+the single-device adapters against the reference ops on an Atlas A2/A3; the MC2 expert-parallel pair needs
+a multi-card EP group and has run only under the emulation, on two gloo ranks).
 """
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -15,13 +16,49 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
+from graphinfer.distributed import parallel_state as ps
+from graphinfer.distributed.communication_op import combine_metadata_size, ep_combine, ep_dispatch
 from graphinfer.ops.qk_norm_rope import chain_cache_write
 
 NPU_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "qk_norm_rope", "qk_norm_rope_cache", "silu_and_mul",
-           "reshape_and_cache", "paged_attention", "fused_moe", "fused_experts")
+           "reshape_and_cache", "paged_attention", "fused_moe", "fused_experts", "ep_dispatch", "ep_combine")
 MASK_SIZE = 2048  # FIA sparse_mode 2/3/4 take this fixed-size compressed causal mask
+A2_SOCS, A3_SOCS = range(220, 226), range(250, 256)  # torch_npu.npu.get_soc_version(), mapped as vllm-ascend does
+
+
+def mc2_fits(soc_version: int, tokens: int, top_k: int, hidden: int, dtype: torch.dtype, num_experts: int,
+             ep_size: int) -> bool:
+    """Whether npu_moe_distribute_dispatch / _combine take this EP step: their documented limits for the
+    unquantised form without TP or shared-expert ranks. Outside them the ep adapters run the all_to_all reference
+    (vllm-ascend likewise leaves MC2 for all-gather / all-to-all)."""
+    local = num_experts // ep_size
+    if not (dtype in (torch.bfloat16, torch.float16) and num_experts % ep_size == 0 and num_experts <= 512
+            and tokens > 0):
+        return False
+    if soc_version in A2_SOCS:
+        return (ep_size in (16, 32, 64) and local <= 24 and tokens <= 256 and top_k <= 16 and hidden <= 7168
+                and hidden % 32 == 0)
+    if soc_version in A3_SOCS:
+        return ep_size in (8, 16, 32, 64, 128, 144, 256, 288) and tokens <= 512 and top_k <= 8 and hidden == 7168
+    return False
+
+
+def hccl_comm_name(group) -> str:
+    """The name MC2 ops take for a process group's HCCL communicator (torch_npu documents the global rank)."""
+    return group._get_backend(torch.device("npu")).get_hccl_comm_name(dist.get_rank())
+
+
+def _mc2_expert_ids(topk_ids: Tensor) -> Tensor:
+    """int32 ids, the K of a row distinct as MC2 requires: a row with a repeat (only sequence_parallel_chunk's zero
+    padding has one, and its weights are 0) goes to experts 0..K-1 instead."""
+    ids = topk_ids.to(torch.int32)
+    ordered = ids.sort(dim=-1).values
+    repeat = (ordered[:, 1:] == ordered[:, :-1]).any(dim=-1, keepdim=True)
+    return torch.where(repeat, torch.arange(ids.shape[1], dtype=torch.int32, device=ids.device), ids)
 
 
 class NpuOps:
@@ -30,6 +67,8 @@ class NpuOps:
     def __init__(self, torch_npu=None):
         self._torch_npu = torch_npu
         self._masks: dict[torch.device, Tensor] = {}
+        self._soc_version: int | None = None
+        self._comm_names: dict[object, str] = {}  # process group -> its HCCL communicator's name
         self.graph_params = FiaGraphParams(self)
         # No torch_npu op does it either: the qk_norm_rope and reshape_and_cache adapters in turn (a single launch
         # is graphinfer's Triton kernel: kernels="torch_npu,qk_norm_rope_cache=triton").
@@ -184,6 +223,79 @@ class NpuOps:
         down = tnpu.npu_grouped_matmul([tnpu.npu_swiglu(gate_up, dim=-1)], [w2.transpose(1, 2)], group_list=counts,
                                        group_list_type=1, group_type=0, split_item=2)[0]
         return tnpu.npu_moe_token_unpermute(down, row_idx, probs=weights)
+
+    # ----- expert parallel: MC2 (npu_moe_distribute_dispatch / _combine), as vllm-ascend's TokenDispatcherWithMC2 -----
+    def _mc2(self, tokens: int, top_k: int, hidden: int, dtype: torch.dtype, num_experts: int, ep_size: int) -> bool:
+        if self._soc_version is None:
+            self._soc_version = self.torch_npu.npu.get_soc_version()
+        return mc2_fits(self._soc_version, tokens, top_k, hidden, dtype, num_experts, ep_size)
+
+    def _mc2_args(self, num_experts: int, ep_size: int) -> dict:
+        """What dispatch and combine both take: the MC2 group's communicator, no shared-expert ranks, global_bs 0
+        (every rank sends the same Tl tokens: sequence_parallel_chunk). On A3 the explicit no-TP arguments
+        vllm-ascend passes there; A2 has no TP domain (defaults)."""
+        group = ps.get_group(ps.MC2_GROUP)
+        if group not in self._comm_names:
+            self._comm_names[group] = hccl_comm_name(group)
+        name = self._comm_names[group]
+        args = dict(group_ep=name, ep_world_size=ep_size, ep_rank_id=dist.get_rank(group), moe_expert_num=num_experts,
+                    expert_shard_type=0, shared_expert_rank_num=0, global_bs=0)
+        if self._soc_version in A3_SOCS:
+            args.update(group_tp=name, tp_world_size=1, tp_rank_id=0)
+        return args
+
+    def _mc2_sizes(self, tokens: int, top_k: int, num_experts: int, ep_size: int) -> tuple[int, int, int, int]:
+        """Lengths of expand_idx, ep_recv_counts, tp_recv_counts, expand_scales (= expand_x's rows) for these args,
+        as torch_npu allocates them (op-plugin's npu_moe_distribute_dispatch, without expert_scales)."""
+        rows = ep_size * tokens * min(num_experts // ep_size, top_k)
+        return tokens * top_k, num_experts, int(self._soc_version in A3_SOCS), rows
+
+    def ep_dispatch(self, hidden: Tensor, topk_ids: Tensor, num_experts: int, ep_size: int,
+                    group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+        tokens, top_k = topk_ids.shape
+        if not self._mc2(tokens, top_k, hidden.shape[1], hidden.dtype, num_experts, ep_size):
+            return ep_dispatch.reference(hidden, topk_ids, num_experts, ep_size, group_name)
+        args = self._mc2_args(num_experts, ep_size)
+        expand_x, _, expand_idx, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales = (
+            self.torch_npu.npu_moe_distribute_dispatch(hidden, _mc2_expert_ids(topk_ids), quant_mode=0,
+                                                       expert_token_nums_type=0, **args))
+        sizes = self._mc2_sizes(tokens, top_k, num_experts, ep_size)
+        if expand_scales is None:  # A3 documents None
+            expand_scales = torch.zeros(sizes[3], dtype=torch.float32, device=hidden.device)
+        got = (expand_idx.shape[0], ep_recv_counts.shape[0], tp_recv_counts.shape[0], expand_scales.shape[0])
+        if got != sizes or expand_x.shape[0] != sizes[3]:
+            raise RuntimeError(f"npu_moe_distribute_dispatch returned expand_x {tuple(expand_x.shape)} and "
+                               f"(expand_idx, ep_recv_counts, tp_recv_counts, expand_scales) of lengths {got}; "
+                               f"graphinfer expects {sizes[3]} rows and {sizes}. Use kernels='reference' for expert "
+                               f"parallel with this torch_npu.")
+        # expand_x: the received rows grouped by local expert, expert_token_nums the cumulative counts (type 0); rows
+        # past the last count are undefined. Row i's local expert = the number of group ends at or before i.
+        n = ep_size * tokens * top_k  # ep_dispatch's rows (MC2 gives ep * Tl * min(local, K) of them)
+        local_ids = (torch.arange(n, device=hidden.device).unsqueeze(1) >= expert_token_nums).sum(dim=1)
+        valid = local_ids < num_experts // ep_size
+        rows = torch.where(valid.unsqueeze(1), F.pad(expand_x, (0, 0, 0, n - sizes[3])),
+                           torch.zeros((), dtype=expand_x.dtype, device=expand_x.device))
+        # combine_metadata: the four tensors combine takes back, one int32 buffer of the size every impl returns
+        meta = torch.cat((expand_idx, ep_recv_counts, tp_recv_counts, expand_scales.view(torch.int32)))
+        meta = F.pad(meta, (0, combine_metadata_size(tokens, top_k, num_experts, ep_size) - meta.shape[0]))
+        return rows, torch.where(valid, local_ids, -1), meta
+
+    def ep_combine(self, expert_rows: Tensor, topk_ids: Tensor, topk_weights: Tensor, combine_metadata: Tensor,
+                   num_experts: int, ep_size: int, group_name: str) -> Tensor:
+        tokens, top_k = topk_weights.shape
+        if not self._mc2(tokens, top_k, expert_rows.shape[1], expert_rows.dtype, num_experts, ep_size):
+            return ep_combine.reference(expert_rows, topk_ids, topk_weights, combine_metadata, num_experts, ep_size,
+                                        group_name)
+        sizes = self._mc2_sizes(tokens, top_k, num_experts, ep_size)
+        expand_idx, ep_recv_counts, tp_recv_counts, expand_scales = combine_metadata[:sum(sizes)].split(sizes)
+        args = self._mc2_args(num_experts, ep_size)
+        if self._soc_version in A3_SOCS:
+            args["tp_send_counts"] = tp_recv_counts
+        else:  # A2 requires dispatch's expand_scales back; A3 takes none
+            args["expand_scales"] = expand_scales.view(torch.float32)
+        # expert_rows past expand_x's rows are ep_dispatch's zero padding; combine weighs by topk_weights itself.
+        return self.torch_npu.npu_moe_distribute_combine(expert_rows[:sizes[3]], _mc2_expert_ids(topk_ids), expand_idx,
+                                                         ep_recv_counts, topk_weights.float(), **args)
 
 
 @dataclass

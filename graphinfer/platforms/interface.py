@@ -18,6 +18,7 @@ class Platform:
     dist_backend: str = ""  # torch.distributed backend: gloo / nccl / hccl
     supports_graph_capture: bool = False  # whether graph modes other than NONE can capture device graphs here
     max_capture_graphs: int | None = None  # device graphs capturable in all (Ascend: its stream budget); None: no limit
+    mc2_group: bool = False  # expert parallel wants parallel_state.MC2_GROUP (Ascend's MC2 ops)
 
     def __init__(self):
         self._impl_lib: torch.library.Library | None = None

@@ -111,6 +111,7 @@ class NpuPlatform(Platform):
     supports_graph_capture = True
     # vllm-ascend's budget: ~2048 streams, 1,800 usable for graphs; a piecewise size costs a graph per piece.
     max_capture_graphs = 1800
+    mc2_group = True  # ep_dispatch / ep_combine run MC2 ops, which need an HCCL communicator of their own
 
     def __init__(self, torch_npu=None):
         """torch_npu: the module to call (tests pass tests/npu_emulation.py); None: import it on first use."""

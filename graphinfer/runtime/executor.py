@@ -35,7 +35,7 @@ def join_group(rank: int, pc: ParallelConfig, master_port: int, platform: Platfo
         platform.device_module.set_device(local)
     ps.init_distributed(rank, pc.world_size, pc.ranks_per_node, platform.dist_backend, pc.master_addr,
                         master_port, pc.timeout_s, publish, expert_parallel=pc.enable_expert_parallel,
-                        tp=pc.tensor_parallel_size)
+                        tp=pc.tensor_parallel_size, mc2_group=platform.mc2_group)
     if platform.device_type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
         from graphinfer.platforms.cpu import physical_cores
 
