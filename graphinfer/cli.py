@@ -284,14 +284,16 @@ def _on_off(value: str) -> bool:
 
 
 _SWEEPS = {"max-num-seqs": ("max_num_seqs", int), "graph-mode": ("graph_mode", str),
-           "async-scheduling": ("async_scheduling", _on_off), "tensor-parallel-size": ("tensor_parallel_size", int)}
+           "async-scheduling": ("async_scheduling", _on_off), "tensor-parallel-size": ("tensor_parallel_size", int),
+           "data-parallel-size": ("data_parallel_size", int)}
 
 
 def _bench_throughput(args) -> None:
     from graphinfer.bench.throughput import run
 
     grid = {"max_num_seqs": [args.max_num_seqs], "graph_mode": [args.graph_mode],
-            "async_scheduling": [args.async_scheduling], "tensor_parallel_size": [args.tensor_parallel_size or 1]}
+            "async_scheduling": [args.async_scheduling], "tensor_parallel_size": [args.tensor_parallel_size or 1],
+            "data_parallel_size": [args.data_parallel_size]}
     for spec in args.sweep or []:  # --sweep max-num-seqs=16,32 --sweep graph-mode=NONE,FULL_DECODE_ONLY: a grid
         key, _, values = spec.partition("=")
         if key not in _SWEEPS or not values:
@@ -302,8 +304,9 @@ def _bench_throughput(args) -> None:
         raise GraphinferError(f"graph modes {bad}: use {', '.join(GRAPH_MODES)}.")
     run(args.model, dtype=args.dtype, device=args.device, graph_modes=grid["graph_mode"],
         max_num_seqs=grid["max_num_seqs"], async_scheduling=grid["async_scheduling"],
-        tensor_parallel_size=grid["tensor_parallel_size"],
-        parallel={k: v for k, v in _parallel_kwargs(args).items() if k != "tensor_parallel_size"},
+        tensor_parallel_size=grid["tensor_parallel_size"], data_parallel_size=grid["data_parallel_size"],
+        parallel={k: v for k, v in _parallel_kwargs(args).items()
+                  if k not in ("tensor_parallel_size", "data_parallel_size")},
         capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
         passes=args.passes, num_prompts=args.num_prompts, min_len=args.min_len, max_len=args.max_len,
         fixed_output_len=args.fixed_output_len, max_model_len=args.max_model_len,
@@ -463,8 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--fixed-output-len", type=int, default=None, help="every request generates N tokens "
                                                                        "(the fixed-512 variant)")
     bt.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
-                    help="max-num-seqs=16,32,..., graph-mode=NONE,FULL_AND_PIECEWISE,..., async-scheduling=off,on or "
-                         "tensor-parallel-size=1,2 (repeat for a grid)")
+                    help="max-num-seqs=16,32,..., graph-mode=NONE,FULL_AND_PIECEWISE,..., async-scheduling=off,on, "
+                         "tensor-parallel-size=1,2 or data-parallel-size=1,2 (repeat for a grid)")
     bt.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' generate_batch "
                                                                     "(fixed output length: 512 unless given)")
     bt.add_argument("--hf-cuda-graph", action="store_true", help="HF: use_cuda_graph=True, max_memory_percent=0.5")

@@ -209,3 +209,37 @@ def test_throughput_tensor_parallel_sweep_records_collectives(capsys):
     assert 0 < tp2["collective_fraction"] < 1 and "gloo" in tp2["collective_measure"]
     assert tp2["threads_per_rank"] <= tp1["threads_per_rank"]
     assert "| NONE | 256 | 2 |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads this process's children from /proc")
+def test_throughput_data_parallel_sweep_moe_expert_parallel(capsys):
+    """dp 1 and dp 2 (MoE + expert parallel, two replicas in lockstep over gloo) in one run: the same output
+    tokens, requests routed to both replicas, the expert load summed over the replicas (every token counted
+    once per top-k slot in both runs; which experts they go to differs, as the sampled tokens do), and the dp-2
+    replica process gone once the run returns."""
+    from graphinfer.bench.throughput import run
+
+    before = _child_pids()
+    result = run("tiny-qwen3-moe", dtype="float32", device="cpu", data_parallel_size=(1, 2),
+                 parallel={"enable_expert_parallel": True}, num_prompts=4, min_len=8, max_len=16)
+    assert _child_pids() == before
+    w = result["workload"]
+    dp1, dp2 = result["runs"]
+    assert [(r["data_parallel_size"], r["enable_expert_parallel"], r["expert_parallel_size"]) for r in (dp1, dp2)] \
+        == [(1, True, 1), (2, True, 2)]  # tp 1 x dp 1: EP on, but nothing to split over
+    for r in (dp1, dp2):
+        _check_run(r, w)
+    assert "requests_routed" not in dp1
+    assert dp2["requests_routed"] == [2, 2] and [e["dp_rank"] for e in dp2["replicas"]] == [0, 1]
+    assert sum(e["output_tokens"] for e in dp2["replicas"]) == dp2["output_tokens"] == w["output_tokens"]
+    assert sum(e["prompt_tokens"] for e in dp2["replicas"]) == w["prompt_tokens"]
+    # Every computed token (prompts, then each output token but the last) routed to top_k = 2 experts per layer.
+    tokens = 2 * (w["prompt_tokens"] + w["output_tokens"] - w["num_prompts"])
+    for r in (dp1, dp2):
+        layers = r["expert_load"]["layers"]
+        assert len(layers) == 2 and all(v["tokens"] == tokens for v in layers.values())
+    assert all(len(v["tokens_per_rank"]) == 2 for v in dp2["expert_load"]["layers"].values())
+    assert dp1["collective_calls"] == 0 and dp2["collective_calls"] >= dp2["num_steps"]  # lockstep all-reduce
+    assert "lockstep" in dp2["collective_measure"] and "replica" in dp2["roofline"]["scope"]
+    out = capsys.readouterr().out
+    assert "| NONE | 256 | 1 | on (1) |" in out and "| NONE | 256 | 2 | on (2) |" in out and "| 2 / 2 |" in out

@@ -42,6 +42,11 @@
 #   tp          issue 25: needs >= 2 GPUs (refuses on one). The standard workload at max_num_seqs 256, tensor parallel 1
 #               vs 2 (NCCL), each in FULL_DECODE_ONLY and FULL_AND_PIECEWISE, in one run: tok/s, decode step time and
 #               rank 0's time in collective calls (launch time on cuda)                  (~6 min, not in the default)
+#   dp          issue 26: needs >= 2 GPUs (refuses on one). Data parallel 1 vs 2 in one run each (replicas of tp 1, one
+#               GPU each): $MOE_MODEL (default tiny-qwen3-moe, prompts/outputs 100-500 to fit its 1,024 context) with
+#               --enable-expert-parallel (the replicas step in lockstep, EP 2 over NCCL), NONE and FULL_AND_PIECEWISE;
+#               then $MODEL dense, FULL_AND_PIECEWISE, standard workload: tok/s, requests per replica, the expert
+#               load summed over the replicas                                             (~6 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -196,6 +201,27 @@ step_tp() {  # issue 25: tensor parallel 2 vs 1 in the same run; NCCL needs a GP
     fi
     bench tp throughput "${COMMON[@]}" --max-num-seqs 256 --sweep graph-mode=$modes \
         --sweep tensor-parallel-size=1,2 --output-json "$OUT_DIR/tp.json" --plot "$OUT_DIR/tp.png"
+}
+
+step_dp() {  # issue 26: data parallel 2 vs 1 in the same run, MoE + expert parallel and dense; a GPU per replica
+    local moe=${MOE_MODEL:-tiny-qwen3-moe} moe_modes=NONE,FULL_AND_PIECEWISE mode=FULL_AND_PIECEWISE gpus
+    local moe_len=(--max-len 500)  # tiny-qwen3-moe's context is 1,024: prompt + output must fit
+    if [ "${SMOKE:-0}" = 1 ]; then
+        moe_modes=NONE mode=NONE moe_len=()  # cpu rehearsal: the same commands, dp 2 as two processes over gloo
+    else
+        gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+        if [ "${gpus:-0}" -lt 2 ]; then
+            echo "=== dp: needs >= 2 GPUs (data parallel 2 runs one replica per GPU; with expert parallel they exchange" \
+                 "tokens over NCCL); nvidia-smi -L shows ${gpus:-0}. Run it on a machine with >= 2 GPUs; SMOKE=1" \
+                 "rehearses it on CPU." >&2
+            exit 3
+        fi
+    fi
+    bench dp_moe throughput "${COMMON[@]}" --model "$moe" --max-num-seqs 256 --enable-expert-parallel \
+        ${moe_len[@]+"${moe_len[@]}"} --sweep graph-mode=$moe_modes --sweep data-parallel-size=1,2 \
+        --output-json "$OUT_DIR/dp_moe.json" --plot "$OUT_DIR/dp_moe.png"
+    bench dp_dense throughput "${COMMON[@]}" --max-num-seqs 256 --graph-mode $mode --sweep data-parallel-size=1,2 \
+        --output-json "$OUT_DIR/dp_dense.json" --plot "$OUT_DIR/dp_dense.png"
 }
 
 step_prefill() {  # issue 19: prefill attention kernel (its tests compiled for the GPU, then TFLOP/s vs SDPA)

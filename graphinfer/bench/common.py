@@ -78,6 +78,10 @@ class StepRecord:
 @dataclass
 class StepLog:
     steps: list[StepRecord] = field(default_factory=list)
+    # Data parallel: steps in which replica 0 (this process) scheduled nothing while other replicas had work (it
+    # waited for their outputs, or in lockstep ran a padding-only step beside them); not in `steps`.
+    idle: list[StepRecord] = field(default_factory=list)
+    replicas: list[int] | None = None  # data parallel: the replica each request of the run was routed to
 
     def seconds(self, kind: str) -> float:
         return sum(s.seconds for s in self.steps if s.kind == kind)
@@ -95,16 +99,18 @@ class StepLog:
                 "prefill_s": self.seconds("prefill"), "decode_s": self.seconds("decode"),
                 "mean_decode_batch": sum(s.rows for s in dec) / len(dec) if dec else None,
                 "median_decode_step_ms": med([s.seconds for s in dec]),
-                "median_prefill_step_ms": med([s.seconds for s in pre])}
+                "median_prefill_step_ms": med([s.seconds for s in pre]),
+                "idle_s": sum(s.seconds for s in self.idle), "num_idle_steps": len(self.idle)}
 
     def collective_summary(self) -> dict:
         """Time in collective calls (tensor parallel), split like the steps, and its share of the step time."""
         dec = self.of("decode")
         pre_s, dec_s = self.comm_seconds("prefill"), self.comm_seconds("decode")
-        step_s = self.seconds("prefill") + self.seconds("decode")
-        return {"collective_s": pre_s + dec_s, "collective_prefill_s": pre_s, "collective_decode_s": dec_s,
-                "collective_calls": sum(s.comm_calls for s in self.steps),
-                "collective_fraction": (pre_s + dec_s) / step_s if step_s else None,
+        idle_s = sum(s.comm_seconds for s in self.idle)  # data parallel: replica 0's rounds with nothing of its own
+        step_s = self.seconds("prefill") + self.seconds("decode") + sum(s.seconds for s in self.idle)
+        return {"collective_s": pre_s + dec_s + idle_s, "collective_prefill_s": pre_s, "collective_decode_s": dec_s,
+                "collective_idle_s": idle_s, "collective_calls": sum(s.comm_calls for s in self.steps + self.idle),
+                "collective_fraction": (pre_s + dec_s + idle_s) / step_s if step_s else None,
                 "collective_decode_fraction": dec_s / self.seconds("decode") if dec else None,
                 "median_decode_step_collective_ms":
                     statistics.median(s.comm_seconds for s in dec) * 1e3 if dec else None}
@@ -119,10 +125,13 @@ def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
     (With async scheduling a step ends by waiting for the previous step's tokens, so its time is that of
     the device work it overlapped; pass no `sync` then.)
     Each step also records the host time this process spent inside collective calls (tensor parallel; 0 at tp 1).
+    A data-parallel engine (runtime/dp_engine.DPEngine) is seen through replica 0's scheduler: the steps in which
+    it scheduled nothing while other replicas had work go to log.idle, not log.steps.
     `until(outputs)` may stop the loop early. Returns the finished RequestOutputs."""
     from graphinfer.distributed.parallel_state import comm_counters
 
-    sched = engine.scheduler
+    sched = engine.scheduler  # data parallel: replica 0's
+    data_parallel = getattr(engine, "dp_size", 1) > 1
     current: list = []
 
     def schedule():
@@ -146,11 +155,14 @@ def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
             if sync:
                 sync()
             dt = time.perf_counter() - t
-            rec = current.pop()
+            # none: a data-parallel front end whose replica 0 has no work only waited for the other replicas' outputs
+            rec = current.pop() if current else StepRecord("idle", 0.0, 0, 0, 0)
             rec.seconds = dt
             comm_s2, comm_n2 = comm_counters()
             rec.comm_seconds, rec.comm_calls = comm_s2 - comm_s, comm_n2 - comm_n
-            if rec.kind == "idle" and log.steps:  # it only waited for the step before (async scheduling)
+            if rec.kind == "idle" and data_parallel:
+                log.idle.append(rec)
+            elif rec.kind == "idle" and log.steps:  # it only waited for the step before (async scheduling)
                 prev = log.steps[-1]
                 prev.seconds += dt
                 prev.comm_seconds += rec.comm_seconds

@@ -6,11 +6,15 @@ ignore_eos, max_model_len 4096; one warm-up generate; throughput = output tokens
 whole generate. The generate is LLM.generate's own loop over engine.step(), with each step timed and
 classed as prefill (any prompt token scheduled) or decode, so the run also splits its time and gets
 compared with a memory roofline (graphinfer/bench/roofline.py) at a bandwidth measured in the same run.
-Several configurations (graph mode x async scheduling x max_num_seqs x tensor-parallel size) run one after
-another in one process, each engine shut down (its tensor-parallel ranks stopped) before the next starts.
+Several configurations (graph mode x async scheduling x max_num_seqs x tensor-parallel size x data-parallel size)
+run one after another in one process, each engine shut down (its tensor-parallel ranks and data-parallel replicas
+stopped) before the next starts.
 At tp > 1 each step also records the host time rank 0 spends inside collective calls (the step message's
 broadcast and the graph's all-reduces / all-gathers; on gloo they are synchronous, so this includes waiting
 for the other ranks).
+With data parallel (dp > 1) the output tokens and preemptions are every replica's, the step log and its
+prefill/decode split are replica 0's (the front end's process), each row records the requests routed to each
+replica, and a MoE model's expert load is summed over the replicas (DPEngine.expert_load).
 """
 import random
 import time
@@ -66,14 +70,17 @@ def warmup_workload(num: int, min_len: int, vocab_size: int, max_model_len: int,
 
 
 def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, common.StepLog]:
-    """LLM.generate(prompts, params) timed as a whole and per engine step."""
+    """LLM.generate(prompts, params) timed as a whole and per engine step. With data parallel (a DPEngine) also per
+    replica: the requests routed to it, their prompt / output tokens and its preemptions (log.replicas: each
+    request's replica)."""
     from graphinfer import SamplingParams
     from graphinfer.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
+    dp = getattr(engine, "dp_size", 1)
     sync = engine.platform.synchronize
     log = common.StepLog()
-    preemptions = engine.scheduler.num_preemptions
+    before = engine.scheduler_stats()  # summed over the replicas (data parallel), each under "engines"
     sync()
     start = time.perf_counter()
     seqs = [engine.make_sequence(p, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m,
@@ -81,6 +88,8 @@ def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, c
             for p, m in zip(workload.prompts, workload.max_tokens)]
     for seq in seqs:
         engine.add_sequence(seq)
+    if dp > 1:
+        log.replicas = [engine.replica_of(seq.request_id) for seq in seqs]
     try:
         # Async scheduling overlaps a step's host work with the previous step's device work: no per-step sync.
         finished = common.run_steps(engine, log, sync=None if engine.async_scheduling else sync)
@@ -89,33 +98,67 @@ def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, c
             engine.abort_request(seq.request_id)
     sync()
     total = time.perf_counter() - start
+    after = engine.scheduler_stats()  # a replica reports its load with its outputs: current once all are in
     out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
-    return {"total_s": total, "output_tokens": out_tokens, "output_tok_s": out_tokens / total,
-            "num_preemptions": engine.scheduler.num_preemptions - preemptions, **log.summary()}, log
+    stats = {"total_s": total, "output_tokens": out_tokens, "output_tok_s": out_tokens / total,
+             "num_preemptions": after["preemptions"] - before["preemptions"], **log.summary()}
+    if dp > 1:
+        replica = {seq.request_id: d for seq, d in zip(seqs, log.replicas)}
+        stats["replicas"] = [
+            {"dp_rank": d, "requests_routed": log.replicas.count(d),
+             "prompt_tokens": sum(len(p) for p, r in zip(workload.prompts, log.replicas) if r == d),
+             "output_tokens": sum(len(o.outputs[0].token_ids) for o in finished if replica[o.request_id] == d),
+             "preemptions": a["preemptions"] - b["preemptions"]}
+            for d, (b, a) in enumerate(zip(before["engines"], after["engines"]))]
+        stats["requests_routed"] = [r["requests_routed"] for r in stats["replicas"]]
+    return stats, log
 
 
 def roofline_report(engine, shape: ModelShape, workload: Workload, log: common.StepLog, stats: dict,
                     bandwidth: float) -> dict:
-    ideal = ideal_roofline(shape, list(map(len, workload.prompts)), workload.max_tokens,
-                           engine.config.scheduler_config.max_num_batched_tokens, bandwidth)
+    mnbt = engine.config.scheduler_config.max_num_batched_tokens
+    lens = list(map(len, workload.prompts))
+    if log.replicas is None:
+        ideal = ideal_roofline(shape, lens, workload.max_tokens, mnbt, bandwidth)
+    else:  # data parallel: each replica its own requests on its own device; the run takes the slowest one's time
+        per = [ideal_roofline(shape, [n for n, r in zip(lens, log.replicas) if r == d],
+                              [m for m, r in zip(workload.max_tokens, log.replicas) if r == d], mnbt, bandwidth)
+               for d in sorted(set(log.replicas))]
+        seconds = max(p["seconds"] for p in per)
+        ideal = {"seconds": seconds, "bytes": sum(p["bytes"] for p in per),
+                 "output_tok_s": workload.output_tokens / seconds}
     ran = sum(step_bytes(shape, s.kv_tokens) for s in log.steps if s.kind != "idle") / bandwidth
     decode = sum(step_bytes(shape, s.kv_tokens) for s in log.of("decode")) / bandwidth
+    pc = engine.config.parallel_config
+    if pc.data_parallel_size > 1:
+        scope = ("data parallel: each replica's requests (as routed) on its own device at this bandwidth with rank "
+                 "0's weights (its tp / ep shard), the ideal time being the slowest replica's; schedule_s and "
+                 "decode_steps_s cover replica 0's steps only; cpu replicas share one memory bus, so there the bound "
+                 "is optimistic")
+    elif pc.tensor_parallel_size == 1:
+        scope = "the whole model"
+    else:
+        scope = ("rank 0's shard at one device's bandwidth (every rank reads its own in parallel; cpu ranks share one "
+                 "memory bus, so there the bound is optimistic)")
     return {"ideal_s": ideal["seconds"], "ideal_tok_s": ideal["output_tok_s"], "ideal_bytes": ideal["bytes"],
             "fraction": ideal["seconds"] / stats["total_s"],  # = achieved tok/s / ideal tok/s
             # The same model over the steps that actually ran (all, and the pure-decode ones vs their time).
             "schedule_s": ran, "schedule_fraction": ran / stats["total_s"],
             "decode_steps_s": decode, "decode_fraction": decode / stats["decode_s"] if stats["decode_s"] else None,
-            "bandwidth_bytes_per_s": bandwidth,
-            "scope": "the whole model" if engine.config.parallel_config.tensor_parallel_size == 1 else
-            "rank 0's shard at one device's bandwidth (every rank reads its own in parallel; cpu ranks share one "
-            "memory bus, so there the bound is optimistic)"}
+            "bandwidth_bytes_per_s": bandwidth, "scope": scope}
 
 
 def collective_measure(engine) -> str:
     """What the collective fields of a row measured (the JSON says so next to them)."""
-    if engine.config.parallel_config.tensor_parallel_size == 1:
-        return "none: tp 1 runs no collectives"
+    pc = engine.config.parallel_config
+    lockstep = getattr(engine, "dp_lockstep", False)  # MoE + expert parallel replicas (replica 0's engine)
+    if pc.tensor_parallel_size == 1 and not lockstep:
+        return "none: tp 1 runs no collectives" + (
+            " (and data-parallel replicas of a dense model share none)" if pc.data_parallel_size > 1 else "")
     what = "host time of rank 0 inside collective calls (parallel_state.comm_counters), per engine step"
+    if lockstep:
+        what += ("; data parallel + expert parallel: the replicas' per-step all-reduce (lockstep) and the MoE "
+                 "layers' token exchanges included")
     if engine.platform.dist_backend == "gloo":
         return what + "; gloo collectives are synchronous: this is their whole time, waits for the other ranks included"
     return (what + f"; {engine.platform.dist_backend} collectives return once enqueued, so this is launch time only "
@@ -132,7 +175,7 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
         engine = llm.llm_engine
         row = {"init_s": time.perf_counter() - t,
                "capture_s": sum(s.seconds for s in (engine.capture_stats, engine.piecewise_capture_stats) if s) or None,
-               "num_kv_blocks": engine.model_runner.num_blocks,
+               "num_kv_blocks": engine.model_runner.num_blocks,  # data parallel: replica 0's (each has its own)
                # rank 0's; on cpu every rank of a node takes the same share of its cores (runtime/executor.join_group)
                "threads_per_rank": torch.get_num_threads()}
         warm = warmup_workload(min(len(workload.prompts), engine.config.scheduler_config.max_num_seqs), min_len,
@@ -147,7 +190,8 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
                    roofline=roofline_report(engine, shape, workload, log, stats, bandwidth),
                    model_shape=shape.to_dict())
         if engine.model_runner.moe_layers:  # tokens per expert per MoE layer, and their imbalance
-            row["expert_load"] = engine.expert_load_summary()
+            row["expert_parallel_size"] = engine.expert_parallel_size
+            row["expert_load"] = engine.expert_load_summary()  # data parallel: summed over the replicas
         return row
     finally:  # the next configuration starts on free memory, and a tp > 1 engine's other ranks exit here
         llm.shutdown()
@@ -162,16 +206,37 @@ def _tp(runs: list[dict]) -> bool:
     return any(r.get("tensor_parallel_size", 1) > 1 for r in runs)
 
 
+def _dp(runs: list[dict]) -> bool:
+    """Whether the tables show the data-parallel columns (some run has dp > 1)."""
+    return any(r.get("data_parallel_size", 1) > 1 for r in runs)
+
+
+def _ep(r: dict) -> str:
+    """" + EP" where expert parallel was asked for (the row's expert_parallel_size says whether it split anything)."""
+    return " + EP" if r.get("enable_expert_parallel") else ""
+
+
+def _label(runs: list[dict]):
+    """A run's name in the plot: its graph mode, and its tp / dp when some run of the sweep has them > 1."""
+    tp, dp = _tp(runs), _dp(runs)
+    return lambda r: (_mode(r) + (f" tp {r.get('tensor_parallel_size', 1)}" if tp else "")
+                      + (f" dp {r.get('data_parallel_size', 1)}{_ep(r)}" if dp else ""))
+
+
 def _fmt_row(r: dict) -> str:
-    tp = r.get("tensor_parallel_size", 1)
-    name = f"{_mode(r)} max_num_seqs={r['max_num_seqs']}" + (f" tp={tp}" if tp > 1 else "")
+    tp, dp = r.get("tensor_parallel_size", 1), r.get("data_parallel_size", 1)
+    name = (f"{_mode(r)} max_num_seqs={r['max_num_seqs']}" + (f" tp={tp}" if tp > 1 else "")
+            + (f" dp={dp}" if dp > 1 else "") + _ep(r))
     if "unavailable" in r:
         return f"{name}: unavailable ({r['unavailable']})"
     rf = r["roofline"]
     dec = f", decode steps at {rf['decode_fraction']:.1%} of their roofline" if rf["decode_fraction"] else ""
-    if tp > 1:
+    if tp > 1 or dp > 1:
         dec += (f"; {r['threads_per_rank']} thread(s) per rank, {r['collective_s']:.2f} s in collective calls "
-                f"({r['collective_fraction']:.1%} of the step time)")
+                f"({(r['collective_fraction'] or 0):.1%} of the step time)")
+    if dp > 1:
+        dec += (f"; requests per replica {r['requests_routed']}, replica 0 idle {r['idle_s']:.2f} s / "
+                f"{r['num_idle_steps']} steps")
     return (f"{name}: {r['output_tokens']:,} output tokens in "
             f"{r['total_s']:.2f} s = {r['output_tok_s']:,.1f} tok/s (prefill {r['prefill_s']:.2f} s / "
             f"{r['num_prefill_steps']} steps, decode {r['decode_s']:.2f} s / {r['num_decode_steps']} steps, mean "
@@ -180,28 +245,44 @@ def _fmt_row(r: dict) -> str:
 
 
 def table(result: dict) -> str:
+    """One row per run; the tp / dp columns (and the collective time) where some run has tp > 1 or dp > 1. With data
+    parallel the step split is replica 0's (its steps; "idle s": its steps with nothing of its own)."""
     hf = result.get("hf") if "output_tok_s" in result.get("hf", {}) else None
-    tp = _tp(result["runs"])
-    headers = ["graph mode", "max_num_seqs"] + (["tp", "threads/rank"] if tp else []) + [
+    tp, dp = _tp(result["runs"]), _dp(result["runs"])
+    par = tp or dp
+    headers = ["graph mode", "max_num_seqs"] + (["tp"] if tp else []) + (["dp", "EP"] if dp else []) + (
+        ["threads/rank"] if par else []) + [
         "time (s)", "output tok/s", "prefill s", "decode s", "steps", "mean decode batch"] + (
-        ["median decode step ms", "collective s", "% of step time"] if tp else []) + ["roofline %"] + (
+        ["idle s", "requests per replica"] if dp else []) + (
+        ["median decode step ms", "collective s", "% of step time"] if par else []) + ["roofline %"] + (
         ["vs HF"] if hf else [])
     rows = []
     for r in result["runs"]:
-        head = [_mode(r), r["max_num_seqs"]] + ([r.get("tensor_parallel_size", 1)] if tp else [])
+        head = [_mode(r), r["max_num_seqs"]] + ([r.get("tensor_parallel_size", 1)] if tp else []) + (
+            [r.get("data_parallel_size", 1), _ep_cell(r)] if dp else [])
         if "unavailable" in r:
             why = "failed" if r["unavailable"].startswith("failed") else "unavailable"
             rows.append(head + [why] + [None] * (len(headers) - len(head) - 1))
             continue
-        rows.append(head + ([r["threads_per_rank"]] if tp else []) + [
+        rows.append(head + ([r["threads_per_rank"]] if par else []) + [
             f"{r['total_s']:.2f}", f"{r['output_tok_s']:,.2f}", f"{r['prefill_s']:.2f}", f"{r['decode_s']:.2f}",
             r["num_steps"], r["mean_decode_batch"]] + (
+            [f"{r.get('idle_s', 0):.2f}",  # dp 1: every request on the one engine
+             " / ".join(map(str, r.get("requests_routed") or [result["workload"]["num_prompts"]]))] if dp else []) + (
             [r["median_decode_step_ms"], f"{r['collective_s']:.2f}", f"{100 * (r['collective_fraction'] or 0):.1f}"]
-            if tp else []) + [f"{100 * r['roofline']['fraction']:.1f}"] + ([f"{r['vs_hf']:.2f}x"] if hf else []))
+            if par else []) + [f"{100 * r['roofline']['fraction']:.1f}"] + ([f"{r['vs_hf']:.2f}x"] if hf else []))
     if hf:
-        rows.append(["HF generate_batch", "-"] + (["-", "-"] if tp else []) + [
-            f"{hf['total_s']:.2f}", f"{hf['output_tok_s']:,.2f}"] + [None] * (len(headers) - 4 - 2 * tp))
+        lead = ["HF generate_batch", "-"] + ["-"] * (int(tp) + 2 * int(dp) + int(par))
+        rows.append(lead + [f"{hf['total_s']:.2f}", f"{hf['output_tok_s']:,.2f}"]
+                    + [None] * (len(headers) - len(lead) - 2))
     return common.markdown_table(headers, rows)
+
+
+def _ep_cell(r: dict) -> str:
+    """The EP column: off, or on with the expert-parallel size it ran at (1: nothing to split over, e.g. tp 1 dp 1)."""
+    if not r.get("enable_expert_parallel"):
+        return "off"
+    return f"on ({r['expert_parallel_size']})" if "expert_parallel_size" in r else "on"
 
 
 def plot(result: dict, path: str) -> None:
@@ -212,7 +293,7 @@ def plot(result: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     runs = [r for r in result["runs"] if "unavailable" not in r]
     xs = sorted({r["max_num_seqs"] for r in runs})
-    label = (lambda r: f"{_mode(r)} tp {r['tensor_parallel_size']}") if _tp(runs) else _mode  # noqa: E731
+    label = _label(runs)
     for mode in dict.fromkeys(map(label, runs)):
         pts = sorted((r["max_num_seqs"], r["output_tok_s"]) for r in runs if label(r) == mode)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"graphinfer {mode}")
@@ -292,14 +373,15 @@ def run_hf(path: str, dtype: torch.dtype, device: str, workload: Workload, tempe
 
 
 def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("NONE",), max_num_seqs=(256,),
-        async_scheduling=(False,), tensor_parallel_size=(1,), parallel: dict | None = None,
+        async_scheduling=(False,), tensor_parallel_size=(1,), data_parallel_size=(1,), parallel: dict | None = None,
         capture_sizes: list[int] | None = None, passes: str = "default",
         num_prompts: int = 256, min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
         hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None,
         hf_dtype: str | None = None, kernels: str | None = None, block_size: int = 16, enable_prefix_caching: bool = True) -> dict:
-    """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size) configuration on the same workload;
-    optionally HF too. parallel: the node flags (nnodes, node_rank, master_addr, master_port) for tp > 1."""
+    """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size, data_parallel_size) configuration on
+    the same workload; optionally HF too. parallel: the other parallel flags (enable_expert_parallel; nnodes,
+    node_rank, master_addr, master_port for tp > 1)."""
     import tempfile
 
     from graphinfer.config import resolve_dtype
@@ -313,8 +395,8 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         fixed_output_len = 512
     with tempfile.TemporaryDirectory(prefix="graphinfer-bench-") as tmp:
         # HF needs a checkpoint with graphinfer's weights; a sweep saves re-drawing a preset's random weights.
-        configs = [(mode, a, mns, tp) for mode in graph_modes for a in async_scheduling for mns in max_num_seqs
-                   for tp in tensor_parallel_size]
+        configs = [(mode, a, mns, tp, dp) for mode in graph_modes for a in async_scheduling for mns in max_num_seqs
+                   for tp in tensor_parallel_size for dp in data_parallel_size]
         gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) if compare_hf or len(configs) > 1 else model
         max_model_len = common.clamp_max_model_len(gi_model, max_model_len)
         vocab = _vocab_size(gi_model)
@@ -331,13 +413,15 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                   "runs": []}
         print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
               f"tokens; copy bandwidth {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s on {result['env']['device_name']}")
-        for mode, a, mns, tp in configs:
+        for mode, a, mns, tp, dp in configs:
             sizes = capture_sizes  # the engine keeps the sizes each kind of graph can use
             kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
                       async_scheduling=a, passes=passes, max_model_len=max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens, seed=seed, kernels=kernels, block_size=block_size,
-                      enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tp, **(parallel or {}))
+                      enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tp, data_parallel_size=dp,
+                      **(parallel or {}))
             row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "tensor_parallel_size": tp,
+                   "data_parallel_size": dp, "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
                    "capture_sizes": sizes}
             try:
                 row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len))

@@ -161,6 +161,11 @@ class DPEngine:
             self._check()
             self.replicas[d].send("add", seq.prompt, seq.prompt_token_ids, seq.sampling_params, seq.request_id)
 
+    def replica_of(self, request_id: str) -> int | None:
+        """The replica an unfinished request was routed to (None once it finished or was aborted)."""
+        owner = self._owner.get(request_id)
+        return owner[0] if owner is not None else None
+
     def abort_request(self, request_id: str) -> None:
         d, _ = self._owner.get(request_id, (None, 0))
         if d == 0:
