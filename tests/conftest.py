@@ -77,3 +77,13 @@ def smollm2_llm():
     from graphinfer import LLM
 
     return LLM(dtype="float32", max_model_len=1024, seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_greedy(smollm2_llm):
+    """smollm2_llm's greedy outputs for test_smollm2.PROMPTS, generated together, 32 tokens each (EOS ignored):
+    test_smollm2 checks them against HF; tests that run the same batch another way compare with them."""
+    from graphinfer import SamplingParams
+    from test_smollm2 import PROMPTS
+
+    return smollm2_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)

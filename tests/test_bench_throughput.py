@@ -1,8 +1,6 @@
 """`graphinfer bench throughput` / `bench latency` on CPU: the standard workload, the roofline model, the CLI."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,16 +8,28 @@ import torch
 from graphinfer.bench.roofline import ModelShape, ideal_roofline, step_bytes
 from graphinfer.bench.throughput import standard_workload
 
-BIN = os.path.join(os.path.dirname(sys.executable), "graphinfer")
-# One thread: tiny models on the shared 2-core VM run faster and steadier without OpenMP barriers.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY_RUN = ["--model", "tiny-llama", "--num-prompts", "4", "--min-len", "8", "--max-len", "16"]
 
 
-def _cli(*args, timeout=120) -> subprocess.CompletedProcess:
-    res = subprocess.run([BIN, "bench", *args], capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    return res
+@pytest.fixture
+def bench_cli(capsys, monkeypatch):
+    """`graphinfer bench ARGS` as the console script runs it (graphinfer.cli:main), in this process: a subprocess
+    would spend most of its time importing. One thread, as the environment the engine reads says (cpu platform):
+    tiny models on the shared 2-core VM run faster and steadier without OpenMP barriers."""
+    from graphinfer.cli import main
+
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
+    def run(*args):
+        rc = main(["bench", *args])
+        out = capsys.readouterr()
+        assert rc == 0, out.out[-2000:] + out.err[-3000:]
+        return out
+
+    yield run
+    torch.set_num_threads(threads)
 
 
 def test_standard_workload_reproduces_bench_py():
@@ -102,9 +112,9 @@ def _check_run(run: dict, workload: dict) -> None:
     assert 0 < run["roofline"]["fraction"] <= 1 and 0 < run["roofline"]["decode_fraction"] <= 1
 
 
-def test_cli_throughput_writes_sane_json(tmp_path):
+def test_cli_throughput_writes_sane_json(bench_cli, tmp_path):
     out = tmp_path / "t.json"
-    res = _cli("throughput", *TINY_RUN, "--output-json", str(out))
+    res = bench_cli("throughput", *TINY_RUN, "--output-json", str(out))
     result = json.loads(out.read_text())
     w = result["workload"]
     assert (w["num_prompts"], w["prompt_tokens"], w["max_model_len"]) == (4, 55, 1024)  # clamped to tiny's context
@@ -112,14 +122,14 @@ def test_cli_throughput_writes_sane_json(tmp_path):
     assert run["graph_mode"] == "NONE" and run["max_num_seqs"] == 256
     _check_run(run, w)
     assert result["bandwidth"]["bytes_per_s"] > 0 and run["model_shape"]["num_layers"] == 2
-    assert "| NONE | 256 |" in res.stdout and "tok/s" in res.stdout
+    assert "| NONE | 256 |" in res.out and "tok/s" in res.out
 
 
-def test_cli_throughput_sweep_grid_and_plot(tmp_path):
+def test_cli_throughput_sweep_grid_and_plot(bench_cli, tmp_path):
     import matplotlib.image
 
     out, png = tmp_path / "s.json", tmp_path / "s.png"
-    res = _cli("throughput", *TINY_RUN, "--sweep", "max-num-seqs=2,4", "--sweep", "graph-mode=NONE,FULL_DECODE_ONLY",
+    res = bench_cli("throughput", *TINY_RUN, "--sweep", "max-num-seqs=2,4", "--sweep", "graph-mode=NONE,FULL_DECODE_ONLY",
                "--output-json", str(out), "--plot", str(png))
     runs = json.loads(out.read_text())["runs"]
     assert [(r["graph_mode"], r["max_num_seqs"]) for r in runs] == [
@@ -128,41 +138,41 @@ def test_cli_throughput_sweep_grid_and_plot(tmp_path):
         _check_run(r, json.loads(out.read_text())["workload"])
     assert runs[0]["mean_decode_batch"] <= 2 < runs[1]["mean_decode_batch"]  # max_num_seqs caps the batch
     assert all("no device graphs" in r["unavailable"] or "has none" in r["unavailable"] for r in runs[2:])
-    assert "| NONE | 2 |" in res.stdout and "| FULL_DECODE_ONLY | 4 | unavailable |" in res.stdout
+    assert "| NONE | 2 |" in res.out and "| FULL_DECODE_ONLY | 4 | unavailable |" in res.out
     assert matplotlib.image.imread(str(png)).shape[0] > 100
 
 
-def test_cli_throughput_sweep_async_scheduling(tmp_path):
+def test_cli_throughput_sweep_async_scheduling(bench_cli, tmp_path):
     out = tmp_path / "a.json"
-    res = _cli("throughput", *TINY_RUN, "--sweep", "async-scheduling=off,on", "--output-json", str(out))
+    res = bench_cli("throughput", *TINY_RUN, "--sweep", "async-scheduling=off,on", "--output-json", str(out))
     result = json.loads(out.read_text())
     assert [r["async_scheduling"] for r in result["runs"]] == [False, True]
     for r in result["runs"]:
         _check_run(r, result["workload"])
-    assert "| NONE | 256 |" in res.stdout and "| NONE + async | 256 |" in res.stdout
+    assert "| NONE | 256 |" in res.out and "| NONE + async | 256 |" in res.out
 
 
-def test_cli_throughput_compare_hf(tmp_path):
+def test_cli_throughput_compare_hf(bench_cli, tmp_path):
     out = tmp_path / "hf.json"
-    res = _cli("throughput", *TINY_RUN, "--compare", "hf", "--fixed-output-len", "8", "--output-json", str(out))
+    res = bench_cli("throughput", *TINY_RUN, "--compare", "hf", "--fixed-output-len", "8", "--output-json", str(out))
     result = json.loads(out.read_text())
     assert result["workload"]["output_tokens"] == 32
     assert result["hf"]["output_tokens"] == 32 and result["hf"]["output_tok_s"] > 0  # EOS disabled on HF too
     run = result["runs"][0]
     assert run["vs_hf"] == pytest.approx(run["output_tok_s"] / result["hf"]["output_tok_s"])
-    assert "HF generate_batch" in res.stdout
+    assert "HF generate_batch" in res.out
 
 
-def test_cli_latency_cpu_reports_full_decode_only_unavailable(tmp_path):
+def test_cli_latency_cpu_reports_full_decode_only_unavailable(bench_cli, tmp_path):
     out, png = tmp_path / "l.json", tmp_path / "l.png"
-    res = _cli("latency", "--model", "tiny-llama", "--batch-sizes", "1,4", "--num-steps", "5", "--warmup-steps", "2",
+    res = bench_cli("latency", "--model", "tiny-llama", "--batch-sizes", "1,4", "--num-steps", "5", "--warmup-steps", "2",
                "--output-json", str(out), "--plot", str(png))
     result = json.loads(out.read_text())
     assert "unavailable" in result["modes"]["FULL_DECODE_ONLY"]
     none = result["modes"]["NONE"]["batches"]
     assert [b["batch"] for b in none] == [1, 4] and all(b["median_ms"] > 0 and b["steps"] == 5 for b in none)
     assert [r["batch"] for r in result["rows"]] == [1, 4] and "ratio_none_over_full" not in result["rows"][0]
-    assert "| 1 |" in res.stdout and "unavailable" in res.stdout and png.exists()
+    assert "| 1 |" in res.out and "unavailable" in res.out and png.exists()
 
 
 def test_cli_bad_sweep_is_a_clear_error(capsys):

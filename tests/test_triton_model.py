@@ -21,33 +21,53 @@ from graphinfer import LLM, SamplingParams
 from capture_standin import OpTapePlatform
 
 prompts = [[1, 5, 9, 3], [7] * 11, list(range(2, 28)), [4, 4, 8]]  # 26 tokens: two chunks over cached blocks
-params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(4)]
-# Small token budget and blocks: prompts are chunked and decodes share steps with prefill chunks.
-kw = dict(max_num_seqs=8, num_gpu_blocks_override=64, block_size=4, dtype="float32", max_num_batched_tokens=16)
-refs = {{}}
-for model in {models!r}:
-    refs[model] = [o.outputs[0].token_ids for o in LLM(model, **kw).generate(prompts, params, use_tqdm=False)]
-    tri = [o.outputs[0].token_ids for o in LLM(model, kernels="triton", **kw).generate(prompts, params, use_tqdm=False)]
-    print(model, refs[model] == tri, refs[model], tri)
-# The Triton kernels replayed through padded decode buckets (test_capture's CPU stand-in for device graphs).
+params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 5, 5, 6)]
+# Small token budget and blocks: prompts are chunked and decodes share steps with prefill chunks. max_model_len
+# sizes the captured block tables (the decode kernel's splits): 128 gives two splits, the second one empty.
+kw = dict(max_num_seqs=8, num_gpu_blocks_override=64, block_size=4, dtype="float32", max_num_batched_tokens=16,
+          max_model_len=128)
+refs = {{m: [o.outputs[0].token_ids for o in LLM(m, **kw).generate(prompts, params, use_tqdm=False)]
+        for m in {models!r}}}
+# The Triton kernels with decode steps replayed through captured buckets (test_capture's CPU stand-in for device
+# graphs): prefill and mixed steps run the graph eagerly, as do decode batches above the largest capture size.
 llm_engine.platform_for_device = lambda device_type: OpTapePlatform()
 for model in {models!r}:
-    llm = LLM(model, kernels="triton", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4], **kw)
+    llm = LLM(model, kernels="triton", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 3], **kw)
+    runner, kinds = llm.llm_engine.model_runner, set()
+    replayable = runner._replayable
+
+    def spy(h):
+        replayed = replayable(h)
+        q_lens = h.query_start_loc[1:] - h.query_start_loc[:-1]
+        if (q_lens == 1).all() and not replayed:
+            kinds.add("decode-eager")
+        elif replayed:
+            kinds.add("decode-replayed" if len(q_lens) in (1, 3) else "decode-padded")
+        elif (q_lens == 1).any():
+            kinds.add("mixed")
+        if ((q_lens > 1) & (h.seq_lens > q_lens)).any():
+            kinds.add("chunked")
+        return replayed
+
+    runner._replayable = spy
     tri = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    print(model, "FULL_DECODE_ONLY", refs[model] == tri, tri)
+    print(model, refs[model] == tri, *sorted(kinds), refs[model], tri)
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs these kernels compiled (tools/gpu_check.py)")
 def test_triton_kernels_give_reference_tokens_in_models():
+    """One Triton engine per model (FULL_DECODE_ONLY on the stand-in) runs every kind of step: chunked prefill
+    over cached blocks and mixed steps (eager), a decode batch above the largest capture size (eager), decode
+    batches replayed at their own size and padded to a larger bucket. The script says which kinds it saw."""
     models = ["tiny-qwen3", "tiny-qwen3-moe"]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     script = SCRIPT.format(models=models, tests_dir=os.path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.strip().splitlines()
-    assert [line.split()[:2] for line in lines[:2]] == [[m, "True"] for m in models], out.stdout
-    assert [line.split()[:3] for line in lines[2:]] == [[m, "FULL_DECODE_ONLY", "True"] for m in models], out.stdout
+    kinds = ["chunked", "decode-eager", "decode-padded", "decode-replayed", "mixed"]
+    assert [line.split()[:7] for line in out.stdout.strip().splitlines()] == [[m, "True", *kinds] for m in models], \
+        out.stdout
 
 
 def test_triton_kernels_on_cpu_need_the_interpreter(monkeypatch):
