@@ -15,6 +15,7 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, servin
         g.add_argument("--model", default="", help="HF checkpoint dir, .gguf file or preset (default: bundled SmolLM2)")
         g.add_argument("--artifact", default=None, help="start from a `graphinfer compile` output directory")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    _add_quantization_arg(g)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -100,8 +101,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
+def _add_quantization_arg(g) -> None:
+    g.add_argument("-q", "--quantization", default=None,
+                   help="w8a8 | fp8 (cuda) | int8_wo | int4_wo: quantize the weights at load; gguf: keep a GGUF's "
+                        "quantized blocks; a compressed-tensors checkpoint is read quantized anyway")
+
+
 def _engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+    return dict(dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
                 seed=args.seed, device=args.device,
@@ -208,7 +215,7 @@ def _compile(args) -> None:
     from graphinfer.runtime.llm_engine import LLMEngine
 
     sizes = _csv(args.capture_sizes, int) if args.capture_sizes else None
-    model_config = ModelConfig(args.model, args.dtype, device=args.device)
+    model_config = ModelConfig(args.model, args.dtype, device=args.device, quantization=args.quantization)
     device = torch.device(model_config.device)
     if device.type != "cpu" or CpuPlatform.resolve_kernels(None) == "inductor":  # compiled kernels go into the artifact
         kernel_cache.collect(args.output, device)
@@ -393,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--allow-check-failure", action="store_true",
                       help="write the artifact even if a pass fails its numeric check (recorded in the manifest)")
     comp.add_argument("--dtype", default="auto")
+    _add_quantization_arg(comp)
     comp.add_argument("--device", default="auto", help="auto (the detected platform) or a torch device")
     _add_parallel_args(comp)
     comp.set_defaults(func=_compile)

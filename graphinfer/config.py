@@ -51,6 +51,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     device: str = "auto"  # "auto": the current platform's device (graphinfer.platforms); or "cpu", "cuda:1", ...
+    quantization: str | None = None  # graphinfer.quantization.METHODS: "w8a8", "fp8", "int8_wo", "int4_wo", "gguf", ...
 
     def __post_init__(self):
         self.model = os.path.expanduser(self.model) if self.model else bundled_model_path()
@@ -61,6 +62,10 @@ class ModelConfig:
         self.torch_dtype = resolve_dtype(self.dtype, self.device)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidConfigError(f"max_model_len={self.max_model_len} must be >= 2.")
+        if self.quantization is not None:
+            from graphinfer.quantization import check_method
+
+            check_method(self.quantization, torch.device(self.device).type)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from graphinfer.errors import ModelNotFoundError
+from graphinfer.errors import InvalidConfigError, ModelNotFoundError
 from graphinfer.models import get_model_class
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.models.checkpoint_tensor import SafetensorsTensor, as_checkpoint_tensor
@@ -192,20 +192,26 @@ def release_tensors(model: nn.Module) -> None:
         module._buffers.clear()
 
 
-def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0):
+def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0,
+               quantization: str | None = None):
     """(model, hf_config) with weights loaded (a named preset gets random weights from `seed`). Under tensor
-    parallelism the model is this rank's shard, and only its slices are read."""
+    parallelism the model is this rank's shard, and only its slices are read. `quantization`
+    (graphinfer.quantization): an online scheme quantizes the linear layers once loaded; "gguf" keeps a GGUF's
+    quantized blocks; a compressed-tensors checkpoint is always read in its quantized form."""
     config = preset_config(path)
     if config is not None:
         with ps.layout(0, 1):  # the whole model's random weights, the same on every rank, then this rank's part
             full = build_model(config, torch.float32, "cpu")
         init_random_weights(full, seed)  # drawn on CPU in fp32 so every device and dtype gets the same values
         if ps.tp_size() == 1:
-            return full.to(device=device, dtype=dtype), config
-        model = build_model(config, torch.float32, "cpu")
-        load_weights(model, full.state_dict().items(), config.tie_word_embeddings)
-        return model.to(device=device, dtype=dtype), config
+            model = full.to(device=device, dtype=dtype)
+        else:
+            model = build_model(config, torch.float32, "cpu")
+            load_weights(model, full.state_dict().items(), config.tie_word_embeddings)
+            model = model.to(device=device, dtype=dtype)
+        return _quantize_online(model, quantization, path), config
     _check_path(path)
+    schemes = {}
     if path.endswith(".gguf"):
         from gguf import GGUFReader
 
@@ -214,13 +220,46 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
         reader = GGUFReader(path)
         config = load_gguf_config(reader)
         model = build_model(config, dtype, device)
-        weights = gguf_tensors(reader)
+        if quantization == "gguf":
+            from graphinfer.quantization.gguf import gguf_quantized_weights
+
+            weights, schemes = gguf_quantized_weights(reader, config)
+        else:
+            weights = gguf_tensors(reader)
     else:
         config = load_hf_config(path)
         model = build_model(config, dtype, device)
         weights = _safetensors_weights(path)
+        if (qc := getattr(config, "quantization_config", None)) is not None:
+            from graphinfer.quantization.compressed_tensors import compressed_tensors_weights
+
+            weights, schemes = compressed_tensors_weights(weights, qc)
+    if quantization == "gguf" and not path.endswith(".gguf"):
+        raise InvalidConfigError(f"quantization='gguf' reads a .gguf file; {path!r} is not one.")
+    if schemes:
+        if quantization not in (None, "gguf", "compressed-tensors"):
+            fmt = "GGUF" if path.endswith(".gguf") else "compressed-tensors"
+            raise InvalidConfigError(f"{path!r} is already quantized ({fmt}); quantization={quantization!r} cannot "
+                                     f"quantize it again. Leave quantization unset.")
+        from graphinfer.quantization import install_quantized_linears
+
+        install_quantized_linears(model, schemes, device)
+    elif quantization == "compressed-tensors":
+        raise InvalidConfigError(f"{path!r} has no compressed-tensors quantization_config in its config.json.")
     load_weights(model, weights, config.tie_word_embeddings)
-    return model, config
+    return (model if schemes else _quantize_online(model, quantization, path)), config
+
+
+def _quantize_online(model: nn.Module, quantization: str | None, path: str) -> nn.Module:
+    if quantization in (None, "compressed-tensors", "gguf"):
+        if quantization is not None:
+            raise InvalidConfigError(f"quantization={quantization!r} reads a pre-quantized checkpoint; {path!r} is "
+                                     f"not one. Use an online scheme (w8a8, int8_wo, int4_wo, fp8) to quantize it.")
+        return model
+    from graphinfer.quantization import quantize_model
+
+    quantize_model(model, quantization)
+    return model
 
 
 def load_tokenizer(path: str):

@@ -24,14 +24,18 @@ from graphinfer.passes.fuse_gate_up import FuseGateUpPass
 from graphinfer.passes.fuse_moe import FuseMoEPass
 from graphinfer.passes.fuse_qknorm_rope import FuseQKNormRopePass
 from graphinfer.passes.fuse_qkv import FuseQKVPass
+from graphinfer.passes.fuse_rmsnorm_quant import FuseRMSNormQuantPass
+from graphinfer.passes.fuse_silu_mul_quant import FuseSiluMulQuantPass
+from graphinfer.passes.lower_quant_linears import LowerQuantLinearsPass
 
 GROUP = "graphinfer.passes"
 BUILTIN_PASSES: tuple[type[Pass], ...] = (FuseQKVPass, FuseQKNormRopePass, FuseGateUpPass, FuseAddRMSNormPass,
-                                          FuseAllReduceAddRMSNormPass, FuseMoEPass, CleanupPass)
+                                          FuseAllReduceAddRMSNormPass, FuseMoEPass, LowerQuantLinearsPass,
+                                          FuseRMSNormQuantPass, FuseSiluMulQuantPass, CleanupPass)
 # fuse_qknorm_rope matches only where q and k are RMSNormed per head (Qwen3), fuse_allreduce_add_rmsnorm only at
-# tp > 1; elsewhere they find no candidate.
+# tp > 1, the quantization passes only in a quantized model; elsewhere they find no candidate.
 DEFAULT_PASSES = ("fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_allreduce_add_rmsnorm",
-                  "fuse_moe", "cleanup")
+                  "fuse_moe", "lower_quant_linears", "fuse_rmsnorm_quant", "fuse_silu_mul_quant", "cleanup")
 
 
 class PluginWarning(UserWarning):

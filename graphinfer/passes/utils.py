@@ -5,23 +5,31 @@ import torch
 from torch import fx, nn
 
 from graphinfer.passes.match import is_op  # noqa: F401  (kept importable from here)
+from graphinfer.quantization.linear import QuantizedLinear
 
 GRAPHINFER = torch.ops.graphinfer
 
 
 def is_linear(gm: fx.GraphModule, node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear)
+    """A call of a Linear module: float (nn.Linear) or quantized (not yet lowered to its ops)."""
+    return isinstance(node, fx.Node) and node.op == "call_module" and \
+        isinstance(gm.get_submodule(node.target), (nn.Linear, QuantizedLinear))
 
 
 def fuse_linears(gm: fx.GraphModule, nodes: list[fx.Node], new_target: str) -> fx.Node | None:
     """Replace Linear nodes that read the same input by one Linear over the concatenated weights (created
     here, once, at compile time) and return its node; the caller rewires the old nodes' users and erases them.
-    Returns None (nothing changed) when the layers cannot be concatenated (bias on some only, dtypes differ)."""
+    Quantized layers fuse into one QuantizedLinear with their packed tensors stacked (same scheme only).
+    Returns None (nothing changed) when the layers cannot be concatenated (bias on some only, dtypes or schemes
+    differ)."""
     mods = [gm.get_submodule(n.target) for n in nodes]
-    if len({m.bias is not None for m in mods}) != 1 or len({m.weight.dtype for m in mods}) != 1 \
-            or len({m.in_features for m in mods}) != 1:
+    if len({type(m) is QuantizedLinear for m in mods}) != 1 or len({m.bias is not None for m in mods}) != 1 \
+            or len({m.weight.dtype for m in mods}) != 1 or len({m.in_features for m in mods}) != 1:
         return None
-    gm.add_submodule(new_target, concat_linears(mods))
+    fused = QuantizedLinear.concat(mods) if isinstance(mods[0], QuantizedLinear) else concat_linears(mods)
+    if fused is None:
+        return None
+    gm.add_submodule(new_target, fused)
     # The recipe lets an artifact rebuild the fused weights from the checkpoint without re-running the pass.
     gm.meta.setdefault("fused_linears", {})[new_target] = [n.target for n in nodes]
     first = nodes[0].args[0]  # the shared input; the earliest of the Linears follows it in graph order

@@ -1,1 +1,72 @@
-"""Quantized weights: schemes, packing, the quantized linear layer, and the GGUF / compressed-tensors readers."""
+"""Quantized weights: schemes (scheme.py), the quantized linear layer and online quantizers (linear.py), and the
+readers of pre-quantized checkpoints (gguf.py, compressed_tensors.py).
+
+`quantization=` (LLM, --quantization; vLLM's names): an online scheme ("w8a8", "fp8", "int8_wo", "int4_wo")
+quantizes an unquantized checkpoint's linear layers after loading; "gguf" keeps a GGUF file's quantized blocks;
+a compressed-tensors checkpoint (config.json's quantization_config) is read as quantized whatever is passed
+("compressed-tensors" names it explicitly). The LM head, embeddings, MoE experts and routers stay in float
+(vLLM's default), except that "gguf" keeps what the file quantized.
+"""
+from torch import nn
+
+from graphinfer.errors import InvalidConfigError
+from graphinfer.quantization.linear import QuantizedLinear
+from graphinfer.quantization.scheme import ONLINE_SCHEMES, QuantScheme
+
+PREQUANTIZED = ("gguf", "compressed-tensors")
+METHODS = tuple(ONLINE_SCHEMES) + PREQUANTIZED
+
+
+def check_method(method: str | None, device_type: str) -> None:
+    """Refuse an unknown method, or one this device cannot run, with what to use instead."""
+    if method is None:
+        return
+    if method not in METHODS:
+        raise InvalidConfigError(f"quantization={method!r} is not supported; use one of {', '.join(METHODS)}.")
+    if method == "fp8" and device_type != "cuda":
+        raise InvalidConfigError(f"quantization='fp8' needs a CUDA GPU with FP8 tensor cores (compute capability "
+                                 f"8.9+: Ada, Hopper); this device is {device_type!r}. Use 'w8a8' (int8) or "
+                                 f"'int8_wo' / 'int4_wo' here.")
+
+
+def quantizable_linears(model: nn.Module):
+    """(name, module) of the linear layers a scheme quantizes: the column / row-parallel projections."""
+    from graphinfer.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+def quantize_model(model: nn.Module, method: str) -> dict[str, QuantScheme]:
+    """Quantize the loaded model's linear layers in place with an online scheme; returns name -> scheme."""
+    schemes = {}
+    for name, linear in quantizable_linears(model):
+        q = QuantizedLinear.from_linear(linear, ONLINE_SCHEMES[method])
+        _replace(model, name, q)
+        schemes[name] = q.scheme
+    return schemes
+
+
+def install_quantized_linears(model: nn.Module, schemes: dict[str, QuantScheme], device) -> None:
+    """Put empty QuantizedLinears (on `device`, or meta) where `schemes` names a layer, before a pre-quantized
+    checkpoint's or an artifact's tensors are loaded into them. A name the model lacks (a fused projection) is
+    created; an existing layer keeps its features, bias and tensor-parallel role."""
+    for name, scheme in schemes.items():
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            old = None
+        if old is None or isinstance(old, QuantizedLinear):
+            continue
+        dtype = old.weight.dtype
+        _replace(model, name, QuantizedLinear(old.in_features, old.out_features, scheme, old.bias is not None,
+                                              getattr(old, "has_collective", False), device=device, dtype=dtype))
+
+
+def model_schemes(model: nn.Module) -> dict[str, dict]:
+    """name -> scheme dict of every QuantizedLinear (an artifact's manifest records them)."""
+    return {n: m.scheme.to_dict() for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}

@@ -62,11 +62,12 @@ class LLM:
                  tensor_parallel_size: int | None = None, nnodes: int = 1, node_rank: int = 0,
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
                  enable_expert_parallel: bool | None = None, data_parallel_size: int = 1,
-                 artifact: str | None = None):
+                 quantization: str | None = None, artifact: str | None = None):
         if artifact:
             manifest = artifacts.read_manifest(artifact)
             model = model or manifest["model"]["path"]
             dtype = manifest["dtype"] if dtype == "auto" else dtype
+            quantization = quantization or (manifest.get("quantization") or {}).get("method")
             graph_mode = graph_mode or manifest["graph_mode"]
             capture_sizes = capture_sizes or manifest["capture_sizes"]
             splitting_ops = splitting_ops or (manifest.get("split") or {}).get("splitting_ops")
@@ -78,7 +79,7 @@ class LLM:
             tensor_parallel_size = 1
         engine_cls = DPEngine if data_parallel_size > 1 else LLMEngine
         self.llm_engine = engine_cls(EngineConfig(
-            ModelConfig(model, dtype, max_model_len, seed, device),
+            ModelConfig(model, dtype, max_model_len, seed, device, quantization),
             CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization,
                         num_gpu_blocks_override),
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, async_scheduling),

@@ -351,7 +351,7 @@ class LLMEngine:
         named with it, if any), else the checkpoint's."""
         mc = self.config.model_config
         if self.manifest is None:
-            return load_model(mc.model, mc.torch_dtype, self.device, mc.seed)
+            return load_model(mc.model, mc.torch_dtype, self.device, mc.seed, mc.quantization)
         art, manifest = self.config.artifact, self.manifest
         named = mc.model if mc.model in PRESET_NAMES else os.path.abspath(mc.model)
         fingerprint = None
