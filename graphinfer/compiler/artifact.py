@@ -7,7 +7,8 @@ compilation. Layout (docs/architecture.md):
                      projections, the plugin passes the graph needs, and the sha256 of every file below
   graph.py           the fused graph's Python code (torch.fx codegen with its import block)
   config.json        the model config (HF's to_dict()), read back without transformers' model classes
-  model.safetensors  the weights as the graph reads them: dequantised, fused (qkv_proj, gate_up_proj), in the
+  model.safetensors  the weights as the graph reads them: fused (qkv_proj, gate_up_proj), quantized layers in
+                     their packed form (manifest "quantization": each layer's scheme), the rest in the
                      artifact's dtype; loaded straight to the device. Compiled for tensor_parallel_size N > 1:
                      model-rank{r}-of-{N}.safetensors, rank r's shard, which only rank r loads (graph.py is the
                      same code on every rank)
@@ -48,6 +49,9 @@ from graphinfer.models.layers import init_buffers
 from graphinfer.models.loader import PlainConfig, load_fast_tokenizer, meta_model
 from graphinfer.passes import CheckResult, PassError, PassReport, PassReports
 from graphinfer.passes.utils import release_fused_sources
+from graphinfer.quantization import install_quantized_linears, model_schemes
+from graphinfer.quantization.linear import QuantizedLinear
+from graphinfer.quantization.scheme import QuantScheme
 
 FORMAT = 2  # 2: self-contained (config, final weights, tokenizer, kernel cache); 1 needed the checkpoint
 MANIFEST, GRAPH, REPORT, ADDED = "manifest.json", "graph.py", "report.txt", "added_modules.pt"
@@ -126,7 +130,8 @@ def save_rank_files(out_dir: str, gm: fx.GraphModule, model: nn.Module, rank: in
 def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *, fingerprint: dict,
                   device: torch.device, dtype: torch.dtype, graph_mode: str, capture_sizes: list[int],
                   model: nn.Module, hf_config, tokenizer=None, split: SplitInfo | None = None,
-                  check: dict | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False) -> dict:
+                  check: dict | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False,
+                  quantization: str | None = None) -> dict:
     """Complete the artifact in out_dir (prepare_dir'ed, every rank's save_rank_files done): the graph, config,
     tokenizer, report and the manifest hashing every file. model: the module tree gm was traced from; hf_config /
     tokenizer: the model's, saved in HF form; check: how the pass checks were judged ({passed, atol, rtol,
@@ -147,6 +152,7 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
         "plugins": _plugins(gm),  # plugin passes: imported (at these versions) before graph.py runs
         "added_modules": sorted(_added_state(gm, model)),
         "fused_linears": gm.meta.get("fused_linears", {}),
+        "quantization": quantized_layers(gm, model, quantization),  # rebuilt as QuantizedLinears, then loaded
         "split": dataclasses.asdict(split) if split is not None else None,  # PIECEWISE: the pieces around attention
     }
     with open(os.path.join(out_dir, CONFIG), "w") as f:
@@ -201,6 +207,22 @@ def final_weights(gm: fx.GraphModule, model: nn.Module) -> dict[str, torch.Tenso
     return out
 
 
+def quantized_layers(gm: fx.GraphModule, model: nn.Module, method: str | None) -> dict | None:
+    """{"method", "layers": path -> QuantScheme dict} of the quantized layers the graph reads (the model's and the
+    fused projections), or None for an unquantized model."""
+    layers = model_schemes(model)
+    for target in gm.meta.get("fused_linears", {}):
+        if isinstance(fused := gm.get_submodule(target), QuantizedLinear):
+            layers[target] = fused.scheme.to_dict()
+    if not layers:
+        return None
+    return {"method": method, "layers": layers}
+
+
+def _linear_module(obj) -> bool:
+    return type(obj) in (nn.Linear, QuantizedLinear)
+
+
 def _plugin_name(p: dict) -> str:
     return f"{p['pass']} ({p['distribution']} {p['version']})" if p.get("distribution") else f"{p['pass']} ({p['module']})"
 
@@ -244,11 +266,11 @@ def _added_state(gm: fx.GraphModule, model: nn.Module) -> dict[str, object]:
         if target in added or any(target.startswith(t + ".") for t in added):
             continue
         obj = _resolve(gm, target)
-        if (target in fused and type(obj) is nn.Linear) or model_has(target, obj):
+        if (target in fused and _linear_module(obj)) or model_has(target, obj):
             continue
         parent = target.rpartition(".")[0]
         if node.op == "get_attr" and parent:
-            if parent in fused and type(gm.get_submodule(parent)) is nn.Linear:
+            if parent in fused and _linear_module(gm.get_submodule(parent)):
                 continue  # a fused projection's weight: the recipe rebuilds it
             if not model_has(parent):
                 target, obj = parent, gm.get_submodule(parent)  # a module a pass added: saved whole
@@ -355,11 +377,16 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
     from safetensors.torch import load_file
 
     model = meta_model(config)
+    quant = {name: QuantScheme(**s) for name, s in ((manifest.get("quantization") or {}).get("layers") or {}).items()}
+    dtype = getattr(torch, manifest["dtype"])
+    install_quantized_linears(model, quant, "meta", dtype)
     for target, sources in manifest["fused_linears"].items():
         mods = [model.get_submodule(s) for s in sources]
         parent, _, name = target.rpartition(".")
         with torch.device("meta"):
-            fused = nn.Linear(mods[0].in_features, sum(m.out_features for m in mods), bias=mods[0].bias is not None)
+            in_f, out_f, bias = mods[0].in_features, sum(m.out_features for m in mods), mods[0].bias is not None
+            fused = QuantizedLinear(in_f, out_f, quant[target], bias, dtype=dtype) if target in quant else \
+                nn.Linear(in_f, out_f, bias=bias)
         setattr(model.get_submodule(parent), name, fused)
     release_fused_sources(model, manifest["fused_linears"])
     weights = rank_file(WEIGHTS, ps.tp_rank(), tensor_parallel_size(manifest))  # meta_model built this rank's shapes

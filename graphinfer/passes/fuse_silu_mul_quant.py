@@ -9,8 +9,8 @@ Declines: an activation that something else reads too.
 from torch import fx
 
 from graphinfer.passes.base import Pass
-from graphinfer.passes.fuse_rmsnorm_quant import quant_args
-from graphinfer.passes.match import is_op, single_use
+from graphinfer.passes.fuse_rmsnorm_quant import only_quantized, quant_args
+from graphinfer.passes.match import is_op
 from graphinfer.passes.utils import GRAPHINFER
 
 
@@ -23,7 +23,7 @@ class FuseSiluMulQuantPass(Pass):
         for dq in list(graph.nodes):
             if not is_op(dq, GRAPHINFER.dynamic_quant) or not is_op(act := dq.args[0], GRAPHINFER.silu_and_mul):
                 continue
-            if not single_use(act):
+            if not only_quantized(act, dq):
                 self.decline(f"{act.name}: the activation has other users")
                 continue
             with graph.inserting_before(dq):

@@ -51,10 +51,11 @@ def quantize_model(model: nn.Module, method: str) -> dict[str, QuantScheme]:
     return schemes
 
 
-def install_quantized_linears(model: nn.Module, schemes: dict[str, QuantScheme], device) -> None:
+def install_quantized_linears(model: nn.Module, schemes: dict[str, QuantScheme], device, dtype=None) -> None:
     """Put empty QuantizedLinears (on `device`, or meta) where `schemes` names a layer, before a pre-quantized
-    checkpoint's or an artifact's tensors are loaded into them. A name the model lacks (a fused projection) is
-    created; an existing layer keeps its features, bias and tensor-parallel role."""
+    checkpoint's or an artifact's tensors are loaded into them: each keeps its layer's features, bias and
+    tensor-parallel role; dtype: the activations' (default: the layer's). Names the model lacks (a fused
+    projection) are skipped."""
     for name, scheme in schemes.items():
         try:
             old = model.get_submodule(name)
@@ -62,9 +63,9 @@ def install_quantized_linears(model: nn.Module, schemes: dict[str, QuantScheme],
             old = None
         if old is None or isinstance(old, QuantizedLinear):
             continue
-        dtype = old.weight.dtype
         _replace(model, name, QuantizedLinear(old.in_features, old.out_features, scheme, old.bias is not None,
-                                              getattr(old, "has_collective", False), device=device, dtype=dtype))
+                                              getattr(old, "has_collective", False), device=device,
+                                              dtype=dtype or old.weight.dtype))
 
 
 def model_schemes(model: nn.Module) -> dict[str, dict]:

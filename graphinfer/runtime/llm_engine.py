@@ -419,7 +419,8 @@ class LLMEngine:
             capture_sizes=self.capture_sizes, split=self.split.info if self.split is not None else None,
             model=self.model, hf_config=self.hf_config, tokenizer=self.tokenizer, check=check,
             tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
-            expert_parallel=any(getattr(m, "ep_size", 1) > 1 for m in self.model.modules()))
+            expert_parallel=any(getattr(m, "ep_size", 1) > 1 for m in self.model.modules()),
+            quantization=self.config.model_config.quantization)
 
     def save_rank_files(self, out_dir: str) -> None:
         """Write this rank's weights (and what passes added) into the artifact directory out_dir (from save_artifact:
