@@ -1,0 +1,136 @@
+"""Quantized models through the compiler (CPU): online schemes, the quantization passes, artifacts, refusals.
+
+Oracles: each scheme's quantized graph against the unfused graph of the same quantized model (the passes'
+numeric checks); the float model with its weights rounded through the scheme (quantized, then dequantized) for
+the model as a whole (weight-only: the same computation, so the same log-probabilities; w8a8: they differ by the
+activations' quantization, bounded by a KL); an artifact against the engine that compiled it. How close a scheme
+stays to the float model is a property of real weights, measured on SmolLM2 by `graphinfer bench accuracy`.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphinfer import LLM, SamplingParams
+from graphinfer.errors import InvalidConfigError
+from graphinfer.ops.quant import dequantize_weight
+from graphinfer.quantization.linear import QuantizedLinear, fit_group, quantize_weight
+from graphinfer.quantization.scheme import ONLINE_SCHEMES
+
+PROMPTS = [[1, 5, 9, 3, 7, 2, 8, 11, 40, 6], [4, 4, 8, 1], list(range(2, 30))]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+CPU_SCHEMES = [s for s in ONLINE_SCHEMES if s != "fp8"]
+
+
+def _greedy(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@torch.no_grad()
+def _rounded_float_engine(scheme: str):
+    """tiny-qwen3 in float whose projections (fused as the compiled graph has them; every scheme is per output row,
+    so quantizing the fused weight equals fusing the quantized ones) hold their weights rounded through the scheme."""
+    llm = LLM("tiny-qwen3", dtype="float32", seed=0)
+    for name, m in llm.llm_engine.graph.named_modules():
+        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"):
+            s = fit_group(ONLINE_SCHEMES[scheme], m.in_features)
+            t = quantize_weight(m.weight, s)
+            scale = t["weight_scale"].view(m.out_features, -1)  # w8a8 / fp8: [N], per channel
+            m.weight.copy_(dequantize_weight(t["weight"], scale, t.get("weight_zero"), s.bits))
+    return llm
+
+
+def _first_logprobs(llm) -> list[dict]:
+    """The top-20 log-probabilities of each prompt's first generated token."""
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)
+    return [o.outputs[0].logprobs[0] for o in out]
+
+
+def _kl(ref: dict, other: dict) -> float:
+    """KL(ref || other) over the tokens both top-20 lists hold (renormalised)."""
+    common = sorted(set(ref) & set(other))
+    assert len(common) >= 10
+    p = torch.tensor([ref[t].logprob for t in common]).log_softmax(0)
+    q = torch.tensor([other[t].logprob for t in common]).log_softmax(0)
+    return F.kl_div(q, p, log_target=True, reduction="sum").item()
+
+
+@pytest.mark.parametrize("scheme", CPU_SCHEMES)
+def test_online_scheme_compiles_fuses_and_computes_with_its_rounded_weights(scheme):
+    ref = _rounded_float_engine(scheme)
+    llm = LLM("tiny-qwen3", dtype="float32", seed=0, quantization=scheme)
+    reports = {r.name: r for r in llm.llm_engine.pass_reports}
+    assert all(r.passed for r in reports.values()), [(r.name, r.max_abs_error) for r in reports.values()]
+    assert reports["lower_quant_linears"].matches == 8  # 2 layers x (qkv, o, gate_up, down), fused first
+    if ONLINE_SCHEMES[scheme].weight_only:
+        assert reports["fuse_rmsnorm_quant"].matches == reports["fuse_silu_mul_quant"].matches == 0
+    else:  # each layer's two norms and its SwiGLU quantize their outputs in the same op
+        assert reports["fuse_rmsnorm_quant"].matches == 4 and reports["fuse_silu_mul_quant"].matches == 2
+    layers = [m for m in llm.llm_engine.graph.modules() if isinstance(m, QuantizedLinear)]  # fused ones included
+    assert len(layers) == 8 and all(m.scheme.bits == ONLINE_SCHEMES[scheme].bits for m in layers)
+    ref_lp, lp = _first_logprobs(ref), _first_logprobs(llm)
+    if ONLINE_SCHEMES[scheme].weight_only:
+        for a, b in zip(ref_lp, lp):
+            assert list(a) == list(b)
+            assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-4)
+        assert _greedy(ref) == _greedy(llm)
+    else:
+        kls = [_kl(a, b) for a, b in zip(ref_lp, lp)]
+        assert max(kls) < 0.1, kls
+
+
+def test_quantized_graph_modes_match_none():
+    """NONE vs the capture stand-in's decode buckets on a w8a8 model: graph capture never changes results."""
+    import graphinfer.runtime.llm_engine as llm_engine
+    from capture_standin import OpTapePlatform
+
+    kw = dict(dtype="float32", quantization="w8a8", max_num_seqs=4)
+    none = [o.outputs[0].token_ids for o in LLM("tiny-llama", **kw).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    saved = llm_engine.platform_for_device
+    llm_engine.platform_for_device = lambda device_type: OpTapePlatform()
+    try:
+        llm = LLM("tiny-llama", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4], **kw)
+        full = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm_engine.platform_for_device = saved
+    assert full == none
+
+
+@pytest.mark.parametrize("scheme", ["int4_wo", "w8a8"])
+def test_artifact_round_trip_keeps_the_packed_weights(scheme, tmp_path):
+    from graphinfer.compiler.artifact import read_manifest
+
+    llm = LLM("tiny-qwen3", dtype="float32", quantization=scheme)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm.llm_engine.save_artifact(str(tmp_path / "art"))
+    manifest = read_manifest(str(tmp_path / "art"))
+    layers = manifest["quantization"]["layers"]
+    assert manifest["quantization"]["method"] == scheme and len(layers) == 8
+    assert any(name.endswith("qkv_proj") for name in layers)  # fused projections keep their scheme
+    served = LLM(artifact=str(tmp_path / "art"))
+    assert served.llm_engine.config.model_config.quantization == scheme
+    packed = served.llm_engine.model.model.layers[0].self_attn.o_proj
+    assert isinstance(packed, QuantizedLinear) and packed.weight.dtype in (torch.int8, torch.uint8)
+    assert [o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+
+
+def test_unrunnable_or_unknown_schemes_are_refused_clearly():
+    with pytest.raises(InvalidConfigError, match="fp8.*needs a CUDA GPU.*w8a8"):
+        LLM("tiny-llama", quantization="fp8", device="cpu")
+    with pytest.raises(InvalidConfigError, match="not supported; use one of w8a8"):
+        LLM("tiny-llama", quantization="int3")
+    with pytest.raises(InvalidConfigError, match="gguf.*reads a pre-quantized checkpoint"):
+        LLM("tiny-llama", quantization="gguf")
+
+
+def test_tensor_parallel_quantizes_each_shard():
+    """At tp 2 each rank quantizes its own shard after loading (vLLM's online quantization does the same): the
+    column-parallel layers' rows quantize as at tp 1, a row-parallel layer's weight scales, and the activation
+    scales of its input, are its shard's. So tp 2 and tp 1 are two quantizations of one model: the pass checks hold
+    on every rank's graph and tp 2 stays within the bound w8a8 keeps from the float model (a misplaced shard or
+    scale gives a KL of order 1)."""
+    kw = dict(dtype="float32", quantization="w8a8")
+    ref = _first_logprobs(LLM("tiny-qwen3", **kw))
+    with LLM("tiny-qwen3", tensor_parallel_size=2, **kw) as llm:
+        assert all(r.passed for r in llm.llm_engine.pass_reports)
+        kls = [_kl(a, b) for a, b in zip(ref, _first_logprobs(llm))]
+    assert max(kls) < 0.1, kls
