@@ -332,6 +332,14 @@ def _bench_moe_balance(args) -> None:
         temperature=args.temperature, seed=args.seed, output_json=args.output_json, passes=args.passes)
 
 
+def _bench_accuracy(args) -> None:
+    from graphinfer.bench.accuracy import run
+
+    run(args.model, schemes=_csv(args.quantization), dtype=args.dtype, device=args.device,
+        num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed, output_json=args.output_json,
+        kernels=args.kernels)
+
+
 def _bench_latency(args) -> None:
     from graphinfer.bench.latency import run
 
@@ -488,6 +496,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="disable prefix caching")
     _add_parallel_args(bt)
     bt.set_defaults(func=_bench_throughput)
+
+    ba = bench.add_parser(
+        "accuracy", help="each quantization scheme vs the unquantized model: greedy agreement, KL, perplexity",
+        description="Scores a fixed prompt set (teacher-forced on the unquantized model's greedy continuation) and a "
+                    "fixed text with the unquantized model and with each --quantization scheme: greedy-token "
+                    "agreement, mean KL of the next-token distributions, perplexity, and the weights' bytes.")
+    ba.add_argument("--model", default="", help="HF checkpoint dir, .gguf file or preset (default: bundled SmolLM2)")
+    ba.add_argument("--quantization", default="int8_wo,int4_wo,w8a8",
+                    help="comma-separated schemes to compare with the unquantized model (gguf: a .gguf kept quantized)")
+    ba.add_argument("--dtype", default="float32")
+    ba.add_argument("--device", default="auto")
+    ba.add_argument("--kernels", default=None, help="the platform's kernels (cpu: eager | inductor | reference)")
+    ba.add_argument("--num-prompts", type=int, default=8)
+    ba.add_argument("--max-tokens", type=int, default=32, help="greedy continuation scored per prompt")
+    ba.add_argument("--seed", type=int, default=0)
+    ba.add_argument("--output-json", default=None)
+    ba.set_defaults(func=_bench_accuracy)
 
     bm = bench.add_parser(
         "moe-balance", help="tokens per expert and per expert-parallel rank of each MoE layer on the standard "

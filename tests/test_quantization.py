@@ -134,3 +134,20 @@ def test_tensor_parallel_quantizes_each_shard():
         assert all(r.passed for r in llm.llm_engine.pass_reports)
         kls = [_kl(a, b) for a, b in zip(ref, _first_logprobs(llm))]
     assert max(kls) < 0.1, kls
+
+
+def test_bench_accuracy_scores_like_the_engine_samples(tmp_path):
+    """`bench accuracy`'s teacher-forced scoring runs the engine's graph: its last-position log-probabilities are
+    the ones generation reports, and the unquantized row is exact agreement, zero KL."""
+    from graphinfer.bench.accuracy import run, score
+
+    llm = LLM("tiny-qwen3", dtype="float32", enable_prefix_caching=False)
+    first = _first_logprobs(llm)
+    for prompt, lp in zip(PROMPTS, first):
+        ref = F.log_softmax(score(llm, prompt)[-1], -1)
+        assert [x.logprob for x in lp.values()] == pytest.approx(ref[list(lp)].tolist(), abs=1e-4)
+    result = run("tiny-qwen3", schemes=["int8_wo"], dtype="float32", device="cpu", num_prompts=2, max_tokens=4,
+                 output_json=str(tmp_path / "a.json"))
+    none, int8 = result["runs"]
+    assert (none["agreement"], none["kl"], none["positions"]) == (1.0, 0.0, 8)
+    assert 0.3 < int8["weight_fraction"] < 0.6 and 0 <= int8["kl"] < 0.1 and int8["positions"] == 8
