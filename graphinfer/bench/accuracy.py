@@ -52,9 +52,10 @@ def _sequences(base, num_prompts: int, max_tokens: int, seed: int) -> list[list[
 
     tok = base.get_tokenizer()
     if tok is not None:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-                   if getattr(tok, "chat_template", None) else tok(p).input_ids for p in PROMPTS[:num_prompts]]
-        prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+        chat = getattr(tok, "chat_template", None)
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+                 if chat else p for p in PROMPTS[:num_prompts]]
+        prompts = [tok(t, add_special_tokens=not chat).input_ids for t in texts]
     else:
         g = torch.Generator().manual_seed(seed)
         vocab = base.llm_engine.hf_config.vocab_size
