@@ -246,13 +246,13 @@ def _passes(args) -> int:
         print(tools.list_passes())
     elif args.action == "show":
         print(tools.show(args.model, args.after, args.dtype, args.onnx, split=args.split, passes=args.passes,
-                         dump_dir=args.dump_dir, tp=args.tp, ep=args.ep))
+                         dump_dir=args.dump_dir, tp=args.tp, ep=args.ep, quantization=args.quantization))
     elif args.action == "diff":
         print(tools.diff(args.model, args.pass_name, args.dtype, passes=args.passes or "default",
-                         dump_dir=args.dump_dir, tp=args.tp, ep=args.ep))
+                         dump_dir=args.dump_dir, tp=args.tp, ep=args.ep, quantization=args.quantization))
     else:
         text, reports = tools.verify(args.model, args.passes, args.dtype, args.onnx, atol=args.atol, rtol=args.rtol,
-                                     dump_dir=args.dump_dir)
+                                     dump_dir=args.dump_dir, quantization=args.quantization)
         print(text)
         if not reports.passed:
             print("graphinfer: numeric check failed:\n  " + "\n  ".join(reports.failures()), file=sys.stderr)
@@ -435,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
             _add_tolerance_args(p)
         p.add_argument("--dump-dir", default=None,
                        help="write the graph as traced and after each pass there (NN-<pass>.py code, .txt nodes)")
+        _add_quantization_arg(p)
         if name != "diff":
             p.add_argument("--onnx", default=None, help="also export the graph as ONNX for Netron")
         if name != "verify":

@@ -57,13 +57,14 @@ def _title(passes: list) -> str:
 
 
 def _compile(model: str, passes: list, dtype: str, check: bool, atol=None, rtol=None,
-             dump_dir: str | None = None, tp: int = 1, ep: bool = False) -> tuple[fx.GraphModule, PassReports]:
+             dump_dir: str | None = None, tp: int = 1, ep: bool = False,
+             quantization: str | None = None) -> tuple[fx.GraphModule, PassReports]:
     layout = contextlib.nullcontext()
     if tp > 1:
         check_tensor_parallel(load_config(model), tp, ep)
         layout = ps.layout(0, tp, expert_parallel=ep)
     with layout:
-        m, _ = load_model(model, resolve_dtype(dtype))
+        m, _ = load_model(model, resolve_dtype(dtype), quantization=quantization)
         return compile_model(m, passes, check=check, atol=atol, rtol=rtol, dump_dir=dump_dir)
 
 
@@ -77,11 +78,12 @@ def _export(gm: fx.GraphModule, onnx: str | None) -> str:
 
 
 def show(model: str, after: str | None = None, dtype: str = "auto", onnx: str | None = None, split: bool = False,
-         passes=None, dump_dir: str | None = None, tp: int = 1, ep: bool = False) -> str:
+         passes=None, dump_dir: str | None = None, tp: int = 1, ep: bool = False,
+         quantization: str | None = None) -> str:
     """The graph after `passes` (default: none; with `after`, the default pipeline) up to and including
     `after`, with its op histogram (tp > 1: rank 0's graph; ep: with expert parallel on)."""
     pipeline = pipeline_through(after, passes or "default") if after else resolve_passes(passes or "none")
-    gm, _ = _compile(model, pipeline, dtype, check=False, dump_dir=dump_dir, tp=tp, ep=ep)
+    gm, _ = _compile(model, pipeline, dtype, check=False, dump_dir=dump_dir, tp=tp, ep=ep, quantization=quantization)
     title = f"after {_title(pipeline)}" if pipeline else "as traced (no passes)"
     if tp > 1:
         title += f", rank 0 of tensor_parallel_size={tp}" + (", expert parallel" if ep else "")
@@ -132,13 +134,13 @@ def _describe(node: fx.Node) -> str:
 
 
 def diff(model: str, pass_name: str, dtype: str = "auto", passes="default", dump_dir: str | None = None,
-         tp: int = 1, ep: bool = False) -> str:
+         tp: int = 1, ep: bool = False, quantization: str | None = None) -> str:
     """What `pass_name` changed, applied where it sits in the pipeline `passes` (or after all of it): the nodes
     it removed and added, and the nodes it kept whose arguments it rewired, with their arguments (tp > 1: on
     rank 0's graph)."""
     pipeline = pipeline_through(pass_name, passes)
     before_passes, p = pipeline[:-1], pipeline[-1]
-    gm, _ = _compile(model, before_passes, dtype, check=False, tp=tp, ep=ep)
+    gm, _ = _compile(model, before_passes, dtype, check=False, tp=tp, ep=ep, quantization=quantization)
     before = {n: _describe(n) for n in gm.graph.nodes}
     [report] = PassManager([p], dump_dir=dump_dir).run(gm)
     after = {n: _describe(n) for n in gm.graph.nodes}
@@ -153,10 +155,12 @@ def diff(model: str, pass_name: str, dtype: str = "auto", passes="default", dump
 
 
 def verify(model: str, passes="default", dtype: str = "auto", onnx: str | None = None, atol: float | None = None,
-           rtol: float | None = None, dump_dir: str | None = None) -> tuple[str, PassReports]:
+           rtol: float | None = None, dump_dir: str | None = None,
+           quantization: str | None = None) -> tuple[str, PassReports]:
     """Every pass's numeric check (against the graph before it) and the pipeline's (against the unfused graph)
     on a prefill + decode mini-batch; `reports.passed` says whether all are within the tolerances."""
     torch.manual_seed(0)
-    gm, reports = _compile(model, resolve_passes(passes), dtype, check=True, atol=atol, rtol=rtol, dump_dir=dump_dir)
+    gm, reports = _compile(model, resolve_passes(passes), dtype, check=True, atol=atol, rtol=rtol, dump_dir=dump_dir,
+                           quantization=quantization)
     verdict = "all checks passed" if reports.passed else "CHECK FAILED"
     return f"# {model}: pass verification: {verdict}\n\n{pass_table(reports)}\n{_export(gm, onnx)}", reports
