@@ -167,7 +167,8 @@ def test_dense_and_sparse_layers_follow_hf():
 def test_pass_verify_on_checkpoint_and_preset(tiny_checkpoint):
     path, hf = tiny_checkpoint("qwen3_moe")
     text, reports = tools.verify(path)
-    assert [r.name for r in reports][-2:] == ["fuse_moe", "cleanup"]
+    assert [r.name for r in reports][-5:] == ["fuse_moe", "lower_quant_linears", "fuse_rmsnorm_quant",
+                                              "fuse_silu_mul_quant", "cleanup"]
     assert f"| fuse_moe | {_moe_layers(hf)} |" in text and all(r.max_abs_error <= 1e-5 for r in reports)
     text, reports = tools.verify("tiny-qwen3-moe")
     assert {r.name: r.matches for r in reports}["fuse_moe"] == 2  # both preset layers are sparse
