@@ -29,7 +29,9 @@ Triton-Ascend subset: 1-D grids, masks on every ragged access, block sizes const
 specialised on. K loops run to a runtime bound (the form skinny_gemm.py uses; upstream 3.6's interpreter needs
 the backported fix in __init__.py). Interpreters: bf16 and fp8 tl.dot operands are cast to fp32 first (DOT_F32,
 as attention.py and skinny_gemm.py do): fp8 x fp8 products are exact in fp32, so that is the value an fp8 dot
-with fp32 accumulation computes. Not run on a GPU or NPU yet (tools/gpu_check.py --quant is the GPU check).
+with fp32 accumulation computes. Not run on a GPU or NPU yet (tools/gpu_check.py --quant is the GPU check); compiled
+offline for sm_90 with Triton 3.6 (every kernel form the wrappers launch builds a cubin; the int8 / fp8 dots become
+wgmma at BLOCK_M 64 and mma.sync at 16; x / scale is div.rn.f32).
 """
 from __future__ import annotations
 
