@@ -825,7 +825,8 @@ def make_torch_npu(soc_version: int = 223):
             expand = lambda t: t.float().repeat_interleave(g, 0)[:k]  # noqa: E731
         else:
             if antiquant_scale.shape not in ((n,), (1, n), (1,), (1, 1)):
-                raise ValueError(f"per channel / tensor: scale (n,), (1, n) or (1,); got {tuple(antiquant_scale.shape)}")
+                raise ValueError(f"per channel / tensor: scale (n,), (1, n) or (1,); "
+                                 f"got {tuple(antiquant_scale.shape)}")
             expand = lambda t: t.float().reshape(1, -1)  # noqa: E731
         if antiquant_offset is not None and (antiquant_offset.shape != antiquant_scale.shape
                                              or antiquant_offset.dtype != antiquant_scale.dtype):

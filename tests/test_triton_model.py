@@ -131,7 +131,7 @@ for scheme in ("w8a8", "int8_wo", "int4_wo"):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs these kernels compiled (tools/gpu_check.py --quant)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs them compiled (tools/gpu_check.py --quant)")
 def test_quantized_models_on_the_triton_quant_kernels():
     """Each online scheme's model (w8a8: dynamic_quant / scaled_mm and the fused norm / activation + quant ops after
     the quant passes; int8_wo / int4_wo: wo_linear) gives the reference kernels' greedy tokens (~2 min)."""

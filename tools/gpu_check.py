@@ -668,7 +668,8 @@ def check_quant(shapes: dict, rows_list, device) -> list[dict]:
                   f"{fmt(row['wo_int4_g128_zeros_us'])}", flush=True)
     hidden, inter = (shapes.get("o_proj") or next(iter(shapes.values())))[0], 3072 if "down_proj" in shapes else 96
     for m in rows_list:  # the fused row kernels vs the two launches they replace
-        x, weight = torch.randn(m, hidden, generator=gen).bfloat16().to(device), torch.ones(hidden).bfloat16().to(device)
+        x = torch.randn(m, hidden, generator=gen).bfloat16().to(device)
+        weight = torch.ones(hidden).bfloat16().to(device)
         gate_up = torch.randn(m, 2 * inter, generator=gen).bfloat16().to(device)
         row = dict(case=f"quant fused rows M={m}", rows=m, hidden=hidden, inter=inter)
         row["rms_norm_quant_us"] = timed(lambda i: T["rms_norm_quant"](x, weight, 1e-6, "int8"), 1)

@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphinfer.ops.quant import (_MIN_SCALE, add_rms_norm_quant, dynamic_quant, rms_norm_quant, scaled_mm,
-                                  silu_and_mul_quant, unpack_int4, wo_linear)
+from graphinfer.ops.quant import (_MIN_SCALE, add_rms_norm_quant, dynamic_quant, rms_norm_quant, silu_and_mul_quant,
+                                  unpack_int4, wo_linear)
 
 QUANT_NPU_OPS = ("dynamic_quant", "scaled_mm", "wo_linear", "rms_norm_quant", "add_rms_norm_quant",
                  "silu_and_mul_quant")
@@ -95,7 +95,8 @@ class NpuQuantOps:
                                                          epsilon=eps)
         return q, input_scale.float().reshape(1, 1).expand(*x.shape[:-1], 1).contiguous(), new_residual
 
-    def silu_and_mul_quant(self, x: Tensor, quant_dtype: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def silu_and_mul_quant(self, x: Tensor, quant_dtype: str,
+                           input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if quant_dtype != "int8" or x.dtype not in _HALF:
             return silu_and_mul_quant.reference(x, quant_dtype, input_scale)
         return self.dynamic_quant(self.torch_npu.npu_swiglu(x, dim=-1), quant_dtype, input_scale)
