@@ -696,4 +696,182 @@ def make_torch_npu(soc_version: int = 223):
         vals = xs[dest, row]  # [BS, K, H]
         return (vals.float() * expert_scales.unsqueeze(-1)).sum(1).to(expand_x.dtype)
 
+
+    # ----- quantization (graphinfer/ops/npu_quant.py) -----
+    # [OP] torch_npu-npu_dynamic_quant / aclnnDynamicQuant, -npu_quantize, -npu_quant_matmul,
+    # -npu_weight_quant_batchmatmul, -npu_convert_weight_to_int4pack, aclnnAddRmsNormDynamicQuant,
+    # aclnnAddRmsNormQuant (+ op-plugin AddRmsNormQuantKernelOpApi.cpp: scales2 must be None); [VA] w8a8 /
+    # w8a8_dynamic and norm_quant_fusion_pass. Activations fp16 / bf16 only (documented, and enforced here: the
+    # adapters send fp32 to the reference). Not documented, assumed here (and in the adapters): "round" is round
+    # half to even, codes saturate to -128..127, an all-zero row gets scale 0 and codes 0, the fused norms compute
+    # y = x / rms(x) * gamma in fp32 without rounding in between.
+    def half_only(name, *ts):
+        if any(t.dtype not in (torch.float16, torch.bfloat16) for t in ts):
+            raise TypeError(f"{name}: float16 / bfloat16 inputs only, got {[t.dtype for t in ts]}")
+
+    def int8_codes(v):
+        return torch.round(v).clamp(-128, 127).to(torch.int8)
+
+    def per_token(y):  # [.., K] fp32 -> (codes, scale [..]): rowmax|y| / 127, round(y / scale)
+        scale = y.abs().amax(-1) / 127.0
+        q = torch.where(scale.unsqueeze(-1) > 0, y / scale.unsqueeze(-1), torch.zeros_like(y))
+        return int8_codes(q), scale
+
+    def rms(x, gamma, eps):
+        h = x.float()
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()
+
+    @traced("npu_dynamic_quant")
+    def _(x, *, smooth_scales=None, group_index=None, dst_type=None):
+        half_only("npu_dynamic_quant", x)
+        if smooth_scales is not None or group_index is not None or dst_type not in (None, torch.int8):
+            raise NotImplementedError("emulation covers plain per-token int8 (no smooth_scales / group_index)")
+        if x.dim() < 2:
+            raise ValueError("npu_dynamic_quant: x with more than one dim")
+        return per_token(x.float())
+
+    # result = input * scales + zero_points (div_mode False) or input / scales + zero_points; scales 1-D along axis
+    # (-1: the last dim) of that size or 1; dtype torch.qint8 -> an int8 tensor
+    @traced("npu_quantize")
+    def _(input, scales, zero_points, dtype, axis=1, div_mode=True):
+        if dtype != torch.qint8 or axis != -1 or scales.dim() != 1 or scales.shape[0] not in (1, input.shape[-1]):
+            raise NotImplementedError("emulation covers qint8 along the last axis with 1-D scales")
+        if zero_points is not None and (zero_points.shape != scales.shape or zero_points.dtype != scales.dtype):
+            raise ValueError("zero_points: the shape and dtype of scales")
+        y = input.float() * scales.float() if not div_mode else input.float() / scales.float()
+        return int8_codes(y if zero_points is None else y + zero_points.float())
+
+    # int8 x1 (m, k) @ x2 (k, n) (a transposed view of (n, k) allowed); scale (1,) / (n,) fp32 or bf16;
+    # pertoken_scale (m,) fp32; rows of the A2/A3 type table with pertoken_scale: output bf16 (bias int32 / bf16 /
+    # fp32) or fp16 (scale fp32). out = (x1 @ x2) * scale * pertoken_scale + bias (a float bias after scaling).
+    @traced("npu_quant_matmul")
+    def _(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None, group_sizes=None):
+        if x1.dtype != torch.int8 or x2.dtype != torch.int8 or x1.dim() != 2 or x2.dim() != 2:
+            raise NotImplementedError("emulation covers 2-D int8 x int8")
+        m, k = x1.shape
+        n = x2.shape[1]
+        if x2.shape[0] != k or max(k, x2.shape[1]) > 65535:
+            raise ValueError(f"x1 (m, k), x2 (k, n), last dims <= 65535: got {tuple(x1.shape)}, {tuple(x2.shape)}")
+        if (pertoken_scale is None or offset is not None or group_sizes is not None
+                or pertoken_scale.dtype != torch.float32 or pertoken_scale.shape != (m,)):
+            raise NotImplementedError("emulation covers the per-token form: pertoken_scale fp32 (m,), no offset")
+        if scale.dim() != 1 or scale.shape[0] not in (1, n) or scale.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("scale: 1-D (1,) or (n,), float32 or bfloat16")
+        if output_dtype == torch.float16 and scale.dtype != torch.float32:
+            raise ValueError("output float16 with pertoken_scale takes a float32 scale")
+        if output_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"with pertoken_scale the output is bfloat16 or float16, not {output_dtype}")
+        if bias is not None and (bias.shape != (n,) or bias.dtype not in (torch.int32, torch.bfloat16, torch.float32)):
+            raise ValueError("bias: (n,), int32 / bfloat16 / float32")
+        acc = (x1.double() @ x2.double()).float()  # exact int32 sums
+        if bias is not None and bias.dtype == torch.int32:
+            acc = acc + bias.float()
+        out = acc * scale.float() * pertoken_scale.unsqueeze(-1)
+        if bias is not None and bias.dtype != torch.int32:
+            out = out + bias.float()
+        return out.to(output_dtype)
+
+    # int32 (rows, cols) values in [-8, 7], contiguous, cols % 8 == 0 -> int32 (rows, cols / 8), 8 int4 a word.
+    # The word layout is internal ("交叠排放", interleaved): here nibble i of word j holds element 8j + i, and only
+    # npu_weight_quant_batchmatmul below reads it.
+    @traced("npu_convert_weight_to_int4pack")
+    def _(weight, inner_k_tiles=0):
+        if weight.dtype != torch.int32 or weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] % 8:
+            raise ValueError("weight: contiguous 2-D int32 with the last dim a multiple of 8")
+        if bool(((weight < -8) | (weight > 7)).any()):
+            raise ValueError("int4 values lie in [-8, 7]")
+        nib = (weight & 0xF).view(weight.shape[0], -1, 8).long()
+        words = (nib << (4 * torch.arange(8))).sum(-1)
+        return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+    def unpack_int4_words(words):  # (rows, cols / 8) -> (rows, cols) signed values
+        w = words.long() & 0xFFFFFFFF
+        nib = (w.unsqueeze(-1) >> (4 * torch.arange(8))) & 0xF
+        return torch.where(nib >= 8, nib - 16, nib).reshape(words.shape[0], -1)
+
+    # y = x @ ((weight + antiquant_offset) * antiquant_scale) + bias. x (m, k) fp16/bf16; weight (k, n) int8, or
+    # int32 int4: (k, n / 8) contiguous or (k / 8, n) the transposed view of an (n, k / 8) pack; antiquant_scale in
+    # x's dtype, (n,) / (1, n) per channel or (ceil(k / g), n) per group with g = antiquant_group_size a multiple
+    # of 32 in [32, k - 1]; offset of the scale's shape and dtype; bias (n,) fp32 for bf16 x, fp16 for fp16 x.
+    @traced("npu_weight_quant_batchmatmul")
+    def _(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None, quant_offset=None, bias=None,
+          antiquant_group_size=0, inner_precise=0):
+        half_only("npu_weight_quant_batchmatmul", x)
+        if quant_scale is not None or quant_offset is not None:
+            raise NotImplementedError("emulation covers a float output (no quant_scale)")
+        m, k = x.shape
+        if weight.dtype == torch.int8:
+            w = weight.long()
+        elif weight.dtype == torch.int32:
+            if weight.is_contiguous():
+                w = unpack_int4_words(weight)  # (k, n)
+            elif weight.t().is_contiguous():
+                w = unpack_int4_words(weight.t()).t()  # the transposed (n, k / 8) pack
+            else:
+                raise ValueError("int4 weight: a contiguous pack or its transpose")
+        else:
+            raise ValueError("weight: int8, or int32 carrying int4")
+        n = w.shape[1]
+        if w.shape[0] != k or max(k, n) > 65535:
+            raise ValueError(f"x (m, k), weight (k, n), K and N <= 65535: got {tuple(x.shape)}, weight k x n = "
+                             f"{tuple(w.shape)}")
+        if antiquant_scale.dtype != x.dtype:
+            raise ValueError("antiquant_scale: x's dtype")
+        g = antiquant_group_size
+        if g:
+            if g % 32 or not 32 <= g <= k - 1 or antiquant_scale.shape != (-(-k // g), n):
+                raise ValueError(f"per group: antiquant_group_size a multiple of 32 in [32, k - 1] and scale "
+                                 f"(ceil(k / g), n); got g {g}, scale {tuple(antiquant_scale.shape)}")
+            expand = lambda t: t.float().repeat_interleave(g, 0)[:k]  # noqa: E731
+        else:
+            if antiquant_scale.shape not in ((n,), (1, n), (1,), (1, 1)):
+                raise ValueError(f"per channel / tensor: scale (n,), (1, n) or (1,); "
+                                 f"got {tuple(antiquant_scale.shape)}")
+            expand = lambda t: t.float().reshape(1, -1)  # noqa: E731
+        if antiquant_offset is not None and (antiquant_offset.shape != antiquant_scale.shape
+                                             or antiquant_offset.dtype != antiquant_scale.dtype):
+            raise ValueError("antiquant_offset: the scale's shape and dtype")
+        if bias is not None and (bias.shape not in ((n,), (1, n)) or bias.dtype != (
+                torch.float32 if x.dtype == torch.bfloat16 else torch.float16)):
+            raise ValueError("bias (n,): float32 with bfloat16 x, float16 with float16 x")
+        wf = w.float() if antiquant_offset is None else w.float() + expand(antiquant_offset)
+        y = x.float() @ (wf * expand(antiquant_scale))
+        return (y if bias is None else y + bias.float().reshape(-1)).to(x.dtype)
+
+    # -> (y1, y2, x, scale1, scale2): x = x1 + x2 (the inputs' dtype); y = rmsnorm(x) * gamma; y1 = round(y / scale1),
+    # scale1 = rowmax|y| / 127 (shape x.shape[:-1]); y2 / scale2 "invalid output" unless output_mask[1] (or both
+    # smooth scales): garbage here.
+    @traced("npu_add_rms_norm_dynamic_quant")
+    def _(x1, x2, gamma, *, smooth_scale1=None, smooth_scale2=None, beta=None, epsilon=1e-6, output_mask=None,
+          y_dtype=None):
+        half_only("npu_add_rms_norm_dynamic_quant", x1, x2)
+        if smooth_scale1 is not None or smooth_scale2 is not None or beta is not None or y_dtype is not None:
+            raise NotImplementedError("emulation covers no smooth scales, no beta")
+        if list(output_mask or []) != [True, False]:
+            raise NotImplementedError("emulation covers output_mask [True, False] (vllm-ascend's)")
+        if x1.shape != x2.shape or x1.dtype != x2.dtype:
+            raise ValueError("x1, x2: one shape and dtype")
+        x = x1 + x2
+        y1, scale1 = per_token(rms(x, gamma, epsilon))
+        junk = torch.full(x.shape[:-1], float("nan"))
+        return y1, torch.full_like(y1, 77), x, scale1, junk
+
+    # -> (y1, y2, x): y1 = round(rmsnorm(x1 + x2) * gamma / scales1 + zero_points1) (div_mode True), scales1 along
+    # the last axis; scales2 must be None (op-plugin: "scales only support None"), y2 then meaningless.
+    @traced("npu_add_rms_norm_quant")
+    def _(x1, x2, gamma, scales1, zero_points1=None, beta=None, scales2=None, zero_points2=None, *, axis=-1,
+          epsilon=1e-6, div_mode=True):
+        half_only("npu_add_rms_norm_quant", x1, x2)
+        if scales2 is not None or zero_points2 is not None or beta is not None or axis != -1:
+            raise NotImplementedError("emulation covers scales1 / zero_points1 along the last axis only")
+        if scales1.shape not in ((x1.shape[-1],), (1,)):
+            raise ValueError("scales1: (hidden,) or (1,)")
+        x = x1 + x2
+        y = rms(x, gamma, epsilon)
+        y = y / scales1.float() if div_mode else y * scales1.float()
+        if zero_points1 is not None:
+            y = y + zero_points1.float()
+        y1 = int8_codes(y)
+        return y1, torch.full_like(y1, 77), x
+
     return m

@@ -112,3 +112,31 @@ def test_skinny_gemm_linears_give_reference_tokens():
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1].split()
     assert line[:2] == ["NONE", "True"] and int(line[2]) > 0 and line[3] == "force", out.stdout
+
+
+QUANT_SCRIPT = """
+from graphinfer import LLM, SamplingParams
+
+prompts = [[1, 5, 9, 3], [7] * 11, list(range(2, 28)), [4, 4, 8]]
+params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 5, 5, 6)]
+kw = dict(max_num_seqs=8, num_gpu_blocks_override=64, block_size=4, dtype="float32", max_num_batched_tokens=16,
+          max_model_len=128, graph_mode="NONE")
+for scheme in ("w8a8", "int8_wo", "int4_wo"):
+    ref = [o.outputs[0].token_ids for o in LLM("tiny-qwen3", quantization=scheme, **kw).generate(prompts, params,
+                                                                                                 use_tqdm=False)]
+    llm = LLM("tiny-qwen3", quantization=scheme, kernels="triton", **kw)
+    tri = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    print(scheme, ref == tri, ref, tri)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs them compiled (tools/gpu_check.py --quant)")
+def test_quantized_models_on_the_triton_quant_kernels():
+    """Each online scheme's model (w8a8: dynamic_quant / scaled_mm and the fused norm / activation + quant ops after
+    the quant passes; int8_wo / int4_wo: wo_linear) gives the reference kernels' greedy tokens (~2 min)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", QUANT_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [line.split()[:2] for line in out.stdout.strip().splitlines()] == [
+        [s, "True"] for s in ("w8a8", "int8_wo", "int4_wo")], out.stdout

@@ -27,12 +27,21 @@
    kernel, device time in a CUDA graph with the weights rotated over copies larger than L2 (as a decode step
    streams them), the error against an fp32 F.linear, and the start-up timer's (compiler/skinny_gemm.py) view
    of cuBLAS and the best config, to check that it picks what the graph timing picks.
+8. Quantization kernels (graphinfer/ops/triton/quant.py) at the Qwen3-0.6B linears, M = 1, 64, 256, bf16
+   activations, device time in a CUDA graph with the weights rotated over copies larger than L2: the bf16
+   cuBLAS linear (F.linear) as the baseline; w8a8: dynamic_quant (codes must equal the reference's) and the
+   int8 scaled_mm against torch._int_mm (+ the same scale epilogue in torch); fp8 (sm_89+): scaled_mm against
+   torch._scaled_mm with row-wise scales; weight-only wo_linear int8 per channel and int4 group 128 with zeros;
+   and the fused rms_norm_quant / silu_and_mul_quant against the two Triton launches they replace. Errors against
+   the reference ops. torch baselines that refuse a shape (torch._int_mm wants M > 16, _scaled_mm multiples of 16)
+   run on rows padded up to what they take, noted as such.
 
     python tools/gpu_check.py --output-json OUT.json [--smollm2 PATH.gguf] [--quick]
     python tools/gpu_check.py --prefill-attention --output-json OUT.json [--quick]     (part 4 alone)
     python tools/gpu_check.py --qk-norm-rope --output-json OUT.json [--quick]          (part 5 alone)
     python tools/gpu_check.py --sampler --output-json OUT.json [--quick]               (part 6 alone)
     python tools/gpu_check.py --skinny-gemm --output-json OUT.json [--quick]           (part 7 alone)
+    python tools/gpu_check.py --quant --output-json OUT.json [--quick]                 (part 8 alone)
 
 --quick uses small shapes and models (a smoke run; also works on CPU for the kernel and prefill parts
 under TRITON_INTERPRET=1). Exits non-zero if any check fails.
@@ -567,13 +576,125 @@ def check_skinny_gemm(shapes: dict, rows_list, device) -> list[dict]:
     return out
 
 
+QUANT_ROWS = (1, 64, 256)
+
+
+def check_quant(shapes: dict, rows_list, device) -> list[dict]:
+    """The quantization kernels vs cuBLAS / torch._int_mm / torch._scaled_mm, see part 8 of the docstring."""
+    import torch.nn.functional as F
+
+    from graphinfer.ops import quant as ref  # ref.<op>.reference: the PyTorch references, on the device
+    from graphinfer.ops.quant import pack_int4, quantize_per_token
+    from graphinfer.ops.triton import TRITON_OPS as T
+
+    cuda = device.type == "cuda"
+    fp8 = cuda and torch.cuda.get_device_capability() >= (8, 9)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+
+    def timed(call, copies) -> float:  # us; call(i) uses weight copy i % copies
+        i = iter(range(1 << 30))
+        fn = lambda: call(next(i) % copies)  # noqa: E731
+        return (graph_ms(fn) if cuda else bench_ms(fn, device)) * 1e3
+
+    def padded(x, rows):  # torch baselines' shape limits: pad the rows up
+        return x if x.shape[0] >= rows else torch.cat((x, x.new_zeros(rows - x.shape[0], x.shape[1])))
+
+    def baseline(row, name, call, copies):
+        try:
+            row[name] = timed(call, copies)
+        except Exception as e:  # noqa: BLE001 -- a torch build or device without that path: record why
+            row[name] = f"{type(e).__name__}: {str(e)[:160]}"
+
+    for name, (n, k) in shapes.items():
+        copies = max(1, -(-_L2_BYTES // (n * k * 2))) if cuda else 1
+        w = torch.randn(n, k, generator=gen) / k ** 0.5
+        b8, s8 = quantize_per_token(w, "int8")
+        int4_codes = torch.randint(0, 16, (n, k), generator=gen)
+        s4, z4 = torch.rand(n, k // 128, generator=gen) * 0.02 + 1e-3, torch.randn(n, k // 128, generator=gen) * 0.05
+        dev = lambda t: [t.to(device) for _ in range(copies)]  # noqa: E731
+        bf16_w, int8_w, int4_w = dev(w.bfloat16()), dev(b8), dev(pack_int4(int4_codes))
+        s8_d, s4_d, z4_d = s8.reshape(-1).to(device), s4.to(device), z4.to(device)
+        wo8_s = s8.to(device)  # [N, 1]: per channel
+        fp8_w = None
+        if fp8:
+            f8, f8s = quantize_per_token(w, "fp8")
+            fp8_w, f8s_d = dev(f8), f8s.reshape(-1).to(device)
+        for m in rows_list:
+            x = torch.randn(m, k, generator=gen).bfloat16().to(device)
+            a, a_s = T["dynamic_quant"](x, "int8")
+            want_a = ref.dynamic_quant.reference(x, "int8")
+            row = dict(case=f"quant {name} {n}x{k} M={m}", shape=name, n=n, k=k, rows=m,
+                       dynamic_quant_code_mismatches=int((a != want_a[0]).sum()))
+            row["cublas_bf16_us"] = timed(lambda i: F.linear(x, bf16_w[i]), copies)
+            row["dynamic_quant_us"] = timed(lambda i: T["dynamic_quant"](x, "int8"), 1)
+            got = T["scaled_mm"](a, a_s, int8_w[0], s8_d, None, torch.bfloat16).float()
+            want = ref.scaled_mm.reference(a, a_s, int8_w[0], s8_d, None, torch.bfloat16).float()
+            row["scaled_mm_int8_err"] = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+            row["scaled_mm_int8_us"] = timed(lambda i: T["scaled_mm"](a, a_s, int8_w[i], s8_d, None, torch.bfloat16),
+                                             copies)
+            a_pad, a_s_pad = padded(a, 17), padded(a_s, 17)
+            baseline(row, "torch_int_mm_us", lambda i: torch._int_mm(a_pad, int8_w[i].t()), copies)
+            baseline(row, "torch_int_mm_scaled_us", lambda i: (torch._int_mm(a_pad, int8_w[i].t()).float() * a_s_pad
+                                                               * s8_d).bfloat16(), copies)
+            if fp8:
+                a8, a8_s = T["dynamic_quant"](x, "fp8")
+                got = T["scaled_mm"](a8, a8_s, fp8_w[0], f8s_d, None, torch.bfloat16).float()
+                want = ref.scaled_mm.reference(a8, a8_s, fp8_w[0], f8s_d, None, torch.bfloat16).float()
+                row["scaled_mm_fp8_err"] = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+                row["scaled_mm_fp8_us"] = timed(
+                    lambda i: T["scaled_mm"](a8, a8_s, fp8_w[i], f8s_d, None, torch.bfloat16), copies)
+                a8_pad, a8_s_pad = padded(a8.view(torch.int8), -(-m // 16) * 16).view(a8.dtype), \
+                    padded(a8_s, -(-m // 16) * 16)
+                baseline(row, "torch_scaled_mm_us", lambda i: torch._scaled_mm(
+                    a8_pad, fp8_w[i].t(), scale_a=a8_s_pad, scale_b=f8s_d.reshape(1, -1), out_dtype=torch.bfloat16),
+                    copies)
+            for form, (qw, s, z, bits) in {"int8_per_channel": (int8_w, wo8_s, None, 8),
+                                           "int4_g128_zeros": (int4_w, s4_d, z4_d, 4)}.items():
+                got = T["wo_linear"](x, qw[0], s, z, bits, None).float()
+                want = ref.wo_linear.reference(x, qw[0], s, z, bits, None).float()
+                row[f"wo_{form}_err"] = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+                row[f"wo_{form}_us"] = timed(lambda i, qw=qw, s=s, z=z, bits=bits: T["wo_linear"](x, qw[i], s, z, bits,
+                                                                                                 None), copies)
+            row["ok"] = (row["dynamic_quant_code_mismatches"] == 0 and row["scaled_mm_int8_err"] <= 1e-2
+                         and row.get("scaled_mm_fp8_err", 0.0) <= 2e-2
+                         and all(row[f"wo_{f}_err"] <= 2e-2 for f in ("int8_per_channel", "int4_g128_zeros")))
+            out.append(row)
+            fmt = lambda v: f"{v:8.1f}" if isinstance(v, float) else "     n/a"  # noqa: E731
+            print(f"{'ok ' if row['ok'] else 'BAD'} {row['case']:34s} bf16 {fmt(row['cublas_bf16_us'])} us | int8 "
+                  f"quant {fmt(row['dynamic_quant_us'])} mm {fmt(row['scaled_mm_int8_us'])} (_int_mm "
+                  f"{fmt(row['torch_int_mm_us'])}) | fp8 {fmt(row.get('scaled_mm_fp8_us'))} (_scaled_mm "
+                  f"{fmt(row.get('torch_scaled_mm_us'))}) | wo8 {fmt(row['wo_int8_per_channel_us'])} wo4 "
+                  f"{fmt(row['wo_int4_g128_zeros_us'])}", flush=True)
+    hidden, inter = (shapes.get("o_proj") or next(iter(shapes.values())))[0], 3072 if "down_proj" in shapes else 96
+    for m in rows_list:  # the fused row kernels vs the two launches they replace
+        x = torch.randn(m, hidden, generator=gen).bfloat16().to(device)
+        weight = torch.ones(hidden).bfloat16().to(device)
+        gate_up = torch.randn(m, 2 * inter, generator=gen).bfloat16().to(device)
+        row = dict(case=f"quant fused rows M={m}", rows=m, hidden=hidden, inter=inter)
+        row["rms_norm_quant_us"] = timed(lambda i: T["rms_norm_quant"](x, weight, 1e-6, "int8"), 1)
+        row["rms_norm_then_quant_us"] = timed(lambda i: T["dynamic_quant"](T["rms_norm"](x, weight, 1e-6), "int8"), 1)
+        row["silu_and_mul_quant_us"] = timed(lambda i: T["silu_and_mul_quant"](gate_up, "int8"), 1)
+        row["silu_and_mul_then_quant_us"] = timed(lambda i: T["dynamic_quant"](T["silu_and_mul"](gate_up), "int8"), 1)
+        got, want = T["rms_norm_quant"](x, weight, 1e-6, "int8"), ref.rms_norm_quant.reference(x, weight, 1e-6, "int8")
+        row["rms_norm_quant_max_code_diff"] = (got[0].int() - want[0].int()).abs().max().item()
+        got, want = T["silu_and_mul_quant"](gate_up, "int8"), ref.silu_and_mul_quant.reference(gate_up, "int8")
+        row["silu_and_mul_quant_max_code_diff"] = (got[0].int() - want[0].int()).abs().max().item()
+        row["ok"] = row["rms_norm_quant_max_code_diff"] <= 1 and row["silu_and_mul_quant_max_code_diff"] <= 1
+        out.append(row)
+        print(f"{'ok ' if row['ok'] else 'BAD'} {row['case']:34s} rms_norm_quant {row['rms_norm_quant_us']:.1f} us "
+              f"(unfused {row['rms_norm_then_quant_us']:.1f}), silu_and_mul_quant {row['silu_and_mul_quant_us']:.1f} "
+              f"us (unfused {row['silu_and_mul_then_quant_us']:.1f})", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-json", default="gpu_check.json")
     ap.add_argument("--smollm2", default="", help="SmolLM2 GGUF path (default: the bundled one)")
     ap.add_argument("--quick", action="store_true", help="small shapes and tiny models (smoke run)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated parts to skip: kernels,modes,capture,prefill,qknorm,sampler,skinny")
+                    help="comma-separated parts to skip: kernels,modes,capture,prefill,qknorm,sampler,skinny,quant")
     ap.add_argument("--prefill-attention", action="store_true",
                     help="run only part 4, prefill attention vs SDPA (= --skip kernels,modes,capture)")
     ap.add_argument("--qk-norm-rope", action="store_true",
@@ -582,17 +703,21 @@ def main() -> int:
                     help="run only part 6, the Sampler's torch path vs the fused sampling kernel")
     ap.add_argument("--skinny-gemm", action="store_true",
                     help="run only part 7, cuBLAS vs the skinny GEMM kernel at the Qwen3-0.6B decode linears")
+    ap.add_argument("--quant", action="store_true",
+                    help="run only part 8, the quantization kernels vs cuBLAS / torch._int_mm / torch._scaled_mm")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     skip = set(filter(None, args.skip.split(",")))
     if args.prefill_attention:
         skip |= {"kernels", "modes", "capture"}
     if args.qk_norm_rope:
-        skip |= {"kernels", "modes", "capture", "prefill", "skinny"}
+        skip |= {"kernels", "modes", "capture", "prefill", "skinny", "quant"}
     if args.sampler:
-        skip |= {"kernels", "modes", "capture", "prefill", "qknorm", "skinny"}
+        skip |= {"kernels", "modes", "capture", "prefill", "qknorm", "skinny", "quant"}
     if args.skinny_gemm:
-        skip |= {"kernels", "modes", "capture", "prefill", "qknorm", "sampler"}
+        skip |= {"kernels", "modes", "capture", "prefill", "qknorm", "sampler", "quant"}
+    if args.quant:
+        skip |= {"kernels", "modes", "capture", "prefill", "qknorm", "sampler", "skinny"}
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   torch=torch.__version__)
     bw = copy_bandwidth(device, (1 << 31) if device.type == "cuda" and not args.quick else 1 << 24)
@@ -616,6 +741,9 @@ def main() -> int:
     if "skinny" not in skip:
         result["skinny_gemm"] = check_skinny_gemm({"tiny": (70, 200)} if args.quick else SKINNY_SHAPES,
                                                   [1, 3] if args.quick else [1, 2, 4, 8], device)
+    if "quant" not in skip:
+        result["quant"] = check_quant({"tiny": (70, 256)} if args.quick else SKINNY_SHAPES,
+                                      [1, 3] if args.quick else QUANT_ROWS, device)
     if device.type == "cuda":
         models = {"tiny-qwen3": ("tiny-qwen3", "float32")} if args.quick else {
             "smollm2 (fp32)": (args.smollm2, "float32"), "smollm2 (bf16)": (args.smollm2, "bfloat16"),
@@ -637,7 +765,8 @@ def main() -> int:
           [r for r in result.get("prefill_attention", []) if not r["ok"]] + \
           [r for r in result.get("qk_norm_rope", []) if not r["ok"]] + \
           [r for r in result.get("sampler", []) if not r["ok"]] + \
-          [r for r in result.get("skinny_gemm", []) if not r["ok"]]
+          [r for r in result.get("skinny_gemm", []) if not r["ok"]] + \
+          [r for r in result.get("quant", []) if not r["ok"]]
     print(f"\n{len(bad)} failing checks; wrote {args.output_json}")
     return 1 if bad else 0
 

@@ -54,6 +54,8 @@ def _close(got, want, dtype):
 
 def op_cases(dtype):
     """name -> (args builder on CPU fp32); attention: mixed prefill + decode batch, GQA 32:8, a padded row."""
+    from graphinfer.ops.quant import pack_int4, quantize_per_token
+
     g = torch.Generator().manual_seed(0)
 
     def r(*shape, s=1.0):
@@ -76,6 +78,8 @@ def op_cases(dtype):
     freqs = torch.outer(torch.arange(4096).float(), inv)
     cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1)
     E, K, inter, Tm, Hm = 64, 8, 768, 64, 2048
+    N = 1024  # quantized linears: [N, H] weights
+    codes, w_scale = quantize_per_token(r(N, H, s=H ** -0.5), "int8")
     return {
         "rms_norm": (r(T, H), r(H), 1e-6),
         "add_rms_norm": (r(T, H), r(T, H), r(H), 1e-6),
@@ -92,6 +96,14 @@ def op_cases(dtype):
         "paged_attention": (r(sum(q_lens), heads, d), r(num_blocks, bs, kv_heads, d), r(num_blocks, bs, kv_heads, d),
                             block_tables, qsl, torch.tensor(seq_lens, dtype=torch.int32), d ** -0.5),
         "fused_moe": (r(Tm, Hm), r(Tm, E), r(E, 2 * inter, Hm, s=0.02), r(E, Hm, inter, s=0.02), K, True),
+        # quantization (int8: no float8 on A2/A3); codes compared as numbers, so the tolerance allows a code or two
+        "dynamic_quant": (r(T, H), "int8"),
+        "rms_norm_quant": (r(T, H), r(H), 1e-6, "int8"),
+        "add_rms_norm_quant": (r(T, H), r(T, H), r(H), 1e-6, "int8"),
+        "silu_and_mul_quant": (r(T, 2 * 3072), "int8"),
+        "scaled_mm": (*quantize_per_token(r(T, H), "int8"), codes, w_scale.reshape(-1), r(N), dtype),
+        "wo_linear": (r(T, H), pack_int4(torch.randint(0, 16, (N, H), generator=g)), r(N, H // 128).abs() * 0.01,
+                      r(N, H // 128, s=0.05), 4, r(N)),
     }
 
 

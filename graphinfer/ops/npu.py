@@ -22,10 +22,12 @@ from torch import Tensor
 
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.distributed.communication_op import combine_metadata_size, ep_combine, ep_dispatch
+from graphinfer.ops.npu_quant import QUANT_NPU_OPS, NpuQuantOps
 from graphinfer.ops.qk_norm_rope import chain_cache_write
 
 NPU_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "qk_norm_rope", "qk_norm_rope_cache", "silu_and_mul",
-           "reshape_and_cache", "paged_attention", "fused_moe", "fused_experts", "ep_dispatch", "ep_combine")
+           "reshape_and_cache", "paged_attention", "fused_moe", "fused_experts", "ep_dispatch", "ep_combine",
+           *QUANT_NPU_OPS)  # quantization: ops/npu_quant.py
 MASK_SIZE = 2048  # FIA sparse_mode 2/3/4 take this fixed-size compressed causal mask
 A2_SOCS, A3_SOCS = range(220, 226), range(250, 256)  # torch_npu.npu.get_soc_version(), mapped as vllm-ascend does
 
@@ -61,8 +63,9 @@ def _mc2_expert_ids(topk_ids: Tensor) -> Tensor:
     return torch.where(repeat, torch.arange(ids.shape[1], dtype=torch.int32, device=ids.device), ids)
 
 
-class NpuOps:
-    """The adapters, bound to one torch_npu module; `table()` maps graphinfer op name -> adapter."""
+class NpuOps(NpuQuantOps):
+    """The adapters, bound to one torch_npu module; `table()` maps graphinfer op name -> adapter (the quantization
+    ones are inherited from ops/npu_quant.py)."""
 
     def __init__(self, torch_npu=None):
         self._torch_npu = torch_npu
@@ -70,6 +73,7 @@ class NpuOps:
         self._soc_version: int | None = None
         self._comm_names: dict[object, str] = {}  # process group -> its HCCL communicator's name
         self.graph_params = FiaGraphParams(self)
+        self._init_quant()
         # No torch_npu op does it either: the qk_norm_rope and reshape_and_cache adapters in turn (a single launch
         # is graphinfer's Triton kernel: kernels="torch_npu,qk_norm_rope_cache=triton").
         self.qk_norm_rope_cache = chain_cache_write(self.qk_norm_rope, self.reshape_and_cache, __name__)

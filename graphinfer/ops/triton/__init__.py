@@ -42,6 +42,7 @@ from graphinfer.ops.triton.fused_moe import fused_experts_op, fused_moe  # noqa:
 from graphinfer.ops.triton.kv_cache import reshape_and_cache  # noqa: E402
 from graphinfer.ops.triton.norm import add_rms_norm, rms_norm  # noqa: E402
 from graphinfer.ops.triton.qk_norm_rope import qk_norm_rope, qk_norm_rope_cache  # noqa: E402
+from graphinfer.ops.triton.quant import QUANT_OPS  # noqa: E402
 from graphinfer.ops.triton.rotary import rotary_embedding  # noqa: E402
 
 TRITON_OPS: dict[str, Callable] = {
@@ -55,6 +56,7 @@ TRITON_OPS: dict[str, Callable] = {
     "paged_attention": paged_attention,
     "fused_moe": fused_moe,
     "fused_experts": fused_experts_op,
+    **QUANT_OPS,  # dynamic_quant, scaled_mm, wo_linear and the fused norm / activation + quant ops
 }
 
 __all__ = ["TRITON_OPS", "add_rms_norm", "fused_moe", "paged_attention", "qk_norm_rope", "qk_norm_rope_cache",
