@@ -10,6 +10,9 @@
 #                    prompt, fp32 and bf16 (tools/cpu_latency.py)
 #   inductor         the throughput workload on the Inductor lowering (kernels=inductor)
 #   reference        the throughput workload on the reference ops (kernels=reference)
+#   quant            issue 27: the GGUF kept quantized (gguf) and int8_wo vs fp32, batch 1 and the 64-prompt workload,
+#                    with llama.cpp (llama-cpp-python built here into .venv-peers, the same GGUF) in the same run
+#                    (tools/cpu_quant_peers.py)
 #
 # Results (JSON and logs) go to $OUT, else ./bench-out. Other processes on the machine lower the numbers: the
 # JSON records the load average at the start. SMOKE=1: a short rehearsal (4 prompts, 8 new tokens, 256-token prefill).
@@ -37,6 +40,12 @@ for step in "${steps[@]}"; do
     throughput_bf16) throughput bfloat16 ;;
     inductor) throughput auto inductor ;;
     reference) throughput auto reference ;;
+    quant)
+      if [ ! -x .venv-peers/bin/python ]; then  # llama.cpp compiled for this CPU (minutes, once)
+        python3 -m venv .venv-peers && .venv-peers/bin/pip install -q llama-cpp-python==0.3.36
+      fi
+      "$PY" tools/cpu_quant_peers.py --model "$MODEL" --llama-python .venv-peers/bin/python --num-prompts "$N" \
+        --new-tokens "$NEW" --output-json "$OUT_DIR/quant_peers.json" 2>&1 | tee "$OUT_DIR/quant_peers.log" ;;
     latency)
       for dt in float32 bfloat16; do
         "$PY" tools/cpu_latency.py --model "$MODEL" --dtype "$dt" --max-tokens "$NEW" --prefill-len "$PREFILL" | tee -a "$OUT_DIR/latency.jsonl"
