@@ -2,8 +2,8 @@
 compressed-tensors package itself from tiny random HF models (apply_quantization_config, scales from the weights'
 min / max by its calculate_qparams, ModelCompressor.compress_model, save_pretrained, update_config), then read back
 through the loader's safetensors iterator: our tensors dequantize (ops.quant.dequantize_weight) to exactly what the
-package's own compressor decompresses from the same files, and the schemes are the expected ones; unsupported
-configurations are refused naming the field."""
+package's own compressor decompresses from the same files and what transformers' load of the checkpoint holds, and
+the schemes are the expected ones; unsupported configurations are refused naming the field."""
 import copy
 import json
 import os
@@ -137,6 +137,7 @@ def test_checkpoint_matches_the_packages_decompression(case, tmp_path):
         for name in file_names:  # the unquantized tensors come unchanged (embedding, norms, the ignored lm_head)
             if name.rpartition(".")[0] not in schemes:
                 assert torch.equal(ours.pop(name), f.get_tensor(name)), name
+    dequantized = {}
     for prefix, scheme in schemes.items():
         mine = {n[len(prefix) + 1:]: ours.pop(n) for n in list(ours) if n.rpartition(".")[0] == prefix}
         ct_scheme, fmt = recorded[prefix]
@@ -146,15 +147,29 @@ def test_checkpoint_matches_the_packages_decompression(case, tmp_path):
             {n: (p.dtype, tuple(p.shape)) for n, p in layer.named_parameters()}, prefix  # what the loader fills
         theirs = BaseCompressor.get_value_from_registry(fmt).decompress(file, ct_scheme)["weight"]
         assert theirs.dtype == dtype
-        if dtype == torch.float32:
-            # c * s rounds (up to 8 ulps of s, c <= 15), then + zero rounds (up to 4 more): within 16 ulps of s
-            scale = mine["weight_scale"].repeat_interleave(scheme.group(theirs.shape[1]), dim=1)
-            assert bool(((_dequant(scheme, mine) - theirs).abs() <= scale * 2 ** -19).all()), prefix
-        else:
-            assert torch.equal(_dequant(scheme, mine).to(dtype), theirs), prefix
+        _assert_same(scheme, mine, theirs, prefix)
         if scheme.static_input:
             assert torch.equal(mine["input_scale"], torch.tensor([STATIC_INPUT_SCALE]))
+        dequantized[prefix] = mine
     assert not ours
+
+    # transformers' own load of the checkpoint (its compressed-tensors quantizer: decompressed on the first forward)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    hf(torch.tensor([[1, 2, 3]]))
+    hf_weights = hf.state_dict()
+    for prefix, mine in dequantized.items():
+        _assert_same(schemes[prefix], mine, hf_weights[f"{prefix}.weight"], prefix)
+
+
+def _assert_same(scheme, mine, theirs, label):
+    """Our dequantized tensors vs a decompressed weight (in the scale dtype): equal once cast to it; with fp32
+    scales c * s rounds (up to 8 ulps of s, c <= 15), then + zero rounds (up to 4 more): within 16 ulps of s."""
+    ours = _dequant(scheme, mine)
+    if theirs.dtype == torch.float32:
+        scale = mine["weight_scale"].repeat_interleave(scheme.group(theirs.shape[1]), dim=1)
+        assert bool(((ours - theirs).abs() <= scale * 2 ** -19).all()), label
+    else:
+        assert torch.equal(ours.to(theirs.dtype), theirs), label
 
 
 def test_sliced_reads_of_passed_through_tensors(tmp_path):
