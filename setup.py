@@ -17,5 +17,8 @@ setup(
         "tqdm",
         "jinja2",
     ],
+    # Reading compressed-tensors checkpoints (graphinfer/quantization/compressed_tensors.py, imported when one is
+    # loaded); an extra because compressed-tensors 0.20 needs torch>=2.10. The Makefile pins it for CI.
+    extras_require={"compressed-tensors": ["compressed-tensors>=0.20"]},
     entry_points={"console_scripts": ["graphinfer=graphinfer.cli:main"]},
 )

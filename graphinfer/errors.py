@@ -39,3 +39,8 @@ class ArtifactMismatchError(GraphinferError, ValueError):
 
 class InvalidRequestError(GraphinferError, ValueError):
     """A request's content is malformed: chat messages the template cannot render, bad token ids, ..."""
+
+
+class UnsupportedQuantizationError(UnsupportedArchitectureError):
+    """The checkpoint is quantized in a form graphinfer cannot run (a compressed-tensors scheme or format, a GGUF
+    tensor type); the message names the field and what is supported."""
