@@ -50,7 +50,7 @@ from graphinfer.models.loader import PlainConfig, load_fast_tokenizer, meta_mode
 from graphinfer.passes import CheckResult, PassError, PassReport, PassReports
 from graphinfer.passes.utils import release_fused_sources
 from graphinfer.quantization import install_quantized_linears, model_schemes
-from graphinfer.quantization.linear import QuantizedLinear
+from graphinfer.quantization.linear import QuantizedEmbedding, QuantizedLinear, tie_quantized_head
 from graphinfer.quantization.scheme import QuantScheme
 
 FORMAT = 2  # 2: self-contained (config, final weights, tokenizer, kernel cache); 1 needed the checkpoint
@@ -379,7 +379,7 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
     model = meta_model(config)
     quant = {name: QuantScheme(**s) for name, s in ((manifest.get("quantization") or {}).get("layers") or {}).items()}
     dtype = getattr(torch, manifest["dtype"])
-    install_quantized_linears(model, quant, "meta", dtype)
+    install_quantized_linears(model, quant, "meta", dtype, tied=getattr(config, "tie_word_embeddings", False))
     for target, sources in manifest["fused_linears"].items():
         mods = [model.get_submodule(s) for s in sources]
         parent, _, name = target.rpartition(".")
@@ -393,6 +393,8 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
     state = load_file(os.path.join(art_dir, weights), device=str(device))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    if isinstance(getattr(model.model, "embed_tokens", None), QuantizedEmbedding) and config.tie_word_embeddings:
+        tie_quantized_head(model)  # assign=True gave the embedding new tensors: the head follows
     missing = [k for k in missing if model.get_parameter(k).is_meta] if missing else []
     if missing or unexpected:
         raise ArtifactMismatchError(f"Artifact {art_dir!r}: {weights} does not fit the model of its {CONFIG} "

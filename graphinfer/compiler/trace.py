@@ -14,9 +14,10 @@ from torch import fx, nn
 def is_leaf_layer(m: nn.Module) -> bool:
     """A Linear / Embedding whose forward is F.linear / F.embedding (at tp 1 the parallel layers are), or a
     QuantizedLinear (lowered to its ops by the lower_quant_linears pass, after the projections are fused)."""
-    from graphinfer.quantization.linear import QuantizedLinear
+    from graphinfer.quantization.linear import QuantizedEmbedding, QuantizedLinear
 
-    return isinstance(m, (nn.Linear, nn.Embedding, QuantizedLinear)) and not getattr(m, "has_collective", False)
+    return isinstance(m, (nn.Linear, nn.Embedding, QuantizedLinear, QuantizedEmbedding)) and \
+        not getattr(m, "has_collective", False)
 
 
 class GraphinferTracer(fx.Tracer):

@@ -116,17 +116,22 @@ def init_buffers(model: nn.Module, device: torch.device | str) -> None:
             m.cos_sin_cache = caches[key]
 
 
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model computes in (its final norm's; a quantized LM head's weight holds codes)."""
+    return model.model.norm.weight.dtype
+
+
 def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int) -> Tensor:
     """One tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]; each attention layer gets its views."""
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-    weight = model.lm_head.weight
+    dtype, device = activation_dtype(model), model.model.norm.weight.device
     shape = (len(layers), 2, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    if weight.device.type == "cpu":  # calloc'd (numpy): the OS maps zero pages as they are first used, so a
+    if device.type == "cpu":  # calloc'd (numpy): the OS maps zero pages as they are first used, so a
         # 1 GiB cache costs nothing at start-up (torch.zeros writes every byte)
-        nbytes = math.prod(shape) * weight.element_size()
-        kv = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(weight.dtype).view(shape)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        kv = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
     else:
-        kv = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        kv = torch.zeros(shape, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = kv[i, 0], kv[i, 1]
     return kv

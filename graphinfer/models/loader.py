@@ -223,7 +223,12 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
         if quantization == "gguf":
             from graphinfer.quantization.gguf import gguf_quantized_weights
 
-            weights, schemes = gguf_quantized_weights(reader, config)
+            # A packed embedding / tied head is tp 1 only: at tp > 1 the vocab-parallel layers stay float.
+            weights, schemes = gguf_quantized_weights(reader, config, embedding=ps.tp_size() == 1)
+            if ps.tp_size() > 1 and "lm_head" in schemes:
+                raise InvalidConfigError("quantization='gguf' at tensor_parallel_size > 1 keeps an untied quantized "
+                                         "output.weight, which is not supported yet: run it at tp 1, or without "
+                                         "quantization='gguf' (dequantized).")
         else:
             weights = gguf_tensors(reader)
     else:
@@ -243,7 +248,7 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
                                      f"quantize it again. Leave quantization unset.")
         from graphinfer.quantization import install_quantized_linears
 
-        install_quantized_linears(model, schemes, device)
+        install_quantized_linears(model, schemes, device, tied=config.tie_word_embeddings)
     elif quantization == "compressed-tensors":
         raise InvalidConfigError(f"{path!r} has no compressed-tensors quantization_config in its config.json.")
     load_weights(model, weights, config.tie_word_embeddings)

@@ -10,7 +10,7 @@ a compressed-tensors checkpoint (config.json's quantization_config) is read as q
 from torch import nn
 
 from graphinfer.errors import InvalidConfigError
-from graphinfer.quantization.linear import QuantizedLinear
+from graphinfer.quantization.linear import QuantizedEmbedding, QuantizedLinear, tie_quantized_head
 from graphinfer.quantization.scheme import ONLINE_SCHEMES, QuantScheme
 
 PREQUANTIZED = ("gguf", "compressed-tensors")
@@ -51,23 +51,30 @@ def quantize_model(model: nn.Module, method: str) -> dict[str, QuantScheme]:
     return schemes
 
 
-def install_quantized_linears(model: nn.Module, schemes: dict[str, QuantScheme], device, dtype=None) -> None:
+def install_quantized_linears(model: nn.Module, schemes: dict[str, QuantScheme], device, dtype=None,
+                              tied: bool = False) -> None:
     """Put empty QuantizedLinears (on `device`, or meta) where `schemes` names a layer, before a pre-quantized
     checkpoint's or an artifact's tensors are loaded into them: each keeps its layer's features, bias and
-    tensor-parallel role; dtype: the activations' (default: the layer's). Names the model lacks (a fused
+    tensor-parallel role; dtype: the activations' (default: the layer's). An embedding becomes a
+    QuantizedEmbedding, and with `tied` the LM head shares its tensors. Names the model lacks (a fused
     projection) are skipped."""
     for name, scheme in schemes.items():
         try:
             old = model.get_submodule(name)
         except AttributeError:
             old = None
-        if old is None or isinstance(old, QuantizedLinear):
+        if old is None or isinstance(old, (QuantizedLinear, QuantizedEmbedding)):
             continue
-        _replace(model, name, QuantizedLinear(old.in_features, old.out_features, scheme, old.bias is not None,
-                                              getattr(old, "has_collective", False), device=device,
-                                              dtype=dtype or old.weight.dtype))
+        if isinstance(old, nn.Embedding):
+            new = QuantizedEmbedding(old.num_embeddings, old.embedding_dim, scheme, device, dtype or old.weight.dtype)
+        else:
+            new = QuantizedLinear(old.in_features, old.out_features, scheme, old.bias is not None,
+                                  getattr(old, "has_collective", False), device=device, dtype=dtype or old.weight.dtype)
+        _replace(model, name, new)
+    if tied and isinstance(getattr(getattr(model, "model", None), "embed_tokens", None), QuantizedEmbedding):
+        tie_quantized_head(model)
 
 
 def model_schemes(model: nn.Module) -> dict[str, dict]:
     """name -> scheme dict of every QuantizedLinear (an artifact's manifest records them)."""
-    return {n: m.scheme.to_dict() for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    return {n: m.scheme.to_dict() for n, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}

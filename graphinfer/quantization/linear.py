@@ -14,7 +14,7 @@ from graphinfer import ops
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.distributed.communication_op import tensor_model_parallel_all_reduce
 from graphinfer.errors import InvalidConfigError, ModelNotFoundError
-from graphinfer.ops.quant import FP8_MAX, INT8_MAX, pack_int4
+from graphinfer.ops.quant import FP8_MAX, INT8_MAX, dequantize_weight, pack_int4
 from graphinfer.quantization.scheme import QuantScheme
 
 TENSORS = ("weight", "weight_scale", "weight_zero", "input_scale")
@@ -152,3 +152,35 @@ def weight_bytes(model: nn.Module) -> int:
         seen[(p.data_ptr(), p.shape)] = p.numel() * p.element_size()
     return sum(seen.values()) if seen else 0
 
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept packed (GGUF's token_embd, e.g. Q8_0): the looked-up rows are dequantized, so the
+    table costs its packed size. A tied LM head computes with the same tensors (tie_quantized_head). tp 1 only
+    (the loader keeps a vocab-parallel embedding in float)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scheme: QuantScheme, device=None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.scheme, self.out_dtype = num_embeddings, embedding_dim, scheme, dtype
+        shapes = QuantizedLinear(embedding_dim, num_embeddings, scheme, device="meta")
+        for name in TENSORS:
+            t = getattr(shapes, name)
+            setattr(self, name, None if t is None else _frozen(torch.empty(t.shape, dtype=t.dtype, device=device)))
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        zero = self.weight_zero[input_ids] if self.weight_zero is not None else None
+        rows = dequantize_weight(self.weight[input_ids], self.weight_scale[input_ids], zero, self.scheme.bits)
+        return rows.to(self.out_dtype)
+
+
+def tie_quantized_head(model: nn.Module) -> None:
+    """A tied LM head over a QuantizedEmbedding: a QuantizedLinear sharing the embedding's packed tensors."""
+    embed = model.model.embed_tokens
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, QuantizedLinear) or head.scheme != embed.scheme:
+        with torch.device("meta"):
+            head = QuantizedLinear(embed.embedding_dim, embed.num_embeddings, embed.scheme, dtype=embed.out_dtype)
+        model.lm_head = head
+    for name in TENSORS:
+        setattr(head, name, getattr(embed, name))

@@ -15,7 +15,7 @@ from graphinfer.compiler.split import SplitGraph
 from graphinfer.config import CacheConfig
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import KVCacheTooSmallError
-from graphinfer.models.layers import AttentionMetadata, PagedAttention, allocate_kv_cache
+from graphinfer.models.layers import AttentionMetadata, PagedAttention, activation_dtype, allocate_kv_cache
 from graphinfer.platforms import Platform
 from graphinfer.runtime.expert_load import moe_layers
 from graphinfer.runtime.sampler import Sampler, SamplerOutput
@@ -88,7 +88,7 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         a = self.attn_layers[0]
-        dtype_size = torch.empty((), dtype=self.model.lm_head.weight.dtype).element_size()
+        dtype_size = torch.empty((), dtype=activation_dtype(self.model)).element_size()
         return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * dtype_size
 
     def _num_kv_blocks(self, cfg: CacheConfig, max_model_len: int, engine_bytes: int) -> int:
