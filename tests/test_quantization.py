@@ -151,3 +151,51 @@ def test_bench_accuracy_scores_like_the_engine_samples(tmp_path):
     none, int8 = result["runs"]
     assert (none["agreement"], none["kl"], none["positions"]) == (1.0, 0.0, 8)
     assert 0.3 < int8["weight_fraction"] < 0.6 and 0 <= int8["kl"] < 0.1 and int8["positions"] == 8
+
+
+@pytest.mark.parametrize("case", ["W4A16", "W8A8"])
+def test_compressed_tensors_checkpoint_loads_and_generates(case, tmp_path):
+    """A checkpoint written by the compressed-tensors package itself, served quantized: weight-only W4A16 computes
+    what transformers' load of the same checkpoint (decompressed to float) computes, greedy tokens included;
+    W8A8 (activations quantized per token too) stays within a small KL of it."""
+    from transformers import AutoModelForCausalLM
+
+    from test_compressed_tensors import CASES, write_checkpoint
+
+    groups, expected, arch, _ = CASES[case]
+    write_checkpoint(str(tmp_path), groups, arch, torch.float32)
+    llm = LLM(str(tmp_path), dtype="float32")
+    layers = [m for m in llm.llm_engine.graph.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 8 and {m.scheme for m in layers} == {expected}
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
+    for prompt, lp in zip(PROMPTS, _first_logprobs(llm)):
+        with torch.inference_mode():
+            ref = F.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        ours = torch.tensor([x.logprob for x in lp.values()])
+        if expected.weight_only:
+            assert ours.tolist() == pytest.approx(ref[list(lp)].tolist(), abs=1e-3)
+        else:
+            top = {t: type("L", (), {"logprob": ref[t].item()}) for t in ref.topk(20).indices.tolist()}
+            assert _kl(top, lp) < 0.05
+
+
+def test_gguf_kept_quantized_matches_the_dequantized_model(smollm2_llm, smollm2_greedy, tmp_path, capsys):
+    """The bundled SmolLM2 with quantization="gguf": its Q4_1 / Q8_0 blocks stay packed (weights under 30% of fp32),
+    and its greedy tokens agree with the fp32 model's (the same GGUF dequantized at load) on the fixed prompts;
+    an artifact of it serves the same tokens without the GGUF."""
+    from graphinfer.bench.accuracy import weight_bytes
+    from test_smollm2 import PROMPTS as SMOL_PROMPTS
+
+    llm = LLM(dtype="float32", max_model_len=1024, quantization="gguf")
+    fraction = weight_bytes(llm) / weight_bytes(smollm2_llm)
+    assert fraction < 0.3
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(SMOL_PROMPTS, params, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in smollm2_greedy]
+    same = sum(a == b for r, o in zip(ref, outs) for a, b in zip(r, o)) / sum(map(len, ref))
+    with capsys.disabled():
+        print(f"\ngguf kept quantized: weights {fraction:.1%} of fp32, greedy agreement with fp32 {same:.1%}")
+    assert same >= 0.8, f"greedy agreement with fp32 {same:.1%}"
+    llm.llm_engine.save_artifact(str(tmp_path / "art"))
+    served = LLM(artifact=str(tmp_path / "art"))
+    assert [o.outputs[0].token_ids for o in served.generate(SMOL_PROMPTS, params, use_tqdm=False)] == outs
