@@ -102,9 +102,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_quantization_arg(g) -> None:
-    g.add_argument("-q", "--quantization", default=None,
+    g.add_argument("-q", "--quantization", default=None, type=lambda v: None if v == "none" else v,
                    help="w8a8 | fp8 (cuda) | int8_wo | int4_wo: quantize the weights at load; gguf: keep a GGUF's "
-                        "quantized blocks; a compressed-tensors checkpoint is read quantized anyway")
+                        "quantized blocks; a compressed-tensors checkpoint is read quantized anyway; none (default)")
 
 
 def _engine_kwargs(args) -> dict:
@@ -292,7 +292,8 @@ def _on_off(value: str) -> bool:
 
 _SWEEPS = {"max-num-seqs": ("max_num_seqs", int), "graph-mode": ("graph_mode", str),
            "async-scheduling": ("async_scheduling", _on_off), "tensor-parallel-size": ("tensor_parallel_size", int),
-           "data-parallel-size": ("data_parallel_size", int)}
+           "data-parallel-size": ("data_parallel_size", int),
+           "quantization": ("quantization", lambda v: None if v == "none" else v)}
 
 
 def _bench_throughput(args) -> None:
@@ -300,7 +301,7 @@ def _bench_throughput(args) -> None:
 
     grid = {"max_num_seqs": [args.max_num_seqs], "graph_mode": [args.graph_mode],
             "async_scheduling": [args.async_scheduling], "tensor_parallel_size": [args.tensor_parallel_size or 1],
-            "data_parallel_size": [args.data_parallel_size]}
+            "data_parallel_size": [args.data_parallel_size], "quantization": [args.quantization]}
     for spec in args.sweep or []:  # --sweep max-num-seqs=16,32 --sweep graph-mode=NONE,FULL_DECODE_ONLY: a grid
         key, _, values = spec.partition("=")
         if key not in _SWEEPS or not values:
@@ -312,6 +313,7 @@ def _bench_throughput(args) -> None:
     run(args.model, dtype=args.dtype, device=args.device, graph_modes=grid["graph_mode"],
         max_num_seqs=grid["max_num_seqs"], async_scheduling=grid["async_scheduling"],
         tensor_parallel_size=grid["tensor_parallel_size"], data_parallel_size=grid["data_parallel_size"],
+        quantization=grid["quantization"],
         parallel={k: v for k, v in _parallel_kwargs(args).items()
                   if k not in ("tensor_parallel_size", "data_parallel_size")},
         capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
@@ -347,7 +349,7 @@ def _bench_latency(args) -> None:
         graph_modes=_csv(args.graph_modes), capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
         passes=args.passes, prompt_len=args.prompt_len, warmup_steps=args.warmup_steps, num_steps=args.num_steps,
         max_model_len=args.max_model_len, temperature=args.temperature, seed=args.seed,
-        output_json=args.output_json, plot_path=args.plot)
+        output_json=args.output_json, plot_path=args.plot, quantization=args.quantization)
 
 
 def _bench_startup(args) -> None:
@@ -361,6 +363,7 @@ def _add_offline_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-0.6b", help="HF checkpoint dir, .gguf, or a preset shape with random "
                                                          "weights (qwen3-0.6b, smollm2-135m, tiny-llama, ...)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on accelerators and CPUs with native bf16, else fp32) | bfloat16 | ...")
+    _add_quantization_arg(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--passes", default="default", help="compiler passes: 'default', 'none' or a comma-separated list")
     p.add_argument("--capture-sizes", default=None, help="batch sizes / token counts to capture (default: vLLM's list)")
@@ -484,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                        "(the fixed-512 variant)")
     bt.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
                     help="max-num-seqs=16,32,..., graph-mode=NONE,FULL_AND_PIECEWISE,..., async-scheduling=off,on, "
-                         "tensor-parallel-size=1,2 or data-parallel-size=1,2 (repeat for a grid)")
+                         "tensor-parallel-size=1,2, data-parallel-size=1,2 or quantization=none,w8a8,... "
+                         "(repeat for a grid)")
     bt.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' generate_batch "
                                                                     "(fixed output length: 512 unless given)")
     bt.add_argument("--hf-cuda-graph", action="store_true", help="HF: use_cuda_graph=True, max_memory_percent=0.5")

@@ -47,6 +47,11 @@
 #               --enable-expert-parallel (the replicas step in lockstep, EP 2 over NCCL), NONE and FULL_AND_PIECEWISE;
 #               then $MODEL dense, FULL_AND_PIECEWISE, standard workload: tok/s, requests per replica, the expert
 #               load summed over the replicas                                             (~6 min, not in the default)
+#   quant       issue 27: the quantization kernels' tests compiled on the GPU, tools/gpu_check.py --quant (each kernel vs
+#               cuBLAS / torch._int_mm / torch._scaled_mm at Qwen3-0.6B shapes, M = 1/64/256), then the standard
+#               workload (FULL_AND_PIECEWISE + async, max_num_seqs 256) for bf16 vs fp8 vs w8a8 vs int4_wo in one run,
+#               and the decode step at batch 1/64/256 (FULL_DECODE_ONLY) per scheme. Targets: w8a8 / fp8 standard
+#               workload >= 1.2x bf16; int4_wo batch-1 step >= 1.3x faster than bf16     (~10 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -261,6 +266,25 @@ step_sampler() {  # issue 15: one fused sampling kernel instead of ~7 torch pass
         | tee "$OUT_DIR/pytest_sampler.log" || echo "=== pytest failed (see pytest_sampler.log)"
     "$PY" tools/gpu_check.py --sampler ${quick[@]+"${quick[@]}"} --output-json "$OUT_DIR/sampler.json" 2>&1 \
         | tee "$OUT_DIR/sampler.log"
+}
+
+step_quant() {  # issue 27: quantized linears on the GPU (kernels, then the model per scheme)
+    set -o pipefail
+    local quick=() mode=FULL_AND_PIECEWISE lat_modes=FULL_DECODE_ONLY schemes=none,fp8,w8a8,int4_wo q
+    if [ "${SMOKE:-0}" = 1 ]; then  # cpu: interpreted kernels, NONE, no fp8 (refused off cuda)
+        quick=(--quick) mode=NONE lat_modes=NONE schemes=none,w8a8,int4_wo; export TRITON_INTERPRET=1
+    fi
+    "$PY" -m pytest -q tests/test_triton_quant.py 2>&1 | tee "$OUT_DIR/pytest_quant.log" \
+        || echo "=== pytest failed (see pytest_quant.log)"
+    "$PY" tools/gpu_check.py --quant ${quick[@]+"${quick[@]}"} --output-json "$OUT_DIR/quant_kernels.json" 2>&1 \
+        | tee "$OUT_DIR/quant_kernels.log"
+    unset TRITON_INTERPRET
+    bench quant_throughput throughput "${COMMON[@]}" --max-num-seqs 256 --graph-mode $mode --async-scheduling \
+        --sweep quantization=$schemes --output-json "$OUT_DIR/quant_throughput.json" --plot "$OUT_DIR/quant_throughput.png"
+    for q in ${schemes//,/ }; do
+        bench "quant_latency_$q" latency "${COMMON[@]}" --batch-sizes 1,64,256 --graph-modes $lat_modes -q $q \
+            --output-json "$OUT_DIR/quant_latency_$q.json"
+    done
 }
 
 step_skinny_gemm() {  # issue 15: decode linears on a Triton skinny GEMM where start-up measures it faster than cuBLAS

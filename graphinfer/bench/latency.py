@@ -45,7 +45,8 @@ def measure_batch(llm, batch: int, prompt_len: int, warmup_steps: int, num_steps
 def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1, 8, 64, 256),
         graph_modes=("NONE", "FULL_DECODE_ONLY"), capture_sizes: list[int] | None = None, passes: str = "default",
         prompt_len: int = 32, warmup_steps: int = 5, num_steps: int = 30, max_model_len: int = 4096,
-        temperature: float = 0.6, seed: int = 0, output_json: str | None = None, plot_path: str | None = None) -> dict:
+        temperature: float = 0.6, seed: int = 0, output_json: str | None = None, plot_path: str | None = None,
+        quantization: str | None = None) -> dict:
     from graphinfer import LLM
     from graphinfer.config import resolve_dtype
     from graphinfer.platforms import current_platform
@@ -57,11 +58,12 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1
     result = {"benchmark": "latency", "model": model, "dtype": str(resolve_dtype(dtype, device)).replace("torch.", ""),
               "env": common.environment(device), "batch_sizes": batch_sizes, "graph_modes": list(graph_modes),
               "prompt_len": prompt_len, "warmup_steps": warmup_steps, "num_steps": num_steps,
-              "temperature": temperature, "modes": {}}
+              "temperature": temperature, "quantization": quantization, "modes": {}}
     for mode in graph_modes:
         try:
             llm = LLM(model, dtype=dtype, device=device, graph_mode=mode, max_num_seqs=batch_sizes[-1],
-                      capture_sizes=capture_sizes, passes=passes, max_model_len=max_model_len, seed=seed)
+                      capture_sizes=capture_sizes, passes=passes, max_model_len=max_model_len, seed=seed,
+                      quantization=quantization)
         except InvalidConfigError as e:  # FULL_DECODE_ONLY on a platform without device graphs
             result["modes"][mode] = {"unavailable": str(e)}
             print(f"{mode}: unavailable ({e})")

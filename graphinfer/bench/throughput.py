@@ -198,7 +198,8 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
 
 
 def _mode(r: dict) -> str:
-    return r["graph_mode"] + (" + async" if r.get("async_scheduling") else "")
+    return r["graph_mode"] + (" + async" if r.get("async_scheduling") else "") + (
+        f" {r['quantization']}" if r.get("quantization") else "")
 
 
 def _tp(runs: list[dict]) -> bool:
@@ -373,14 +374,15 @@ def run_hf(path: str, dtype: torch.dtype, device: str, workload: Workload, tempe
 
 
 def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("NONE",), max_num_seqs=(256,),
-        async_scheduling=(False,), tensor_parallel_size=(1,), data_parallel_size=(1,), parallel: dict | None = None,
+        async_scheduling=(False,), tensor_parallel_size=(1,), data_parallel_size=(1,), quantization=(None,),
+        parallel: dict | None = None,
         capture_sizes: list[int] | None = None, passes: str = "default",
         num_prompts: int = 256, min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
         hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None,
         hf_dtype: str | None = None, kernels: str | None = None, block_size: int = 16, enable_prefix_caching: bool = True) -> dict:
-    """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size, data_parallel_size) configuration on
-    the same workload; optionally HF too. parallel: the other parallel flags (enable_expert_parallel; nnodes,
+    """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size, data_parallel_size, quantization)
+    configuration on the same workload (the roofline counts unquantized weights); optionally HF too. parallel: the other parallel flags (enable_expert_parallel; nnodes,
     node_rank, master_addr, master_port for tp > 1)."""
     import tempfile
 
@@ -395,8 +397,8 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         fixed_output_len = 512
     with tempfile.TemporaryDirectory(prefix="graphinfer-bench-") as tmp:
         # HF needs a checkpoint with graphinfer's weights; a sweep saves re-drawing a preset's random weights.
-        configs = [(mode, a, mns, tp, dp) for mode in graph_modes for a in async_scheduling for mns in max_num_seqs
-                   for tp in tensor_parallel_size for dp in data_parallel_size]
+        configs = [(mode, a, mns, tp, dp, q) for mode in graph_modes for a in async_scheduling for mns in max_num_seqs
+                   for tp in tensor_parallel_size for dp in data_parallel_size for q in quantization]
         gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) if compare_hf or len(configs) > 1 else model
         max_model_len = common.clamp_max_model_len(gi_model, max_model_len)
         vocab = _vocab_size(gi_model)
@@ -413,16 +415,16 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                   "runs": []}
         print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
               f"tokens; copy bandwidth {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s on {result['env']['device_name']}")
-        for mode, a, mns, tp, dp in configs:
+        for mode, a, mns, tp, dp, q in configs:
             sizes = capture_sizes  # the engine keeps the sizes each kind of graph can use
             kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
                       async_scheduling=a, passes=passes, max_model_len=max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens, seed=seed, kernels=kernels, block_size=block_size,
                       enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tp, data_parallel_size=dp,
-                      **(parallel or {}))
+                      quantization=q, **(parallel or {}))
             row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "tensor_parallel_size": tp,
                    "data_parallel_size": dp, "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
-                   "capture_sizes": sizes}
+                   "quantization": q, "capture_sizes": sizes}
             try:
                 row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len))
             except InvalidConfigError as e:  # e.g. FULL_DECODE_ONLY on CPU: no device graphs there
