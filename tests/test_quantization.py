@@ -95,7 +95,7 @@ def test_quantized_graph_modes_match_none():
     assert full == none
 
 
-@pytest.mark.parametrize("scheme", ["int4_wo", "w8a8"])
+@pytest.mark.parametrize("scheme", CPU_SCHEMES)
 def test_artifact_round_trip_keeps_the_packed_weights(scheme, tmp_path):
     from graphinfer.compiler.artifact import read_manifest
 
@@ -177,6 +177,9 @@ def test_compressed_tensors_checkpoint_loads_and_generates(case, tmp_path):
         else:
             top = {t: type("L", (), {"logprob": ref[t].item()}) for t in ref.topk(20).indices.tolist()}
             assert _kl(top, lp) < 0.05
+    expected_tokens = _greedy(llm)  # and an artifact of it serves the same, without the checkpoint
+    llm.llm_engine.save_artifact(str(tmp_path / "art"))
+    assert _greedy(LLM(artifact=str(tmp_path / "art"))) == expected_tokens
 
 
 def test_gguf_kept_quantized_matches_the_dequantized_model(smollm2_llm, smollm2_greedy, tmp_path, capsys):
