@@ -12,8 +12,9 @@ Rows (per weight shape [N, K] and token count M):
 Weights are cold as in a decode step, where each layer's weights are evicted before their next use: every
 measurement cycles through enough copies of its weights to exceed --working-set-mb (default 128 MB, 4x the L3
 of the 2-core dev machine), so GB/s (weight bytes read per second, scales and zeros included) is memory bandwidth,
-not cache bandwidth. Each cell: the best of --repeats batch medians (a batch: the calls within --min-time seconds,
-at least --min-calls), the impls interleaved.
+not cache bandwidth. Each cell: the best of its batch medians over --repeats passes over the whole table (a batch:
+the calls within --min-time seconds, at least --min-calls): the dev machine is shared, and a burst of someone
+else's work spoils a pass's cells, rarely the same cell in every pass.
 """
 import argparse
 import json
@@ -69,9 +70,13 @@ def prepare(impl: str, n: int, k: int, working_set_mb: int) -> dict:
 
 
 def batch_median(cell: dict, x: torch.Tensor, min_time: float, min_calls: int) -> float:
-    """Median seconds of one call over a batch of calls, cycling through the cold weight copies."""
+    """Median seconds of one call over a batch of calls (at least min_calls and min_time seconds, but a call slower
+    than min_time / min_calls counts alone past 10 min_time: torch's int4 kernel takes seconds at M = 256),
+    cycling through the cold weight copies."""
     weights, times, start = cell["weights"], [], time.perf_counter()
     while len(times) < min_calls or time.perf_counter() - start < min_time:
+        if times and time.perf_counter() - start > 10 * min_time:
+            break
         w = weights[cell.setdefault("next", 0) % len(weights)]
         cell["next"] += 1
         t = time.perf_counter()
@@ -80,20 +85,20 @@ def batch_median(cell: dict, x: torch.Tensor, min_time: float, min_calls: int) -
     return statistics.median(times)
 
 
-def measure(impls: list[str], n: int, k: int, m: int, a) -> list[dict]:
-    """Every impl at one shape and token count: the best of --repeats batch medians, the impls interleaved (the
-    dev machine is shared: a burst of someone else's work spoils a batch, rarely all of them)."""
-    cells = [prepare(impl, n, k, a.working_set_mb) for impl in impls]
-    x = torch.randn(m, k)
-    for c in cells:
-        for w in c["weights"][:3]:
-            call(c["impl"], x, w)  # warm-up (first-call allocations, thread pool)
-    best = [float("inf")] * len(cells)
-    for _ in range(a.repeats):
-        for i, c in enumerate(cells):
-            best[i] = min(best[i], batch_median(c, x, a.min_time, a.min_calls))
-    return [{"n": n, "k": k, "m": m, "impl": c["impl"], "us": round(b * 1e6, 1), "weight_bytes": c["bytes"],
-             "gb_per_s": round(c["bytes"] / b / 1e9, 2), "copies": len(c["weights"])} for c, b in zip(cells, best)]
+def run_pass(impls: list[str], shapes: list[tuple[int, int]], ms: list[int], a, best: dict) -> None:
+    """One pass over the table: per shape, every impl's cold weights, then every (M, impl) batch; best keeps each
+    cell's fastest batch median over the passes."""
+    for n, k in shapes:
+        cells = [prepare(impl, n, k, a.working_set_mb) for impl in impls]
+        for m in ms:
+            x = torch.randn(m, k)
+            for c in cells:
+                call(c["impl"], x, c["weights"][0])  # warm-up (first-call allocations, thread pool)
+                t = batch_median(c, x, a.min_time, a.min_calls)
+                key = (n, k, m, c["impl"])
+                if key not in best or t < best[key]["s"]:
+                    best[key] = {"s": t, "bytes": c["bytes"], "copies": len(c["weights"])}
+        del cells
 
 
 def main() -> None:
@@ -105,7 +110,8 @@ def main() -> None:
     p.add_argument("--working-set-mb", type=int, default=128)
     p.add_argument("--min-time", type=float, default=0.1, help="seconds per batch")
     p.add_argument("--min-calls", type=int, default=5, help="calls per batch at least")
-    p.add_argument("--repeats", type=int, default=3, help="batches per cell: the best batch median is reported")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="passes over the whole table: each cell reports its best batch median")
     p.add_argument("--output-json", default="")
     a = p.parse_args()
     if not cpu_ext.available() or not hasattr(torch.ops.graphinfer_cpu_quant, "wo_linear"):
@@ -115,18 +121,24 @@ def main() -> None:
     shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
     ms = [int(v) for v in a.m.split(",")]
     impls = a.impls.split(",")
-    rows = []
-    print(f"{'N x K':>12} {'M':>4} " + " ".join(f"{i:>18}" for i in impls) + "   (us, weight GB/s)")
+    best: dict = {}
+    for i in range(a.repeats):
+        t = time.perf_counter()
+        run_pass(impls, shapes, ms, a, best)
+        print(f"pass {i + 1}/{a.repeats}: {time.perf_counter() - t:.0f} s, load average {os.getloadavg()[0]:.2f}",
+              flush=True)
+    rows = [{"n": n, "k": k, "m": m, "impl": impl, "us": round(v["s"] * 1e6, 1), "weight_bytes": v["bytes"],
+             "gb_per_s": round(v["bytes"] / v["s"] / 1e9, 2), "copies": v["copies"]}
+            for (n, k, m, impl), v in best.items()]
+    by_key = {(r["n"], r["k"], r["m"], r["impl"]): r for r in rows}
+    print(f"{'N x K':>12} {'M':>4} " + " ".join(f"{i:>18}" for i in impls) + "   (us (weight GB/s))")
     for n, k in shapes:
         for m in ms:
-            cells = measure(impls, n, k, m, a)
-            rows += cells
-            print(f"{f'{n}x{k}':>12} {m:>4} " + " ".join(f"{c['us']:>10.1f} ({c['gb_per_s']:>5.1f})" for c in cells),
-                  flush=True)
+            cells = [by_key[(n, k, m, impl)] for impl in impls]
+            print(f"{f'{n}x{k}':>12} {m:>4} " + " ".join(f"{c['us']:>10.1f} ({c['gb_per_s']:>5.1f})" for c in cells))
     meta = {"cpu": platform.processor() or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
             "threads": a.threads, "torch": torch.__version__, "group": GROUP, "working_set_mb": a.working_set_mb,
-            "repeats": a.repeats, "min_time": a.min_time,
-            "loadavg_after": os.getloadavg()}
+            "repeats": a.repeats, "min_time": a.min_time, "min_calls": a.min_calls}
     try:
         with open("/proc/cpuinfo") as f:
             meta["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
