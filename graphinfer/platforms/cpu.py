@@ -2,11 +2,13 @@
 (FULL_DECODE_ONLY is refused here).
 
 kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, else "eager"):
-- "eager" (the default): the paged attention and cache write of ops/cpu_attention.py, the graph run op by op
+- "eager" (the default): the paged attention and cache write of ops/cpu_attention.py and the quantized linears of
+  ops/cpu_quant.py (C++ kernels of csrc/cpu/ where built), the graph run op by op
   (no compile: `serve ART` healthy in ~3.6 s for SmolLM2 on the 2-core AVX2 dev machine);
-- "inductor": the fused graph compiled by TorchInductor (compiler/inductor.py) with those ops opaque. Not the
-  default: on the AVX2 dev machine it measured slower than "eager" (SmolLM2 fp32, 32 prompts: 39.2 vs 48.9
-  out tok/s) and takes ~10 s to start from an artifact's cache (docs/benchmarks.md, "The CPU platform");
+- "inductor": the fused graph compiled by TorchInductor (compiler/inductor.py) with those ops opaque (the
+  quantized linears as extern calls inside the compiled pieces). Not the default: on the AVX2 dev machine it
+  measured slower than "eager" (SmolLM2 fp32, 32 prompts: 39.2 vs 48.9 out tok/s) and takes ~10 s to start from an
+  artifact's cache (docs/benchmarks.md, "The CPU platform");
 - "reference": the PyTorch reference ops, op by op (the correctness oracle; what most tests run);
 - "triton": the Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1): slow, but it checks the
   kernels inside a whole model on a machine without a GPU.
@@ -71,8 +73,9 @@ class CpuPlatform(Platform):
             return {}
         if kernels in ("inductor", "eager"):
             from graphinfer.ops.cpu_attention import CPU_OPS
+            from graphinfer.ops.cpu_quant import CPU_QUANT_OPS
 
-            return dict(CPU_OPS)
+            return {**CPU_OPS, **CPU_QUANT_OPS}
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise InvalidConfigError("kernels='triton' on cpu runs Triton's interpreter: set TRITON_INTERPRET=1 "
                                      "in the environment before starting graphinfer.")

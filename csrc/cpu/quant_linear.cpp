@@ -1,0 +1,496 @@
+// The cpu platform's weight-only quantized linear: graphinfer::wo_linear (graphinfer/ops/quant.py) on the packed
+// weight, never dequantized as a whole.
+//
+// Built by `make` (graphinfer/ops/cpu_ext.py) into graphinfer/ops/_cpu_kernels.so beside paged_attention.cpp, in its
+// own op namespace graphinfer_cpu_quant; graphinfer/ops/cpu_quant.py binds it (and falls back to the reference).
+//
+// Packed forms as in ops/quant.py: x [T, K] (fp32 / bf16), qweight uint8 [N, K / 2] (bits 4: codes 0..15, even k in
+// the low nibble) or int8 [N, K] (bits 8), scales [N, G] fp32, zeros [N, G] fp32 or none, w = q * scale + zero per
+// group of g = K / G elements; out [T, N] in x's dtype, fp32 accumulation.
+//
+// Few tokens (decode, T < kGemmMinTokens): the weight streams once from memory. OpenMP over blocks of output rows;
+// each row is read once from memory for all tokens, in register tiles of 1 (or 2, see rows_tile) rows x MT tokens
+// (MT <= 8; the next token tile re-reads the row from L1), with a software prefetch kPrefetchBytes ahead. A vector of
+// L lanes (AVX-512: 16, AVX2: 8) takes one chunk of codes: bits 4 loads L bytes = 2L codes and splits them into the
+// low nibbles (even k) and the high ones (odd k), so x is permuted once per call to match (each chunk of 2L
+// elements: the L even ones, then the L odd ones); bits 8 loads L codes. Two accumulation forms, chosen per tile by
+// which does fewer vector ops:
+// - factored: per group, the code dot sum_k q_k x_k (integer codes widened to fp32), then acc += scale * dot; the
+//   zero term zero * sum_k x_k uses per-group sums of x computed once per call (best for one or two tokens, or
+//   big groups);
+// - dequantized: w = q * scale + zero in registers, then one FMA per token (best when several tokens share it).
+// Many tokens (prefill, batched decode): chunks of rows (up to kGemmChunkBytes of fp32, a whole SmolLM2 layer)
+// dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads). (One tile per
+// thread with single-threaded at::mm calls measured up to 35% slower: MKL re-packs x for every tile.)
+// Group sizes that are not a multiple of the chunk (and machines without AVX2) take a generic path: rows dequantized
+// one by one into a buffer in natural k order, then plain dot products.
+//
+// Measured on the 2-core AVX-512 dev VM (tools/cpu_quant_bench.py, cold weights): M = 1 streams the Q4_1-form LM
+// head at ~28 GB/s and the Q8_0 form at ~35 GB/s; M = 64..256 within a few % of fp32 F.linear.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGemmMinTokens = 64;  // from here on: dequantized rows through at::mm (tools/cpu_quant_bench.py)
+constexpr int64_t kGemmChunkBytes = 8 << 20;  // fp32 rows dequantized per at::mm (a whole layer of SmolLM2)
+constexpr int64_t kRowBlock = 4;        // rows per task unit of the decode kernels
+constexpr int64_t kPrefetchBytes = 2048;  // software prefetch distance along the weight (decode kernels)
+constexpr int kMaxTokens = 8;           // tokens per register tile
+constexpr int64_t kL1TileBytes = 20 << 10;  // a token tile's x above this: two rows per register tile
+
+#if defined(__AVX512F__)
+struct V16 {
+  using reg = __m512;
+  static constexpr int L = 16;
+  static inline reg zero() { return _mm512_setzero_ps(); }
+  static inline reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, reg a) { _mm512_storeu_ps(p, a); }
+  static inline reg set1(float v) { return _mm512_set1_ps(v); }
+  static inline reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static inline reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline float hsum(reg a) { return _mm512_reduce_add_ps(a); }
+  // L bytes -> the L low nibbles (even k) and the L high nibbles (odd k) as fp32
+  static inline void nib(const uint8_t* p, reg& lo, reg& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  }
+  static inline reg i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+struct V8 {
+  using reg = __m256;
+  static constexpr int L = 8;
+  static inline reg zero() { return _mm256_setzero_ps(); }
+  static inline reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, reg a) { _mm256_storeu_ps(p, a); }
+  static inline reg set1(float v) { return _mm256_set1_ps(v); }
+  static inline reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static inline reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline float hsum(reg a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+  static inline void nib(const uint8_t* p, reg& lo, reg& hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+  static inline reg i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+#endif
+
+struct Problem {
+  const uint8_t* w;     // packed rows, w_row bytes apart
+  int64_t w_row;
+  const float* scales;  // [N, G]
+  const float* zeros;   // [N, G] or nullptr
+  const float* bias;    // [N] or nullptr
+  const float* x;       // [T, K] fp32, k permuted per chunk (vector kernels, bits 4) or natural
+  const float* xsum;    // [T, G] per-group sums of x (factored kernels with zeros), else nullptr
+  float* out;           // [T, N]
+  int64_t N, K, G, g, T, bits;
+};
+
+// Register tile: rows n0..n0+R-1, tokens t0..t0+MT-1 (x rows K apart, out rows N apart).
+template <class V, int BITS, bool FACT, bool ZERO, int R, int MT>
+void tile(const Problem& p, int64_t n0, int64_t t0) {
+  using reg = typename V::reg;
+  constexpr int L = V::L;
+  constexpr int CH = BITS == 4 ? 2 * L : L;  // codes per chunk
+  const int64_t K = p.K, G = p.G, cpg = p.g / CH;
+  const float* x = p.x + t0 * K;
+  const uint8_t* w[R];
+  const float* s[R];
+  const float* z[R];
+  for (int r = 0; r < R; ++r) {
+    w[r] = p.w + (n0 + r) * p.w_row;
+    s[r] = p.scales + (n0 + r) * G;
+    z[r] = ZERO ? p.zeros + (n0 + r) * G : nullptr;
+  }
+  reg acc[R][MT];
+  float zacc[R][MT];  // factored with zeros: sum over groups of zero * (sum of x over the group)
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < MT; ++t) {
+      acc[r][t] = V::zero();
+      zacc[r][t] = 0.f;
+    }
+
+  for (int64_t gi = 0; gi < G; ++gi) {
+    const int64_t kg = gi * p.g;
+    for (int r = 0; r < R; ++r) __builtin_prefetch(w[r] + (BITS == 4 ? kg / 2 : kg) + kPrefetchBytes);
+    if constexpr (FACT) {
+      reg dq[R][MT];
+      // the group's first chunk starts the code dots (mul), the others accumulate (fma)
+      auto chunk = [&](int64_t k, auto first) {
+        for (int r = 0; r < R; ++r) {
+          if constexpr (BITS == 4) {
+            reg lo, hi;
+            V::nib(w[r] + k / 2, lo, hi);
+            for (int t = 0; t < MT; ++t) {
+              const float* xt = x + t * K + k;
+              reg e;
+              if constexpr (decltype(first)::value) e = V::mul(lo, V::load(xt));
+              else e = V::fma(lo, V::load(xt), dq[r][t]);
+              dq[r][t] = V::fma(hi, V::load(xt + L), e);
+            }
+          } else {
+            const reg q = V::i8(reinterpret_cast<const int8_t*>(w[r]) + k);
+            for (int t = 0; t < MT; ++t) {
+              const reg xv = V::load(x + t * K + k);
+              if constexpr (decltype(first)::value) dq[r][t] = V::mul(q, xv);
+              else dq[r][t] = V::fma(q, xv, dq[r][t]);
+            }
+          }
+        }
+      };
+      chunk(kg, std::true_type{});
+      for (int64_t c = 1; c < cpg; ++c) chunk(kg + c * CH, std::false_type{});
+      for (int r = 0; r < R; ++r) {
+        const reg sv = V::set1(s[r][gi]);
+        for (int t = 0; t < MT; ++t) acc[r][t] = V::fma(dq[r][t], sv, acc[r][t]);
+        if constexpr (ZERO) {
+          const float zr = z[r][gi];
+          for (int t = 0; t < MT; ++t) zacc[r][t] += zr * p.xsum[(t0 + t) * G + gi];
+        }
+      }
+    } else {
+      reg sv[R], zv[R];
+      for (int r = 0; r < R; ++r) {
+        sv[r] = V::set1(s[r][gi]);
+        if constexpr (ZERO) zv[r] = V::set1(z[r][gi]);
+      }
+      for (int64_t c = 0; c < cpg; ++c) {
+        const int64_t k = kg + c * CH;
+        if constexpr (BITS == 4) {
+          reg wl[R], wh[R];
+          for (int r = 0; r < R; ++r) {
+            reg lo, hi;
+            V::nib(w[r] + k / 2, lo, hi);
+            if constexpr (ZERO) {
+              wl[r] = V::fma(lo, sv[r], zv[r]);
+              wh[r] = V::fma(hi, sv[r], zv[r]);
+            } else {
+              wl[r] = V::mul(lo, sv[r]);
+              wh[r] = V::mul(hi, sv[r]);
+            }
+          }
+          for (int t = 0; t < MT; ++t) {
+            const reg xe = V::load(x + t * K + k), xo = V::load(x + t * K + k + L);
+            for (int r = 0; r < R; ++r) acc[r][t] = V::fma(wh[r], xo, V::fma(wl[r], xe, acc[r][t]));
+          }
+        } else {
+          reg wq[R];
+          for (int r = 0; r < R; ++r) {
+            const reg q = V::i8(reinterpret_cast<const int8_t*>(w[r]) + k);
+            if constexpr (ZERO) wq[r] = V::fma(q, sv[r], zv[r]);
+            else wq[r] = V::mul(q, sv[r]);
+          }
+          for (int t = 0; t < MT; ++t) {
+            const reg xv = V::load(x + t * K + k);
+            for (int r = 0; r < R; ++r) acc[r][t] = V::fma(wq[r], xv, acc[r][t]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float b = p.bias ? p.bias[n0 + r] : 0.f;
+    for (int t = 0; t < MT; ++t) {
+      p.out[(t0 + t) * p.N + n0 + r] = V::hsum(acc[r][t]) + zacc[r][t] + b;
+    }
+  }
+}
+
+// Rows n0..n0+nrows-1 against tokens t0..t0+MT-1, one row at a time while the token tile's x fits in L1 (a single
+// stream through the weight: 4 rows side by side measured up to 2x slower at M = 1, the prefetchers following fewer
+// streams), else two rows at a time so each x load from L2 serves both.
+template <class V, int BITS, bool FACT, bool ZERO, int MT>
+void rows_tile(const Problem& p, int64_t n0, int64_t nrows, int64_t t0) {
+  // the accumulators (and, factored, the group dots) of a 2 x MT tile must stay within the vector registers
+  constexpr bool two = (FACT ? 4 * MT : 2 * MT) <= (V::L == 16 ? 16 : 8);
+  int64_t n = n0;
+  if (two && MT * p.K * 4 > kL1TileBytes)
+    for (; n + 2 <= n0 + nrows; n += 2) tile<V, BITS, FACT, ZERO, (two ? 2 : 1), MT>(p, n, t0);
+  for (; n < n0 + nrows; ++n) tile<V, BITS, FACT, ZERO, 1, MT>(p, n, t0);
+}
+
+template <class V, int BITS, bool FACT, bool ZERO>
+void rows_dispatch(const Problem& p, int64_t n0, int64_t nrows, int64_t t0, int mt) {
+  switch (mt) {
+    case 1: return rows_tile<V, BITS, FACT, ZERO, 1>(p, n0, nrows, t0);
+    case 2: return rows_tile<V, BITS, FACT, ZERO, 2>(p, n0, nrows, t0);
+    case 3: return rows_tile<V, BITS, FACT, ZERO, 3>(p, n0, nrows, t0);
+    case 4: return rows_tile<V, BITS, FACT, ZERO, 4>(p, n0, nrows, t0);
+    case 5: return rows_tile<V, BITS, FACT, ZERO, 5>(p, n0, nrows, t0);
+    case 6: return rows_tile<V, BITS, FACT, ZERO, 6>(p, n0, nrows, t0);
+    case 7: return rows_tile<V, BITS, FACT, ZERO, 7>(p, n0, nrows, t0);
+    default: return rows_tile<V, BITS, FACT, ZERO, 8>(p, n0, nrows, t0);
+  }
+}
+
+// Whether the factored form does fewer vector ops than the dequantized one for a tile of mt tokens
+// (per chunk: factored 2 mt + mt / cpg FMAs for bits 4, mt + mt / cpg for bits 8; dequantized 2 + 2 mt, 1 + mt).
+inline bool factored(int bits, int64_t mt, int64_t cpg) { return bits == 4 ? mt < 2 * cpg : mt < cpg; }
+
+template <class V, int BITS>
+void decode_vec(const Problem& p) {
+  constexpr int CH = BITS == 4 ? 2 * V::L : V::L;
+  // (token tiles of 16 measured 1.5x slower at M = 16: 16 rows of x outgrow L1 at K = 576)
+  const int64_t cpg = p.g / CH, blocks = (p.N + kRowBlock - 1) / kRowBlock;
+  const int64_t grain = std::max<int64_t>(1, 32768 / (kRowBlock * p.K));  // >= 32K codes a task
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {  // each block of rows: from memory once, then from L1 for every token tile
+      const int64_t n0 = b * kRowBlock, nrows = std::min(p.N, n0 + kRowBlock) - n0;
+      for (int64_t t0 = 0; t0 < p.T;) {
+        const int mt = static_cast<int>(std::min<int64_t>(p.T - t0, kMaxTokens));
+        const bool fact = factored(BITS, mt, cpg);
+        if (p.zeros) {
+          if (fact) rows_dispatch<V, BITS, true, true>(p, n0, nrows, t0, mt);
+          else rows_dispatch<V, BITS, false, true>(p, n0, nrows, t0, mt);
+        } else {
+          if (fact) rows_dispatch<V, BITS, true, false>(p, n0, nrows, t0, mt);
+          else rows_dispatch<V, BITS, false, false>(p, n0, nrows, t0, mt);
+        }
+        t0 += mt;
+      }
+    }
+  });
+}
+
+// Row n dequantized into dst[K] in the vector kernels' k order (permuted per chunk for bits 4).
+template <class V, int BITS>
+void dequant_row_vec(const Problem& p, int64_t n, float* dst) {
+  constexpr int L = V::L, CH = BITS == 4 ? 2 * L : L;
+  const uint8_t* w = p.w + n * p.w_row;
+  const float* s = p.scales + n * p.G;
+  const float* z = p.zeros ? p.zeros + n * p.G : nullptr;
+  const int64_t cpg = p.g / CH;
+  for (int64_t gi = 0; gi < p.G; ++gi) {
+    const auto sv = V::set1(s[gi]), zv = V::set1(z ? z[gi] : 0.f);
+    for (int64_t c = 0; c < cpg; ++c) {
+      const int64_t k = gi * p.g + c * CH;
+      if constexpr (BITS == 4) {
+        typename V::reg lo, hi;
+        V::nib(w + k / 2, lo, hi);
+        V::store(dst + k, V::fma(lo, sv, zv));
+        V::store(dst + k + L, V::fma(hi, sv, zv));
+      } else {
+        V::store(dst + k, V::fma(V::i8(reinterpret_cast<const int8_t*>(w) + k), sv, zv));
+      }
+    }
+  }
+}
+
+// Row n dequantized into dst[K] in natural k order, any group size.
+void dequant_row_generic(const Problem& p, int64_t n, float* dst) {
+  const uint8_t* w = p.w + n * p.w_row;
+  const float* s = p.scales + n * p.G;
+  const float* z = p.zeros ? p.zeros + n * p.G : nullptr;
+  for (int64_t gi = 0; gi < p.G; ++gi) {
+    const float sc = s[gi], zr = z ? z[gi] : 0.f;
+    for (int64_t k = gi * p.g; k < (gi + 1) * p.g; ++k) {
+      const float q = p.bits == 4 ? static_cast<float>((w[k >> 1] >> ((k & 1) * 4)) & 15)
+                                  : static_cast<float>(reinterpret_cast<const int8_t*>(w)[k]);
+      dst[k] = q * sc + zr;
+    }
+  }
+}
+
+// Few tokens, no vector kernel for this group size / machine: row by row, dequantized then dotted.
+void decode_generic(const Problem& p) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / p.K);
+  at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(p.K);
+    for (int64_t n = n0; n < n1; ++n) {
+      dequant_row_generic(p, n, row.data());
+      const float b = p.bias ? p.bias[n] : 0.f;
+      for (int64_t t = 0; t < p.T; ++t) {
+        const float* xt = p.x + t * p.K;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < p.K; ++k) acc += row[k] * xt[k];
+        p.out[t * p.N + n] = acc + b;
+      }
+    }
+  });
+}
+
+// Many tokens: chunks of rows dequantized by all threads into one buffer, then one at::mm (MKL, all threads) each.
+void gemm_chunks(const Problem& p, const at::Tensor& x, at::Tensor& out, void (*dequant)(const Problem&, int64_t, float*),
+                 int64_t chunk_bytes) {
+  const int64_t rows = std::max<int64_t>(1, std::min(p.N, chunk_bytes / (p.K * 4)));
+  at::Tensor buf = at::empty({rows, p.K}, x.options());
+  float* w = buf.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < p.N; n0 += rows) {
+    const int64_t nb = std::min(rows, p.N - n0);
+    at::parallel_for(0, nb, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) dequant(p, n0 + r, w + r * p.K);
+    });
+    if (nb == p.N) {
+      at::mm_out(out, x, buf.t());
+    } else {
+      at::Tensor dst = out.narrow(1, n0, nb);
+      at::mm_out(dst, x, buf.narrow(0, 0, nb).t());
+    }
+  }
+  if (p.bias) out.add_(at::from_blob(const_cast<float*>(p.bias), {p.N}, x.options()));
+}
+
+// x [T, K] -> fp32 with each chunk of 2L elements reordered: its L even elements, then its L odd ones.
+template <typename scalar_t>
+void permute_x(const at::Tensor& x, float* dst, int64_t L) {
+  const int64_t T = x.size(0), K = x.size(1);
+  const scalar_t* src = x.data_ptr<scalar_t>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const scalar_t* xs = src + t * K;
+      float* xd = dst + t * K;
+      for (int64_t c = 0; c < K; c += 2 * L)
+        for (int64_t j = 0; j < L; ++j) {
+          xd[c + j] = static_cast<float>(xs[c + 2 * j]);
+          xd[c + L + j] = static_cast<float>(xs[c + 2 * j + 1]);
+        }
+    }
+  });
+}
+
+int vector_lanes(int64_t bits, int64_t g) {
+  // the widest vector whose chunk (2L codes for bits 4, L for bits 8) divides the group
+  auto fits = [&](int L) { return g % (bits == 4 ? 2 * L : L) == 0; };
+#if defined(__AVX512F__)
+  if (fits(16)) return 16;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (fits(8)) return 8;
+#endif
+  (void)fits;
+  return 0;
+}
+
+template <int BITS>
+void run_decode(const Problem& p, int lanes) {
+#if defined(__AVX512F__)
+  if (lanes == 16) return decode_vec<V16, BITS>(p);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (lanes == 8) return decode_vec<V8, BITS>(p);
+#endif
+  (void)lanes;
+  decode_generic(p);
+}
+
+template <int BITS>
+void (*row_dequantizer(int lanes))(const Problem&, int64_t, float*) {
+#if defined(__AVX512F__)
+  if (lanes == 16) return &dequant_row_vec<V16, BITS>;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (lanes == 8) return &dequant_row_vec<V8, BITS>;
+#endif
+  (void)lanes;
+  return &dequant_row_generic;
+}
+
+// t as a contiguous fp32 tensor (itself when it is one: no dispatcher round trips on the decode path)
+inline at::Tensor as_float(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+}
+
+at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scales_in,
+                     const std::optional<at::Tensor>& zeros_in, int64_t bits, const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(bits == 4 || bits == 8, "wo_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.is_floating_point(), "wo_linear: x must be a float [T, K] tensor");
+  TORCH_CHECK(qweight_in.dim() == 2 && scales_in.dim() == 2, "wo_linear: qweight [N, K(/2)], scales [N, G]");
+  TORCH_CHECK(qweight_in.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              "wo_linear: bits 4 needs uint8 qweight [N, K / 2], bits 8 int8 [N, K]");
+  const int64_t T = x_in.size(0), K = x_in.size(1), N = qweight_in.size(0), G = scales_in.size(1);
+  TORCH_CHECK(qweight_in.size(1) * (bits == 4 ? 2 : 1) == K, "wo_linear: qweight ", qweight_in.sizes(),
+              " does not match K = ", K);
+  TORCH_CHECK(scales_in.size(0) == N && G > 0 && K % G == 0, "wo_linear: scales ", scales_in.sizes(),
+              " must be [N, G] with G dividing K = ", K);
+  const at::Tensor qweight = qweight_in.contiguous(), scales = as_float(scales_in);
+  at::Tensor zeros, bias;
+  if (zeros_in.has_value()) {
+    zeros = as_float(*zeros_in);
+    TORCH_CHECK(zeros.sizes() == scales.sizes(), "wo_linear: zeros must have the shape of scales");
+  }
+  if (bias_in.has_value()) {
+    bias = as_float(*bias_in);
+    TORCH_CHECK(bias.numel() == N, "wo_linear: bias must have N = ", N, " elements");
+  }
+  at::Tensor out = at::empty({T, N}, x_in.options().dtype(at::kFloat));
+  if (T == 0 || N == 0) return out.to(x_in.scalar_type());
+  if (K == 0) {
+    out.zero_();
+    if (bias.defined()) out.add_(bias);
+    return out.to(x_in.scalar_type());
+  }
+
+  const int64_t g = K / G;
+  const int lanes = vector_lanes(bits, g);
+  at::Tensor x;  // fp32 [T, K], in the vector kernels' k order
+  if (bits == 4 && lanes) {
+    const at::Tensor xc = x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16
+                              ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+    x = at::empty({T, K}, x_in.options().dtype(at::kFloat));
+    if (xc.scalar_type() == at::kFloat) permute_x<float>(xc, x.data_ptr<float>(), lanes);
+    else permute_x<at::BFloat16>(xc, x.data_ptr<float>(), lanes);
+  } else {
+    x = as_float(x_in);
+  }
+
+  Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), scales.data_ptr<float>(),
+            zeros.defined() ? zeros.data_ptr<float>() : nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
+            x.data_ptr<float>(), nullptr, out.data_ptr<float>(), N, K, G, g, T, bits};
+
+  if (T >= kGemmMinTokens) {
+    auto dq = bits == 4 ? row_dequantizer<4>(lanes) : row_dequantizer<8>(lanes);
+    gemm_chunks(p, x, out, dq, kGemmChunkBytes);
+  } else {
+    std::vector<float> xsum;
+    if (zeros.defined() && lanes) {  // per-group sums of x for the factored kernels' zero term
+      xsum.resize(T * G);
+      for (int64_t i = 0; i < T * G; ++i) {
+        const float* xg = p.x + i * g;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < g; ++k) acc += xg[k];
+        xsum[i] = acc;
+      }
+      p.xsum = xsum.data();
+    }
+    if (bits == 4) run_decode<4>(p, lanes);
+    else run_decode<8>(p, lanes);
+  }
+  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(graphinfer_cpu_quant, m) {
+  m.def("wo_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int bits, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(graphinfer_cpu_quant, CPU, m) {
+  m.impl("wo_linear", &wo_linear);
+}

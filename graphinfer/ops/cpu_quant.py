@@ -1,0 +1,60 @@
+"""CPU implementations of the quantized-linear ops (the cpu platform's default; ops/quant.py stays the oracle).
+
+- wo_linear (weight-only, bits 4 / 8, grouped scales, optional zeros): the C++ kernel of csrc/cpu/quant_linear.cpp
+  (built by `make`, see ops/cpu_ext.py) reads the packed weight as it is: for a few tokens it streams each row once
+  and accumulates on the widened codes in vector registers (AVX-512 / AVX2), for many tokens it multiplies
+  dequantized tiles of rows with at::mm. torch's own CPU kernels for these forms (_weight_int4pack_mm_for_cpu,
+  _weight_int8pack_mm) measured slower than fp32 F.linear at SmolLM2's shapes (tools/cpu_quant_bench.py).
+  Without the library (or for an x / scale layout the kernel does not take) it is the reference: dequantize, then
+  F.linear in fp32.
+- dynamic_quant (int8) and scaled_mm (int8 x int8, the w8a8 scheme): csrc/cpu/quant_int8.cpp, bit for bit as the
+  references: one pass per token row for the quantization, at::_int_mm (oneDNN, exact int32) and one fused
+  scale / bias / cast pass for the GEMM (the reference multiplies in fp64). fp8 stays on the references.
+"""
+import torch
+from torch import Tensor
+
+from graphinfer.ops import cpu_ext
+from graphinfer.ops.quant import dynamic_quant, scaled_mm, wo_linear
+
+_wo_linear_ref = wo_linear.reference
+_dynamic_quant_ref = dynamic_quant.reference
+_scaled_mm_ref = scaled_mm.reference
+_NATIVE_OPS = ("wo_linear", "dynamic_quant_int8", "scaled_mm_int8")
+_native_ops: bool | None = None
+
+
+def native_available() -> bool:
+    """Whether the C++ quantized kernels are loaded (a library built before they existed lacks them)."""
+    global _native_ops
+    if not cpu_ext.available():
+        return False
+    if _native_ops is None:
+        _native_ops = all(hasattr(torch.ops.graphinfer_cpu_quant, name) for name in _NATIVE_OPS)
+    return _native_ops
+
+
+def wo_linear_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
+                  bias: Tensor | None) -> Tensor:
+    if native_available() and x.dim() >= 1 and scales.dtype == torch.float32 and (
+            zeros is None or zeros.dtype == torch.float32):
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x2, qweight, scales, zeros, bits, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
+    return _wo_linear_ref(x, qweight, scales, zeros, bits, bias)
+
+
+def dynamic_quant_cpu(x: Tensor, quant_dtype: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    if quant_dtype == "int8" and native_available():
+        return torch.ops.graphinfer_cpu_quant.dynamic_quant_int8.default(x, input_scale)
+    return _dynamic_quant_ref(x, quant_dtype, input_scale)
+
+
+def scaled_mm_cpu(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tensor | None,
+                  out_dtype: torch.dtype) -> Tensor:
+    if a.dtype == torch.int8 and b.dtype == torch.int8 and a.dim() == 2 and native_available():
+        return torch.ops.graphinfer_cpu_quant.scaled_mm_int8.default(a, a_scale, b, b_scale, bias, out_dtype)
+    return _scaled_mm_ref(a, a_scale, b, b_scale, bias, out_dtype)
+
+
+CPU_QUANT_OPS = {"wo_linear": wo_linear_cpu, "dynamic_quant": dynamic_quant_cpu, "scaled_mm": scaled_mm_cpu}
