@@ -9,6 +9,11 @@ from graphinfer.config import bundled_model_path
 # Tests run the reference ops op by op unless they ask for the cpu platform's compiled path (kernels="inductor":
 # tests/test_cpu_inductor.py), which compiles for a minute; subprocesses (CLI tests) inherit this.
 os.environ.setdefault("GRAPHINFER_CPU_KERNELS", "reference")
+# Without a GPU the Triton kernels run under Triton's interpreter. Triton reads TRITON_INTERPRET when a function is
+# decorated, its own standard library (tl.sum's combine functions...) included, and any test module may import triton
+# first (compressed_tensors -> torch._dynamo does): set it before anything is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
