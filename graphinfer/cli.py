@@ -45,7 +45,26 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, servin
                         "| per op, e.g. 'torch_npu,paged_attention=triton'")
     g.add_argument("--npu-compiler", default=None, choices=["torchair", "torchair:reduce-overhead"],
                    help="npu: hand the fused graph to torchair (ACL graphs; use with --graph-mode NONE)")
+    _add_speculative_arg(g)
     _add_parallel_args(p)
+
+
+def _add_speculative_arg(g) -> None:
+    g.add_argument("--speculative-config", default=None, type=_json_object,
+                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 3}\'')
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -117,7 +136,7 @@ def _engine_kwargs(args) -> dict:
                 capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
                 max_capture_size=args.max_capture_size, splitting_ops=_splitting_ops(args),
                 capture_lm_head=args.capture_lm_head, kernels=args.kernels, npu_compiler=args.npu_compiler,
-                **_parallel_kwargs(args))
+                speculative_config=args.speculative_config, **_parallel_kwargs(args))
 
 
 def _parallel_kwargs(args) -> dict:
@@ -210,7 +229,8 @@ def _compile(args) -> None:
     from graphinfer.compiler import kernel_cache
     from graphinfer.compiler.artifact import WEIGHTS, rank_file
     from graphinfer.compiler.report import pass_table
-    from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from graphinfer.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                                   SpeculativeConfig)
     from graphinfer.platforms.cpu import CpuPlatform
     from graphinfer.runtime.llm_engine import LLMEngine
 
@@ -225,7 +245,8 @@ def _compile(args) -> None:
         model_config, CacheConfig(), SchedulerConfig(max_num_seqs=args.max_num_seqs),
         CompileConfig(args.graph_mode, args.passes, sizes, max_capture_size=args.max_capture_size,
                       splitting_ops=_splitting_ops(args)),
-        _parallel_config(args), compile_only=True))
+        _parallel_config(args), compile_only=True,
+        speculative_config=SpeculativeConfig.from_dict(args.speculative_config)))
     print(pass_table(engine.pass_reports.rejudge(args.atol, args.rtol)))
     manifest = engine.save_artifact(args.output, atol=args.atol, rtol=args.rtol,
                                     allow_check_failure=args.allow_check_failure)
@@ -412,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write the artifact even if a pass fails its numeric check (recorded in the manifest)")
     comp.add_argument("--dtype", default="auto")
     _add_quantization_arg(comp)
+    _add_speculative_arg(comp)
     comp.add_argument("--device", default="auto", help="auto (the detected platform) or a torch device")
     _add_parallel_args(comp)
     comp.set_defaults(func=_compile)

@@ -190,6 +190,55 @@ class ParallelConfig:
         return self.data_parallel_rank * self.tensor_parallel_size
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's speculative_config): propose num_speculative_tokens tokens per request and step,
+    verify them in one forward of 1 + k tokens, keep the accepted prefix (graphinfer/runtime/spec_decode/).
+    method "ngram": prompt lookup, the last prompt_lookup_max..prompt_lookup_min tokens matched earlier in the
+    request's own tokens; "draft_model": `model` (a path or preset sharing the target's vocabulary) proposes greedily,
+    compiled and run by graphinfer like the target."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int | None = None  # ngram; None: as vLLM (5, or prompt_lookup_max if only that is given)
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # draft_model: the draft's checkpoint, .gguf or preset
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise InvalidConfigError(f"speculative_config method={self.method!r}: use one of {', '.join(SPEC_METHODS)}.")
+        if self.num_speculative_tokens < 1:
+            raise InvalidConfigError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1.")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = (lo or hi or 5), (hi or lo or 5)
+            if not 1 <= lo <= hi:
+                raise InvalidConfigError(f"prompt_lookup_min={lo} / prompt_lookup_max={hi}: need 1 <= min <= max.")
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        elif not self.model:
+            raise InvalidConfigError('speculative_config method="draft_model" needs "model": the draft checkpoint, '
+                                     '.gguf or preset (with the target\'s vocabulary).')
+
+    @classmethod
+    def from_dict(cls, d: "dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """vLLM's dict form; "method" defaults to "draft_model" when a "model" is given (vLLM infers it too)."""
+        if d is None or isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise InvalidConfigError(f"speculative_config must be a dict (JSON object), got {type(d).__name__}.")
+        known = {f for f in cls.__dataclass_fields__}
+        if unknown := sorted(set(d) - known):
+            raise InvalidConfigError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}.")
+        d = dict(d)
+        if d.get("method") in (None, "draft", "draft_model") and d.get("model") not in (None, "ngram", "[ngram]"):
+            d["method"] = "draft_model"
+        elif d.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
+            d["method"], d["model"] = "ngram", None
+        return cls(**d)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -201,3 +250,4 @@ class EngineConfig:
     # `graphinfer compile`: a 1-block placeholder KV cache; graphs are captured only where that warms compiled
     # kernels into the artifact's kernel cache (GPU platforms), never on cpu
     compile_only: bool = False
+    speculative_config: SpeculativeConfig | None = None

@@ -131,7 +131,7 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
                   device: torch.device, dtype: torch.dtype, graph_mode: str, capture_sizes: list[int],
                   model: nn.Module, hf_config, tokenizer=None, split: SplitInfo | None = None,
                   check: dict | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False,
-                  quantization: str | None = None) -> dict:
+                  quantization: str | None = None, speculative_config: dict | None = None) -> dict:
     """Complete the artifact in out_dir (prepare_dir'ed, every rank's save_rank_files done): the graph, config,
     tokenizer, report and the manifest hashing every file. model: the module tree gm was traced from; hf_config /
     tokenizer: the model's, saved in HF form; check: how the pass checks were judged ({passed, atol, rtol,
@@ -154,6 +154,7 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
         "fused_linears": gm.meta.get("fused_linears", {}),
         "quantization": quantized_layers(gm, model, quantization),  # rebuilt as QuantizedLinears, then loaded
         "split": dataclasses.asdict(split) if split is not None else None,  # PIECEWISE: the pieces around attention
+        "speculative_config": speculative_config,  # the default of `serve ART` (verify graphs captured for its k)
     }
     with open(os.path.join(out_dir, CONFIG), "w") as f:
         json.dump(hf_config.to_dict(), f, indent=2, sort_keys=True, default=str)

@@ -69,25 +69,28 @@ def release_graphs(graphs: dict) -> None:
 
 
 class DecodeGraphs:
-    """Device graphs of `forward(input_ids, positions, attn_metadata)` for uniform decode batches."""
+    """Device graphs of `forward(input_ids, positions, attn_metadata)` for uniform batches: query_len tokens per
+    request (1: decode; 1 + k: speculative decoding's verification, vLLM's uniform_decode_query_len), per batch size
+    (requests) in `sizes`."""
 
     def __init__(self, forward: Callable[[Tensor, Tensor, AttentionMetadata], Tensor], platform: Platform,
-                 device: torch.device, sizes: list[int], max_blocks_per_seq: int):
+                 device: torch.device, sizes: list[int], max_blocks_per_seq: int, query_len: int = 1):
         self.forward = forward
         self.platform = platform
         self.sizes = sorted(set(sizes))
+        self.query_len = q = query_len
         n, w = self.sizes[-1], max_blocks_per_seq
         # The static inputs every graph reads, as views of two device buffers that replay fills with one
         # host-to-device copy each (padding included): [input_ids | positions | slot_mapping] (int64) and
         # [seq_lens | block_tables] (int32). The host arrays persist so stale block-table columns cost nothing.
-        self._host64 = np.zeros(3 * n, dtype=np.int64)
-        self._host64[2 * n:] = -1
+        self._host64 = np.zeros(3 * n * q, dtype=np.int64)
+        self._host64[2 * n * q:] = -1
         self._host32 = np.zeros(n + n * w, dtype=np.int32)
         self._dev64 = torch.from_numpy(self._host64).to(device, copy=True)
         self._dev32 = torch.from_numpy(self._host32).to(device, copy=True)
-        self.input_ids, self.positions, self.slot_mapping = self._dev64.view(3, n)
+        self.input_ids, self.positions, self.slot_mapping = self._dev64.view(3, n * q)
         self.seq_lens, self.block_tables = self._dev32[:n], self._dev32[n:].view(n, w)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one query row per request
+        self.query_start_loc = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=device)  # q rows per request
         self.output: Tensor | None = None  # the static output all graphs write their first rows of
         self.graphs: dict[int, object] = {}
 
@@ -96,9 +99,9 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def _args(self, bs: int):
-        md = AttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.query_start_loc[:bs + 1],
-                               self.seq_lens[:bs])
-        return self.input_ids[:bs], self.positions[:bs], md
+        md = AttentionMetadata(self.slot_mapping[:bs * self.query_len], self.block_tables[:bs],
+                               self.query_start_loc[:bs + 1], self.seq_lens[:bs])
+        return self.input_ids[:bs * self.query_len], self.positions[:bs * self.query_len], md
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> CaptureStats:
@@ -108,18 +111,19 @@ class DecodeGraphs:
 
     def _capture_all(self, pool, stream, progress: bool) -> None:
         p = self.platform
-        for bs in tqdm(sorted(self.sizes, reverse=True), desc="Capturing decode graphs", disable=not progress):
+        desc = "Capturing decode graphs" if self.query_len == 1 else f"Capturing verify graphs ({self.query_len} tokens)"
+        for bs in tqdm(sorted(self.sizes, reverse=True), desc=desc, disable=not progress):
             args = self._args(bs)
             out = self.forward(*args)  # warm-up outside the capture: Triton compiles, library handles get created
             if self.output is None:
-                self.output = out.new_empty(self.max_size, *out.shape[1:])
+                self.output = out.new_empty(self.max_size * self.query_len, *out.shape[1:])
             del out
             p.synchronize()
             graph = p.graph_class()()
             with p.graph_capture(graph, pool, stream):
                 # Copying into one static output (rather than keeping each graph's own output alive) lets the
                 # pool reuse every graph's memory for the next: per-bucket logits would add up to gigabytes.
-                self.output[:bs].copy_(self.forward(*args))
+                self.output[:bs * self.query_len].copy_(self.forward(*args))
             self.graphs[bs] = graph
 
     def release(self) -> None:
@@ -136,14 +140,15 @@ class DecodeGraphs:
     def replay(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                block_tables: np.ndarray, seq_lens: np.ndarray,
                fill_pending: Callable[[Tensor], None] | None = None) -> Tensor:
-        """Run the graph for a decode batch given as host arrays; returns the first B rows of its output.
-        fill_pending(static input_ids) writes ids that are still on the device (async scheduling)."""
+        """Run the graph for a batch of B requests (B * query_len tokens) given as host arrays; returns the first
+        B * query_len rows of its output. fill_pending(static input_ids) writes ids that are still on the device
+        (async scheduling)."""
         b, width = block_tables.shape
         bs = self.bucket(b)
-        n, w = self.max_size, self.block_tables.shape[1]
-        ids, pos, slots = self._host64.reshape(3, n)
-        ids[:b], pos[:b], slots[:b] = input_ids, positions, slot_mapping
-        slots[b:bs] = -1  # padded rows write no KV ...
+        q, n, w = self.query_len, self.max_size, self.block_tables.shape[1]
+        ids, pos, slots = self._host64.reshape(3, n * q)
+        ids[:b * q], pos[:b * q], slots[:b * q] = input_ids, positions, slot_mapping
+        slots[b * q:bs * q] = -1  # padded rows write no KV ...
         lens, tables = self._host32[:n], self._host32[n:].reshape(n, w)
         lens[:b], lens[b:bs] = seq_lens, 0  # ... and attend to nothing
         tables[:b, :width] = block_tables
@@ -155,4 +160,4 @@ class DecodeGraphs:
             fill_pending(self.input_ids)
         self.platform.before_graph_replay(self.graphs[bs], lens[:bs].copy())  # e.g. Ascend: patch FIA's lengths
         self.graphs[bs].replay()
-        return self.output[:b]
+        return self.output[:b * q]

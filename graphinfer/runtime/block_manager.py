@@ -105,6 +105,18 @@ class BlockManager:
                 block.hash, block.token_ids = h, tokens
                 self.hash_to_block_id[h] = block.block_id
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past seq's computed tokens (speculative decoding: lookahead blocks that held only
+        rejected drafts). They hold no hash, so they go first in the LRU."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for block_id in seq.block_table[keep:]:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+                self.free_block_ids.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks; tail blocks go first in the LRU so shared prefixes outlive them."""
         for block_id in reversed(seq.block_table):

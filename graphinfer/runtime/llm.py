@@ -5,7 +5,8 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from graphinfer.compiler import artifact as artifacts
-from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from graphinfer.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                               SpeculativeConfig)
 from graphinfer.errors import GraphinferError, InvalidConfigError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime.chat_template import chat_prompt_ids
@@ -45,6 +46,9 @@ class LLM:
     (runtime/dp_engine.py). MoE + expert parallel replicas step in lockstep. One node only.
     Across nodes (nnodes > 1, node_rank, master_addr, master_port: vLLM's / torchrun's names) this process is
     node 0; the other nodes run `graphinfer serve|generate ... --node-rank N` with the same arguments.
+    speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} or
+    {"model": DRAFT, "num_speculative_tokens": 3} (config.SpeculativeConfig); greedy outputs are those without it,
+    sampled ones follow the same distribution.
     gpu_memory_utilization: the fraction of the device's total memory this engine may use (weights, graphs and
     KV cache; as in vLLM, so two engines at 0.4 fit on one device). A KV cache that cannot hold one request of
     max_model_len tokens is refused at start-up (KVCacheTooSmallError).
@@ -62,7 +66,8 @@ class LLM:
                  tensor_parallel_size: int | None = None, nnodes: int = 1, node_rank: int = 0,
                  master_addr: str = "127.0.0.1", master_port: int | None = None,
                  enable_expert_parallel: bool | None = None, data_parallel_size: int = 1,
-                 quantization: str | None = None, artifact: str | None = None):
+                 quantization: str | None = None, speculative_config: dict | None = None,
+                 artifact: str | None = None):
         if artifact:
             manifest = artifacts.read_manifest(artifact)
             model = model or manifest["model"]["path"]
@@ -71,6 +76,7 @@ class LLM:
             graph_mode = graph_mode or manifest["graph_mode"]
             capture_sizes = capture_sizes or manifest["capture_sizes"]
             splitting_ops = splitting_ops or (manifest.get("split") or {}).get("splitting_ops")
+            speculative_config = speculative_config or manifest.get("speculative_config")
             if tensor_parallel_size is None:
                 tensor_parallel_size = artifacts.tensor_parallel_size(manifest)
             if enable_expert_parallel is None:
@@ -88,7 +94,7 @@ class LLM:
             ParallelConfig(tensor_parallel_size, nnodes, node_rank, master_addr, master_port,
                            enable_expert_parallel=bool(enable_expert_parallel),
                            data_parallel_size=data_parallel_size),
-            artifact=artifact,
+            artifact=artifact, speculative_config=SpeculativeConfig.from_dict(speculative_config),
         ))
 
     def shutdown(self) -> None:

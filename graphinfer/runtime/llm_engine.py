@@ -6,6 +6,7 @@ input ids taken from step N's sampled tokens on the device, and step N's tokens 
 for stops and returned while step N+1 runs. The price: a request that stops on a token (eos, stop ids or
 strings) has computed one more row, which is dropped; requests that stop on length never do.
 """
+import dataclasses
 import gc
 import hashlib
 import itertools
@@ -45,6 +46,8 @@ from graphinfer.runtime.model_runner import ModelRunner
 from graphinfer.runtime.sampler import SamplerOutput
 from graphinfer.runtime.scheduler import Scheduler, SchedulerOutput
 from graphinfer.runtime.sequence import Sequence, SequenceStatus
+from graphinfer.runtime.spec_decode import NgramProposer
+from graphinfer.runtime.spec_decode.metrics import SpecDecodingStats
 from graphinfer.runtime.startup_timer import StartupTimer, seconds_since_process_start
 from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -182,6 +185,11 @@ class LLMEngine:
             with timer.phase("capture (decode graphs)"):
                 self.capture_stats = self.model_runner.capture_decode_graphs(
                     self._decode_capture_sizes(), self.max_model_len, comp.capture_lm_head)
+            if (spec := config.speculative_config) is not None:  # uniform 1 + k token verification steps
+                with timer.phase("capture (verify graphs)"):
+                    self.model_runner.capture_decode_graphs(self._decode_capture_sizes(), self.max_model_len,
+                                                            comp.capture_lm_head,
+                                                            query_len=1 + spec.num_speculative_tokens)
         self.split = None
         if comp.graph_mode in PIECEWISE_GRAPH_MODES:
             self.split = split_graph(self._fx_graph(), comp.splitting_ops or DEFAULT_SPLITTING_OPS)
@@ -191,12 +199,32 @@ class LLMEngine:
                     self.piecewise_capture_stats = self.model_runner.capture_piecewise_graphs(
                         self.split, self._piecewise_capture_sizes(self.split.info.num_pieces))
         self.scheduler = Scheduler(sc, cc, self.model_runner.num_blocks)
-        self.async_scheduling = sc.async_scheduling
+        self.proposer, self.spec_stats = self._spec_decoding(config.speculative_config)
+        # Speculative decoding steps synchronously: drafts for step N+1 need step N's accepted tokens on the host
+        self.async_scheduling = sc.async_scheduling and self.proposer is None
         self._in_flight: _InFlight | None = None
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.reset_expert_load()  # warm-up, capture and the passes' checks ran the MoE layers on synthetic inputs
         timer.record("engine ready", time.perf_counter() - started)
+
+    def _spec_decoding(self, spec):
+        """The proposer and the counters for speculative_config, or (None, None)."""
+        if spec is None or self.config.compile_only:  # compile: only the verify graphs (warmed on a GPU) matter
+            return None, None
+        if self.config.scheduler_config.async_scheduling:
+            logger.info("speculative decoding: steps run synchronously (the drafts need the last step's tokens)")
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:  # it builds an LLMEngine of its own
+            from graphinfer.runtime.spec_decode.draft_model import DraftModelProposer
+
+            proposer = DraftModelProposer(spec, self)
+        return proposer, SpecDecodingStats(spec.num_speculative_tokens)
+
+    def spec_decode_stats(self) -> dict:
+        """Speculative decoding's counters since start (SpecDecodingStats.as_dict), {} with it off."""
+        return self.spec_stats.as_dict() if self.spec_stats is not None else {}
 
     # ----- expert load (runtime/expert_load.py) -----
     @property
@@ -249,6 +277,9 @@ class LLMEngine:
         runner, graph = getattr(self, "model_runner", None), getattr(self, "graph", None)
         if runner is None and graph is None:  # released, or __init__ failed before loading anything
             return False
+        if hasattr(getattr(self, "proposer", None), "shutdown"):  # a draft model's engine
+            self.proposer.shutdown()
+        self.proposer = None
         for request_id in list(getattr(self, "requests", ())):
             self.abort_request(request_id)
         self._in_flight = None
@@ -420,7 +451,8 @@ class LLMEngine:
             model=self.model, hf_config=self.hf_config, tokenizer=self.tokenizer, check=check,
             tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
             expert_parallel=any(getattr(m, "ep_size", 1) > 1 for m in self.model.modules()),
-            quantization=self.config.model_config.quantization)
+            quantization=self.config.model_config.quantization,
+            speculative_config=dataclasses.asdict(spec) if (spec := self.config.speculative_config) else None)
 
     def save_rank_files(self, out_dir: str) -> None:
         """Write this rank's weights (and what passes added) into the artifact directory out_dir (from save_artifact:
@@ -545,6 +577,8 @@ class LLMEngine:
         With async scheduling, the tokens returned are the previous step's."""
         if self.async_scheduling:
             return self._step_async()
+        if self.proposer is not None:
+            self.proposer.propose_for([s for s in self.scheduler.running if s.num_computed_tokens == s.num_tokens - 1])
         sched = self._schedule()
         dp = self._dp_agree(sched)
         if not sched.scheduled:
@@ -553,7 +587,7 @@ class LLMEngine:
             return []
         rows, sampled = self.model_runner.execute_model(sched, dp_step=dp)
         for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted (_process_spec)
         self._cache_full_blocks(sched)
         if sampled is None:
             return []
@@ -625,12 +659,43 @@ class LLMEngine:
 
     def _process(self, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         """Append each row's sampled token (on the host), check stops, and build the outputs."""
+        if sampled.output_token_ids is not None:
+            return self._process_spec(rows, sampled)
         outputs = []
         tokens = sampled.sampled_token_ids.tolist()
         for i, seq in enumerate(rows):
             if seq.is_finished:  # aborted, or stopped a step earlier (async scheduling): its token is dropped
                 continue
             self._append(seq, tokens[i], sampled, i)
+            if seq.is_finished or seq.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(seq))
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+        return outputs
+
+    def _process_spec(self, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+        """A verification step: each row emits its accepted drafts and one more token, appended one by one (a stop
+        mid-proposal drops the rest); the accepted drafts' KV becomes computed, the rejected ones' blocks go back."""
+        outputs, offset = [], 0
+        for seq, emitted in zip(rows, sampled.output_token_ids.tolist()):
+            k, first = len(seq.spec_token_ids), offset
+            offset += k + 1
+            if seq.is_finished:  # aborted
+                continue
+            tokens = emitted[:emitted.index(-1)] if -1 in emitted else emitted
+            if k:
+                self.spec_stats.observe(k, len(tokens) - 1)
+                seq.num_draft_tokens += k
+                seq.num_accepted_tokens += len(tokens) - 1
+            seq.num_computed_tokens += len(tokens) - 1
+            seq.spec_token_ids = []
+            for j, token in enumerate(tokens):
+                self._append(seq, token, sampled, first + j)
+                if seq.is_finished:
+                    break
+            else:
+                self.scheduler.block_manager.trim(seq)
+                self.scheduler.block_manager.cache_full_blocks(seq)
             if seq.is_finished or seq.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._output(seq))
             if seq.is_finished:
@@ -686,11 +751,13 @@ class LLMEngine:
                 logprob.decoded_token = self.tokenizer.decode([tid])
         seq.logprobs.append(entry)
 
-    @staticmethod
-    def _output(seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(
             index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
             logprobs=seq.logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        metrics = {} if self.proposer is None else {"spec_decode_num_draft_tokens": seq.num_draft_tokens,
+                                                    "spec_decode_num_accepted_tokens": seq.num_accepted_tokens}
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
-                             finished=seq.status == SequenceStatus.FINISHED, num_cached_tokens=seq.num_cached_tokens)
+                             finished=seq.status == SequenceStatus.FINISHED, num_cached_tokens=seq.num_cached_tokens,
+                             metrics=metrics)

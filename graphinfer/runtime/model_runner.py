@@ -21,6 +21,7 @@ from graphinfer.runtime.expert_load import moe_layers
 from graphinfer.runtime.sampler import Sampler, SamplerOutput
 from graphinfer.runtime.scheduler import SchedulerOutput
 from graphinfer.runtime.sequence import Sequence
+from graphinfer.runtime.spec_decode.verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class HostInputs:
     # another replica's step cannot replay one (their collectives must pair).
     decode_graphs: bool = True
     num_pad: int = 0
+    # Speculative decoding: drafts per row (row i samples spec_lens[i] + 1 logits rows, in order); None: none has any
+    spec_lens: list[int] | None = None
 
     def pending_index(self) -> np.ndarray | None:
         """[2, P] int64 (dst; src), or None when the pending ids are simply the first P sampled ones, in order."""
@@ -67,6 +70,7 @@ class ModelRunner:
         self.device = device
         self.platform = platform
         self.decode_graphs: DecodeGraphs | None = None  # FULL_DECODE_ONLY / FULL_AND_PIECEWISE: capture_decode_graphs
+        self.verify_graphs: DecodeGraphs | None = None  # the same, 1 + k tokens per request (speculative decoding)
         self.piecewise_graphs: PiecewiseGraphs | None = None  # PIECEWISE / FULL_AND_PIECEWISE: capture_piecewise_graphs
         self.lm_head_in_graph = False
         self.block_size = cache_config.block_size
@@ -137,10 +141,10 @@ class ModelRunner:
 
     def release(self) -> None:
         """Free the captured graphs (and their memory pool), their static buffers and the KV cache."""
-        for graphs in (self.decode_graphs, self.piecewise_graphs):
+        for graphs in (self.decode_graphs, self.verify_graphs, self.piecewise_graphs):
             if graphs is not None:
                 graphs.release()
-        self.decode_graphs = self.piecewise_graphs = None
+        self.decode_graphs = self.verify_graphs = self.piecewise_graphs = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = self.graph = self.model = self.sampler = self.num_tokens = None
@@ -151,9 +155,10 @@ class ModelRunner:
         (last token of each sequence that completes its prompt or decodes) whose logits get sampled."""
         bs = self.block_size
         input_ids, positions, query_start_loc, seq_lens, logits_indices, rows = [], [], [0], [], [], []
-        tables, pending_dst, pending_src = [], [], []
+        tables, pending_dst, pending_src, spec_lens = [], [], [], []
         for seq, n in out.scheduled:  # plain lists: per-row numpy calls cost more than they save at batch 256
             start = seq.num_computed_tokens
+            k = len(seq.spec_token_ids)  # drafts: the scheduled tokens' last k, after the sequence's own
             if n == 1:
                 if start == len(seq.token_ids):  # sampled by the in-flight step: the device fills it in
                     pending_dst.append(len(input_ids))
@@ -163,14 +168,20 @@ class ModelRunner:
                     input_ids.append(seq.token_ids[start])
                 positions.append(start)
             else:
-                input_ids.extend(seq.token_ids[start:start + n])
+                input_ids.extend(seq.token_ids[start:start + n - k])
+                input_ids.extend(seq.spec_token_ids)
                 positions.extend(range(start, start + n))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(start + n)
             tables.append(seq.block_table)
-            if start + n == seq.num_tokens:
-                logits_indices.append(query_start_loc[-1] - 1)
+            if start + n == seq.num_tokens + k:
+                end = query_start_loc[-1]
+                if k:
+                    logits_indices.extend(range(end - 1 - k, end))
+                else:
+                    logits_indices.append(end - 1)
                 rows.append(seq)
+                spec_lens.append(k)
         block_tables = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
         for i, table in enumerate(tables):
             block_tables[i, :len(table)] = table
@@ -180,7 +191,7 @@ class ModelRunner:
         slot_mapping = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
         return HostInputs(np.array(input_ids, dtype=np.int64), positions, slot_mapping, block_tables, query_start_loc,
                           np.array(seq_lens, dtype=np.int32), np.array(logits_indices, dtype=np.int64), rows,
-                          pending_dst, pending_src)
+                          pending_dst, pending_src, spec_lens=spec_lens if any(spec_lens) else None)
 
     def to_device(self, x: np.ndarray) -> torch.Tensor:
         return staged(x, self.device).to(self.device, non_blocking=True)
@@ -198,28 +209,38 @@ class ModelRunner:
             input_ids[dst] = prev_tokens[src]
 
     def capture_decode_graphs(self, sizes: list[int], max_model_len: int, lm_head_in_graph: bool = True,
-                              progress: bool = True) -> CaptureStats:
-        """FULL_DECODE_ONLY: record the decode step (up to the logits, or the hidden states) per batch size."""
+                              progress: bool = True, query_len: int = 1) -> CaptureStats:
+        """FULL_DECODE_ONLY: record the decode step (up to the logits, or the hidden states) per batch size;
+        query_len 1 + k: speculative decoding's verification step (into verify_graphs)."""
         if lm_head_in_graph:
             def forward(ids, pos, md):
                 return self.model.compute_logits(self.graph(ids, pos, md))
         else:
             forward = self.graph
         self.lm_head_in_graph = lm_head_in_graph
-        self.decode_graphs = DecodeGraphs(forward, self.platform, self.device, sizes,
-                                          max_blocks_per_seq=-(-max_model_len // self.block_size))
-        return self.decode_graphs.capture(progress)
+        graphs = DecodeGraphs(forward, self.platform, self.device, sizes,
+                              max_blocks_per_seq=-(-max_model_len // self.block_size), query_len=query_len)
+        if query_len == 1:
+            self.decode_graphs = graphs
+        else:
+            self.verify_graphs = graphs
+        return graphs.capture(progress)
 
     def capture_piecewise_graphs(self, split: SplitGraph, sizes: list[int], progress: bool = True) -> CaptureStats:
         """PIECEWISE: record the split graph's pieces per token count; attention runs eagerly between them."""
         self.piecewise_graphs = PiecewiseGraphs(split, self.platform, self.device, sizes)
         return self.piecewise_graphs.capture(progress)
 
-    def _replayable(self, h: HostInputs) -> bool:
-        """A uniform decode batch (one token per request) that a full decode graph covers."""
-        g = self.decode_graphs
-        return g is not None and h.decode_graphs and len(h.seq_lens) <= g.max_size and \
-            len(h.input_ids) == len(h.seq_lens)
+    def _full_graphs(self, h: HostInputs) -> DecodeGraphs | None:
+        """The full graphs that cover this step: a uniform batch (one token per request: decode graphs; 1 + k:
+        verify graphs) of at most their largest size. Decided from the shapes, as every tensor-parallel rank can."""
+        b, t = len(h.seq_lens), len(h.input_ids)
+        if not h.decode_graphs or not b:
+            return None
+        g = self.decode_graphs if t == b else self.verify_graphs
+        if g is None or b > g.max_size or t != b * g.query_len:
+            return None
+        return g if g.query_len == 1 or (np.diff(h.query_start_loc) == g.query_len).all() else None
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput | None, prev_tokens: torch.Tensor | None = None,
@@ -241,7 +262,10 @@ class ModelRunner:
             logits = self.step_logits(h, prev_tokens)
             if logits is None:
                 return h.rows, None
-            sampled = self.sampler(logits, h.rows)
+            if h.spec_lens is None:
+                sampled = self.sampler(logits, h.rows)
+            else:
+                sampled = verify(self.sampler, logits, h.rows, h.spec_lens)
             if share:
                 ps.broadcast_from_rank0(sampled.sampled_token_ids)
         except BaseException as e:  # the other ranks may wait in a collective of this step: no further step
@@ -261,9 +285,9 @@ class ModelRunner:
         if self.num_tokens is not None:  # the real rows: a padded bucket's others count no expert load
             self.num_tokens.fill_(len(h.input_ids) - h.num_pad)
         logits_ready = False
-        if self._replayable(h):
-            hidden = self.decode_graphs.replay(h.input_ids, h.positions, h.slot_mapping, h.block_tables, h.seq_lens,
-                                               fill_pending=fill_pending)
+        if (graphs := self._full_graphs(h)) is not None:
+            hidden = graphs.replay(h.input_ids, h.positions, h.slot_mapping, h.block_tables, h.seq_lens,
+                                   fill_pending=fill_pending)
             logits_ready = self.lm_head_in_graph
         elif self.piecewise_graphs is not None and self.piecewise_graphs.bucket(len(h.input_ids)) is not None:
             t = self.to_device

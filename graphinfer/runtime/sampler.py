@@ -28,6 +28,9 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None  # [B] int64, 1 = most likely under the raw logits
     topk_token_ids: torch.Tensor | None  # [B, N] int64, N = max requested logprobs (0 if none asked)
     topk_logprobs: torch.Tensor | None  # [B, N] float32, raw log_softmax
+    # Speculative decoding (runtime/spec_decode/verify.py): the rows above are draft positions, and request i
+    # emits output_token_ids[i] up to the first -1 (its j-th token is row offset_i + j above)
+    output_token_ids: torch.Tensor | None = None
 
     def to_host(self, non_blocking: bool = False) -> "SamplerOutput":
         """Host copies. non_blocking: into pinned memory, valid once the device has done the work issued so far."""

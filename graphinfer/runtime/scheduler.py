@@ -9,6 +9,9 @@ freed (their hashes kept, so its recompute is mostly prefix-cache hits) and it g
 of the waiting queue. A request that could never fit is refused at admission (engine), so a sequence
 running alone always has room and the scheduler always makes progress.
 
+With speculative decoding a decoding sequence also computes its draft tokens (seq.spec_token_ids), whose KV
+goes into lookahead slots; drafts that do not fit the token budget (or would need a preemption) are dropped.
+
 With async scheduling a sequence may have a token still on its way from the device (num_pending): it is
 scheduled as a decode all the same, except when that token is its last (max_tokens), and after a
 preemption it is not re-admitted before the token lands.
@@ -55,6 +58,12 @@ class Scheduler:
                 i += 1  # async scheduling: its last token is on the way; it ends on length once that lands
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.spec_token_ids:  # drafts: only what the budget and free blocks allow, never a preemption for them
+                k = min(len(seq.spec_token_ids), budget - n)
+                while k and not self.block_manager.can_append(seq, n + k):
+                    k -= 1
+                del seq.spec_token_ids[k:]
+                n += k
             while not self.block_manager.can_append(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -91,6 +100,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

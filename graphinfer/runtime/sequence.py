@@ -29,6 +29,10 @@ class Sequence:
         # so the next step can be scheduled; their ids reach the next forward on the device).
         self.num_pending = 0
         self.pending_row = 0  # the row of the in-flight step's sampled tokens that holds the pending one
+        # Speculative decoding: draft tokens proposed for the next step, verified there (their KV is written in the
+        # lookahead slots; only the accepted ones' counts in num_computed_tokens afterwards)
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # verified so far (RequestOutput.metrics)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
         self.generator: torch.Generator | None = None  # set by the engine (on its device) for a seeded request

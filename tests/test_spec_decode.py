@@ -1,0 +1,190 @@
+"""Speculative decoding (graphinfer/runtime/spec_decode/): greedy outputs equal those without it, for every k and
+proposer, through chunked prefill, prefix-cache hits, preemption and the async flag; sampled tokens follow the
+target distribution (chi-square); rejected drafts leave no KV block behind; the counters add up."""
+import random
+
+import pytest
+import torch
+
+from graphinfer import LLM, SamplingParams
+from graphinfer.config import SpeculativeConfig
+from graphinfer.errors import InvalidConfigError
+from graphinfer.runtime.sampler import Sampler
+from graphinfer.runtime.sequence import Sequence
+from graphinfer.runtime.spec_decode import NgramProposer
+from graphinfer.runtime.spec_decode.verify import verify
+
+# Tight: 16 blocks of 8 and a 48-token budget force chunked prefill and preemptions (as test_async_scheduling).
+ENGINE = dict(max_num_seqs=6, max_num_batched_tokens=48, num_gpu_blocks_override=16, block_size=8, dtype="float32")
+
+
+def ngram(k, lo=1, hi=3):
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+
+
+def test_ngram_proposer_takes_the_most_recent_longest_match():
+    p = NgramProposer(3, 1, 3)
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]  # "1 2 3" last followed by 7 8 1
+    assert p.propose([5, 6, 7, 5, 6], 3) == [7, 5, 6]
+    assert p.propose([5, 6, 7, 5, 6], 1) == [7]  # budget
+    assert p.propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert p.propose([4, 4, 4], 3) == [4]  # an overlapping occurrence, continuation cut at the end
+    assert NgramProposer(3, 2, 2).propose([1, 2, 9, 3, 2], 3) == []  # "3 2" never seen before; "2" alone too short
+
+
+def test_speculative_config_parses_vllms_forms():
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}).prompt_lookup_min == 5
+    c = SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "prompt_lookup_max": 4, "model": "[ngram]"})
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 4)
+    assert SpeculativeConfig.from_dict({"model": "tiny-llama", "num_speculative_tokens": 2}).method == "draft_model"
+    for bad in ({"method": "eagle"}, {"method": "ngram", "num_speculative_tokens": 0}, {"speculative_model": "x"},
+                {"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, {"method": "draft_model"}):
+        with pytest.raises(InvalidConfigError):
+            SpeculativeConfig.from_dict(bad)
+
+
+def _prompts(n=12, seed=0):
+    """Repetitive prompts (a phrase said a few times, so lookup finds matches) of varied lengths; every third shares
+    a 24-token prefix (prefix-cache hits)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 200) for _ in range(24)]
+    out = []
+    for i in range(n):
+        phrase = [rng.randrange(1, 200) for _ in range(rng.randrange(2, 6))]
+        body = phrase * rng.randrange(2, 6) + [rng.randrange(1, 200) for _ in range(rng.randrange(0, 8))]
+        out.append({"prompt_token_ids": (shared if i % 3 == 0 else []) + body})
+    return out
+
+
+def _run(prompts, params, **kw):
+    llm = LLM("tiny-llama", **{**ENGINE, **kw})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    assert engine.scheduler.block_manager.num_free_blocks == engine.model_runner.num_blocks  # nothing leaked
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    return outs, engine
+
+
+def _summary(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def greedy_base():
+    prompts = _prompts()
+    lens = random.Random(1)
+    params = [SamplingParams(temperature=0, max_tokens=lens.randrange(1, 40)) for _ in prompts]
+    outs, engine = _run(prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    return prompts, params, outs
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_greedy_equals_no_spec(greedy_base, k):
+    prompts, params, expected = greedy_base
+    outs, engine = _run(prompts, params, speculative_config=ngram(k))
+    assert _summary(outs) == _summary(expected)
+    stats = engine.spec_decode_stats()
+    assert stats["num_drafts"] > 0 and 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    # the counters add up: per request, per position, and what was drafted at most k per verification
+    assert sum(o.metrics["spec_decode_num_draft_tokens"] for o in outs) == stats["num_draft_tokens"]
+    assert sum(o.metrics["spec_decode_num_accepted_tokens"] for o in outs) == stats["num_accepted_tokens"]
+    assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
+    assert len(stats["num_accepted_tokens_per_pos"]) == k
+    assert stats["num_draft_tokens"] <= k * stats["num_drafts"]
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_ngram_with_async_flag_and_stops(greedy_base):
+    """Stop tokens and stop strings can land mid-proposal: the rest of the accepted drafts is dropped."""
+    prompts, params, expected = greedy_base
+    common = [o.outputs[0].token_ids[2] for o in expected if len(o.outputs[0].token_ids) > 2][:3]
+    params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, stop_token_ids=common) for p in params]
+    base, _ = _run(prompts, params)
+    outs, _ = _run(prompts, params, speculative_config=ngram(4), async_scheduling=True)
+    assert sum(o.outputs[0].finish_reason == "stop" for o in base) >= 3
+    assert _summary(outs) == _summary(base)
+
+
+def test_logprobs_and_penalties_with_spec(greedy_base):
+    """Logprobs of the emitted tokens and penalties (which count the drafts before each position) as without spec."""
+    prompts, _, _ = greedy_base
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, repetition_penalty=1.3, presence_penalty=0.5)
+    base, _ = _run(prompts[:4], params)
+    outs, engine = _run(prompts[:4], params, speculative_config=ngram(3))
+    assert engine.spec_decode_stats()["num_drafts"] > 0
+    for o, b in zip(outs, base):
+        assert o.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp, blp in zip(o.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lp.keys() == blp.keys()
+            for t in lp:
+                assert lp[t].rank == blp[t].rank and abs(lp[t].logprob - blp[t].logprob) < 1e-4
+
+
+def _seq(tokens, drafts, params):
+    seq = Sequence("r", None, [1], params, max_tokens=100)
+    seq.token_ids += tokens
+    seq.output_token_ids += tokens
+    seq.spec_token_ids = list(drafts)
+    return seq
+
+
+def _chisquare_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Pearson's statistic below the 1e-4 quantile's bound for len(probs) - 1 <= 7 degrees of freedom (24.3)."""
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0  # never a token of probability 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()) < 24.3
+
+
+@pytest.mark.parametrize("drafts", [(2, 5), (7, 0)])  # a likely then an unlikely draft, and the reverse
+def test_verification_follows_the_target_distribution(drafts):
+    """Rows of two drafts over an 8-token vocabulary with fixed target distributions per position: the first
+    emitted token follows p0, the second (after an accepted first draft) follows p1, and a draft is accepted at the
+    rate p(draft) (the accept / resample-from-residual rule)."""
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(3, 8) * 1.5, dim=-1)
+    n = 20000
+    rows = [_seq([], drafts, SamplingParams(temperature=1.0)) for _ in range(n)]
+    logits = p.log().repeat(n, 1)  # rows (request, position): request i's positions at 3i..3i+2
+    out = verify(Sampler(None, seed=0), logits, rows, [2] * n)
+    emitted = out.output_token_ids
+    first = torch.bincount(emitted[:, 0], minlength=8).float()
+    assert _chisquare_ok(first, p[0])
+    accepted = emitted[:, 0] == drafts[0]
+    assert abs(accepted.float().mean() - p[0, drafts[0]]) < 4 * (p[0, drafts[0]] * (1 - p[0, drafts[0]]) / n) ** 0.5
+    assert (emitted[~accepted, 1] == -1).all()  # a rejection ends the row
+    second = torch.bincount(emitted[accepted, 1], minlength=8).float()
+    if accepted.sum() > 500:
+        assert _chisquare_ok(second, p[1])
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_draft_model_greedy_equals_no_spec(greedy_base, k):
+    """tiny-qwen3 (random weights, the same 256-token vocabulary) drafts for tiny-llama: mostly rejected, which
+    exercises the draft's rollback after every rejection."""
+    prompts, params, expected = greedy_base
+    outs, engine = _run(prompts, params, speculative_config={"model": "tiny-qwen3", "num_speculative_tokens": k})
+    assert _summary(outs) == _summary(expected)
+    stats = engine.spec_decode_stats()
+    assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] <= k * stats["num_drafts"]
+    draft = engine.proposer.engine
+    assert draft.scheduler.block_manager.num_free_blocks + sum(len(m.block_table) for m in engine.proposer.mirrors.values()) \
+        == draft.model_runner.num_blocks
+
+
+def test_draft_model_itself_accepts_everything():
+    """The target as its own draft: every draft is accepted (greedy), so a step emits k + 1 tokens."""
+    prompts = _prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+    base, _ = _run(prompts, params)
+    outs, engine = _run(prompts, params, speculative_config={"model": "tiny-llama", "num_speculative_tokens": 3})
+    assert _summary(outs) == _summary(base)
+    stats = engine.spec_decode_stats()
+    assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0
+    assert stats["mean_acceptance_length"] > 3.0
+
+
+def test_vocabulary_mismatch_is_refused():
+    with pytest.raises(InvalidConfigError, match="vocabulary"):
+        LLM("tiny-llama", **ENGINE, speculative_config={"model": "smollm2-135m", "num_speculative_tokens": 2})
