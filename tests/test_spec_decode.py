@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from graphinfer import LLM, SamplingParams
-from graphinfer.config import SpeculativeConfig
+from graphinfer.config import SpeculativeConfig, bundled_model_path
 from graphinfer.errors import InvalidConfigError
 from graphinfer.runtime.sampler import Sampler
 from graphinfer.runtime.sequence import Sequence
@@ -188,3 +188,91 @@ def test_draft_model_itself_accepts_everything():
 def test_vocabulary_mismatch_is_refused():
     with pytest.raises(InvalidConfigError, match="vocabulary"):
         LLM("tiny-llama", **ENGINE, speculative_config={"model": "smollm2-135m", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_verify_graphs_replay_under_the_capture_stand_in(monkeypatch, greedy_base, method):
+    """FULL_DECODE_ONLY with speculative decoding captures verify graphs (1 + k tokens per request) next to the
+    decode graphs; uniform verification steps replay them (padded buckets included) with the tokens of NONE."""
+    from capture_standin import OpTapePlatform
+
+    import graphinfer.runtime.llm_engine as llm_engine
+
+    prompts, params, expected = greedy_base
+    monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
+    spec = ngram(2) if method == "ngram" else {"model": "tiny-llama", "num_speculative_tokens": 2}
+    llm = LLM("tiny-llama", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4], speculative_config=spec,
+              **{**ENGINE, "num_gpu_blocks_override": 64})
+    runner = llm.llm_engine.model_runner
+    assert runner.verify_graphs.query_len == 3 and sorted(runner.verify_graphs.graphs) == [1, 2, 4]
+    replays = []
+    replay = runner.verify_graphs.replay
+    monkeypatch.setattr(runner.verify_graphs, "replay", lambda *a, **k: replays.append(len(a[0])) or replay(*a, **k))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert _summary(outs) == _summary(expected)
+    assert replays and set(replays) <= {3, 6, 9, 12}
+
+
+@pytest.mark.parametrize("spec", [ngram(3, 1, 4), {"model": bundled_model_path(), "num_speculative_tokens": 2}],
+                         ids=["ngram", "self-draft"])
+def test_smollm2_greedy_equals_no_spec(smollm2_greedy, spec):
+    """The real SmolLM2 (fp32) on test_smollm2's prompts, 32 greedy tokens: ngram lookup, and SmolLM2 drafting for
+    itself, give the tokens of the engine without speculation."""
+    from test_smollm2 import PROMPTS
+
+    llm = LLM(dtype="float32", max_model_len=1024, seed=0, speculative_config=spec)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in smollm2_greedy]
+    stats = llm.llm_engine.spec_decode_stats()
+    assert stats["num_accepted_tokens"] > 0
+    if spec.get("model") is not None:
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
+    llm.shutdown()
+
+
+def test_metrics_export_the_counters(greedy_base):
+    from graphinfer.server.metrics import Metrics
+
+    prompts, params, _ = greedy_base
+    _, engine = _run(prompts[:4], params[:4], speculative_config=ngram(3))
+    metrics = Metrics("tiny")
+    metrics.watch_spec_decode(engine)
+    text = metrics.render().decode()
+    stats = engine.spec_decode_stats()
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert f'graphinfer:spec_decode_{name}_total{{model_name="tiny"}} {float(stats[name])}' in text
+    for pos, n in enumerate(stats["num_accepted_tokens_per_pos"]):
+        assert f'graphinfer:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{pos}"}} {float(n)}' in text
+
+
+def test_cli_speculative_config(capsys):
+    """--speculative-config takes vLLM's JSON; a bad one is a usage error naming the problem."""
+    from graphinfer.cli import build_parser, main
+
+    args = build_parser().parse_args(["generate", "--model", "tiny-llama", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 2}', "--prompt", "x"])
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", "tiny-llama", "--prompt", "x", "--speculative-config", "{method: ngram}"])
+    assert "not JSON" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "x", "--speculative-config", '{"method": "eagle"}']) != 0
+    assert "use one of ngram, draft_model" in capsys.readouterr().err
+
+
+def test_rejected_drafts_leave_no_blocks_behind(greedy_base):
+    """After every step each sequence holds exactly the blocks of its computed tokens: the lookahead blocks of
+    rejected drafts went back to the pool at once (with block_size 2, three drafts span a block)."""
+    prompts, params, _ = greedy_base
+    llm = LLM("tiny-llama", **{**ENGINE, "block_size": 2, "num_gpu_blocks_override": 96},
+              speculative_config={"model": "tiny-qwen3", "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    bm = engine.scheduler.block_manager
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p["prompt_token_ids"], sp)
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            assert len(seq.block_table) == bm.blocks_needed(seq.num_computed_tokens)
+    stats = engine.spec_decode_stats()
+    assert stats["num_accepted_tokens"] < stats["num_draft_tokens"]  # some drafts were rejected
+    assert bm.num_free_blocks == bm.num_blocks

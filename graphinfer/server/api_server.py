@@ -154,6 +154,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     metrics = Metrics(served_model_name)
     engine.on_step = metrics.update_engine
     metrics.watch_expert_load(engine.engine)
+    metrics.watch_spec_decode(engine.engine)
     app.state.engine, app.state.metrics, app.state.preprocessor = engine, metrics, pre
     app.state.gate = GateState()
     max_model_len = engine.engine.max_model_len

@@ -49,6 +49,11 @@ class Metrics:
         if engine.model_runner.moe_layers:
             self.registry.register(ExpertLoadCollector(engine, self._labels["model_name"]))
 
+    def watch_spec_decode(self, engine) -> None:
+        """Export speculative decoding's counters (vLLM's spec_decode_* names) at each scrape, with it on."""
+        if getattr(engine, "spec_stats", None) is not None:
+            self.registry.register(SpecDecodeCollector(engine, self._labels["model_name"]))
+
     def http(self, endpoint: str, status: int) -> None:
         self.http_requests.labels(endpoint=endpoint, status=str(status), **self._labels).inc()
 
@@ -72,6 +77,37 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SpecDecodeCollector:
+    """Counters of speculative decoding since start (runtime/spec_decode/metrics.py), read at scrape time."""
+
+    _HELP = {"num_drafts": "Verified drafts (a request's proposal in one step)",
+             "num_draft_tokens": "Draft tokens verified", "num_accepted_tokens": "Draft tokens accepted"}
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def describe(self):
+        return [CounterMetricFamily(f"graphinfer:spec_decode_{name}", "") for name in (*self._HELP, "num_accepted_tokens_per_pos")]
+
+    def collect(self):
+        stats = self.engine.spec_decode_stats()
+        if not stats:  # shut down
+            return
+        for name, help_ in self._HELP.items():
+            yield _counter(name, help_, self.model_name, stats[name])
+        per_pos = CounterMetricFamily("graphinfer:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted "
+                                      "at each draft position", labels=["model_name", "position"])
+        for pos, n in enumerate(stats["num_accepted_tokens_per_pos"]):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
+
+
+def _counter(name: str, help_: str, model_name: str, value: int) -> CounterMetricFamily:
+    c = CounterMetricFamily(f"graphinfer:spec_decode_{name}", help_, labels=["model_name"])
+    c.add_metric([model_name], value)
+    return c
 
 
 class ExpertLoadCollector:
