@@ -22,13 +22,15 @@ def ngram(k, lo=1, hi=3):
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
 
 
-def test_ngram_proposer_takes_the_most_recent_longest_match():
+def test_ngram_proposer_takes_the_most_recent_longest_match_with_k_tokens_after():
     p = NgramProposer(3, 1, 3)
     assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]  # "1 2 3" last followed by 7 8 1
     assert p.propose([5, 6, 7, 5, 6], 3) == [7, 5, 6]
     assert p.propose([5, 6, 7, 5, 6], 1) == [7]  # budget
     assert p.propose([1, 2, 3, 4], 3) == []  # nothing repeats
     assert p.propose([4, 4, 4], 3) == [4]  # an overlapping occurrence, continuation cut at the end
+    assert p.propose([4, 4, 4, 4, 4, 4], 2) == [4, 4]  # not the most recent "4 4 4": only one token follows it
+    assert p.propose([1, 2, 7, 7, 1, 2, 8, 1, 2], 2) == [8, 1]  # the most recent of the occurrences with 2 after
     assert NgramProposer(3, 2, 2).propose([1, 2, 9, 3, 2], 3) == []  # "3 2" never seen before; "2" alone too short
 
 

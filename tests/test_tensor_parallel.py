@@ -176,3 +176,25 @@ def test_a_failed_step_on_rank_0_stops_the_group_instead_of_hanging(monkeypatch)
     ranks = llm.llm_engine.executor.ranks
     llm.shutdown()
     assert all(r.process.poll() is not None for r in ranks) and not ps.is_initialized()
+
+
+def test_tp2_speculative_decoding_matches_tp1(checkpoints, monkeypatch):
+    """ngram speculative decoding at tp 2 under the stand-in (FULL_AND_PIECEWISE): uniform verification steps
+    replay the verify graphs on both ranks (the worker picks them from the step's shapes alone), the rest the
+    decode graphs or the pieces; the tokens are those of tp 1 without speculation. Repetitive prompts, so that
+    every request has drafts in most steps."""
+    prompts = [[5, 6, 7] * 6, [9, 10] * 8, [11, 12, 13, 14] * 4, [20] * 10]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(checkpoints("qwen3"), **KW).generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with LLM(checkpoints("qwen3"), tensor_parallel_size=2, graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 32],
+             speculative_config=spec, **KW) as llm:
+        verify = llm.llm_engine.model_runner.verify_graphs
+        replays = []
+        original = verify.replay
+        monkeypatch.setattr(verify, "replay", lambda *a, **k: replays.append(len(a[0])) or original(*a, **k))
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.llm_engine.spec_decode_stats()
+    assert got == expected
+    assert replays and stats["num_accepted_tokens"] > 0

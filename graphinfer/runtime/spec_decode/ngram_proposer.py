@@ -1,6 +1,6 @@
 """N-gram (prompt lookup) proposer, as vLLM's NgramProposer: the request's last n tokens, for n from
 prompt_lookup_max down to prompt_lookup_min, are looked up earlier in its own tokens (prompt + output); the tokens
-that followed the most recent earlier occurrence are the drafts. Runs on the host, on numpy, needs no model."""
+that followed its most recent earlier occurrence with k tokens after it are the drafts. Runs on the host, on numpy, needs no model."""
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -20,7 +20,10 @@ class NgramProposer:
             windows = sliding_window_view(tokens[:-1], n)
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if len(hits):
-                start = hits[-1] + n  # the most recent occurrence's continuation
+                # the most recent occurrence with k tokens after it, else the earliest (the longest continuation:
+                # in a repeating pattern the most recent one sits just before the end)
+                full = hits[hits + n + k <= len(tokens)]
+                start = (full[-1] if len(full) else hits[0]) + n
                 return tokens[start:start + k].tolist()
         return []
 
