@@ -51,7 +51,7 @@ test: venv venv-ascend
 test-triton-ascend: venv-ascend
 	TRITON_INTERPRET=1 PYTHONPATH=. $(ASCEND_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_fused_moe.py tests/test_triton_qk_norm_rope.py \
 		tests/test_triton_prefill_attention.py tests/test_triton_sampling.py tests/test_triton_skinny_gemm.py \
-		tests/test_triton_quant.py
+		tests/test_triton_quant.py tests/test_rejection_sampler.py
 
 clean:
 	rm -rf $(VENV) $(ASCEND_VENV) $(CPU_KERNELS) $(CPU_KERNELS).torch

@@ -43,6 +43,7 @@ from graphinfer.ops.triton.kv_cache import reshape_and_cache  # noqa: E402
 from graphinfer.ops.triton.norm import add_rms_norm, rms_norm  # noqa: E402
 from graphinfer.ops.triton.qk_norm_rope import qk_norm_rope, qk_norm_rope_cache  # noqa: E402
 from graphinfer.ops.triton.quant import QUANT_OPS  # noqa: E402
+from graphinfer.ops.triton.rejection import rejection_sample  # noqa: E402
 from graphinfer.ops.triton.rotary import rotary_embedding  # noqa: E402
 
 TRITON_OPS: dict[str, Callable] = {
@@ -56,6 +57,7 @@ TRITON_OPS: dict[str, Callable] = {
     "paged_attention": paged_attention,
     "fused_moe": fused_moe,
     "fused_experts": fused_experts_op,
+    "rejection_sample": rejection_sample,
     **QUANT_OPS,  # dynamic_quant, scaled_mm, wo_linear and the fused norm / activation + quant ops
 }
 
