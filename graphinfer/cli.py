@@ -49,6 +49,13 @@ def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, servin
     _add_parallel_args(p)
 
 
+def _add_dataset_arg(p) -> None:
+    p.add_argument("--dataset", default="random", choices=["random", "copy"],
+                   help="random: random token ids (the standard workload); copy: passages the model is asked to repeat "
+                        "(speculative decoding's favourable case; throughput: --num-prompts passages of about "
+                        "--min-len tokens; graphinfer/bench/copy_workload.py)")
+
+
 def _add_speculative_arg(g) -> None:
     g.add_argument("--speculative-config", default=None, type=_json_object,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
@@ -311,10 +318,13 @@ def _on_off(value: str) -> bool:
     return value.lower() in ("on", "true", "1")
 
 
+DEFAULT_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
 _SWEEPS = {"max-num-seqs": ("max_num_seqs", int), "graph-mode": ("graph_mode", str),
            "async-scheduling": ("async_scheduling", _on_off), "tensor-parallel-size": ("tensor_parallel_size", int),
            "data-parallel-size": ("data_parallel_size", int),
-           "quantization": ("quantization", lambda v: None if v == "none" else v)}
+           "quantization": ("quantization", lambda v: None if v == "none" else v),
+           "spec": ("speculative_config", _on_off)}  # off / on: without / with --speculative-config
 
 
 def _bench_throughput(args) -> None:
@@ -322,7 +332,8 @@ def _bench_throughput(args) -> None:
 
     grid = {"max_num_seqs": [args.max_num_seqs], "graph_mode": [args.graph_mode],
             "async_scheduling": [args.async_scheduling], "tensor_parallel_size": [args.tensor_parallel_size or 1],
-            "data_parallel_size": [args.data_parallel_size], "quantization": [args.quantization]}
+            "data_parallel_size": [args.data_parallel_size], "quantization": [args.quantization],
+            "speculative_config": [args.speculative_config]}
     for spec in args.sweep or []:  # --sweep max-num-seqs=16,32 --sweep graph-mode=NONE,FULL_DECODE_ONLY: a grid
         key, _, values = spec.partition("=")
         if key not in _SWEEPS or not values:
@@ -331,10 +342,13 @@ def _bench_throughput(args) -> None:
         grid[name] = _csv(values, cast)
     if bad := [m for m in grid["graph_mode"] if m not in GRAPH_MODES]:
         raise GraphinferError(f"graph modes {bad}: use {', '.join(GRAPH_MODES)}.")
+    if any(isinstance(v, bool) for v in grid["speculative_config"]):  # --sweep spec=off,on
+        spec = args.speculative_config or DEFAULT_NGRAM
+        grid["speculative_config"] = [spec if on else None for on in grid["speculative_config"]]
     run(args.model, dtype=args.dtype, device=args.device, graph_modes=grid["graph_mode"],
         max_num_seqs=grid["max_num_seqs"], async_scheduling=grid["async_scheduling"],
         tensor_parallel_size=grid["tensor_parallel_size"], data_parallel_size=grid["data_parallel_size"],
-        quantization=grid["quantization"],
+        quantization=grid["quantization"], speculative_config=grid["speculative_config"], dataset=args.dataset,
         parallel={k: v for k, v in _parallel_kwargs(args).items()
                   if k not in ("tensor_parallel_size", "data_parallel_size")},
         capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
@@ -370,7 +384,8 @@ def _bench_latency(args) -> None:
         graph_modes=_csv(args.graph_modes), capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
         passes=args.passes, prompt_len=args.prompt_len, warmup_steps=args.warmup_steps, num_steps=args.num_steps,
         max_model_len=args.max_model_len, temperature=args.temperature, seed=args.seed,
-        output_json=args.output_json, plot_path=args.plot, quantization=args.quantization)
+        output_json=args.output_json, plot_path=args.plot, quantization=args.quantization,
+        speculative_config=(None, args.speculative_config) if args.speculative_config else (None,), dataset=args.dataset)
 
 
 def _bench_startup(args) -> None:
@@ -509,8 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                        "(the fixed-512 variant)")
     bt.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
                     help="max-num-seqs=16,32,..., graph-mode=NONE,FULL_AND_PIECEWISE,..., async-scheduling=off,on, "
-                         "tensor-parallel-size=1,2, data-parallel-size=1,2 or quantization=none,w8a8,... "
-                         "(repeat for a grid)")
+                         "tensor-parallel-size=1,2, data-parallel-size=1,2, quantization=none,w8a8,... or spec=off,on "
+                         "(without / with --speculative-config, default ngram k=3, lookup 1..4) (repeat for a grid)")
+    _add_dataset_arg(bt)
+    _add_speculative_arg(bt)
     bt.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' generate_batch "
                                                                     "(fixed output length: 512 unless given)")
     bt.add_argument("--hf-cuda-graph", action="store_true", help="HF: use_cuda_graph=True, max_memory_percent=0.5")
@@ -574,6 +591,9 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--prompt-len", type=int, default=32)
     bl.add_argument("--warmup-steps", type=int, default=5, help="decode steps dropped before timing")
     bl.add_argument("--num-steps", type=int, default=30, help="decode steps timed (the median is reported)")
+    _add_dataset_arg(bl)
+    bl.add_argument("--speculative-config", default=None, type=_json_object,
+                    help="also measure each mode with this speculative decoding config (vLLM's JSON), in the same run")
     bl.set_defaults(func=_bench_latency)
 
     bsu = bench.add_parser("startup", help="`graphinfer serve ART` until /health answers, in fresh processes, with cold, "

@@ -253,3 +253,28 @@ def test_throughput_data_parallel_sweep_moe_expert_parallel(capsys):
     assert "lockstep" in dp2["collective_measure"] and "replica" in dp2["roofline"]["scope"]
     out = capsys.readouterr().out
     assert "| NONE | 256 | 1 | on (1) |" in out and "| NONE | 256 | 2 | on (2) |" in out and "| 2 / 2 |" in out
+
+
+def test_cli_speculative_decoding_on_the_copy_workload(bench_cli, tmp_path):
+    """--dataset copy (passages repeated in the prompt: lookup finds drafts) with --sweep spec=off,on, and bench
+    latency with --speculative-config: both JSONs carry the drafts' counters; the same tokens come out either way."""
+    out = tmp_path / "spec.json"
+    res = bench_cli("throughput", "--model", "tiny-llama", "--device", "cpu", "--dataset", "copy", "--num-prompts", "3",
+                    "--min-len", "24", "--temperature", "0", "--sweep", "spec=off,on", "--output-json", str(out))
+    result = json.loads(out.read_text())
+    assert result["workload"]["dataset"] == "copy" and result["workload"]["output_tokens"] == 3 * 24
+    off, on = result["runs"]
+    assert off["speculative_config"] is None and on["speculative_config"]["method"] == "ngram"
+    assert on["output_tokens"] == off["output_tokens"] and on["num_decode_steps"] < off["num_decode_steps"]
+    sd = on["spec_decode"]
+    assert 0 < sd["num_accepted_tokens"] <= sd["num_draft_tokens"] and sd["mean_acceptance_length"] > 1
+    assert "+ ngram k=3 (accept" in res.out
+    lat = tmp_path / "lat.json"
+    bench_cli("latency", "--model", "tiny-llama", "--device", "cpu", "--dataset", "copy", "--batch-sizes", "1",
+              "--graph-modes", "NONE", "--num-steps", "4", "--warmup-steps", "1", "--prompt-len", "24",
+              "--temperature", "0", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+              '"prompt_lookup_min": 1, "prompt_lookup_max": 3}', "--output-json", str(lat))
+    modes = json.loads(lat.read_text())["modes"]
+    [base], [spec] = modes["NONE"]["batches"], modes["NONE + ngram k=2"]["batches"]
+    assert base["tokens_per_step"] == 1 and 1 <= spec["tokens_per_step"] <= 3  # random weights may reject all
+    assert spec["spec_decode"]["num_drafts"] > 0 and spec["tpot_ms"] > 0

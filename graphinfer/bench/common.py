@@ -116,6 +116,19 @@ class StepLog:
                     statistics.median(s.comm_seconds for s in dec) * 1e3 if dec else None}
 
 
+def spec_decode_delta(engine, before: dict) -> dict:
+    """engine.spec_decode_stats() since `before` (an earlier copy), rates recomputed."""
+    now = engine.spec_decode_stats()
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    d = {k: now[k] - before.get(k, 0) for k in keys}
+    d["num_accepted_tokens_per_pos"] = [a - b for a, b in zip(now["num_accepted_tokens_per_pos"],
+                                                              before.get("num_accepted_tokens_per_pos") or
+                                                              [0] * len(now["num_accepted_tokens_per_pos"]))]
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
+    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
+    return d
+
+
 def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
     """LLM.generate's loop over engine.step(), timing each step and classifying it by what was scheduled.
 
@@ -136,11 +149,12 @@ def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
 
     def schedule():
         out = sched.__class__.schedule(sched)
-        rows = [(seq.num_computed_tokens, n, seq.num_prompt_tokens) for seq, n in out.scheduled]
-        prefill = any(start < prompt or n > 1 for start, n, prompt in rows)
+        # a decode row computes one token, plus its drafts with speculative decoding
+        rows = [(seq.num_computed_tokens, n, seq.num_prompt_tokens, len(seq.spec_token_ids)) for seq, n in out.scheduled]
+        prefill = any(start < prompt or n > 1 + k for start, n, prompt, k in rows)
         kind = "prefill" if prefill else "decode" if rows else "idle"
         current.append(StepRecord(kind, 0.0, len(rows), out.num_tokens,
-                                  sum(row_kv_tokens(start, n) for start, n, _ in rows)))
+                                  sum(row_kv_tokens(start, n) for start, n, _, _ in rows)))
         return out
 
     finished = []

@@ -5,6 +5,11 @@ with a short random prompt, ignore_eos and enough max_tokens are added, the pref
 then engine.step() is timed, device synchronised before and after, over pure decode steps of exactly
 B rows: `warmup_steps` are dropped, the median of the next `num_steps` is the step latency. A graph
 mode the platform cannot run (FULL_DECODE_ONLY on CPU) is reported as unavailable.
+
+With speculative decoding a step emits up to 1 + k tokens per request, so each batch also reports the tokens the
+timed steps emitted: tok/s (emitted / time), TPOT (time per emitted token of a request) and the drafts' acceptance.
+dataset "copy": the requests are bench/copy_workload.py's passages to repeat (prompt_len ~ the passage length), where
+lookup finds its drafts; "random": random token ids.
 """
 import random
 import statistics
@@ -14,20 +19,32 @@ from graphinfer.errors import GraphinferError, InvalidConfigError
 
 
 def measure_batch(llm, batch: int, prompt_len: int, warmup_steps: int, num_steps: int, temperature: float,
-                  seed: int) -> dict:
+                  seed: int, dataset: str = "random") -> dict:
     from graphinfer import SamplingParams
+    from graphinfer.bench.copy_workload import copy_prompts
 
     engine = llm.llm_engine
     rng = random.Random(seed + batch)  # fresh ids per batch: no prefix-cache hits from the previous one
     vocab = engine.hf_config.vocab_size
-    params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=warmup_steps + num_steps + 2)
-    seqs = [engine.make_sequence([rng.randrange(vocab) for _ in range(prompt_len)], params) for _ in range(batch)]
+    spec = engine.config.speculative_config
+    per_step = 1 + (spec.num_speculative_tokens if spec else 0)  # enough tokens for every timed step to emit all
+    params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=(warmup_steps + num_steps + 2) * per_step)
+    if dataset == "copy":
+        prompts = copy_prompts(engine.tokenizer, batch, prompt_len, seed + batch, vocab)[0]
+    else:
+        prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    seqs = [engine.make_sequence(p, params) for p in prompts]
     for seq in seqs:
         engine.add_sequence(seq)
     log = common.StepLog()
     need = warmup_steps + num_steps
+    emitted = []  # tokens of the batch after each step
+
+    def until(_):
+        emitted.append(sum(len(s.output_token_ids) for s in seqs))
+        return len(log.of("decode")) >= need
     try:
-        common.run_steps(engine, log, until=lambda _: len(log.of("decode")) >= need, sync=engine.platform.synchronize)
+        common.run_steps(engine, log, until=until, sync=engine.platform.synchronize)
     finally:
         for seq in seqs:
             engine.abort_request(seq.request_id)
@@ -38,15 +55,20 @@ def measure_batch(llm, batch: int, prompt_len: int, warmup_steps: int, num_steps
                               f"is the KV cache large enough?")
     ms = sorted(s.seconds * 1e3 for s in steps)
     med = statistics.median(ms)
+    # the decode steps are the last ones run: their tokens are what the last `num_steps` steps added
+    tokens = emitted[-1] - emitted[-1 - num_steps]
+    seconds = sum(s.seconds for s in steps)
     return {"batch": batch, "median_ms": med, "mean_ms": statistics.fmean(ms), "min_ms": ms[0],
-            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "tok_s": batch / med * 1e3, "steps": len(ms)}
+            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "tok_s": tokens / seconds, "tokens_per_step": tokens / len(ms),
+            "tpot_ms": seconds * 1e3 / (tokens / batch), "steps": len(ms)}
 
 
 def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1, 8, 64, 256),
         graph_modes=("NONE", "FULL_DECODE_ONLY"), capture_sizes: list[int] | None = None, passes: str = "default",
         prompt_len: int = 32, warmup_steps: int = 5, num_steps: int = 30, max_model_len: int = 4096,
         temperature: float = 0.6, seed: int = 0, output_json: str | None = None, plot_path: str | None = None,
-        quantization: str | None = None) -> dict:
+        quantization: str | None = None, speculative_config=(None,), dataset: str = "random") -> dict:
+    """Per graph mode and speculative config (None: without), every batch size."""
     from graphinfer import LLM
     from graphinfer.config import resolve_dtype
     from graphinfer.platforms import current_platform
@@ -58,24 +80,30 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1
     result = {"benchmark": "latency", "model": model, "dtype": str(resolve_dtype(dtype, device)).replace("torch.", ""),
               "env": common.environment(device), "batch_sizes": batch_sizes, "graph_modes": list(graph_modes),
               "prompt_len": prompt_len, "warmup_steps": warmup_steps, "num_steps": num_steps,
-              "temperature": temperature, "quantization": quantization, "modes": {}}
-    for mode in graph_modes:
+              "temperature": temperature, "quantization": quantization, "dataset": dataset, "modes": {}}
+    for mode, spec in [(m, s) for m in graph_modes for s in speculative_config]:
+        name = mode + (f" + {spec.get('method') or 'draft_model'} k={spec.get('num_speculative_tokens')}" if spec else "")
         try:
             llm = LLM(model, dtype=dtype, device=device, graph_mode=mode, max_num_seqs=batch_sizes[-1],
                       capture_sizes=capture_sizes, passes=passes, max_model_len=max_model_len, seed=seed,
-                      quantization=quantization)
+                      quantization=quantization, speculative_config=spec)
         except InvalidConfigError as e:  # FULL_DECODE_ONLY on a platform without device graphs
-            result["modes"][mode] = {"unavailable": str(e)}
-            print(f"{mode}: unavailable ({e})")
+            result["modes"][name] = {"unavailable": str(e)}
+            print(f"{name}: unavailable ({e})")
             continue
         engine = llm.llm_engine
         entry = {"capture_s": sum(s.seconds for s in (engine.capture_stats, engine.piecewise_capture_stats) if s) or None,
-                 "skinny_gemm": engine.skinny_gemm.to_json() if engine.skinny_gemm else None, "batches": []}
+                 "skinny_gemm": engine.skinny_gemm.to_json() if engine.skinny_gemm else None, "batches": [],
+                 "graph_mode": mode, "speculative_config": spec}
         for b in batch_sizes:
-            m = measure_batch(llm, b, prompt_len, warmup_steps, num_steps, temperature, seed)
+            before = dict(engine.spec_decode_stats())
+            m = measure_batch(llm, b, prompt_len, warmup_steps, num_steps, temperature, seed, dataset)
+            if spec:
+                m["spec_decode"] = common.spec_decode_delta(engine, before)
             entry["batches"].append(m)
-            print(f"{mode} batch {b}: decode step median {m['median_ms']:.3f} ms ({m['tok_s']:,.0f} tok/s)", flush=True)
-        result["modes"][mode] = entry
+            print(f"{name} batch {b}: decode step median {m['median_ms']:.3f} ms, {m['tokens_per_step']:.2f} tokens "
+                  f"per step, {m['tok_s']:,.1f} tok/s, TPOT {m['tpot_ms']:.2f} ms", flush=True)
+        result["modes"][name] = entry
         common.write_json(output_json, result)  # so far: a run cut off by a time limit keeps its results
         del llm
         common.release(device)

@@ -184,11 +184,14 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
         timed_generate(llm, warm, temperature)
         row["warmup_s"] = time.perf_counter() - t
         engine.reset_expert_load()  # the timed run's routing only
+        spec_before = dict(getattr(engine, "spec_decode_stats", dict)())
         stats, log = timed_generate(llm, workload, temperature)
         shape = ModelShape.from_engine(engine)  # at tp > 1: rank 0's shard
         row.update(stats, **log.collective_summary(), collective_measure=collective_measure(engine),
                    roofline=roofline_report(engine, shape, workload, log, stats, bandwidth),
                    model_shape=shape.to_dict())
+        if engine.config.speculative_config is not None:  # the timed run's drafts (warm-up excluded)
+            row["spec_decode"] = common.spec_decode_delta(engine, spec_before)
         if engine.model_runner.moe_layers:  # tokens per expert per MoE layer, and their imbalance
             row["expert_parallel_size"] = engine.expert_parallel_size
             row["expert_load"] = engine.expert_load_summary()  # data parallel: summed over the replicas
@@ -199,7 +202,17 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
 
 def _mode(r: dict) -> str:
     return r["graph_mode"] + (" + async" if r.get("async_scheduling") else "") + (
-        f" {r['quantization']}" if r.get("quantization") else "")
+        f" {r['quantization']}" if r.get("quantization") else "") + _spec(r)
+
+
+def _spec(r: dict) -> str:
+    """" + ngram k=3" (drafts and acceptance rate where measured) for a run with speculative decoding."""
+    sd = r.get("speculative_config")
+    if not sd:
+        return ""
+    name = sd.get("method") or "draft_model"
+    acc = r.get("spec_decode", {}).get("acceptance_rate")
+    return f" + {name} k={sd.get('num_speculative_tokens')}" + (f" (accept {acc:.0%})" if acc is not None else "")
 
 
 def _tp(runs: list[dict]) -> bool:
@@ -375,14 +388,15 @@ def run_hf(path: str, dtype: torch.dtype, device: str, workload: Workload, tempe
 
 def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("NONE",), max_num_seqs=(256,),
         async_scheduling=(False,), tensor_parallel_size=(1,), data_parallel_size=(1,), quantization=(None,),
-        parallel: dict | None = None,
+        speculative_config=(None,), dataset: str = "random", parallel: dict | None = None,
         capture_sizes: list[int] | None = None, passes: str = "default",
         num_prompts: int = 256, min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
         hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None,
         hf_dtype: str | None = None, kernels: str | None = None, block_size: int = 16, enable_prefix_caching: bool = True) -> dict:
-    """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size, data_parallel_size, quantization)
-    configuration on the same workload (the roofline counts unquantized weights); optionally HF too. parallel: the other parallel flags (enable_expert_parallel; nnodes,
+    """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size, data_parallel_size, quantization,
+    speculative_config) configuration on the same workload (dataset "random": the standard one; "copy":
+    bench/copy_workload.py, num_prompts passages of about min_len tokens to repeat) (the roofline counts unquantized weights); optionally HF too. parallel: the other parallel flags (enable_expert_parallel; nnodes,
     node_rank, master_addr, master_port for tp > 1)."""
     import tempfile
 
@@ -397,17 +411,21 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         fixed_output_len = 512
     with tempfile.TemporaryDirectory(prefix="graphinfer-bench-") as tmp:
         # HF needs a checkpoint with graphinfer's weights; a sweep saves re-drawing a preset's random weights.
-        configs = [(mode, a, mns, tp, dp, q) for mode in graph_modes for a in async_scheduling for mns in max_num_seqs
-                   for tp in tensor_parallel_size for dp in data_parallel_size for q in quantization]
+        configs = [(mode, a, mns, tp, dp, q, sd) for mode in graph_modes for a in async_scheduling
+                   for mns in max_num_seqs for tp in tensor_parallel_size for dp in data_parallel_size
+                   for q in quantization for sd in speculative_config]
         gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) if compare_hf or len(configs) > 1 else model
         max_model_len = common.clamp_max_model_len(gi_model, max_model_len)
         vocab = _vocab_size(gi_model)
-        workload = standard_workload(num_prompts, min_len, max_len, fixed_output_len, seed, vocab)
+        if dataset == "copy":
+            workload = copy_workload(gi_model, num_prompts, min_len, seed, vocab)
+        else:
+            workload = standard_workload(num_prompts, min_len, max_len, fixed_output_len, seed, vocab)
         bandwidth = measure_bandwidth(device)  # before any engine: the copy buffers need free memory
         common.release(device)
         result = {"benchmark": "throughput", "model": model, "dtype": str(torch_dtype).replace("torch.", ""),
                   "env": common.environment(device), "bandwidth": bandwidth, "roofline_model": roofline.MODEL,
-                  "workload": {"num_prompts": num_prompts, "min_len": min_len, "max_len": max_len,
+                  "workload": {"dataset": dataset, "num_prompts": num_prompts, "min_len": min_len, "max_len": max_len,
                                "fixed_output_len": fixed_output_len, "seed": seed, "temperature": temperature,
                                "ignore_eos": True, "max_model_len": max_model_len, "kernels": kernels,
                                "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
@@ -415,16 +433,16 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                   "runs": []}
         print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
               f"tokens; copy bandwidth {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s on {result['env']['device_name']}")
-        for mode, a, mns, tp, dp, q in configs:
+        for mode, a, mns, tp, dp, q, sd in configs:
             sizes = capture_sizes  # the engine keeps the sizes each kind of graph can use
             kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
                       async_scheduling=a, passes=passes, max_model_len=max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens, seed=seed, kernels=kernels, block_size=block_size,
                       enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tp, data_parallel_size=dp,
-                      quantization=q, **(parallel or {}))
+                      quantization=q, speculative_config=sd, **(parallel or {}))
             row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "tensor_parallel_size": tp,
                    "data_parallel_size": dp, "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
-                   "quantization": q, "capture_sizes": sizes}
+                   "quantization": q, "speculative_config": sd, "capture_sizes": sizes}
             try:
                 row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len))
             except InvalidConfigError as e:  # e.g. FULL_DECODE_ONLY on CPU: no device graphs there
@@ -458,6 +476,16 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         raise InvalidConfigError("; ".join(dict.fromkeys(r["unavailable"] for r in result["runs"])))
     common.save_plot(plot, result, plot_path)
     return result
+
+
+def copy_workload(model: str, num_prompts: int, passage_tokens: int, seed: int, vocab_size: int | None) -> Workload:
+    """bench/copy_workload.py's prompts, with the model's tokenizer where it has one."""
+    from graphinfer.bench.copy_workload import copy_prompts
+    from graphinfer.models.loader import load_tokenizer
+    from graphinfer.models.presets import preset_config
+
+    tokenizer = None if preset_config(model) is not None else load_tokenizer(model)
+    return Workload(*copy_prompts(tokenizer, num_prompts, passage_tokens, seed, vocab_size or TOKEN_ID_MAX))
 
 
 def _vocab_size(model: str) -> int | None:
