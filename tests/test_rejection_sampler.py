@@ -52,11 +52,12 @@ def test_known_case():
         assert fn(d, t, cu, 4).tolist() == expected
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_random_cases(seed):
     rng = random.Random(seed)
     B = rng.randrange(1, 10)
-    ks = [0] * B if seed == 0 else [rng.randrange(0, 6) for _ in range(B)]
+    max_k = 5 if seed < 6 else 20  # seeds 6, 7: long drafts (seed 7: 22 wide, past the kernel's minimum block 16)
+    ks = [0] * B if seed == 0 else [rng.randrange(0, max_k + 1) for _ in range(B)]
     width = max(ks) + 1 + (seed % 3)  # max_spec_len may exceed every k
     drafts, targets = case(rng, ks, match=[0.0, 0.5, 0.9, 1.0][seed % 4])
     expected = loop(drafts, targets, ks, width)
@@ -69,7 +70,7 @@ def test_random_cases(seed):
 @pytest.mark.parametrize("draft", [1, 4])  # the likeliest token, and an unlikely one
 def test_emitted_token_follows_the_target_distribution(draft):
     """Targets t ~ p at a one-draft position: the first emitted token is distributed as p (chi-square, 4 degrees of
-    freedom, bound at the 1e-4 quantile), and the draft is accepted at the rate p(draft)."""
+    freedom, bound 18.47: its p = 1e-3 critical value), and the draft is accepted at the rate p(draft)."""
     g = torch.Generator().manual_seed(draft)
     p = torch.tensor([0.1, 0.4, 0.2, 0.25, 0.05])
     n = 20000
@@ -79,7 +80,7 @@ def test_emitted_token_follows_the_target_distribution(draft):
     out = reference(drafts, targets, cu, 1)
     counts = torch.bincount(out[:, 0], minlength=5).double()
     expected = p.double() * n
-    assert float(((counts - expected) ** 2 / expected).sum()) < 23.5
+    assert float(((counts - expected) ** 2 / expected).sum()) < 18.47
     rate = float((out[:, 0] == draft).double().mean())
     assert abs(rate - p[draft]) < 4 * (p[draft] * (1 - p[draft]) / n) ** 0.5
     assert ((out[:, 1] != -1) == (out[:, 0] == draft)).all()  # the bonus token only after an acceptance
