@@ -34,10 +34,11 @@ llm_engine.platform_for_device = lambda device_type: OpTapePlatform()
 for model in {models!r}:
     llm = LLM(model, kernels="triton", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 3], **kw)
     runner, kinds = llm.llm_engine.model_runner, set()
-    replayable = runner._replayable
+    full_graphs = runner._full_graphs
 
     def spy(h):
-        replayed = replayable(h)
+        graphs = full_graphs(h)
+        replayed = graphs is not None
         q_lens = h.query_start_loc[1:] - h.query_start_loc[:-1]
         if (q_lens == 1).all() and not replayed:
             kinds.add("decode-eager")
@@ -47,9 +48,9 @@ for model in {models!r}:
             kinds.add("mixed")
         if ((q_lens > 1) & (h.seq_lens > q_lens)).any():
             kinds.add("chunked")
-        return replayed
+        return graphs
 
-    runner._replayable = spy
+    runner._full_graphs = spy
     tri = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     print(model, refs[model] == tri, *sorted(kinds), refs[model], tri)
 """
@@ -145,10 +146,9 @@ def test_quantized_models_on_the_triton_quant_kernels():
 SPEC_SCRIPT = """
 from graphinfer import LLM, SamplingParams
 
-prompts = [[5, 6, 7] * 6, [9, 10] * 8, [11, 12, 13, 14] * 4]
-params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
-          SamplingParams(temperature=0.8, seed=3, max_tokens=14, ignore_eos=True),
-          SamplingParams(temperature=0, max_tokens=14, logprobs=1, ignore_eos=True)]
+prompts = [[5, 6, 7] * 6, [9, 10] * 8]
+params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1),
+          SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)]
 kw = dict(device="cpu", dtype="float32", kernels="triton", num_gpu_blocks_override=64, block_size=4)
 base = [o.outputs[0].token_ids for o in LLM("tiny-qwen3", **kw).generate(prompts, params, use_tqdm=False)]
 spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

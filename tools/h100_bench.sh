@@ -52,6 +52,9 @@
 #               workload (FULL_AND_PIECEWISE + async, max_num_seqs 256) for bf16 vs fp8 vs w8a8 vs int4_wo in one run,
 #               and the decode step at batch 1/64/256 (FULL_DECODE_ONLY) per scheme. Targets: w8a8 / fp8 standard
 #               workload >= 1.2x bf16; int4_wo batch-1 step >= 1.3x faster than bf16     (~10 min, not in the default)
+#   spec        issue 28: speculative decoding, ngram k=3: SmolLM2 copy-heavy batch 1 without vs with (target >= 2x
+#               tok/s), its batch 1/8 step table (tokens per step, TPOT), and the standard workload on $MODEL
+#               (FULL_AND_PIECEWISE, 256 seqs) without vs with (target: at most 5% slower) (~6 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -325,6 +328,27 @@ step_startup() {  # issue 18: compile each model, then serve it from the artifac
     done
     "$PY" -m pytest -q -m gpu tests/test_startup.py 2>&1 | tee "$OUT_DIR/pytest_startup.log" \
         || echo "=== pytest failed (see pytest_startup.log)"
+}
+
+step_spec() {  # issue 28: speculative decoding (ngram k=3, lookup 1..4) without vs with, each in one run
+    # 1. copy-heavy, batch 1: the bundled SmolLM2 (real weights: it does copy) repeating a 256-token passage,
+    #    FULL_AND_PIECEWISE (verify graphs); target: ngram >= 2x the tok/s without it. Then the batch-1 step table.
+    # 2. the standard random workload on $MODEL, FULL_AND_PIECEWISE, max_num_seqs 256 (no async scheduling in either
+    #    run: speculative steps are synchronous); target: ngram at most 5% slower.
+    set -o pipefail
+    local smollm2 mode=FULL_AND_PIECEWISE copy len=256 n=1
+    smollm2=$("$PY" -c "from graphinfer.config import bundled_model_path; print(bundled_model_path())")
+    copy=(--model "$smollm2" --dtype bfloat16 --device cuda)
+    if [ "${SMOKE:-0}" = 1 ]; then mode=NONE copy=(--model "$smollm2" --device cpu --dtype float32) len=32; fi
+    local spec='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}'
+    "$PY" -m graphinfer.cli bench throughput "${copy[@]}" --dataset copy --num-prompts $n --min-len $len \
+        --max-num-seqs 1 --graph-mode $mode --temperature 0 --sweep spec=off,on --speculative-config "$spec" \
+        --output-json "$OUT_DIR/spec_copy_batch1.json" 2>&1 | tee "$OUT_DIR/spec_copy_batch1.log"
+    "$PY" -m graphinfer.cli bench latency "${copy[@]}" --dataset copy --batch-sizes 1,8 --prompt-len $len \
+        --graph-modes ${mode/FULL_AND_PIECEWISE/FULL_DECODE_ONLY} --temperature 0 --speculative-config "$spec" \
+        --num-steps ${SMALL_LATENCY[3]:-30} --output-json "$OUT_DIR/spec_latency.json" 2>&1 | tee "$OUT_DIR/spec_latency.log"
+    bench spec_standard throughput "${COMMON[@]}" --max-num-seqs 256 --graph-mode $mode --sweep spec=off,on \
+        --speculative-config "$spec" --output-json "$OUT_DIR/spec_standard.json"
 }
 
 steps=("$@")
