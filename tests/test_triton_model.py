@@ -28,6 +28,7 @@ kw = dict(max_num_seqs=8, num_gpu_blocks_override=64, block_size=4, dtype="float
           max_model_len=128)
 refs = {{m: [o.outputs[0].token_ids for o in LLM(m, **kw).generate(prompts, params, use_tqdm=False)]
         for m in {models!r}}}
+refs_llm = LLM("tiny-qwen3", **kw)
 # The Triton kernels with decode steps replayed through captured buckets (test_capture's CPU stand-in for device
 # graphs): prefill and mixed steps run the graph eagerly, as do decode batches above the largest capture size.
 llm_engine.platform_for_device = lambda device_type: OpTapePlatform()
@@ -53,6 +54,19 @@ for model in {models!r}:
     runner._full_graphs = spy
     tri = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     print(model, refs[model] == tri, *sorted(kinds), refs[model], tri)
+# Speculative decoding on the same kernels (attention with 1 + k query rows, eager and in the verify graphs, and
+# rejection_sample): repetitive prompts, so that lookup finds drafts; greedy tokens as the reference ops' without it.
+spec_prompts = [[5, 6, 7] * 6, [9, 10] * 8, [11, 12, 13, 14] * 4]
+spec_params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+spec_ref = [o.outputs[0].token_ids for o in refs_llm.generate(spec_prompts, spec_params, use_tqdm=False)]
+spec = {{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}
+llm = LLM("tiny-qwen3", kernels="triton", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 3], speculative_config=spec,
+          **kw)
+verify, replays = llm.llm_engine.model_runner.verify_graphs, []
+replay = verify.replay
+verify.replay = lambda *a, **k: replays.append(1) or replay(*a, **k)
+tri = [o.outputs[0].token_ids for o in llm.generate(spec_prompts, spec_params, use_tqdm=False)]
+print("spec", spec_ref == tri, bool(replays), llm.llm_engine.spec_decode_stats()["num_accepted_tokens"] > 0)
 """
 
 
@@ -60,15 +74,17 @@ for model in {models!r}:
 def test_triton_kernels_give_reference_tokens_in_models():
     """One Triton engine per model (FULL_DECODE_ONLY on the stand-in) runs every kind of step: chunked prefill
     over cached blocks and mixed steps (eager), a decode batch above the largest capture size (eager), decode
-    batches replayed at their own size and padded to a larger bucket. The script says which kinds it saw."""
+    batches replayed at their own size and padded to a larger bucket. The script says which kinds it saw. Then
+    ngram speculative decoding on the same kernels, verify graphs replayed, gives the reference's greedy tokens."""
     models = ["tiny-qwen3", "tiny-qwen3-moe"]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     script = SCRIPT.format(models=models, tests_dir=os.path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     kinds = ["chunked", "decode-eager", "decode-padded", "decode-replayed", "mixed"]
-    assert [line.split()[:7] for line in out.stdout.strip().splitlines()] == [[m, "True", *kinds] for m in models], \
-        out.stdout
+    lines = out.stdout.strip().splitlines()
+    assert [line.split()[:7] for line in lines[:-1]] == [[m, "True", *kinds] for m in models], out.stdout
+    assert lines[-1].split() == ["spec", "True", "True", "True"], out.stdout  # same tokens, verify graphs, accepted
 
 
 def test_triton_kernels_on_cpu_need_the_interpreter(monkeypatch):
@@ -142,30 +158,3 @@ def test_quantized_models_on_the_triton_quant_kernels():
     assert [line.split()[:2] for line in out.stdout.strip().splitlines()] == [
         [s, "True"] for s in ("w8a8", "int8_wo", "int4_wo")], out.stdout
 
-
-SPEC_SCRIPT = """
-from graphinfer import LLM, SamplingParams
-
-prompts = [[5, 6, 7] * 6, [9, 10] * 8]
-params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1),
-          SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)]
-kw = dict(device="cpu", dtype="float32", kernels="triton", num_gpu_blocks_override=64, block_size=4)
-base = [o.outputs[0].token_ids for o in LLM("tiny-qwen3", **kw).generate(prompts, params, use_tqdm=False)]
-spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-llm = LLM("tiny-qwen3", speculative_config=spec, **kw)
-got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-print("SPEC", base == got, llm.llm_engine.spec_decode_stats()["num_accepted_tokens"], base, got)
-"""
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs these kernels compiled (tools/gpu_check.py)")
-def test_speculative_decoding_on_the_triton_kernels():
-    """ngram speculative decoding with every op on its Triton kernel (paged attention with 1 + k query rows, the
-    fused sampling kernel, rejection_sample): greedy rows and a seeded sampled row give the tokens of the same
-    engine without speculation (the sampling kernel keys a seeded row's draws by (seed, position), so a position
-    draws the same whether it is verified or decoded)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", SPEC_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = out.stdout.strip().splitlines()[-1].split()
-    assert line[:2] == ["SPEC", "True"] and int(line[2]) > 0, out.stdout
