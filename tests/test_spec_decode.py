@@ -93,6 +93,8 @@ def test_ngram_greedy_equals_no_spec(greedy_base, k):
     assert sum(o.metrics["spec_decode_num_accepted_tokens"] for o in outs) == stats["num_accepted_tokens"]
     assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
     assert len(stats["num_accepted_tokens_per_pos"]) == k
+    stats["num_accepted_tokens_per_pos"].append(0)  # a copy: the caller's dict never aliases the live counters
+    assert len(engine.spec_decode_stats()["num_accepted_tokens_per_pos"]) == k
     assert stats["num_draft_tokens"] <= k * stats["num_drafts"]
     assert engine.scheduler.num_preemptions > 0
 

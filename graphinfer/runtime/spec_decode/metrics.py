@@ -23,7 +23,7 @@ class SpecDecodingStats:
     def as_dict(self) -> dict:
         """The counters plus acceptance rate (accepted / drafted) and mean acceptance length (tokens a verified
         draft yields: 1 + accepted / drafts, vLLM's definition)."""
-        d = dict(vars(self))
+        d = dict(vars(self), num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
         d["acceptance_rate"] = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
         d["mean_acceptance_length"] = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
         return d
