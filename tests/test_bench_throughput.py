@@ -318,7 +318,8 @@ def test_cli_spec_sweep_values(monkeypatch):
     draft = '{"model": "tiny-llama", "num_speculative_tokens": 2}'
     assert cli.main(["bench", "throughput", "--speculative-config", draft, "--sweep", "spec=off,on"]) == 0
     assert seen["speculative_config"] == [None, json.loads(draft)]
-    assert cli.main(["bench", "throughput", "--speculative-config", NGRAM2, "--sweep", "num-speculative-tokens=0,3,5"]) == 0
+    assert cli.main(["bench", "throughput", "--speculative-config", NGRAM2,
+                     "--sweep", "num-speculative-tokens=0,3,5"]) == 0
     assert [c and c["num_speculative_tokens"] for c in seen["speculative_config"]] == [None, 3, 5]
     assert all(c["prompt_lookup_max"] == 3 for c in seen["speculative_config"][1:])
     assert cli.main(["bench", "throughput", "--speculative-config", NGRAM2]) == 0  # no sweep: that config alone
@@ -332,6 +333,7 @@ def test_cli_spec_sweep_values(monkeypatch):
 def test_copy_workload_prompts():
     """The copy workload as its docstring says: SmolLM2's chat prompt asking to repeat a passage of the fixed text
     (whole sentences, in order), max_tokens its length + 16; without a tokenizer a literally repeated id passage."""
+    from graphinfer.bench import throughput
     from graphinfer.bench.accuracy_text import PERPLEXITY_TEXT
     from graphinfer.bench.copy_workload import INSTRUCTION, copy_prompts, load_copy_tokenizer
 
@@ -349,3 +351,6 @@ def test_copy_workload_prompts():
         passage = decoded.split(INSTRUCTION)[1].split("<|im_end|>")[0]
         assert passage in text and passage[-1] in ".!?"  # whole sentences, no wrap-around
         assert m == len(tok(passage, add_special_tokens=False).input_ids) + 16 >= 64 + 16
+    # bench throughput: a real model's answer ends at its EOS (max_tokens a cap), random weights run to max_tokens
+    assert not throughput.copy_workload("", 1, 64, 0, None).ignore_eos
+    assert throughput.copy_workload("tiny-llama", 1, 24, 0, 512).ignore_eos

@@ -92,7 +92,8 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1
         device = current_platform().device_type
     batch_sizes = sorted(batch_sizes)
     max_model_len = common.clamp_max_model_len(model, max_model_len)  # as the throughput runs: same graph shapes
-    result = {"benchmark": "latency", "model": model, "speculative_configs": list(speculative_config), "dtype": str(resolve_dtype(dtype, device)).replace("torch.", ""),
+    result = {"benchmark": "latency", "model": model, "speculative_configs": list(speculative_config),
+              "dtype": str(resolve_dtype(dtype, device)).replace("torch.", ""),
               "env": common.environment(device), "batch_sizes": batch_sizes, "graph_modes": list(graph_modes),
               "prompt_len": prompt_len, "warmup_steps": warmup_steps, "num_steps": num_steps,
               "temperature": temperature, "quantization": quantization, "dataset": dataset, "modes": {}}
