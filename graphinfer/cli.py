@@ -56,10 +56,10 @@ def _add_dataset_arg(p) -> None:
                         "--min-len tokens; graphinfer/bench/copy_workload.py)")
 
 
-def _add_speculative_arg(g) -> None:
+def _add_speculative_arg(g, also: str = "") -> None:
     g.add_argument("--speculative-config", default=None, type=_json_object,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 3}\'')
+                        '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 3}\'' + also)
 
 
 def _json_object(text: str) -> dict:
@@ -324,7 +324,41 @@ _SWEEPS = {"max-num-seqs": ("max_num_seqs", int), "graph-mode": ("graph_mode", s
            "async-scheduling": ("async_scheduling", _on_off), "tensor-parallel-size": ("tensor_parallel_size", int),
            "data-parallel-size": ("data_parallel_size", int),
            "quantization": ("quantization", lambda v: None if v == "none" else v),
-           "spec": ("speculative_config", _on_off)}  # off / on: without / with --speculative-config
+           "spec": ("speculative_config", lambda v: _spec_sweep_value(v)),
+           "num-speculative-tokens": ("speculative_config", lambda v: _spec_sweep_value(v, tokens=True))}
+
+
+def _spec_sweep_value(value: str, tokens: bool = False):
+    """--sweep spec=off,ngram (or off,on): False / True, without / with the --speculative-config given (default
+    DEFAULT_NGRAM); --sweep num-speculative-tokens=0,3,5: that config with k drafts a step, 0 = without."""
+    v = value.lower()
+    if tokens:
+        if not v.isdigit():
+            raise GraphinferError(f"--sweep num-speculative-tokens: {value!r} is not a number (0: without).")
+        return int(v) or False
+    if v in ("off", "none", "false", "0"):
+        return False
+    if v in ("on", "true", "1", "ngram", "draft", "draft_model"):
+        return v
+    raise GraphinferError(f"--sweep spec: {value!r}: use off, or on / ngram (with --speculative-config, default "
+                          f"ngram k=3, lookup 1..4).")
+
+
+def _spec_configs(values: list, given: dict | None) -> list:
+    """The sweep's spec values as engine speculative configs (None: without)."""
+    base = given or DEFAULT_NGRAM
+    method = base.get("method") or ("draft_model" if base.get("model") else "ngram")
+    out = []
+    for v in values:
+        if v is False:
+            out.append(None)
+        elif isinstance(v, int) and not isinstance(v, bool):
+            out.append({**base, "num_speculative_tokens": v})
+        elif v in ("ngram", "draft", "draft_model") and (v == "ngram") != (method == "ngram"):
+            raise GraphinferError(f"--sweep spec={v}, but --speculative-config is {base}: use spec=off,on.")
+        else:
+            out.append(base)
+    return out
 
 
 def _bench_throughput(args) -> None:
@@ -342,9 +376,8 @@ def _bench_throughput(args) -> None:
         grid[name] = _csv(values, cast)
     if bad := [m for m in grid["graph_mode"] if m not in GRAPH_MODES]:
         raise GraphinferError(f"graph modes {bad}: use {', '.join(GRAPH_MODES)}.")
-    if any(isinstance(v, bool) for v in grid["speculative_config"]):  # --sweep spec=off,on
-        spec = args.speculative_config or DEFAULT_NGRAM
-        grid["speculative_config"] = [spec if on else None for on in grid["speculative_config"]]
+    if grid["speculative_config"] != [args.speculative_config]:  # --sweep spec=off,ngram / num-speculative-tokens=0,3
+        grid["speculative_config"] = _spec_configs(grid["speculative_config"], args.speculative_config)
     run(args.model, dtype=args.dtype, device=args.device, graph_modes=grid["graph_mode"],
         max_num_seqs=grid["max_num_seqs"], async_scheduling=grid["async_scheduling"],
         tensor_parallel_size=grid["tensor_parallel_size"], data_parallel_size=grid["data_parallel_size"],
@@ -385,7 +418,15 @@ def _bench_latency(args) -> None:
         passes=args.passes, prompt_len=args.prompt_len, warmup_steps=args.warmup_steps, num_steps=args.num_steps,
         max_model_len=args.max_model_len, temperature=args.temperature, seed=args.seed,
         output_json=args.output_json, plot_path=args.plot, quantization=args.quantization,
-        speculative_config=(None, args.speculative_config) if args.speculative_config else (None,), dataset=args.dataset)
+        speculative_config=_latency_spec_configs(args), dataset=args.dataset)
+
+
+def _latency_spec_configs(args) -> tuple:
+    """bench latency: without, then the --speculative-config (one per --num-speculative-tokens k)."""
+    if args.num_speculative_tokens:
+        ks = [k for k in _csv(args.num_speculative_tokens, int) if k > 0]
+        return (None, *_spec_configs(ks, args.speculative_config))
+    return (None, args.speculative_config) if args.speculative_config else (None,)
 
 
 def _bench_startup(args) -> None:
@@ -524,8 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                        "(the fixed-512 variant)")
     bt.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2",
                     help="max-num-seqs=16,32,..., graph-mode=NONE,FULL_AND_PIECEWISE,..., async-scheduling=off,on, "
-                         "tensor-parallel-size=1,2, data-parallel-size=1,2, quantization=none,w8a8,... or spec=off,on "
-                         "(without / with --speculative-config, default ngram k=3, lookup 1..4) (repeat for a grid)")
+                         "tensor-parallel-size=1,2, data-parallel-size=1,2, quantization=none,w8a8,..., spec=off,ngram "
+                         "(without / with --speculative-config, default ngram k=3, lookup 1..4; off,on alike) or "
+                         "num-speculative-tokens=0,3,5 (that config with k drafts, 0: without) (repeat for a grid)")
     _add_dataset_arg(bt)
     _add_speculative_arg(bt)
     bt.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' generate_batch "
@@ -592,8 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--warmup-steps", type=int, default=5, help="decode steps dropped before timing")
     bl.add_argument("--num-steps", type=int, default=30, help="decode steps timed (the median is reported)")
     _add_dataset_arg(bl)
-    bl.add_argument("--speculative-config", default=None, type=_json_object,
-                    help="also measure each mode with this speculative decoding config (vLLM's JSON), in the same run")
+    _add_speculative_arg(bl, also="; each graph mode is measured without it, then with it, in the same run")
+    bl.add_argument("--num-speculative-tokens", default=None, metavar="K1,K2",
+                    help="with --speculative-config (default ngram, lookup 1..4): one run per k, e.g. 3,5")
     bl.set_defaults(func=_bench_latency)
 
     bsu = bench.add_parser("startup", help="`graphinfer serve ART` until /health answers, in fresh processes, with cold, "

@@ -255,26 +255,102 @@ def test_throughput_data_parallel_sweep_moe_expert_parallel(capsys):
     assert "| NONE | 256 | 1 | on (1) |" in out and "| NONE | 256 | 2 | on (2) |" in out and "| 2 / 2 |" in out
 
 
-def test_cli_speculative_decoding_on_the_copy_workload(bench_cli, tmp_path):
-    """--dataset copy (passages repeated in the prompt: lookup finds drafts) with --sweep spec=off,on, and bench
-    latency with --speculative-config: both JSONs carry the drafts' counters; the same tokens come out either way."""
+NGRAM2 = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+def test_cli_throughput_speculative_decoding_on_the_copy_workload(bench_cli, tmp_path):
+    """--dataset copy (passages repeated in the prompt: lookup finds drafts) with --sweep spec=off,ngram: the JSON
+    carries the drafts' counters and tokens per step; the same tokens come out either way, in fewer steps."""
     out = tmp_path / "spec.json"
     res = bench_cli("throughput", "--model", "tiny-llama", "--device", "cpu", "--dataset", "copy", "--num-prompts", "3",
-                    "--min-len", "24", "--temperature", "0", "--sweep", "spec=off,on", "--output-json", str(out))
+                    "--min-len", "24", "--temperature", "0", "--sweep", "spec=off,ngram", "--output-json", str(out))
     result = json.loads(out.read_text())
     assert result["workload"]["dataset"] == "copy" and result["workload"]["output_tokens"] == 3 * 24
     off, on = result["runs"]
-    assert off["speculative_config"] is None and on["speculative_config"]["method"] == "ngram"
+    assert off["speculative_config"] is None and "spec_decode" not in off and off["tokens_per_step"] <= 3  # 3 rows
+    assert on["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                        "prompt_lookup_max": 4}  # the default of a sweep without --speculative-config
     assert on["output_tokens"] == off["output_tokens"] and on["num_decode_steps"] < off["num_decode_steps"]
+    assert on["tokens_per_step"] > off["tokens_per_step"] and on["async_scheduling"] is False
     sd = on["spec_decode"]
     assert 0 < sd["num_accepted_tokens"] <= sd["num_draft_tokens"] and sd["mean_acceptance_length"] > 1
-    assert "+ ngram k=3 (accept" in res.out
+    assert sd["acceptance_rate"] == pytest.approx(sd["num_accepted_tokens"] / sd["num_draft_tokens"])
+    assert sum(sd["num_accepted_tokens_per_pos"]) == sd["num_accepted_tokens"]
+    assert "+ ngram k=3 (accept" in res.out and "tokens/step" in res.out
+
+
+def test_cli_latency_speculative_decoding_on_the_copy_workload(bench_cli, tmp_path):
+    """bench latency --dataset copy --speculative-config: per batch tokens per step, tok/s, TPOT and acceptance, with
+    and without (the tiny random model falls into loops that lookup then drafts: acceptance > 0, deterministic)."""
     lat = tmp_path / "lat.json"
-    bench_cli("latency", "--model", "tiny-llama", "--device", "cpu", "--dataset", "copy", "--batch-sizes", "1",
-              "--graph-modes", "NONE", "--num-steps", "4", "--warmup-steps", "1", "--prompt-len", "24",
-              "--temperature", "0", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
-              '"prompt_lookup_min": 1, "prompt_lookup_max": 3}', "--output-json", str(lat))
-    modes = json.loads(lat.read_text())["modes"]
+    res = bench_cli("latency", "--model", "tiny-llama", "--device", "cpu", "--dataset", "copy", "--batch-sizes", "4",
+                    "--graph-modes", "NONE", "--num-steps", "10", "--warmup-steps", "2", "--prompt-len", "24",
+                    "--temperature", "0", "--speculative-config", NGRAM2, "--output-json", str(lat))
+    result = json.loads(lat.read_text())
+    modes = result["modes"]
     [base], [spec] = modes["NONE"]["batches"], modes["NONE + ngram k=2"]["batches"]
-    assert base["tokens_per_step"] == 1 and 1 <= spec["tokens_per_step"] <= 3  # random weights may reject all
-    assert set(spec["spec_decode"]) >= {"num_drafts", "acceptance_rate"} and spec["tpot_ms"] > 0
+    assert result["dataset"] == "copy" and modes["NONE + ngram k=2"]["speculative_config"] == json.loads(NGRAM2)
+    # the same prompts both ways: passages long enough for every step to copy ((2 + 10 + 2) x 3 tokens)
+    assert base["prompt_tokens"] == spec["prompt_tokens"] == 4 * (2 * 42 + 8)
+    assert base["tokens_per_step"] == 4 and base["acceptance_rate"] is None and base["mean_acceptance_length"] == 1
+    assert "spec_decode" not in base and base["tpot_ms"] == pytest.approx(base["median_ms"])
+    assert 4 < spec["tokens_per_step"] <= 4 * 3
+    assert spec["tok_s"] == pytest.approx(spec["tokens_per_step"] / spec["median_ms"] * 1e3)
+    assert spec["tpot_ms"] == pytest.approx(spec["median_ms"] / (spec["tokens_per_step"] / 4))
+    sd = spec["spec_decode"]  # the timed steps' drafts
+    assert 0 < sd["num_accepted_tokens"] <= sd["num_draft_tokens"] and sd["num_drafts"] <= 4 * 10
+    assert spec["acceptance_rate"] == sd["acceptance_rate"] > 0 and spec["mean_acceptance_length"] > 1
+    assert sd["num_accepted_tokens"] == pytest.approx(spec["tokens_per_step"] * 10 - 4 * 10)  # 1 + accepted a row
+    assert "acceptance" in res.out and "tokens/step, TPOT ms" in res.out
+
+
+def test_cli_spec_sweep_values(monkeypatch):
+    """--sweep spec=off,ngram / off,on and num-speculative-tokens=0,3,5 (throughput), --num-speculative-tokens
+    (latency): the engine configs each run gets; a method the config does not have is a clear error."""
+    from graphinfer import cli
+    from graphinfer.bench import latency, throughput
+
+    seen = {}
+    monkeypatch.setattr(throughput, "run", lambda model, **kw: seen.update(kw))
+    monkeypatch.setattr(latency, "run", lambda model, **kw: seen.update(kw))
+    assert cli.main(["bench", "throughput", "--sweep", "spec=off,ngram"]) == 0
+    assert seen["speculative_config"] == [None, cli.DEFAULT_NGRAM]
+    draft = '{"model": "tiny-llama", "num_speculative_tokens": 2}'
+    assert cli.main(["bench", "throughput", "--speculative-config", draft, "--sweep", "spec=off,on"]) == 0
+    assert seen["speculative_config"] == [None, json.loads(draft)]
+    assert cli.main(["bench", "throughput", "--speculative-config", NGRAM2,
+                     "--sweep", "num-speculative-tokens=0,3,5"]) == 0
+    assert [c and c["num_speculative_tokens"] for c in seen["speculative_config"]] == [None, 3, 5]
+    assert all(c["prompt_lookup_max"] == 3 for c in seen["speculative_config"][1:])
+    assert cli.main(["bench", "throughput", "--speculative-config", NGRAM2]) == 0  # no sweep: that config alone
+    assert seen["speculative_config"] == [json.loads(NGRAM2)]
+    assert cli.main(["bench", "latency", "--num-speculative-tokens", "3,5"]) == 0
+    assert [c and c["num_speculative_tokens"] for c in seen["speculative_config"]] == [None, 3, 5]
+    assert cli.main(["bench", "throughput", "--speculative-config", draft, "--sweep", "spec=off,ngram"]) == 2
+    assert cli.main(["bench", "throughput", "--sweep", "spec=off,maybe"]) == 2
+
+
+def test_copy_workload_prompts():
+    """The copy workload as its docstring says: SmolLM2's chat prompt asking to repeat a passage of the fixed text
+    (whole sentences, in order), max_tokens its length + 16; without a tokenizer a literally repeated id passage."""
+    from graphinfer.bench import throughput
+    from graphinfer.bench.accuracy_text import PERPLEXITY_TEXT
+    from graphinfer.bench.copy_workload import INSTRUCTION, copy_prompts, load_copy_tokenizer
+
+    prompts, max_tokens = copy_prompts(None, 2, 24, 0, 512)
+    assert max_tokens == [24, 24] and prompts != copy_prompts(None, 2, 24, 1, 512)[0]
+    for p in prompts:
+        assert len(p) == 56 and p[:24] == p[24:48] and p[48:] == p[:8] and max(p) < 512
+    tok = load_copy_tokenizer("")  # "": the bundled SmolLM2
+    prompts, max_tokens = copy_prompts(tok, 3, 64, 0, 0)
+    assert (prompts, max_tokens) == copy_prompts(tok, 3, 64, 0, 0)  # deterministic by seed
+    text = " ".join(PERPLEXITY_TEXT.split())
+    for p, m in zip(prompts, max_tokens):
+        decoded = tok.decode(p)
+        assert decoded.startswith("<|im_start|>system") and decoded.endswith("<|im_start|>assistant\n")
+        passage = decoded.split(INSTRUCTION)[1].split("<|im_end|>")[0]
+        assert passage in text and passage[-1] in ".!?"  # whole sentences, no wrap-around
+        assert m == len(tok(passage, add_special_tokens=False).input_ids) + 16 >= 64 + 16
+    # bench throughput: a real model's answer ends at its EOS (max_tokens a cap), random weights run to max_tokens
+    assert not throughput.copy_workload("", 1, 64, 0, None).ignore_eos
+    assert throughput.copy_workload("tiny-llama", 1, 24, 0, 512).ignore_eos

@@ -1,4 +1,5 @@
 """Shared by the offline benchmarks: engine lifecycle, a recorded engine-step loop, environment, tables."""
+import copy
 import gc
 import json
 import os
@@ -116,8 +117,14 @@ class StepLog:
                     statistics.median(s.comm_seconds for s in dec) * 1e3 if dec else None}
 
 
+def spec_decode_snapshot(engine) -> dict:
+    """A copy of engine.spec_decode_stats() ({} without speculative decoding) that later steps leave as it is: the
+    engine's dict shares its live num_accepted_tokens_per_pos list."""
+    return copy.deepcopy(getattr(engine, "spec_decode_stats", dict)())
+
+
 def spec_decode_delta(engine, before: dict) -> dict:
-    """engine.spec_decode_stats() since `before` (an earlier copy), rates recomputed."""
+    """engine.spec_decode_stats() since `before` (an earlier spec_decode_snapshot), rates recomputed."""
     now = engine.spec_decode_stats()
     keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
     d = {k: now[k] - before.get(k, 0) for k in keys}

@@ -6,10 +6,17 @@ then engine.step() is timed, device synchronised before and after, over pure dec
 B rows: `warmup_steps` are dropped, the median of the next `num_steps` is the step latency. A graph
 mode the platform cannot run (FULL_DECODE_ONLY on CPU) is reported as unavailable.
 
-With speculative decoding a step emits up to 1 + k tokens per request, so each batch also reports the tokens the
-timed steps emitted: tok/s (emitted / time), TPOT (time per emitted token of a request) and the drafts' acceptance.
-dataset "copy": the requests are bench/copy_workload.py's passages to repeat (prompt_len ~ the passage length), where
-lookup finds its drafts; "random": random token ids.
+Speculative decoding (`speculative_config`: each graph mode is measured without, then with each config given, one
+engine each): a step verifies up to k drafts per request and emits 1 + accepted tokens, so the step latency alone
+misleads. Every batch (with or without) also reports the tokens the timed steps emitted: tokens_per_step (all rows),
+tok_s = tokens_per_step / median step time, tpot_ms = median step time / (tokens_per_step / B) (time per output
+token of one request), and the drafts' acceptance of those steps: acceptance_rate (accepted / drafted) and
+mean_acceptance_length (1 + accepted / drafts, vLLM's definition; 1 without speculative decoding), with the
+engine's counters over the timed steps in spec_decode.
+dataset "random": prompts of `prompt_len` random token ids. "copy": bench/copy_workload.py's passages to repeat
+(SmolLM2: a chat prompt asking to repeat a passage of the fixed text; presets: a literally repeated id passage),
+where lookup finds its drafts; the passage is `prompt_len` tokens, raised to what the timed steps can emit
+((warmup_steps + num_steps + 2) x (1 + the largest k)) so the measured steps copy rather than run past the passage.
 """
 import random
 import statistics
@@ -19,18 +26,18 @@ from graphinfer.errors import GraphinferError, InvalidConfigError
 
 
 def measure_batch(llm, batch: int, prompt_len: int, warmup_steps: int, num_steps: int, temperature: float,
-                  seed: int, dataset: str = "random") -> dict:
+                  seed: int, dataset: str = "random", max_spec_tokens: int = 0) -> dict:
     from graphinfer import SamplingParams
     from graphinfer.bench.copy_workload import copy_prompts
 
     engine = llm.llm_engine
     rng = random.Random(seed + batch)  # fresh ids per batch: no prefix-cache hits from the previous one
     vocab = engine.hf_config.vocab_size
-    spec = engine.config.speculative_config
-    per_step = 1 + (spec.num_speculative_tokens if spec else 0)  # enough tokens for every timed step to emit all
-    params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=(warmup_steps + num_steps + 2) * per_step)
+    # enough tokens for every step to emit all its drafts; the same prompts with and without speculative decoding
+    max_tokens = (warmup_steps + num_steps + 2) * (1 + max_spec_tokens)
+    params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=max_tokens)
     if dataset == "copy":
-        prompts = copy_prompts(engine.tokenizer, batch, prompt_len, seed + batch, vocab)[0]
+        prompts = copy_prompts(engine.tokenizer, batch, max(prompt_len, max_tokens), seed + batch, vocab)[0]
     else:
         prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
     seqs = [engine.make_sequence(p, params) for p in prompts]
@@ -39,9 +46,12 @@ def measure_batch(llm, batch: int, prompt_len: int, warmup_steps: int, num_steps
     log = common.StepLog()
     need = warmup_steps + num_steps
     emitted = []  # tokens of the batch after each step
+    spec_at = [common.spec_decode_snapshot(engine)] if warmup_steps == 0 else []  # the counters before the timed steps
 
     def until(_):
         emitted.append(sum(len(s.output_token_ids) for s in seqs))
+        if len(log.of("decode")) == warmup_steps and not spec_at:
+            spec_at.append(common.spec_decode_snapshot(engine))
         return len(log.of("decode")) >= need
     try:
         common.run_steps(engine, log, until=until, sync=engine.platform.synchronize)
@@ -55,12 +65,17 @@ def measure_batch(llm, batch: int, prompt_len: int, warmup_steps: int, num_steps
                               f"is the KV cache large enough?")
     ms = sorted(s.seconds * 1e3 for s in steps)
     med = statistics.median(ms)
-    # the decode steps are the last ones run: their tokens are what the last `num_steps` steps added
-    tokens = emitted[-1] - emitted[-1 - num_steps]
-    seconds = sum(s.seconds for s in steps)
-    return {"batch": batch, "median_ms": med, "mean_ms": statistics.fmean(ms), "min_ms": ms[0],
-            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "tok_s": tokens / seconds, "tokens_per_step": tokens / len(ms),
-            "tpot_ms": seconds * 1e3 / (tokens / batch), "steps": len(ms)}
+    # the timed decode steps are the last ones run: their tokens are what the last `num_steps` steps added
+    per_step = (emitted[-1] - emitted[-1 - num_steps]) / num_steps
+    m = {"batch": batch, "median_ms": med, "mean_ms": statistics.fmean(ms), "min_ms": ms[0],
+         "p90_ms": ms[int(0.9 * (len(ms) - 1))], "tok_s": per_step / med * 1e3, "tokens_per_step": per_step,
+         "tpot_ms": med / (per_step / batch), "steps": len(ms), "prompt_tokens": sum(map(len, prompts)),
+         "acceptance_rate": None, "mean_acceptance_length": 1.0}
+    if engine.config.speculative_config is not None:  # the timed steps' drafts
+        m["spec_decode"] = sd = common.spec_decode_delta(engine, spec_at[0])
+        if sd["num_drafts"]:  # else: no draft proposed, every step emitted 1 token per row
+            m["acceptance_rate"], m["mean_acceptance_length"] = sd["acceptance_rate"], sd["mean_acceptance_length"]
+    return m
 
 
 def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1, 8, 64, 256),
@@ -77,10 +92,12 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1
         device = current_platform().device_type
     batch_sizes = sorted(batch_sizes)
     max_model_len = common.clamp_max_model_len(model, max_model_len)  # as the throughput runs: same graph shapes
-    result = {"benchmark": "latency", "model": model, "dtype": str(resolve_dtype(dtype, device)).replace("torch.", ""),
+    result = {"benchmark": "latency", "model": model, "speculative_configs": list(speculative_config),
+              "dtype": str(resolve_dtype(dtype, device)).replace("torch.", ""),
               "env": common.environment(device), "batch_sizes": batch_sizes, "graph_modes": list(graph_modes),
               "prompt_len": prompt_len, "warmup_steps": warmup_steps, "num_steps": num_steps,
               "temperature": temperature, "quantization": quantization, "dataset": dataset, "modes": {}}
+    max_k = max((s.get("num_speculative_tokens", 0) for s in speculative_config if s), default=0)
     for mode, spec in [(m, s) for m in graph_modes for s in speculative_config]:
         name = mode + (f" + {spec.get('method') or 'draft_model'} k={spec.get('num_speculative_tokens')}" if spec else "")
         try:
@@ -96,13 +113,10 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1
                  "skinny_gemm": engine.skinny_gemm.to_json() if engine.skinny_gemm else None, "batches": [],
                  "graph_mode": mode, "speculative_config": spec}
         for b in batch_sizes:
-            before = dict(engine.spec_decode_stats())
-            m = measure_batch(llm, b, prompt_len, warmup_steps, num_steps, temperature, seed, dataset)
-            if spec:
-                m["spec_decode"] = common.spec_decode_delta(engine, before)
+            m = measure_batch(llm, b, prompt_len, warmup_steps, num_steps, temperature, seed, dataset, max_k)
             entry["batches"].append(m)
             print(f"{name} batch {b}: decode step median {m['median_ms']:.3f} ms, {m['tokens_per_step']:.2f} tokens "
-                  f"per step, {m['tok_s']:,.1f} tok/s, TPOT {m['tpot_ms']:.2f} ms", flush=True)
+                  f"per step, {m['tok_s']:,.1f} tok/s, TPOT {m['tpot_ms']:.2f} ms" + _acceptance(m), flush=True)
         result["modes"][name] = entry
         common.write_json(output_json, result)  # so far: a run cut off by a time limit keeps its results
         del llm
@@ -127,10 +141,21 @@ def _rows(result: dict) -> list[dict]:
     return rows
 
 
+def _acceptance(b: dict) -> str:
+    if "spec_decode" not in b:
+        return ""
+    if b.get("acceptance_rate") is None:
+        return ", no drafts proposed"
+    return f", acceptance {b['acceptance_rate']:.0%}, mean acceptance length {b['mean_acceptance_length']:.2f}"
+
+
 def table(result: dict) -> str:
+    """Per batch: each mode's median step ms (tok/s); with speculative decoding also tokens per step and TPOT."""
     modes = list(result["modes"])
     ratio = "NONE" in modes and "FULL_DECODE_ONLY" in modes
-    headers = ["batch"] + [f"{m} step ms (tok/s)" for m in modes] + (["NONE / FULL_DECODE_ONLY"] if ratio else [])
+    spec = any(e.get("speculative_config") for e in result["modes"].values())
+    headers = ["batch"] + [f"{m} step ms (tok/s)" + (", tokens/step, TPOT ms" if spec else "") for m in modes] + (
+        ["NONE / FULL_DECODE_ONLY"] if ratio else [])
     rows = []
     for i, r in enumerate(result["rows"]):
         cells = [r["batch"]]
@@ -140,7 +165,8 @@ def table(result: dict) -> str:
                 cells.append("unavailable")
             else:
                 b = e["batches"][i]
-                cells.append(f"{b['median_ms']:.3f} ({b['tok_s']:,.0f})")
+                cells.append(f"{b['median_ms']:.3f} ({b['tok_s']:,.0f})" + (
+                    f", {b['tokens_per_step']:.2f}, {b['tpot_ms']:.2f}" if spec else ""))
         if ratio:
             cells.append(f"{r['ratio_none_over_full']:.2f}x" if "ratio_none_over_full" in r else None)
         rows.append(cells)

@@ -15,6 +15,19 @@ for the other ranks).
 With data parallel (dp > 1) the output tokens and preemptions are every replica's, the step log and its
 prefill/decode split are replica 0's (the front end's process), each row records the requests routed to each
 replica, and a MoE model's expert load is summed over the replicas (DPEngine.expert_load).
+Speculative decoding (speculative_config; the CLI's --sweep spec=off,ngram or num-speculative-tokens=0,3,5): a step
+verifies up to k drafts per request and emits 1 + accepted tokens for it, so output tok/s stays the measure and
+tokens_per_step (output tokens / steps, all rows) says how many a step yielded; such a row adds spec_decode, the
+timed run's drafts (num_drafts, num_draft_tokens, num_accepted_tokens and per position, acceptance_rate,
+mean_acceptance_length, as engine.spec_decode_stats()). The engine runs speculative steps synchronously: a row records the async scheduling
+the engine actually used.
+dataset "copy" (bench/copy_workload.py; its docstring says how the prompts are built): num_prompts passages of about
+min_len tokens that the model is asked to repeat, max_tokens the passage length + 16; a real model's request ends at
+its EOS (not ignored: past its answer's end nothing is copied, and a user's request would stop there; the timed run's
+output_lens and the roofline count what was generated), a preset's (random weights) runs to max_tokens. Before the
+timed run, besides the usual warm-up, up to 4 copy prompts of another seed, asked in other words (no prefix-cache
+hits on the timed prompts past the chat template's opening) and cut at 48 tokens, so steps that verify drafts are
+warm too.
 """
 import random
 import time
@@ -34,6 +47,7 @@ TOKEN_ID_MAX = 10000
 class Workload:
     prompts: list[list[int]]
     max_tokens: list[int]
+    ignore_eos: bool = True  # False: a request ends at its EOS (the copy workload on a real model), max_tokens a cap
 
     @property
     def prompt_tokens(self) -> int:
@@ -83,8 +97,8 @@ def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, c
     before = engine.scheduler_stats()  # summed over the replicas (data parallel), each under "engines"
     sync()
     start = time.perf_counter()
-    seqs = [engine.make_sequence(p, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m,
-                                                   output_kind=RequestOutputKind.FINAL_ONLY))  # as LLM.generate
+    seqs = [engine.make_sequence(p, SamplingParams(temperature=temperature, ignore_eos=workload.ignore_eos,
+                                                   max_tokens=m, output_kind=RequestOutputKind.FINAL_ONLY))  # as LLM.generate
             for p, m in zip(workload.prompts, workload.max_tokens)]
     for seq in seqs:
         engine.add_sequence(seq)
@@ -101,6 +115,7 @@ def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, c
     after = engine.scheduler_stats()  # a replica reports its load with its outputs: current once all are in
     out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
     stats = {"total_s": total, "output_tokens": out_tokens, "output_tok_s": out_tokens / total,
+             **({} if workload.ignore_eos else {"output_lens": _output_lens(seqs, finished)}),
              "num_preemptions": after["preemptions"] - before["preemptions"], **log.summary()}
     if dp > 1:
         replica = {seq.request_id: d for seq, d in zip(seqs, log.replicas)}
@@ -114,10 +129,18 @@ def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, c
     return stats, log
 
 
+def _output_lens(seqs, finished) -> list[int]:
+    """Each request's output length, in the workload's order."""
+    n = {o.request_id: len(o.outputs[0].token_ids) for o in finished}
+    return [n.get(seq.request_id, 0) for seq in seqs]
+
+
 def roofline_report(engine, shape: ModelShape, workload: Workload, log: common.StepLog, stats: dict,
                     bandwidth: float) -> dict:
     mnbt = engine.config.scheduler_config.max_num_batched_tokens
     lens = list(map(len, workload.prompts))
+    if "output_lens" in stats:  # requests that stopped at EOS: the ideal schedule of what they generated
+        workload = Workload(workload.prompts, stats["output_lens"])
     if log.replicas is None:
         ideal = ideal_roofline(shape, lens, workload.max_tokens, mnbt, bandwidth)
     else:  # data parallel: each replica its own requests on its own device; the run takes the slowest one's time
@@ -166,7 +189,7 @@ def collective_measure(engine) -> str:
 
 
 def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature: float, bandwidth: float,
-               min_len: int) -> dict:
+               min_len: int, extra_warmup: Workload | None = None) -> dict:
     from graphinfer import LLM
 
     t = time.perf_counter()
@@ -182,12 +205,16 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
                                engine.hf_config.vocab_size, engine.max_model_len)
         t = time.perf_counter()
         timed_generate(llm, warm, temperature)
+        if extra_warmup is not None:  # the copy workload: steps that verify drafts run before the timed ones too
+            timed_generate(llm, extra_warmup, temperature)
         row["warmup_s"] = time.perf_counter() - t
         engine.reset_expert_load()  # the timed run's routing only
-        spec_before = dict(getattr(engine, "spec_decode_stats", dict)())
+        spec_before = common.spec_decode_snapshot(engine)
         stats, log = timed_generate(llm, workload, temperature)
         shape = ModelShape.from_engine(engine)  # at tp > 1: rank 0's shard
         row.update(stats, **log.collective_summary(), collective_measure=collective_measure(engine),
+                   tokens_per_step=stats["output_tokens"] / max(1, stats["num_steps"]),
+                   async_scheduling=getattr(engine, "async_scheduling", engine_kwargs.get("async_scheduling")),
                    roofline=roofline_report(engine, shape, workload, log, stats, bandwidth),
                    model_shape=shape.to_dict())
         if engine.config.speculative_config is not None:  # the timed run's drafts (warm-up excluded)
@@ -264,9 +291,11 @@ def table(result: dict) -> str:
     hf = result.get("hf") if "output_tok_s" in result.get("hf", {}) else None
     tp, dp = _tp(result["runs"]), _dp(result["runs"])
     par = tp or dp
+    spec = any(r.get("speculative_config") for r in result["runs"])  # tokens per step: > 1 with accepted drafts
     headers = ["graph mode", "max_num_seqs"] + (["tp"] if tp else []) + (["dp", "EP"] if dp else []) + (
         ["threads/rank"] if par else []) + [
-        "time (s)", "output tok/s", "prefill s", "decode s", "steps", "mean decode batch"] + (
+        "time (s)", "output tok/s", "prefill s", "decode s", "steps"] + (["tokens/step"] if spec else []) + [
+        "mean decode batch"] + (
         ["idle s", "requests per replica"] if dp else []) + (
         ["median decode step ms", "collective s", "% of step time"] if par else []) + ["roofline %"] + (
         ["vs HF"] if hf else [])
@@ -280,7 +309,7 @@ def table(result: dict) -> str:
             continue
         rows.append(head + ([r["threads_per_rank"]] if par else []) + [
             f"{r['total_s']:.2f}", f"{r['output_tok_s']:,.2f}", f"{r['prefill_s']:.2f}", f"{r['decode_s']:.2f}",
-            r["num_steps"], r["mean_decode_batch"]] + (
+            r["num_steps"]] + ([f"{r['tokens_per_step']:.2f}"] if spec else []) + [r["mean_decode_batch"]] + (
             [f"{r.get('idle_s', 0):.2f}",  # dp 1: every request on the one engine
              " / ".join(map(str, r.get("requests_routed") or [result["workload"]["num_prompts"]]))] if dp else []) + (
             [r["median_decode_step_ms"], f"{r['collective_s']:.2f}", f"{100 * (r['collective_fraction'] or 0):.1f}"]
@@ -396,8 +425,9 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         hf_dtype: str | None = None, kernels: str | None = None, block_size: int = 16, enable_prefix_caching: bool = True) -> dict:
     """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size, data_parallel_size, quantization,
     speculative_config) configuration on the same workload (dataset "random": the standard one; "copy":
-    bench/copy_workload.py, num_prompts passages of about min_len tokens to repeat) (the roofline counts unquantized weights); optionally HF too. parallel: the other parallel flags (enable_expert_parallel; nnodes,
-    node_rank, master_addr, master_port for tp > 1)."""
+    bench/copy_workload.py, num_prompts passages of about min_len tokens to repeat) (the roofline counts unquantized
+    weights); optionally HF too. parallel: the other parallel flags (enable_expert_parallel; nnodes, node_rank,
+    master_addr, master_port for tp > 1)."""
     import tempfile
 
     from graphinfer.config import resolve_dtype
@@ -417,8 +447,10 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) if compare_hf or len(configs) > 1 else model
         max_model_len = common.clamp_max_model_len(gi_model, max_model_len)
         vocab = _vocab_size(gi_model)
+        extra_warmup = None
         if dataset == "copy":
             workload = copy_workload(gi_model, num_prompts, min_len, seed, vocab)
+            extra_warmup = copy_workload(gi_model, min(num_prompts, 4), min_len, seed + 1, vocab, warmup=True)
         else:
             workload = standard_workload(num_prompts, min_len, max_len, fixed_output_len, seed, vocab)
         bandwidth = measure_bandwidth(device)  # before any engine: the copy buffers need free memory
@@ -427,7 +459,7 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                   "env": common.environment(device), "bandwidth": bandwidth, "roofline_model": roofline.MODEL,
                   "workload": {"dataset": dataset, "num_prompts": num_prompts, "min_len": min_len, "max_len": max_len,
                                "fixed_output_len": fixed_output_len, "seed": seed, "temperature": temperature,
-                               "ignore_eos": True, "max_model_len": max_model_len, "kernels": kernels,
+                               "ignore_eos": workload.ignore_eos, "max_model_len": max_model_len, "kernels": kernels,
                                "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
                                "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
                   "runs": []}
@@ -444,7 +476,8 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                    "data_parallel_size": dp, "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
                    "quantization": q, "speculative_config": sd, "capture_sizes": sizes}
             try:
-                row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len))
+                row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len,
+                                      extra_warmup))
             except InvalidConfigError as e:  # e.g. FULL_DECODE_ONLY on CPU: no device graphs there
                 row["unavailable"] = str(e)
             except Exception as e:  # noqa: BLE001 (a sweep keeps going, e.g. past an OOM, and still writes its JSON)
@@ -478,14 +511,18 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
     return result
 
 
-def copy_workload(model: str, num_prompts: int, passage_tokens: int, seed: int, vocab_size: int | None) -> Workload:
-    """bench/copy_workload.py's prompts, with the model's tokenizer where it has one."""
-    from graphinfer.bench.copy_workload import copy_prompts
-    from graphinfer.models.loader import load_tokenizer
-    from graphinfer.models.presets import preset_config
+def copy_workload(model: str, num_prompts: int, passage_tokens: int, seed: int, vocab_size: int | None,
+                  warmup: bool = False) -> Workload:
+    """bench/copy_workload.py's prompts, with the model's tokenizer where it has one. warmup: the warm-up's (its
+    own instruction, so no prefix-cache hits on the timed prompts; at most 48 tokens each)."""
+    from graphinfer.bench.copy_workload import INSTRUCTION, WARMUP_INSTRUCTION, copy_prompts, load_copy_tokenizer
 
-    tokenizer = None if preset_config(model) is not None else load_tokenizer(model)
-    return Workload(*copy_prompts(tokenizer, num_prompts, passage_tokens, seed, vocab_size or TOKEN_ID_MAX))
+    tokenizer = load_copy_tokenizer(model)
+    prompts, max_tokens = copy_prompts(tokenizer, num_prompts, passage_tokens, seed, vocab_size or TOKEN_ID_MAX,
+                                       WARMUP_INSTRUCTION if warmup else INSTRUCTION)
+    # a real model's answer ends at its EOS, as a user's request would (past it, nothing is copied any more);
+    # random weights (no tokenizer) run to max_tokens
+    return Workload(prompts, [min(m, 48) for m in max_tokens] if warmup else max_tokens, ignore_eos=tokenizer is None)
 
 
 def _vocab_size(model: str) -> int | None:
