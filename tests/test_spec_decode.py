@@ -151,7 +151,7 @@ def test_verification_follows_the_target_distribution(drafts):
     n = 20000
     rows = [_seq([], drafts, SamplingParams(temperature=1.0)) for _ in range(n)]
     logits = p.log().repeat(n, 1)  # rows (request, position): request i's positions at 3i..3i+2
-    out = verify(Sampler(None, seed=0), logits, rows, [2] * n)
+    out = verify(Sampler(None, seed=0), logits, rows, [2] * n, torch.from_numpy)
     emitted = out.output_token_ids
     first = torch.bincount(emitted[:, 0], minlength=8).float()
     assert _chisquare_ok(first, p[0])

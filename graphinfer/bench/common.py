@@ -1,5 +1,4 @@
 """Shared by the offline benchmarks: engine lifecycle, a recorded engine-step loop, environment, tables."""
-import copy
 import gc
 import json
 import os
@@ -118,22 +117,15 @@ class StepLog:
 
 
 def spec_decode_snapshot(engine) -> dict:
-    """A copy of engine.spec_decode_stats() ({} without speculative decoding) that later steps leave as it is: the
-    engine's dict shares its live num_accepted_tokens_per_pos list."""
-    return copy.deepcopy(getattr(engine, "spec_decode_stats", dict)())
+    """engine.spec_decode_stats() (a copy; {} without speculative decoding or for a data-parallel front end)."""
+    return getattr(engine, "spec_decode_stats", dict)()
 
 
 def spec_decode_delta(engine, before: dict) -> dict:
     """engine.spec_decode_stats() since `before` (an earlier spec_decode_snapshot), rates recomputed."""
-    now = engine.spec_decode_stats()
-    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-    d = {k: now[k] - before.get(k, 0) for k in keys}
-    d["num_accepted_tokens_per_pos"] = [a - b for a, b in zip(now["num_accepted_tokens_per_pos"],
-                                                              before.get("num_accepted_tokens_per_pos") or
-                                                              [0] * len(now["num_accepted_tokens_per_pos"]))]
-    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
-    d["mean_acceptance_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 0.0
-    return d
+    from graphinfer.runtime.spec_decode.metrics import SpecDecodingStats
+
+    return SpecDecodingStats.since(engine.spec_decode_stats(), before).as_dict()
 
 
 def run_steps(engine, log: StepLog, until=None, sync=None) -> list:

@@ -11,7 +11,7 @@ random.Random(seed), drawn in prompt order):
   by single spaces. The prompt is INSTRUCTION + passage as one user message in the model's chat template with the
   assistant's turn opened (runtime/chat_template.chat_prompt_ids); a tokenizer without a chat template gets the
   plain text INSTRUCTION + passage + "\\n\\n" (its special tokens added). max_tokens = the passage's length in
-  tokens + 16: a request ends about where a faithful copy ends (EOS is ignored, as in the other workloads).
+  tokens + 16, a cap: bench throughput ends such a request at its EOS, as a user's would; bench latency ignores EOS.
 - Without a tokenizer (the presets, random weights): token ids. A passage of `passage_tokens` ids drawn with
   rng.randrange(vocab_size), then the same passage again, then its first 8 ids: the prompt repeats literally, so
   its continuation (passage[8:]) is what lookup proposes. max_tokens = passage_tokens. Random weights do not follow

@@ -207,8 +207,6 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
         timed_generate(llm, warm, temperature)
         if extra_warmup is not None:  # the copy workload: steps that verify drafts run before the timed ones too
             timed_generate(llm, extra_warmup, temperature)
-        if engine.config.speculative_config is not None:
-            warm_rejection_sample(getattr(engine, "device", None))
         row["warmup_s"] = time.perf_counter() - t
         engine.reset_expert_load()  # the timed run's routing only
         spec_before = common.spec_decode_snapshot(engine)
@@ -227,15 +225,6 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
         return row
     finally:  # the next configuration starts on free memory, and a tp > 1 engine's other ranks exit here
         llm.shutdown()
-
-
-def warm_rejection_sample(device) -> None:
-    """One call of graphinfer::rejection_sample on the device: its kernel compiles (GPU: Triton JIT) here, not in
-    the timed run's first verification step, where the warm-up's random prompts may have found no draft to verify."""
-    if device is None:
-        return
-    targets = torch.zeros(4, dtype=torch.int64, device=device)  # one request, 3 drafts
-    torch.ops.graphinfer.rejection_sample(targets[:3], targets, torch.tensor([3], dtype=torch.int32, device=device), 3)
 
 
 def _mode(r: dict) -> str:

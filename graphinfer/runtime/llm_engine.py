@@ -48,6 +48,7 @@ from graphinfer.runtime.scheduler import Scheduler, SchedulerOutput
 from graphinfer.runtime.sequence import Sequence, SequenceStatus
 from graphinfer.runtime.spec_decode import NgramProposer
 from graphinfer.runtime.spec_decode.metrics import SpecDecodingStats
+from graphinfer.runtime.spec_decode.verify import warm_up_rejection_sample
 from graphinfer.runtime.startup_timer import StartupTimer, seconds_since_process_start
 from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -179,6 +180,8 @@ class LLMEngine:
         if self.device.type != "cpu":  # cpu: compile_graph above compiled (Inductor) or there is nothing to compile
             with timer.phase("kernels"):  # compiles (or loads from the kernel cache) the prefill path's kernels
                 self.model_runner.warm_up()
+                if config.speculative_config is not None:
+                    warm_up_rejection_sample(self.device)
         capture = not config.compile_only or self.device.type != "cpu"  # compile on a GPU: warm every bucket's kernels
         self.capture_stats = self.piecewise_capture_stats = None
         if comp.graph_mode in FULL_GRAPH_MODES and capture:
@@ -587,7 +590,7 @@ class LLMEngine:
             return []
         rows, sampled = self.model_runner.execute_model(sched, dp_step=dp)
         for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted (_process_spec)
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted (_accept_drafts)
         self._cache_full_blocks(sched)
         if sampled is None:
             return []
@@ -658,49 +661,41 @@ class LLMEngine:
                 self.scheduler.block_manager.cache_full_blocks(seq)
 
     def _process(self, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
-        """Append each row's sampled token (on the host), check stops, and build the outputs."""
-        if sampled.output_token_ids is not None:
-            return self._process_spec(rows, sampled)
-        outputs = []
-        tokens = sampled.sampled_token_ids.tolist()
-        for i, seq in enumerate(rows):
-            if seq.is_finished:  # aborted, or stopped a step earlier (async scheduling): its token is dropped
+        """Append each row's tokens (on the host) one by one, check stops, and build the outputs. A verification step
+        (speculative decoding) emits a row's accepted drafts and one more token; a stop mid-proposal drops the rest."""
+        spec = sampled.output_token_ids is not None
+        emitted = (sampled.output_token_ids if spec else sampled.sampled_token_ids[:, None]).tolist()
+        outputs, row = [], 0
+        for seq, tokens in zip(rows, emitted):
+            first, row = row, row + 1 + len(seq.spec_token_ids)  # its sampler rows: one per draft position
+            if seq.is_finished:  # aborted, or stopped a step earlier (async scheduling): its tokens are dropped
                 continue
-            self._append(seq, tokens[i], sampled, i)
+            if spec:
+                tokens = self._accept_drafts(seq, tokens)
+            for j, token in enumerate(tokens):
+                self._append(seq, token, sampled, first + j)
+                if seq.is_finished:
+                    break
+            else:
+                if spec:  # the rejected drafts' lookahead blocks go back; full blocks of accepted tokens get cached
+                    self.scheduler.block_manager.trim(seq)
+                    self.scheduler.block_manager.cache_full_blocks(seq)
             if seq.is_finished or seq.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._output(seq))
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
         return outputs
 
-    def _process_spec(self, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
-        """A verification step: each row emits its accepted drafts and one more token, appended one by one (a stop
-        mid-proposal drops the rest); the accepted drafts' KV becomes computed, the rejected ones' blocks go back."""
-        outputs, offset = [], 0
-        for seq, emitted in zip(rows, sampled.output_token_ids.tolist()):
-            k, first = len(seq.spec_token_ids), offset
-            offset += k + 1
-            if seq.is_finished:  # aborted
-                continue
-            tokens = emitted[:emitted.index(-1)] if -1 in emitted else emitted
-            if k:
-                self.spec_stats.observe(k, len(tokens) - 1)
-                seq.num_draft_tokens += k
-                seq.num_accepted_tokens += len(tokens) - 1
-            seq.num_computed_tokens += len(tokens) - 1
-            seq.spec_token_ids = []
-            for j, token in enumerate(tokens):
-                self._append(seq, token, sampled, first + j)
-                if seq.is_finished:
-                    break
-            else:
-                self.scheduler.block_manager.trim(seq)
-                self.scheduler.block_manager.cache_full_blocks(seq)
-            if seq.is_finished or seq.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._output(seq))
-            if seq.is_finished:
-                self.requests.pop(seq.request_id, None)
-        return outputs
+    def _accept_drafts(self, seq: Sequence, emitted: list[int]) -> list[int]:
+        """The tokens a verified row emits (its -1 padding cut); its accepted drafts' KV becomes computed."""
+        tokens = emitted[:emitted.index(-1)] if -1 in emitted else emitted
+        if k := len(seq.spec_token_ids):
+            self.spec_stats.observe(k, len(tokens) - 1)
+            seq.num_draft_tokens += k
+            seq.num_accepted_tokens += len(tokens) - 1
+        seq.num_computed_tokens += len(tokens) - 1
+        seq.spec_token_ids = []
+        return tokens
 
     def _append(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int) -> None:
         seq.append_token(token)

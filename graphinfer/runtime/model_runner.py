@@ -265,7 +265,7 @@ class ModelRunner:
             if h.spec_lens is None:
                 sampled = self.sampler(logits, h.rows)
             else:
-                sampled = verify(self.sampler, logits, h.rows, h.spec_lens)
+                sampled = verify(self.sampler, logits, h.rows, h.spec_lens, self.to_device)
             if share:
                 ps.broadcast_from_rank0(sampled.sampled_token_ids)
         except BaseException as e:  # the other ranks may wait in a collective of this step: no further step

@@ -20,6 +20,16 @@ class SpecDecodingStats:
         for pos in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[pos] += 1
 
+    @classmethod
+    def since(cls, now: dict, before: dict) -> "SpecDecodingStats":
+        """The counters of as_dict() `now` minus those of an earlier as_dict() (empty: since start)."""
+        stats = cls(now["num_spec_tokens"])
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            setattr(stats, name, now[name] - before.get(name, 0))
+        earlier = before.get("num_accepted_tokens_per_pos") or [0] * stats.num_spec_tokens
+        stats.num_accepted_tokens_per_pos = [a - b for a, b in zip(now["num_accepted_tokens_per_pos"], earlier)]
+        return stats
+
     def as_dict(self) -> dict:
         """The counters plus acceptance rate (accepted / drafted) and mean acceptance length (tokens a verified
         draft yields: 1 + accepted / drafts, vLLM's definition)."""

@@ -7,6 +7,7 @@ keeps the drafts up to the first that differs from its target token, plus that t
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from graphinfer.runtime.sampler import Sampler, SamplerOutput
@@ -29,13 +30,19 @@ def _positions(seq, k: int) -> list:
                       seq.num_output_tokens + j, seq.generator) for j in range(k + 1)]
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, rows: list, spec_lens: list[int]) -> SamplerOutput:
+def verify(sampler: Sampler, logits: torch.Tensor, rows: list, spec_lens: list[int], to_device) -> SamplerOutput:
     """SamplerOutput over every logits row, plus output_token_ids [B, max k + 1] (-1 padded): the tokens each
-    request emits this step."""
+    request emits this step. to_device: the runner's non-blocking host-array copy."""
     positions = [p for seq, k in zip(rows, spec_lens) for p in _positions(seq, k)]
     out = sampler(logits, positions)
-    dev = logits.device
-    drafts = torch.tensor([t for seq in rows for t in seq.spec_token_ids], dtype=torch.int64, device=dev)
-    cu = torch.tensor(spec_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+    drafts = to_device(np.fromiter((t for seq in rows for t in seq.spec_token_ids), dtype=np.int64))
+    cu = to_device(np.cumsum(spec_lens, dtype=np.int32))
     out.output_token_ids = torch.ops.graphinfer.rejection_sample(drafts, out.sampled_token_ids, cu, max(spec_lens))
     return out
+
+
+def warm_up_rejection_sample(device: torch.device) -> None:
+    """One call of graphinfer::rejection_sample, so its kernel compiles (or loads) at start-up rather than in the
+    first step that verifies drafts."""
+    targets = torch.zeros(4, dtype=torch.int64, device=device)  # one request, 3 drafts
+    torch.ops.graphinfer.rejection_sample(targets[:3], targets, torch.tensor([3], dtype=torch.int32, device=device), 3)
