@@ -16,6 +16,39 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's: constrain the output to a JSON schema (`json`, a dict or its JSON text), any JSON object
+    (`json_object`), a regular expression (`regex`), one of some strings (`choice`), an EBNF / GBNF grammar
+    (`grammar`) or a structural tag (`structural_tag`, xgrammar's JSON). Exactly one may be given. The grammar's
+    token bitmask is applied to the logits before sampling (runtime/structured_output/)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidSamplingParamsError(
+                f"structured outputs take exactly one of json, regex, choice, grammar, json_object, structural_tag; "
+                f"got {given or 'none'}.")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise InvalidSamplingParamsError("structured outputs' choice must be a non-empty list of strings.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "regex", "choice", "grammar", "json_object" or "structural_tag"."""
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                    if getattr(self, name) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -35,6 +68,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
