@@ -6,7 +6,7 @@ import sys
 
 from graphinfer.config import GRAPH_MODES
 from graphinfer.errors import GraphinferError
-from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
+from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, TOOL_CALL_PARSERS
 
 
 def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, serving: bool = False) -> None:
@@ -185,6 +185,7 @@ def _serve(args) -> None:
 
     serve(args.target, args.host, args.port, args.api_key, args.served_model_name, args.max_waiting_requests,
           shutdown_timeout=args.shutdown_timeout, max_request_body_bytes=args.max_request_body_bytes,
+          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
           **_engine_kwargs(args))
 
 
@@ -475,6 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                      help="on SIGTERM / Ctrl-C, new requests get 503 and those in flight get this many seconds to "
                           "finish; streams still running then end with an error event (default: %(default)s)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='let requests use tool_choice "auto" (the default when they send tools): the model\'s '
+                          'tool calls are read from its text by --tool-call-parser')
+    srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                     help="how tool calls are written in the model's output: hermes (Hermes, Qwen2.5, Qwen3: "
+                          "<tool_call>{...}</tool_call>) or llama3_json / llama4_json (Llama 3.x / 4 JSON)")
     _add_engine_args(srv, with_model=False, serving=True)
     srv.set_defaults(func=_serve)
 

@@ -30,6 +30,8 @@ from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from graphinfer.server.metrics import Metrics
 from graphinfer.server.preprocess import Preprocessor
 from graphinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from graphinfer.server.tool_calling import ToolCalling
+from graphinfer.server.tool_parsers import ToolParserManager
 
 
 class APIError(Exception):
@@ -141,7 +143,13 @@ def _replay(messages: list, receive):
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
+    """enable_auto_tool_choice / tool_call_parser: vLLM's --enable-auto-tool-choice / --tool-call-parser, which
+    tool_choice "auto" needs (tool_calling.py)."""
+    if tool_call_parser is not None:
+        ToolParserManager.get_tool_parser(tool_call_parser)  # an unknown name fails now, not per request
+    auto_tool_parser = tool_call_parser if enable_auto_tool_choice else None
     pre = Preprocessor(engine)
 
     @contextlib.asynccontextmanager
@@ -242,10 +250,14 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         params = req.to_sampling_params()
+        tools = ToolCalling.for_request(req, auto_tool_parser)
+        if tools is not None:
+            params = tools.constrain(params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         messages = [m.to_template() for m in req.messages]
-        streams = engine.submit(await pre.run(pre.chat, messages, req.add_generation_prompt, params, rid))
-        fmt = _ChatFormat(rid, served_model_name, params)
+        tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None  # also for "none"
+        streams = engine.submit(await pre.run(pre.chat, messages, req.add_generation_prompt, params, rid, tool_dicts))
+        fmt = _ChatFormat(rid, served_model_name, params, tools)
         if req.stream:
             return _sse(streams, fmt, params, req.include_usage, metrics)
         return await _collect(streams, fmt, raw, metrics)
@@ -295,6 +307,10 @@ class _CompletionFormat:
 class _ChatFormat(_CompletionFormat):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, rid: str, model: str, params, tools: ToolCalling | None = None):
+        super().__init__(rid, model, params)
+        self.tools, self.tool_streams = tools, {}  # tool_streams: one per streamed choice
+
     def logprobs(self, out: RequestOutput, start: int, offset: int):
         c = out.outputs[0]
         if c.logprobs is None:
@@ -311,13 +327,23 @@ class _ChatFormat(_CompletionFormat):
         return {"content": content}
 
     def choice(self, index, text, out, start, offset, finish) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(out, start, offset), "finish_reason": finish,
-                "stop_reason": out.outputs[0].stop_reason if finish else None}
+        message = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            message, finish = self.tools.message(text, finish)
+        return {"index": index, "message": message, "logprobs": self.logprobs(out, start, offset),
+                "finish_reason": finish, "stop_reason": out.outputs[0].stop_reason if finish else None}
 
-    def chunk(self, index, text, out, start, offset, finish) -> dict:
-        return self.head(self.chunk_object, [{"index": index, "delta": {"content": text},
-                                              "logprobs": self.logprobs(out, start, offset), "finish_reason": finish}])
+    def chunk(self, index, text, out, start, offset, finish) -> dict | None:
+        """None: nothing to send (a tool parser holds the text back)."""
+        delta = {"content": text}
+        if self.tools is not None:
+            stream = self.tool_streams.setdefault(index, self.tools.stream())
+            delta, finish = stream.delta(text, finish)
+        logprobs = self.logprobs(out, start, offset)
+        if not delta and finish is None and logprobs is None:
+            return None
+        return self.head(self.chunk_object, [{"index": index, "delta": delta, "logprobs": logprobs,
+                                              "finish_reason": finish}])
 
     def first_chunks(self, n: int) -> list[dict]:
         return [self.head(self.chunk_object, [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -428,7 +454,8 @@ def _sse(streams: list[RequestStream], fmt, params, include_usage: bool, metrics
                 finish = _finish(out) if out.finished else None
                 if upto > sent_text[i] or n > sent_tokens[i] or finish:
                     chunk = fmt.chunk(i, text[sent_text[i]:upto], out, sent_tokens[i], sent_text[i], finish)
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    if chunk is not None:
+                        yield f"data: {json.dumps(chunk)}\n\n"
                     sent_text[i], sent_tokens[i] = upto, n
                 if out.finished:
                     completion_tokens += n

@@ -5,6 +5,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds a SIGTERM / SIGINT drain waits for requests in flight
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024  # a 128k-token prompt is ~1 MB as token ids, ~0.5-2 MB as text
+# --tool-call-parser's choices: the names server/tool_parsers registers (kept here so that the CLI need not import them)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "llama4_json")
 
 # max_num_batched_tokens when serving. Every step gives each running stream one token and carries at most this
 # many tokens, so the budget bounds a stream's inter-token gap while a long prompt is prefilled, at some cost to

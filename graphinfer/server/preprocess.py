@@ -86,8 +86,8 @@ class Preprocessor:
         return self._sequences(ids, prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))])
 
     def chat(self, messages: list[dict], add_generation_prompt: bool, params: SamplingParams,
-             request_id: str) -> list[Sequence]:
-        text = chat_prompt_text(self.tokenizer, messages, add_generation_prompt)
+             request_id: str, tools: list[dict] | None = None) -> list[Sequence]:
+        text = chat_prompt_text(self.tokenizer, messages, add_generation_prompt, tools=tools)
         ids = self._tokenize(text, add_special_tokens=False)
         return self._sequences([ids], [None], params, [request_id])
 

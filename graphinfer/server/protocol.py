@@ -3,6 +3,7 @@
 Validated as vLLM validates them: a failure here is a 400 with OpenAI's error body (BadRequestError).
 The checks that need the prompt's token count (max_tokens + prompt within max_model_len) are the server's.
 """
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -117,12 +118,86 @@ class ContentPart(BaseModel):
     text: str
 
 
+# ----- tools, named as in vLLM's protocol -----
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class ChatCompletionToolsParam(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(BaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(BaseModel):
+    function: ChatCompletionNamedFunction
+    type: Literal["function"] = "function"
+
+
+def make_tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON, as a string
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=make_tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """One piece of a streamed tool call: the first carries id, type and name, later ones argument text."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(BaseModel):
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
+
+
+class ExtractedToolCallInformation(BaseModel):
+    tools_called: bool
+    tool_calls: list[ToolCall]
+    content: str | None = None  # the text outside the calls (None: none)
+
+
+class MessageFunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # OpenAI sends a JSON string; some clients a dict
+
+
+class MessageToolCall(BaseModel):
+    """A tool call in an assistant message sent back in the conversation."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]  # OpenAI's roles
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
     function_call: Any | None = None
 
     @model_validator(mode="after")
@@ -135,9 +210,18 @@ class ChatMessage(BaseModel):
         return self
 
     def to_template(self) -> dict:
+        """The message as chat templates read it (vLLM's: name, an assistant's tool_calls, a tool's tool_call_id;
+        runtime/chat_template.py turns the calls' arguments into dicts)."""
         content = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(part.text for part in self.content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.role == "assistant" and self.tool_calls:
+            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        if self.role == "tool" and self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -147,6 +231,46 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = "none"
+    parallel_tool_calls: bool | None = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_tool_usage(cls, data):
+        """vLLM's checks and messages. Tools without tool_choice mean "auto"."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("tools") == []:
+            raise ValueError("`tools` must not be an empty array. Either provide at least one tool or omit the "
+                             "field entirely.")
+        if "tool_choice" not in data and data.get("tools"):
+            data["tool_choice"] = "auto"
+        choice = data.get("tool_choice")
+        if choice is None or choice == "none":
+            return data
+        if data.get("tools") is None:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        if choice not in ("auto", "required") and not isinstance(choice, dict):
+            raise ValueError(f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or '
+                             f'"required" are supported.')
+        if isinstance(choice, dict):
+            usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+            function = choice.get("function")
+            if not isinstance(function, dict):
+                raise ValueError(f"Invalid value for `function`: `{function}` in `tool_choice`! {usage}")
+            if "name" not in function:
+                raise ValueError(f"Expected field `name` in `function` in `tool_choice`! {usage}")
+            if not isinstance(function["name"], str) or not function["name"]:
+                raise ValueError(f"Invalid `name` in `function`: `{function['name']}` in `tool_choice`! {usage}")
+        return data
+
+    @model_validator(mode="after")
+    def _named_tool_among_tools(self):
+        if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam) and \
+                self.tool_choice.function.name not in {t.function.name for t in self.tools or []}:
+            raise ValueError("The tool specified in `tool_choice` does not match any of the specified `tools`")
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

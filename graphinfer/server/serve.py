@@ -185,9 +185,16 @@ async def drain(app, timeout: float, stop_now: asyncio.Event) -> tuple[int, int]
 
 def serve(target: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_waiting_requests: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
-          max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, **engine_args) -> None:
+          max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, enable_auto_tool_choice: bool = False,
+          tool_call_parser: str | None = None, **engine_args) -> None:
     from graphinfer import LLM
+    from graphinfer.server.tool_parsers import ToolParserManager
 
+    if enable_auto_tool_choice and tool_call_parser is None:  # as vLLM
+        raise GraphinferError(f"--enable-auto-tool-choice requires --tool-call-parser (one of "
+                              f"{', '.join(sorted(ToolParserManager.tool_parsers))}).")
+    if tool_call_parser is not None:
+        ToolParserManager.get_tool_parser(tool_call_parser)
     if shutdown_timeout < 0:
         raise GraphinferError(f"--shutdown-timeout {shutdown_timeout} must be >= 0 (seconds).")
     if max_request_body_bytes < 1:
@@ -199,7 +206,7 @@ def serve(target: str, host: str, port: int, api_key: str | None, served_model_n
         engine = llm.llm_engine
         name = served_model_name or _model_name(engine.config.model_config.model)
         async_engine = AsyncLLMEngine(engine, max_waiting_requests)
-        app = build_app(async_engine, name, api_key, max_request_body_bytes)
+        app = build_app(async_engine, name, api_key, max_request_body_bytes, enable_auto_tool_choice, tool_call_parser)
         logger.info("serving with max_num_batched_tokens=%d, max_num_seqs=%d",
                     engine.config.scheduler_config.max_num_batched_tokens, engine.config.scheduler_config.max_num_seqs)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
