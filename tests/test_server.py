@@ -365,6 +365,9 @@ CLIENT_BAD = [  # (id, call(client), a word the message must contain)
         model=MODEL, prompt=PROMPT, max_tokens=2, stream_options={"include_usage": True}), "stream"),
     ("stream_options-without-stream-chat", lambda c: c.chat.completions.create(
         model=MODEL, messages=HI, max_tokens=2, stream_options={"include_usage": True}), "stream"),
+    ("tools-auto-without-tool-call-parser", lambda c: c.chat.completions.create(  # vLLM's message
+        model=MODEL, messages=HI, max_tokens=2, tools=[{"type": "function", "function": {"name": "f"}}]),
+     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
 ]
 
 

@@ -249,15 +249,16 @@ def test_serve_refuses_auto_tool_choice_without_a_parser():
 # ----- chat templates render tools; LLM.chat(tools=...) -----
 
 QWEN_STYLE = (  # the shape of Qwen2.5 / Qwen3's tools block (SmolLM2's own template has none)
-    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n"
-    "</tools><|im_end|>\n{%- endif %}"
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
     "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{{ m.content }}"
-    "{%- for c in m.tool_calls %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
-    "{{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    "{%- if m.role == 'assistant' and m.tool_calls %}{{- '<|im_start|>assistant\\n' + (m.content or '') }}"
+    "{%- for c in m.tool_calls %}{{- '\\n<tool_call>\\n{\"name\": \"' + c.function.name + '\", \"arguments\": ' + "
+    "(c.function.arguments | tojson) + '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 CONVERSATION = [
     {"role": "user", "content": "Weather in Oslo?"},
     {"role": "assistant", "content": None, "tool_calls": [
@@ -285,7 +286,7 @@ def test_offline_chat_renders_tools(smollm2_llm):
     from graphinfer import SamplingParams
 
     out = smollm2_llm.chat(CONVERSATION, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False,
-                           chat_template=QWEN_STYLE, tools=TOOLS)[0]
+                           chat_template=QWEN_STYLE, tools=[WEATHER])[0]
     prompt = smollm2_llm.get_tokenizer().decode(out.prompt_token_ids)
     assert json.dumps(WEATHER["function"]["parameters"]) in prompt and '"arguments": {"city": "Oslo"}' in prompt
     assert len(out.outputs[0].token_ids) == 1
@@ -303,15 +304,21 @@ FEW_SHOT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "
             {"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", autouse=True)
+def launched(tmp_path_factory):
+    """Started with the module, so that its start-up overlaps the offline tests."""
     s = Server(["--dtype", "float32", "--max-model-len", "1024", "--served-model-name", MODEL,
                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
                tmp_path_factory.mktemp("tools") / "server.log").launch()
     try:
-        yield s.wait_ready(300)
+        yield s
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(launched):
+    return launched.wait_ready(300)
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,15 @@ from graphinfer.errors import InvalidRequestError
 
 def _template_messages(messages: list[dict]) -> list[dict]:
     """As vLLM passes them: an assistant message's tool call arguments as a dict, not the JSON text the API
-    carries (templates index them and write them with tojson); the caller's dicts are left as they are."""
+    carries (templates index them and write them with tojson), and no content as "" (an assistant turn with only
+    tool calls has none); the caller's dicts are left as they are."""
     out = []
     for i, message in enumerate(messages):
         if isinstance(message, dict) and message.get("role") == "assistant" and \
                 isinstance(message.get("tool_calls"), list):
             message = {**message, "tool_calls": [_parsed_arguments(c, i, j) for j, c in enumerate(message["tool_calls"])]}
+            if message.get("content") is None:
+                message["content"] = ""
         out.append(message)
     return out
 
