@@ -7,6 +7,7 @@ with SIGTERM while requests are in flight at the end. A tiny-qwen3-moe server wi
 authentication and the MoE expert-load metrics. Both start together at the beginning of the module, so their start-up overlaps.
 Shutdown with requests that finish while draining, SIGINT and a busy port: test_server_shutdown.py.
 """
+import json
 import math
 import os
 import re
@@ -16,6 +17,8 @@ import statistics
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import httpx
 import openai
@@ -221,6 +224,22 @@ def test_batch_prompts(client):
     assert texts == [c.text for c in r.choices]
     assert finish == [c.finish_reason for c in r.choices]
     assert chunks[-1].usage.model_dump() == r.usage.model_dump()
+
+
+def test_tokenize_and_detokenize_round_trip(http, smollm2_llm):
+    tok = smollm2_llm.get_tokenizer()
+    text = "The capital of France is Paris. ÄÖÜ \u4e2d\u6587 🙂"
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    assert r["tokens"] == tok(text).input_ids and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_MODEL_LEN
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json() == {"prompt": text}
+    # messages: the chat template's text, whose special tokens are not added twice
+    chat = http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    assert chat == tok(tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False).input_ids
+    assert_openai_error(http.post("/tokenize", json={"prompt": "a", "messages": CHAT}), 400)
+    assert "[0, 49152)" in assert_openai_error(http.post("/detokenize", json={"tokens": [10**6]}), 400)["message"]
+    assert_openai_error(http.post("/detokenize", json={"model": "other", "tokens": [1]}), 404)
 
 
 def test_token_id_prompt_equals_text_prompt(client, greedy_ref, smollm2_llm):
@@ -541,6 +560,16 @@ def test_huge_bodies_are_refused_while_health_answers(smol, http):
         err = assert_openai_error(http.post("/v1/completions", json=large), 400)
         assert err["type"] == "BadRequestError" and "characters, so at least" in err["message"], err
         took = time.perf_counter() - t0
+        # urllib sends the whole body before it reads: it sees a reset unless the server reads the body first
+        req = urllib.request.Request(f"{smol.url}/v1/completions", data=json.dumps(huge).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=60)
+        assert refused.value.code == 413 and json.loads(refused.value.read())["error"]["type"] == "RequestTooLargeError"
+        with openai.OpenAI(base_url=f"{smol.url}/v1", api_key="EMPTY", max_retries=0) as c:
+            with pytest.raises(openai.APIStatusError) as refused:
+                c.completions.create(model=MODEL, prompt=huge["prompt"], max_tokens=2)
+        assert refused.value.status_code == 413 and "--max-request-body-bytes" in refused.value.message
         time.sleep(0.2)
     print(f"\n{probe.check('a 10 MB, a chunked 10 MB and a 3 MB prompt')}; the three refused in {took:.2f} s")
 

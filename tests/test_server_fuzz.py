@@ -43,7 +43,8 @@ def api_schema(server):
 
 def test_openapi_document_lists_the_api(api_schema):
     paths = {op.ok().path for op in api_schema.get_all_operations()}
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version", "/metrics"} <= paths
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/version",
+            "/metrics"} <= paths
 
 
 VOCAB = 512  # tiny-llama's
@@ -103,6 +104,10 @@ CASES = [  # (path, method, mode, steered, max_examples); the GETs take no param
     ("/v1/completions", "POST", NEG, False, 50),
     ("/v1/chat/completions", "POST", POS, False, 40),
     ("/v1/chat/completions", "POST", NEG, False, 40),
+    ("/tokenize", "POST", POS, False, 15),
+    ("/tokenize", "POST", NEG, False, 15),
+    ("/detokenize", "POST", POS, False, 15),
+    ("/detokenize", "POST", NEG, False, 15),
     ("/v1/models", "GET", POS, False, 2),
     ("/version", "GET", POS, False, 2),
 ]

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI), as vLLM serves it.
 
-/v1/completions, /v1/chat/completions (both with `stream` as server-sent events), /v1/models, /health,
-/version, /metrics. Errors use OpenAI's body {"error": {"message", "type", "param", "code"}} with vLLM's
+/v1/completions, /v1/chat/completions (both with `stream` as server-sent events), /v1/models, /tokenize,
+/detokenize, /health, /version, /metrics. Errors use OpenAI's body {"error": {"message", "type", "param", "code"}} with vLLM's
 status codes: 400 (BadRequestError) for invalid parameters, malformed JSON and over-long prompts, 401 for a
 bad API key, 404 for an unknown model, 413 for a body over the size limit, 503 when the waiting queue is
 full or the server is shutting down. A client that goes away aborts its requests.
@@ -29,7 +29,7 @@ from graphinfer.server.async_engine import (AsyncLLMEngine, EngineDeadError, Eng
 from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from graphinfer.server.metrics import Metrics
 from graphinfer.server.preprocess import Preprocessor
-from graphinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from graphinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from graphinfer.server.tool_calling import ToolCalling
 from graphinfer.server.tool_parsers import ToolParserManager
 
@@ -72,7 +72,7 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        api = path.startswith("/v1/")
+        api = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
         endpoint = path if api or path in ("/health", "/version", "/metrics") else "other"
 
         async def refuse(response):
@@ -86,14 +86,19 @@ class Gate:
         headers = Headers(scope=scope)
         if self.api_key and api and headers.get("authorization") != f"Bearer {self.api_key}":
             return await refuse(error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'."))
+        # Connection: close, after the body is read and dropped (up to a cap): closing a socket with unread data
+        # resets the connection, and a client still uploading (urllib, curl) would see the reset, not the 413.
         too_large = error_response(413, f"The request body is larger than the server's limit of {self.max_body_bytes} "
-                                        f"bytes (--max-request-body-bytes).")
+                                        f"bytes (--max-request-body-bytes).", headers={"Connection": "close"})
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await refuse(too_large)  # the rest of the body is read and dropped by the HTTP protocol
+            if int(length) <= _DRAIN_CAP_BYTES:
+                await _drain(receive)
+            return await refuse(too_large)
         if length is None and scope["method"] in ("POST", "PUT", "PATCH"):  # chunked: count as it arrives
             buffered = await self._read_limited(receive)
             if buffered is None:
+                await _drain(receive, _DRAIN_CAP_BYTES)
                 return await refuse(too_large)
             receive = _replay(buffered, receive)
 
@@ -131,6 +136,21 @@ class Gate:
                 return None
             if not message.get("more_body"):
                 return messages
+
+
+# An over-limit body is read and dropped up to this size before the 413 goes out; a larger one is refused at once
+# (the client may then see a reset instead of the answer: a sender of over 64 MiB gets no courtesy read).
+_DRAIN_CAP_BYTES = 64 * 2**20
+
+
+async def _drain(receive, cap: int | None = None) -> None:
+    """Read and drop the rest of the request body (at most `cap` more bytes)."""
+    size = 0
+    while cap is None or size <= cap:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
+        size += len(message.get("body", b""))
 
 
 def _replay(messages: list, receive):
@@ -235,6 +255,19 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
                                             "owned_by": "graphinfer", "root": served_model_name,
                                             "max_model_len": max_model_len}]}
 
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model)
+        messages = None if req.messages is None else [m.to_template() for m in req.messages]
+        ids, strs = await pre.run(pre.tokenize, req.prompt, messages, req.add_generation_prompt,
+                                  req.add_special_tokens, req.return_token_strs, _tool_dicts(req.tools))
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        return {"prompt": await pre.run(pre.detokenize, req.tokens)}
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
@@ -255,14 +288,19 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
             params = tools.constrain(params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         messages = [m.to_template() for m in req.messages]
-        tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None  # also for "none"
-        streams = engine.submit(await pre.run(pre.chat, messages, req.add_generation_prompt, params, rid, tool_dicts))
+        streams = engine.submit(await pre.run(pre.chat, messages, req.add_generation_prompt, params, rid,
+                                              _tool_dicts(req.tools)))  # rendered for tool_choice "none" too
         fmt = _ChatFormat(rid, served_model_name, params, tools)
         if req.stream:
             return _sse(streams, fmt, params, req.include_usage, metrics)
         return await _collect(streams, fmt, raw, metrics)
 
     return app
+
+
+def _tool_dicts(tools) -> list[dict] | None:
+    """A request's tools as chat templates read them."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
 # ----- response bodies -----

@@ -91,6 +91,27 @@ class Preprocessor:
         ids = self._tokenize(text, add_special_tokens=False)
         return self._sequences([ids], [None], params, [request_id])
 
+    def tokenize(self, prompt: str | None, messages: list[dict] | None, add_generation_prompt: bool,
+                 add_special_tokens: bool | None, return_token_strs: bool,
+                 tools: list[dict] | None = None) -> tuple[list[int], list[str] | None]:
+        """/tokenize: a prompt, or messages (and tools) through the chat template (whose text carries its special
+        tokens)."""
+        if messages is not None:
+            prompt = chat_prompt_text(self.tokenizer, messages, add_generation_prompt, tools=tools)
+        if self.tokenizer is None:
+            self.engine.tokenize(prompt)  # raises the "no tokenizer" error
+        special = messages is None if add_special_tokens is None else add_special_tokens
+        ids = self.tokenizer(prompt, add_special_tokens=special).input_ids  # any length: counting is the point
+        return ids, self.tokenizer.convert_ids_to_tokens(ids) if return_token_strs else None
+
+    def detokenize(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequestError("This model ships no tokenizer, so token ids cannot be turned into text.")
+        vocab = self.engine.hf_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"tokens must be token ids in [0, {vocab}).")
+        return self.tokenizer.decode(ids)
+
     def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         cpt = self.chars_per_token
         if cpt and len(text) > cpt * (self.max_model_len - 1):  # at least max_model_len tokens: no room to generate

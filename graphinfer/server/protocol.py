@@ -284,3 +284,33 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def _logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a `prompt` (TokenizeCompletionRequest) or chat `messages` (TokenizeChatRequest)."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None  # rendered with the messages, as a chat request would
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        _check_utf8(data)
+        return data
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (a string) or 'messages' (a chat).")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]

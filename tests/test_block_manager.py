@@ -1,0 +1,112 @@
+"""BlockManager on its own: the chained prefix hash, the LRU of freed blocks, reference counts and trim."""
+from graphinfer.runtime.block_manager import BlockManager
+from graphinfer.runtime.sequence import Sequence
+from graphinfer.sampling_params import SamplingParams
+
+BS = 4
+
+
+def seq(tokens, rid="r") -> Sequence:
+    return Sequence(rid, None, tokens, SamplingParams(), max_tokens=8)
+
+
+def run_prompt(bm: BlockManager, s: Sequence) -> list[int]:
+    """Schedule s's whole prompt as the scheduler does (cached prefix + the rest), 'compute' it, cache its blocks."""
+    cached = bm.find_cached_blocks(s)
+    assert bm.can_allocate(s, cached, s.num_tokens - len(cached) * BS)
+    bm.allocate(s, cached, s.num_tokens - len(cached) * BS)
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_full_blocks(s)
+    return cached
+
+
+def test_hits_follow_the_hash_chain_and_leave_the_last_token():
+    bm = BlockManager(16, BS)
+    a = seq(list(range(12)), "a")  # 3 full blocks
+    assert run_prompt(bm, a) == []
+    assert len(a.block_hashes) == 3 and len(bm.hash_to_block_id) == 3
+    # the same 12 tokens: only 2 blocks hit, the block holding the last token is computed again (its logits)
+    again = seq(list(range(12)), "b")
+    assert bm.find_cached_blocks(again) == a.block_table[:2]
+    # one more token: all 3 blocks hit
+    assert bm.find_cached_blocks(seq(list(range(13)), "c")) == a.block_table[:3]
+    # block 1's tokens after a different block 0: a block's identity is its whole prefix, so nothing hits
+    assert bm.find_cached_blocks(seq([99, 1, 2, 3] + list(range(4, 13)), "d")) == []
+    # diverging inside block 1: only block 0 hits
+    assert bm.find_cached_blocks(seq([0, 1, 2, 3, 4, 5, 99, 7, 8, 9, 10, 11, 12], "e")) == a.block_table[:1]
+
+
+def test_a_hash_collision_never_serves_other_tokens():
+    bm = BlockManager(8, BS)
+    a = seq(list(range(9)), "a")
+    run_prompt(bm, a)
+    # forge a collision: the hash of block 0 now points at block 1, which holds other tokens
+    bm.hash_to_block_id[a.block_hashes[0]] = a.block_table[1]
+    assert bm.find_cached_blocks(seq(list(range(9)), "b")) == []
+
+
+def test_shared_blocks_are_reference_counted():
+    bm = BlockManager(8, BS)
+    a, b = seq(list(range(9)), "a"), seq(list(range(9)) + [50], "b")
+    run_prompt(bm, a)
+    free_after_a = bm.num_free_blocks
+    assert run_prompt(bm, b) == a.block_table[:2]
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    assert bm.num_free_blocks == free_after_a - 1  # b added only its own third block
+    bm.free(a)
+    assert [bm.blocks[i].ref_count for i in b.block_table] == [1, 1, 1]
+    assert not set(b.block_table) & set(bm.free_block_ids)  # still in use: not free
+    bm.free(b)
+    assert bm.num_free_blocks == 8 and all(blk.ref_count == 0 for blk in bm.blocks)
+
+
+def test_freed_blocks_revive_and_count_against_free_space():
+    bm = BlockManager(4, BS)
+    a = seq(list(range(9)), "a")
+    run_prompt(bm, a)
+    table = list(a.block_table)
+    bm.free(a)  # all 4 free again, but blocks 0 and 1 still hold a's prefix
+    b = seq(list(range(8)) + [7] * 7, "b")  # 15 tokens: 4 blocks, 2 of them cached
+    cached = bm.find_cached_blocks(b)
+    assert cached == table[:2]
+    assert bm.can_allocate(b, cached, b.num_tokens - 8)  # 2 revived + 2 new = 4 free
+    assert not bm.can_allocate(b, cached, b.num_tokens - 8 + BS)  # one block more does not fit
+    bm.allocate(b, cached, b.num_tokens - 8)
+    assert bm.num_free_blocks == 0 and b.num_computed_tokens == 8
+
+
+def test_lru_evicts_the_least_recently_freed_and_tails_first():
+    bm = BlockManager(4, BS)
+    a = seq(list(range(12)), "a")  # blocks 0, 1, 2; block 3 never used
+    run_prompt(bm, a)
+    table = list(a.block_table)
+    bm.free(a)
+    # free order: the unused block first, then a's blocks tail first, so its prefix outlives its tail
+    assert list(bm.free_block_ids) == [3, table[2], table[1], table[0]]
+    c = seq([100 + i for i in range(5)], "c")  # 2 blocks: the unused one and a's tail (its hash evicted)
+    run_prompt(bm, c)
+    assert c.block_table == [3, table[2]]
+    assert len(bm.hash_to_block_id) == 2 + 1  # a's first two blocks + c's first
+    assert bm.find_cached_blocks(seq(list(range(13)), "d")) == table[:2]
+
+
+def test_trim_returns_lookahead_blocks_first():
+    bm = BlockManager(8, BS)
+    a = seq(list(range(6)), "a")
+    run_prompt(bm, a)  # 2 blocks
+    bm.append_slots(a, 7)  # 6 + 7 = 13 tokens: 4 blocks (drafts in the lookahead slots)
+    assert len(a.block_table) == 4
+    lookahead = a.block_table[2:]
+    a.num_computed_tokens = 8  # two drafts accepted: 8 tokens computed, 2 blocks kept
+    bm.trim(a)
+    assert len(a.block_table) == 2
+    assert list(bm.free_block_ids)[:2] == lookahead[::-1]  # no hash: reused before any cached block
+    assert all(bm.blocks[i].ref_count == 0 for i in lookahead)
+
+
+def test_no_prefix_caching_means_no_hits():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    a = seq(list(range(9)), "a")
+    run_prompt(bm, a)
+    assert bm.hash_to_block_id == {} and bm.find_cached_blocks(seq(list(range(9)), "b")) == []
