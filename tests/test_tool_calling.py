@@ -48,6 +48,38 @@ def calls_of(info) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in info.tool_calls]
 
 
+# ----- partial JSON: what is streamed of the arguments is always a prefix of json.dumps of the whole -----
+
+@pytest.mark.parametrize("doc", [
+    '{"a": 1, "b": [1, 2.50, -0, 0.5e-3, 1E5, true, null, {}], "c": {"d": [], "e": ""}}',
+    '{ "s" : "q\\"\\\\\\/\\b\\f\\n\\r\\t\\u0000\\u00e9\\ud83d\\ude00\\udc00x 燃气" ,"n":[ [ ] ] }',
+    '[{"name": "f", "parameters": {"big": 123456789012345678901234567890, "tiny": 1e-320}}]'])
+def test_partial_json_prefixes(doc):
+    from graphinfer.server.tool_parsers.partial_json import canonical, parse_partial
+
+    want = json.dumps(json.loads(doc), ensure_ascii=False)
+    previous = ""
+    for k in range(len(doc) + 1):
+        node, end = parse_partial(doc[:k])
+        got = canonical(node)
+        assert got.startswith(previous) and want.startswith(got), (doc[:k], got)
+        previous = got
+    assert node.complete and end == len(doc) and previous == want
+
+
+@pytest.mark.parametrize("bad", ['{"a" 1}', '{"a": 01}', "{a: 1}", "[1,,2]", '{"a": "x\ny"}', '{"a": tru e}',
+                                 '{"a": "\\x"}', '{"a": 1}}'])
+def test_partial_json_refuses_what_json_refuses(bad):
+    from graphinfer.server.tool_parsers.partial_json import MalformedJSON, parse_partial, skip_ws
+
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(bad)
+    with pytest.raises(MalformedJSON):
+        node, end = parse_partial(bad)
+        if node.complete and skip_ws(bad, end) != len(bad):
+            raise MalformedJSON("trailing text")
+
+
 # ----- parsers on text -----
 
 HERMES = [  # (id, output, calls, content)

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 _WS = " \t\n\r"
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUMBER_CHARS = frozenset("+-.0123456789eE")
-_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _LITERALS = ("true", "false", "null")
-_HEX = frozenset("0123456789abcdefABCDEF")
+# a string's characters: anything but a quote, a backslash or a control character, or an escape
+_STRING_BODY = re.compile(r'(?:[^"\\\x00-\x1f]+|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*')
+_ESCAPE_START = re.compile(r'\\(?:u[0-9a-fA-F]{0,3})?')  # an escape cut off by the end of the text
+_HIGH_SURROGATE = re.compile(r'\\u[dD][89abAB][0-9a-fA-F]{2}')
 MAX_DEPTH = 128  # deeper nesting is refused (a recursion guard; json.loads itself stops near 1000)
 
 
@@ -82,41 +84,25 @@ def parse_partial(s: str, i: int = 0, depth: int = 0) -> tuple[Node | None, int]
 
 
 def _parse_string(s: str, i: int) -> tuple[Node, int]:
-    out, n = [], len(s)
-    while i < n:
-        c = s[i]
-        if c == '"':
-            return Node("string", True, "".join(out)), i + 1
-        if c == "\\":
-            if i + 1 >= n:
-                break  # the escape is cut off: leave it out
-            e = s[i + 1]
-            if e in _ESCAPES:
-                out.append(_ESCAPES[e])
-                i += 2
-            elif e == "u":
-                hex4 = s[i + 2:i + 6]
-                if not all(h in _HEX for h in hex4):
-                    raise MalformedJSON(f"bad \\u escape at {i}")
-                if len(hex4) < 4:
-                    break
-                code, i = int(hex4, 16), i + 6
-                if 0xD800 <= code < 0xDC00:  # a high surrogate: joined with the low one that should follow
-                    low = s[i:i + 6]
-                    if len(low) < 6 and "\\u".startswith(low[:2]) and all(h in _HEX for h in low[2:]):
-                        i -= 6  # the pair may be cut off: wait for the rest
-                        break
-                    if low[:2] == "\\u" and all(h in _HEX for h in low[2:]) and 0xDC00 <= int(low[2:], 16) < 0xE000:
-                        code, i = 0x10000 + ((code - 0xD800) << 10) + (int(low[2:], 16) - 0xDC00), i + 6
-                out.append(chr(code))
-            else:
-                raise MalformedJSON(f"bad escape \\{e} at {i}")
-        elif c < " ":
-            raise MalformedJSON(f"control character {c!r} in a string at {i}")
-        else:
-            out.append(c)
-            i += 1
-    return Node("string", False, "".join(out)), n
+    """The string whose opening quote is s[i - 1]. Decoded by json's own scanner (C speed: a stream re-reads
+    long arguments at every delta); a cut-off end leaves out an unfinished escape, or a surrogate pair's half."""
+    j = _STRING_BODY.match(s, i).end()
+    if j < len(s) and s[j] == '"':
+        return Node("string", True, json.loads(s[i - 1:j + 1])), j + 1
+    if j < len(s) and not _ESCAPE_START.fullmatch(s, j):
+        raise MalformedJSON(f"bad character or escape in a string at {j}")
+    body = s[i:j]
+    if _HIGH_SURROGATE.fullmatch(body, len(body) - 6) and _escapes(body, len(body) - 6):  # its low half may follow
+        body = body[:-6]
+    return Node("string", False, json.loads(f'"{body}"')), len(s)
+
+
+def _escapes(body: str, k: int) -> bool:
+    """Whether the backslash at body[k] begins an escape (an even number of backslashes before it)."""
+    n = k
+    while n > 0 and body[n - 1] == "\\":
+        n -= 1
+    return (k - n) % 2 == 0
 
 
 def _parse_object(s: str, i: int, depth: int) -> tuple[Node, int]:
