@@ -18,7 +18,10 @@ from graphinfer.server.protocol import ChatCompletionNamedToolChoiceParam, ChatC
 from graphinfer.server.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, ToolParserManager
 
 AUTO_NEEDS_PARSER = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
-_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def _no_parameters() -> dict:  # a function without parameters takes an empty object
+    return {"type": "object", "properties": {}}
 
 
 def tool_choice_json_schema(req: ChatCompletionRequest) -> dict | None:
@@ -27,12 +30,12 @@ def tool_choice_json_schema(req: ChatCompletionRequest) -> dict | None:
     choice, tools = req.tool_choice, req.tools or []
     if isinstance(choice, ChatCompletionNamedToolChoiceParam):
         tool = next(t for t in tools if t.function.name == choice.function.name)
-        return tool.function.parameters or _EMPTY_PARAMETERS
+        return tool.function.parameters or _no_parameters()
     if choice != "required":
         return None
     items, defs = [], {}
     for tool in tools:
-        params = copy.deepcopy(tool.function.parameters) or _EMPTY_PARAMETERS
+        params = copy.deepcopy(tool.function.parameters) or _no_parameters()
         tool_defs = params.pop("$defs", {})
         if not isinstance(tool_defs, dict):
             raise InvalidRequestError(f"tool {tool.function.name!r}: parameters.$defs must be an object of schemas.")
