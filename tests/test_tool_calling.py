@@ -271,10 +271,16 @@ def test_tool_choice_modes():
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["a"] and finish == "tool_calls"
 
 
-def test_serve_refuses_auto_tool_choice_without_a_parser():
+def test_serve_flags(capsys):
+    from graphinfer.cli import build_parser
     from graphinfer.server.serve import serve
 
-    with pytest.raises(GraphinferError, match="--tool-call-parser"):
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    assert re.search(r"--enable-auto-tool-choice.*--tool-call-parser \{hermes,llama3_json", capsys.readouterr().out, re.S)
+    with pytest.raises(GraphinferError, match="--tool-call-parser"):  # as vLLM, before the model loads
         serve("", "127.0.0.1", 0, None, None, 1, enable_auto_tool_choice=True, tool_call_parser=None)
 
 
