@@ -74,9 +74,9 @@ IN_RANGE = {  # (None last: hypothesis favours a one_of's first branches)
     "stream": st.booleans(),
     "stream_options": st.one_of(st.just({"include_usage": True}), st.none()),  # only with stream: else a 400
     "ignore_eos": st.booleans(),
-    "n": st.just(1),
-    "echo": st.just(False),
-    "best_of": st.sampled_from([None, 1]),
+    "n": st.integers(1, 3),
+    "echo": st.booleans(),
+    "best_of": st.one_of(st.integers(1, 4), st.none()),
     "suffix": st.none(),
 }
 
