@@ -81,8 +81,6 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
-        if self.best_of is None:
-            self.best_of = self.n
 
     def _verify(self):
         def bad(msg):
@@ -98,8 +96,8 @@ class SamplingParams:
                 bad(f"best_of={self.best_of!r} must be an integer >= n={self.n} (the candidates the n outputs are "
                     f"picked from); leave it unset for best_of = n.")
             if self.best_of > self.n and self.temperature < _GREEDY_EPS:
-                bad(f"best_of={self.best_of} > n={self.n} with greedy sampling (temperature=0) would pick from identical "
-                    f"candidates; use temperature > 0, or best_of = n.")
+                bad(f"best_of={self.best_of} > n={self.n} with greedy sampling (temperature=0) would pick from "
+                    f"identical candidates; use temperature > 0, or best_of = n.")
         if self.temperature < 0:
             bad(f"temperature={self.temperature} must be >= 0 (0 means greedy).")
         if not 0 < self.top_p <= 1:
@@ -127,6 +125,11 @@ class SamplingParams:
             bad(f"stop_token_ids={self.stop_token_ids!r} must be non-negative token ids.")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             bad(f"seed={self.seed!r} must be an integer in [-2**63, 2**64).")
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences sampled per prompt: best_of, or n where best_of is unset."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def greedy(self) -> bool:

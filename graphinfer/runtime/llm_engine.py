@@ -536,7 +536,7 @@ class LLMEngine:
         if request_id in self.requests or request_id in self.parents:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.")
         seq = Sequence(request_id, text, ids, params, max_tokens)
-        if params.best_of > 1:  # parallel sampling: the children run, seq stands for the request
+        if params.num_candidates > 1:  # parallel sampling: the children run, seq stands for the request
             seq.children = make_children(seq)
         for s in seq.children or [seq]:
             if s.sampling_params.seed is not None:

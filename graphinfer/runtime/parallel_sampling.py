@@ -19,23 +19,24 @@ from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params child `index` samples with: n = best_of = 1, its own seed, and what ranking needs."""
+    """The params child `index` samples with: n = 1, its own seed, and what ranking needs."""
     seed = params.seed
     if seed is not None:
         seed += index
         if seed >= 2**64:  # wraps: still the 64-bit seed range SamplingParams accepts
             seed -= 2**64
-    if params.best_of == params.n:
-        return replace(params, n=1, best_of=1, seed=seed)
-    return replace(params, n=1, best_of=1, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
+    if params.num_candidates == params.n:
+        return replace(params, n=1, best_of=None, seed=seed)
+    return replace(params, n=1, best_of=None, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
                    logprobs=0 if params.logprobs is None else params.logprobs)
 
 
 def make_children(seq: Sequence) -> list[Sequence]:
     """seq's best_of child sequences (ids "{i}_{request id}", as vLLM's); the engine gives them generators and
     detokenizers."""
-    children = [Sequence(f"{i}_{seq.request_id}", seq.prompt, seq.prompt_token_ids,
-                         child_params(seq.sampling_params, i), seq.max_tokens) for i in range(seq.sampling_params.best_of)]
+    params = seq.sampling_params
+    children = [Sequence(f"{i}_{seq.request_id}", seq.prompt, seq.prompt_token_ids, child_params(params, i),
+                         seq.max_tokens) for i in range(params.num_candidates)]
     for i, child in enumerate(children):
         child.index = i
     return children
@@ -47,7 +48,7 @@ class ParentRequest:
     def __init__(self, seq: Sequence):
         params = seq.sampling_params
         self.request_id, self.prompt, self.children = seq.request_id, seq.prompt, seq.children
-        self.n, self.ranked = params.n, params.best_of > params.n
+        self.n, self.ranked = params.n, params.num_candidates > params.n
         self.logprobs_asked = params.logprobs is not None
         self.streaming = params.output_kind != RequestOutputKind.FINAL_ONLY and not self.ranked
         self.unfinished = len(self.children)

@@ -288,7 +288,8 @@ class _CompletionFormat:
 
     def chunk(self, index: int, text: str, c: CompletionOutput, start: int, offset: int, finish: str | None) -> dict:
         return self.head(self.chunk_object, [{"index": index, "text": text, "logprobs": self.logprobs(c, start, offset),
-                                              "finish_reason": finish, "stop_reason": c.stop_reason if finish else None}])
+                                              "finish_reason": finish,
+                                              "stop_reason": c.stop_reason if finish else None}])
 
     def first_chunks(self, n: int) -> list[dict]:
         return []
@@ -335,7 +336,8 @@ def _usage(streams: list[RequestStream], completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
 
 
-def _record(metrics: Metrics, stream: RequestStream, choices: list[CompletionOutput], first_token_at: float | None) -> None:
+def _record(metrics: Metrics, stream: RequestStream, choices: list[CompletionOutput],
+            first_token_at: float | None) -> None:
     """A finished request's metrics: one finish per choice, its prompt once, the tokens of all its choices."""
     now = time.monotonic()
     for c in choices:
