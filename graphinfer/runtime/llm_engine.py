@@ -586,7 +586,8 @@ class LLMEngine:
     # ----- stepping -----
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step. Returns an output for each request that got a token (with
-        output_kind FINAL_ONLY: only once it finished), after which the engine forgets finished ones.
+        output_kind FINAL_ONLY: only once it finished), after which the engine forgets finished ones; a streamed
+        n > 1 request gets one per child that got a token (runtime/parallel_sampling.py).
         With async scheduling, the tokens returned are the previous step's."""
         if self.async_scheduling:
             return self._step_async()
