@@ -2,8 +2,8 @@
 `graphinfer serve` of it with the official openai client.
 
 References: the engine's own n=1 runs (child i of a request seeded s is the n=1 request seeded s + i, vLLM's rule), the
-openai client's parsing, vLLM's choice numbering (prompt p's i-th output is choice p * n + i). The server (with --async-scheduling, so the
-children also run with steps launched ahead) starts with the module: its start-up overlaps the offline tests.
+openai client's parsing, vLLM's choice numbering (prompt p's i-th output is choice p * n + i).
+The server runs with --async-scheduling, so the children also run with steps launched ahead.
 """
 import math
 
@@ -23,7 +23,7 @@ PROMPT = "Once upon a time, in a small village by the sea,"
 SAMPLE = dict(temperature=1.0, max_tokens=4, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = Server(["--dtype", "float32", "--max-model-len", "512", "--served-model-name", MODEL, "--async-scheduling"],
                tmp_path_factory.mktemp("nbest") / "server.log").launch()
@@ -42,6 +42,72 @@ def client(server):
 
 def _texts(out):
     return [c.text for c in out.outputs]
+
+
+# ----- server (the official openai client) -----
+
+def _stream(chunks, field=lambda ch: ch.text):
+    """choice index -> (text, finish_reason), from streamed chunks."""
+    got = {}
+    for chunk in chunks:
+        for ch in chunk.choices:
+            text, finish = got.get(ch.index, ("", None))
+            got[ch.index] = (text + (field(ch) or ""), ch.finish_reason or finish)
+    return got
+
+
+def test_server_completions_n(client):
+    kw = dict(model=MODEL, prompt=PROMPT, n=3, seed=7, max_tokens=6, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) == 3
+    one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once (vLLM's usage)
+    assert r.usage.completion_tokens == 18
+    streamed = _stream(client.completions.create(**kw, stream=True))
+    assert streamed == {c.index: (c.text, c.finish_reason) for c in r.choices}
+
+
+def test_server_chat_n(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], n=3, seed=2, max_tokens=6)
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    streamed = _stream(client.chat.completions.create(**kw, stream=True), lambda ch: ch.delta.content)
+    assert streamed == {c.index: (c.message.content, c.finish_reason) for c in r.choices}
+
+
+def test_server_n_with_several_prompts_numbers_choices_prompt_major(client):
+    prompts = [PROMPT, "The ships at night"]
+    kw = dict(model=MODEL, n=2, seed=4, max_tokens=5, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=prompts, **kw)
+    alone = [client.completions.create(prompt=p, **kw).choices for p in prompts]
+    assert [(c.index, c.text) for c in r.choices] == [(2 * p + c.index, c.text) for p in range(2) for c in alone[p]]
+    streamed = _stream(client.completions.create(prompt=prompts, stream=True, **kw))
+    assert {k: t for k, (t, _) in streamed.items()} == {c.index: c.text for c in r.choices}
+
+
+def test_server_best_of(client):
+    kw = dict(model=MODEL, prompt=PROMPT, seed=9, max_tokens=5, logprobs=0, extra_body={"ignore_eos": True})
+    candidates = client.completions.create(n=3, **kw).choices  # the same three candidates: seeds 9, 10, 11
+    best = client.completions.create(n=2, best_of=3, **kw).choices
+    ranked = sorted(candidates, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    assert [(c.index, c.text) for c in best] == [(0, ranked[0].text), (1, ranked[1].text)]
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
+        client.completions.create(n=1, best_of=2, stream=True, **kw)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(n=3, best_of=2, **kw)
+
+
+def test_server_echo(client, smollm2_llm):
+    ids = smollm2_llm.get_tokenizer()(PROMPT).input_ids
+    kw = dict(model=MODEL, max_tokens=5, temperature=0, echo=True)
+    text = client.completions.create(prompt=PROMPT, **kw).choices[0].text
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0).choices[0].text
+    assert text == PROMPT + plain
+    from_ids = client.completions.create(prompt=ids, n=2, **kw).choices
+    assert [c.text for c in from_ids] == [smollm2_llm.get_tokenizer().decode(ids) + plain] * 2
+    assert _stream(client.completions.create(prompt=PROMPT, stream=True, **kw)) == {0: (text, "length")}
+    with pytest.raises(openai.BadRequestError, match="prompt tokens' logprobs"):
+        client.completions.create(prompt=PROMPT, logprobs=1, **kw)
 
 
 # ----- offline -----
@@ -147,69 +213,3 @@ def test_scheduler_shares_prompt_blocks_in_one_step_only_with_prefix_caching():
         out = sched.schedule()
         assert [n for _, n in out.scheduled] == ([10, 2, 2] if caching else [10, 10, 10])
         assert sched.block_manager.num_blocks - sched.block_manager.num_free_blocks == (3 + 1 + 1 if caching else 9)
-
-
-# ----- server (the official openai client) -----
-
-def _stream(chunks, field=lambda ch: ch.text):
-    """choice index -> (text, finish_reason), from streamed chunks."""
-    got = {}
-    for chunk in chunks:
-        for ch in chunk.choices:
-            text, finish = got.get(ch.index, ("", None))
-            got[ch.index] = (text + (field(ch) or ""), ch.finish_reason or finish)
-    return got
-
-
-def test_server_completions_n(client):
-    kw = dict(model=MODEL, prompt=PROMPT, n=3, seed=7, max_tokens=6, extra_body={"ignore_eos": True})
-    r = client.completions.create(**kw)
-    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) == 3
-    one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
-    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once (vLLM's usage)
-    assert r.usage.completion_tokens == 18
-    streamed = _stream(client.completions.create(**kw, stream=True))
-    assert streamed == {c.index: (c.text, c.finish_reason) for c in r.choices}
-
-
-def test_server_chat_n(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], n=3, seed=2, max_tokens=6)
-    r = client.chat.completions.create(**kw)
-    assert [c.index for c in r.choices] == [0, 1, 2]
-    streamed = _stream(client.chat.completions.create(**kw, stream=True), lambda ch: ch.delta.content)
-    assert streamed == {c.index: (c.message.content, c.finish_reason) for c in r.choices}
-
-
-def test_server_n_with_several_prompts_numbers_choices_prompt_major(client):
-    prompts = [PROMPT, "The ships at night"]
-    kw = dict(model=MODEL, n=2, seed=4, max_tokens=5, extra_body={"ignore_eos": True})
-    r = client.completions.create(prompt=prompts, **kw)
-    alone = [client.completions.create(prompt=p, **kw).choices for p in prompts]
-    assert [(c.index, c.text) for c in r.choices] == [(2 * p + c.index, c.text) for p in range(2) for c in alone[p]]
-    streamed = _stream(client.completions.create(prompt=prompts, stream=True, **kw))
-    assert {k: t for k, (t, _) in streamed.items()} == {c.index: c.text for c in r.choices}
-
-
-def test_server_best_of(client):
-    kw = dict(model=MODEL, prompt=PROMPT, seed=9, max_tokens=5, logprobs=0, extra_body={"ignore_eos": True})
-    candidates = client.completions.create(n=3, **kw).choices  # the same three candidates: seeds 9, 10, 11
-    best = client.completions.create(n=2, best_of=3, **kw).choices
-    ranked = sorted(candidates, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
-    assert [(c.index, c.text) for c in best] == [(0, ranked[0].text), (1, ranked[1].text)]
-    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
-        client.completions.create(n=1, best_of=2, stream=True, **kw)
-    with pytest.raises(openai.BadRequestError, match="best_of"):
-        client.completions.create(n=3, best_of=2, **kw)
-
-
-def test_server_echo(client, smollm2_llm):
-    ids = smollm2_llm.get_tokenizer()(PROMPT).input_ids
-    kw = dict(model=MODEL, max_tokens=5, temperature=0, echo=True)
-    text = client.completions.create(prompt=PROMPT, **kw).choices[0].text
-    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0).choices[0].text
-    assert text == PROMPT + plain
-    from_ids = client.completions.create(prompt=ids, n=2, **kw).choices
-    assert [c.text for c in from_ids] == [smollm2_llm.get_tokenizer().decode(ids) + plain] * 2
-    assert _stream(client.completions.create(prompt=PROMPT, stream=True, **kw)) == {0: (text, "length")}
-    with pytest.raises(openai.BadRequestError, match="prompt tokens' logprobs"):
-        client.completions.create(prompt=PROMPT, logprobs=1, **kw)
