@@ -31,4 +31,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    metrics: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)  # spec decoding counters; n > 1: "num_cached_tokens" per child

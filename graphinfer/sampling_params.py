@@ -50,7 +50,11 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
+    """n: outputs per prompt. best_of (None: n): candidates sampled, of which the n with the highest cumulative
+    logprob are returned, best first (vLLM's; runtime/parallel_sampling.py). A seeded request's i-th candidate samples
+    with seed + i."""
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
@@ -85,8 +89,15 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):  # NaN would pass every range check below
                 bad(f"{name}={getattr(self, name)} must be a finite number.")
-        if self.n != 1:
-            bad(f"n={self.n}: only n=1 is supported; submit the prompt several times with different seeds instead.")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            bad(f"n={self.n!r} must be an integer >= 1 (the number of outputs per prompt).")
+        if self.best_of is not None:
+            if not isinstance(self.best_of, int) or isinstance(self.best_of, bool) or self.best_of < self.n:
+                bad(f"best_of={self.best_of!r} must be an integer >= n={self.n} (the candidates the n outputs are "
+                    f"picked from); leave it unset for best_of = n.")
+            if self.best_of > self.n and self.temperature < _GREEDY_EPS:
+                bad(f"best_of={self.best_of} > n={self.n} with greedy sampling (temperature=0) would pick from "
+                    f"identical candidates; use temperature > 0, or best_of = n.")
         if self.temperature < 0:
             bad(f"temperature={self.temperature} must be >= 0 (0 means greedy).")
         if not 0 < self.top_p <= 1:
@@ -114,6 +125,11 @@ class SamplingParams:
             bad(f"stop_token_ids={self.stop_token_ids!r} must be non-negative token ids.")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             bad(f"seed={self.seed!r} must be an integer in [-2**63, 2**64).")
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences sampled per prompt: best_of, or n where best_of is unset."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def greedy(self) -> bool:

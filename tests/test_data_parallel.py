@@ -19,6 +19,7 @@ from server_utils import Server, metric, metric_samples
 
 import graphinfer.runtime.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
+from graphinfer.sampling_params import RequestOutputKind
 
 KW = dict(device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=64, max_num_seqs=4,
           max_num_batched_tokens=16)
@@ -59,8 +60,18 @@ def test_dp2_ep2_matches_one_engine(mode, moe, monkeypatch):
         one = llm.generate(PROMPTS[-1:], _params()[-1:], use_tqdm=False)  # one replica works, the other pads
         assert sum(engine.requests_routed) - sum(routed) == 1
         load = engine.expert_load()
-        if mode == "NONE":  # a request aborted on replica 1 stays outstanding until that replica freed it
-            seq = engine.make_sequence(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        if mode == "NONE":
+            # parallel sampling on replica 1: the request runs there whole, its children gathered into one output
+            two = engine.make_sequence(PROMPTS[-1], SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True,
+                                                                    output_kind=RequestOutputKind.FINAL_ONLY))
+            engine.add_sequence(two, dp_rank=1)
+            outs = []
+            while engine.has_unfinished_requests():
+                outs += engine.step()
+            assert len(outs) == 1 and outs[0].finished
+            assert [c.token_ids for c in outs[0].outputs] == [ref["one"][0][:4]] * 2
+            # a request aborted on replica 1 (n=2: both children) stays outstanding until that replica freed it
+            seq = engine.make_sequence(PROMPTS[0], SamplingParams(n=2, max_tokens=50, ignore_eos=True))
             engine.add_sequence(seq, dp_rank=1)
             engine.step()
             engine.abort_request(seq.request_id)

@@ -75,9 +75,10 @@ IN_RANGE = {  # (None last: hypothesis favours a one_of's first branches)
     "stream": st.booleans(),
     "stream_options": st.one_of(st.just({"include_usage": True}), st.none()),  # only with stream: else a 400
     "ignore_eos": st.booleans(),
-    "n": st.just(1),
-    "echo": st.just(False),
-    "best_of": st.sampled_from([None, 1]),
+    "n": st.integers(1, 3),
+    # mostly combinations that run: echo refuses logprobs, best_of > n refuses stream and temperature 0
+    "echo": st.sampled_from([False, False, True]),
+    "best_of": st.sampled_from([None, None, 3]),
     "suffix": st.none(),
 }
 

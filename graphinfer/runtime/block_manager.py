@@ -91,12 +91,17 @@ class BlockManager:
     def _new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         return max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Hash the blocks that became full of computed tokens, so later requests can reuse them."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> list[int]:
+        """Hash the blocks full of seq's first num_tokens tokens (default: its computed ones; never past the tokens
+        known on the host), so other requests can reuse them. Returns the block ids it offered to the cache.
+        The scheduler calls it with what a step is about to compute (as vLLM v1): a sequence admitted later in the
+        same step may then share those blocks, as every layer writes the step's KV before its attention reads any."""
         if not self.enable_prefix_caching:
-            return
+            return []
         bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+        upto = min(seq.num_computed_tokens if num_tokens is None else num_tokens, len(seq.token_ids)) // bs
+        offered = []
+        for i in range(len(seq.block_hashes), upto):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = hash((seq.block_hashes[-1] if seq.block_hashes else None, tokens))
             seq.block_hashes.append(h)
@@ -104,6 +109,17 @@ class BlockManager:
             if h not in self.hash_to_block_id:  # else another sequence already caches this prefix
                 block.hash, block.token_ids = h, tokens
                 self.hash_to_block_id[h] = block.block_id
+                offered.append(block.block_id)
+        return offered
+
+    def uncache(self, block_ids: list[int]) -> None:
+        """Withdraw blocks from the prefix cache: the step that was to write their KV failed (its sequences are
+        aborted), so no later request may hit them."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = None, ()
 
     def trim(self, seq: Sequence) -> None:
         """Release the blocks past seq's computed tokens (speculative decoding: lookahead blocks that held only

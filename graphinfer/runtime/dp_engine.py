@@ -151,7 +151,8 @@ class DPEngine:
     def add_sequence(self, seq: Sequence, dp_rank: int | None = None) -> None:
         """Queue seq on replica dp_rank (None: the one with the fewest outstanding tokens, the lowest on a tie)."""
         d = min(range(self.dp_size), key=lambda i: (self.outstanding[i], i)) if dp_rank is None else dp_rank
-        cost = seq.num_prompt_tokens + seq.max_tokens
+        # a parallel-sampling request stays whole on one replica (its children share the prompt's KV blocks there)
+        cost = seq.num_prompt_tokens + seq.max_tokens * seq.sampling_params.num_candidates
         self._owner[seq.request_id] = (d, cost)
         self.outstanding[d] += cost
         self.requests_routed[d] += 1

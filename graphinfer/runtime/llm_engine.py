@@ -43,6 +43,7 @@ from graphinfer.runtime import dp_lockstep
 from graphinfer.runtime.executor import MultiprocExecutor
 from graphinfer.runtime.expert_load import read_expert_load, reset_expert_load, summarize
 from graphinfer.runtime.model_runner import ModelRunner
+from graphinfer.runtime.parallel_sampling import ParentRequest, make_children
 from graphinfer.runtime.sampler import SamplerOutput
 from graphinfer.runtime.scheduler import Scheduler, SchedulerOutput
 from graphinfer.runtime.sequence import Sequence, SequenceStatus
@@ -206,7 +207,8 @@ class LLMEngine:
         # Speculative decoding steps synchronously: drafts for step N+1 need step N's accepted tokens on the host
         self.async_scheduling = sc.async_scheduling and self.proposer is None
         self._in_flight: _InFlight | None = None
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # the sequences that run (a parallel-sampling request's children)
+        self.parents: dict[str, ParentRequest] = {}  # parallel-sampling requests by their id
         self._ids = itertools.count()
         self.reset_expert_load()  # warm-up, capture and the passes' checks ran the MoE layers on synthetic inputs
         timer.record("engine ready", time.perf_counter() - started)
@@ -283,7 +285,7 @@ class LLMEngine:
         if hasattr(getattr(self, "proposer", None), "shutdown"):  # a draft model's engine
             self.proposer.shutdown()
         self.proposer = None
-        for request_id in list(getattr(self, "requests", ())):
+        for request_id in [*getattr(self, "parents", ()), *getattr(self, "requests", ())]:
             self.abort_request(request_id)
         self._in_flight = None
         runner_graph = getattr(runner, "graph", None)
@@ -531,18 +533,24 @@ class LLMEngine:
                 f"cache has only {self.model_runner.num_blocks}. Lower max_tokens, or give the cache more memory "
                 f"(kv_cache_memory_bytes / num_gpu_blocks_override).")
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.parents:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.")
         seq = Sequence(request_id, text, ids, params, max_tokens)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        if params.num_candidates > 1:  # parallel sampling: the children run, seq stands for the request
+            seq.children = make_children(seq)
+        for s in seq.children or [seq]:
+            if s.sampling_params.seed is not None:
+                s.generator = torch.Generator(device=self.device).manual_seed(s.sampling_params.seed)
+            if self.tokenizer is not None:
+                s.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return seq
 
     def add_sequence(self, seq: Sequence) -> None:
-        self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if seq.children:
+            self.parents[seq.request_id] = ParentRequest(seq)
+        for s in seq.children or [seq]:
+            self.requests[s.request_id] = s
+            self.scheduler.add(s)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
         seq = self.make_sequence(prompt, params, request_id)
@@ -550,9 +558,11 @@ class LLMEngine:
         return seq.request_id
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.requests.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
+        """Abort a request (every child of a parallel-sampling one) and free its blocks."""
+        parent = self.parents.pop(request_id, None)
+        for seq in parent.children if parent is not None else [self.requests.get(request_id)]:
+            if seq is not None and self.requests.pop(seq.request_id, None) is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -576,7 +586,8 @@ class LLMEngine:
     # ----- stepping -----
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step. Returns an output for each request that got a token (with
-        output_kind FINAL_ONLY: only once it finished), after which the engine forgets finished ones.
+        output_kind FINAL_ONLY: only once it finished), after which the engine forgets finished ones; a streamed
+        n > 1 request gets one per child that got a token (runtime/parallel_sampling.py).
         With async scheduling, the tokens returned are the previous step's."""
         if self.async_scheduling:
             return self._step_async()
@@ -588,10 +599,9 @@ class LLMEngine:
             if dp is not None:  # another replica has work: run the padding its MoE all-to-alls pair with
                 self.model_runner.execute_model(None, dp_step=dp)
             return []
-        rows, sampled = self.model_runner.execute_model(sched, dp_step=dp)
+        rows, sampled = self._execute(sched, dp_step=dp)
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted (_accept_drafts)
-        self._cache_full_blocks(sched)
         if sampled is None:
             return []
         return self._process(rows, sampled.to_host())
@@ -607,7 +617,7 @@ class LLMEngine:
             self.model_runner.execute_model(None, dp_step=dp)
         if sched.scheduled:
             prev = self._in_flight.sampled.sampled_token_ids if self._in_flight is not None else None
-            rows, sampled = self.model_runner.execute_model(sched, prev, share_sampled=True, dp_step=dp)
+            rows, sampled = self._execute(sched, prev, share_sampled=True, dp_step=dp)
             for seq, n in sched.scheduled:
                 seq.num_computed_tokens += n
             if sampled is not None:
@@ -616,8 +626,6 @@ class LLMEngine:
                     seq.pending_row = i
                 launched = _InFlight(sched, rows, sampled, sampled.to_host(non_blocking=True),
                                      self.platform.record_event(self.device))
-            else:  # only mid-prompt chunks: nothing to wait for
-                self._cache_full_blocks(sched)
         outputs += self._finish_in_flight()
         self._in_flight = launched
         return outputs
@@ -630,9 +638,7 @@ class LLMEngine:
             step.event.synchronize()
         for seq in step.rows:
             seq.num_pending -= 1
-        outputs = self._process(step.rows, step.host)
-        self._cache_full_blocks(step.sched)  # only now: a block's last token may have been in flight
-        return outputs
+        return self._process(step.rows, step.host)
 
     def _dp_agree(self, sched: SchedulerOutput, stop: bool = False) -> "dp_lockstep.DPStep | None":
         """Lockstep replicas (runtime/dp_lockstep.py): the step shape every replica pads to, or None when no
@@ -654,11 +660,12 @@ class LLMEngine:
             raise GraphinferError("Scheduler made no progress with requests pending; this is a bug.")
         return sched
 
-    def _cache_full_blocks(self, sched: SchedulerOutput) -> None:
-        """Offer the blocks a step filled with known tokens to the prefix cache."""
-        for seq, _ in sched.scheduled:
-            if not seq.is_finished:
-                self.scheduler.block_manager.cache_full_blocks(seq)
+    def _execute(self, sched: SchedulerOutput, *args, **kwargs):
+        try:
+            return self.model_runner.execute_model(sched, *args, **kwargs)
+        except BaseException:  # its KV was never written: no request may hit the blocks offered when it was scheduled
+            self.scheduler.block_manager.uncache(sched.cached_blocks)
+            raise
 
     def _process(self, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         """Append each row's tokens (on the host) one by one, check stops, and build the outputs. A verification step
@@ -681,7 +688,13 @@ class LLMEngine:
                     self.scheduler.block_manager.trim(seq)
                     self.scheduler.block_manager.cache_full_blocks(seq)
             if seq.is_finished or seq.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._output(seq))
+                out = self._output(seq)
+                if seq.parent is not None:  # a child: its output becomes its request's (None: siblings still run)
+                    out = seq.parent.output(seq, out)
+                    if seq.parent.finished:
+                        self.parents.pop(seq.parent.request_id, None)
+                if out is not None:
+                    outputs.append(out)
             if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
         return outputs
@@ -748,7 +761,7 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(
-            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
+            index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
             logprobs=seq.logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         metrics = {} if self.proposer is None else {"spec_decode_num_draft_tokens": seq.num_draft_tokens,

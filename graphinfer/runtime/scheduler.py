@@ -12,6 +12,11 @@ running alone always has room and the scheduler always makes progress.
 With speculative decoding a decoding sequence also computes its draft tokens (seq.spec_token_ids), whose KV
 goes into lookahead slots; drafts that do not fit the token budget (or would need a preemption) are dropped.
 
+Blocks that a step fills with known tokens are offered to the prefix cache when it is scheduled (vLLM v1's
+order), so a sequence admitted later in the same step already shares them: parallel sampling's children compute
+their common prompt once. (Each layer writes the whole step's KV before its attention reads any; a step that fails
+withdraws them: BlockManager.uncache.)
+
 With async scheduling a sequence may have a token still on its way from the device (num_pending): it is
 scheduled as a decode all the same, except when that token is its last (max_tokens), and after a
 preemption it is not re-admitted before the token lands.
@@ -28,6 +33,7 @@ from graphinfer.runtime.sequence import Sequence, SequenceStatus
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute now)
     preempted: list[Sequence] = field(default_factory=list)
+    cached_blocks: list[int] = field(default_factory=list)  # offered to the prefix cache for this step (see below)
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +78,7 @@ class Scheduler:
                     break
             else:
                 self.block_manager.append_slots(seq, n)
+                out.cached_blocks += self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
                 out.scheduled.append((seq, n))
                 budget -= n
                 i += 1
@@ -91,6 +98,7 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq, cached, n):
                 break
             self.block_manager.allocate(seq, cached, n)
+            out.cached_blocks += self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

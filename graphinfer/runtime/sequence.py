@@ -42,6 +42,11 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # Parallel sampling (runtime/parallel_sampling.py): a request with best_of > 1 as make_sequence returns it
+        # runs as these child sequences; a child knows its ParentRequest and its CompletionOutput.index.
+        self.children: list[Sequence] = []
+        self.parent = None
+        self.index = 0
 
     @property
     def num_tokens(self) -> int:

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import graphinfer
 from graphinfer.errors import GraphinferError
-from graphinfer.outputs import RequestOutput
+from graphinfer.outputs import CompletionOutput
 from graphinfer.server.async_engine import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream,
                                             ServerShuttingDownError)
 from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -273,8 +273,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         check_model(req.model)
         params = req.to_sampling_params()
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = engine.submit(await pre.run(pre.completion, req.prompts(), params, rid))
-        fmt = _CompletionFormat(rid, served_model_name, params)
+        streams = engine.submit(await pre.run(pre.completion, req.prompts(), params, rid, req.echo))
+        fmt = _CompletionFormat(rid, served_model_name, params, req.echo)
         if req.stream:
             return _sse(streams, fmt, params, req.include_usage, metrics)
         return await _collect(streams, fmt, raw, metrics)
@@ -304,12 +304,14 @@ def _tool_dicts(tools) -> list[dict] | None:
 
 
 # ----- response bodies -----
+# A request of P prompts with n > 1 has P x n choices: prompt p's i-th output is choice p * n + i (vLLM's numbering).
 
 class _CompletionFormat:
     object, chunk_object = "text_completion", "text_completion"
 
-    def __init__(self, rid: str, model: str, params):
+    def __init__(self, rid: str, model: str, params, echo: bool = False):
         self.rid, self.model, self.created, self.params = rid, model, int(time.time()), params
+        self.echo = echo  # completions: each choice's text starts with its prompt's (RequestOutput.prompt)
 
     def head(self, obj: str, choices: list, usage=None) -> dict:
         body = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -317,8 +319,7 @@ class _CompletionFormat:
             body["usage"] = usage
         return body
 
-    def logprobs(self, out: RequestOutput, start: int, offset: int):
-        c = out.outputs[0]
+    def logprobs(self, c: CompletionOutput, start: int, offset: int):
         if c.logprobs is None:
             return None
         tokens, lps, tops, offsets = [], [], [], []
@@ -331,12 +332,14 @@ class _CompletionFormat:
             offset += len(entry[tid].decoded_token or "")
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def choice(self, index: int, text: str, out: RequestOutput, start: int, offset: int, finish: str | None) -> dict:
-        return {"index": index, "text": text, "logprobs": self.logprobs(out, start, offset), "finish_reason": finish,
-                "stop_reason": out.outputs[0].stop_reason if finish else None}
+    def choice(self, index: int, text: str, c: CompletionOutput) -> dict:
+        return {"index": index, "text": text, "logprobs": self.logprobs(c, 0, 0), "finish_reason": _finish(c),
+                "stop_reason": c.stop_reason}
 
-    def chunk(self, index, text, out, start, offset, finish) -> dict:
-        return self.head(self.chunk_object, [self.choice(index, text, out, start, offset, finish)])
+    def chunk(self, index: int, text: str, c: CompletionOutput, start: int, offset: int, finish: str | None) -> dict:
+        return self.head(self.chunk_object, [{"index": index, "text": text, "logprobs": self.logprobs(c, start, offset),
+                                              "finish_reason": finish,
+                                              "stop_reason": c.stop_reason if finish else None}])
 
     def first_chunks(self, n: int) -> list[dict]:
         return []
@@ -349,8 +352,7 @@ class _ChatFormat(_CompletionFormat):
         super().__init__(rid, model, params)
         self.tools, self.tool_streams = tools, {}  # tool_streams: one per streamed choice
 
-    def logprobs(self, out: RequestOutput, start: int, offset: int):
-        c = out.outputs[0]
+    def logprobs(self, c: CompletionOutput, start: int, offset: int):
         if c.logprobs is None:
             return None
 
@@ -364,20 +366,21 @@ class _ChatFormat(_CompletionFormat):
             content.append({**item(entry[tid]), "top_logprobs": [item(e) for e in top]})
         return {"content": content}
 
-    def choice(self, index, text, out, start, offset, finish) -> dict:
-        message = {"role": "assistant", "content": text}
+    def choice(self, index: int, text: str, c: CompletionOutput) -> dict:
+        message, finish = {"role": "assistant", "content": text}, _finish(c)
         if self.tools is not None:
             message, finish = self.tools.message(text, finish)
-        return {"index": index, "message": message, "logprobs": self.logprobs(out, start, offset),
-                "finish_reason": finish, "stop_reason": out.outputs[0].stop_reason if finish else None}
+        return {"index": index, "message": message, "logprobs": self.logprobs(c, 0, 0), "finish_reason": finish,
+                "stop_reason": c.stop_reason}
 
-    def chunk(self, index, text, out, start, offset, finish) -> dict | None:
+    def chunk(self, index: int, text: str, c: CompletionOutput, start: int, offset: int,
+              finish: str | None) -> dict | None:
         """None: nothing to send (a tool parser holds the text back)."""
         delta = {"content": text}
         if self.tools is not None:
             stream = self.tool_streams.setdefault(index, self.tools.stream())
             delta, finish = stream.delta(text, finish)
-        logprobs = self.logprobs(out, start, offset)
+        logprobs = self.logprobs(c, start, offset)
         if not delta and finish is None and logprobs is None:
             return None
         return self.head(self.chunk_object, [{"index": index, "delta": delta, "logprobs": logprobs,
@@ -388,23 +391,27 @@ class _ChatFormat(_CompletionFormat):
                                                "logprobs": None, "finish_reason": None}]) for i in range(n)]
 
 
-def _finish(out: RequestOutput) -> str | None:
-    reason = out.outputs[0].finish_reason
+def _finish(c: CompletionOutput) -> str | None:
+    reason = c.finish_reason
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
 def _usage(streams: list[RequestStream], completion_tokens: int) -> dict:
+    # each prompt counted once, whatever its n (vLLM's usage)
     prompt = sum(s.num_prompt_tokens for s in streams)
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
 
 
-def _record(metrics: Metrics, stream: RequestStream, out: RequestOutput, first_token_at: float | None) -> None:
+def _record(metrics: Metrics, stream: RequestStream, choices: list[CompletionOutput],
+            first_token_at: float | None) -> None:
+    """A finished request's metrics: one finish per choice, its prompt once, the tokens of all its choices."""
     now = time.monotonic()
-    n = len(out.outputs[0].token_ids)
-    metrics.finished(out.outputs[0].finish_reason or "abort")
+    for c in choices:
+        metrics.finished(c.finish_reason or "abort")
     metrics.prompt_tokens.inc(stream.num_prompt_tokens)
-    metrics.generation_tokens.inc(n)
+    metrics.generation_tokens.inc(sum(len(c.token_ids) for c in choices))
     metrics.e2e.observe(now - stream.arrival)
+    n = max((len(c.token_ids) for c in choices), default=0)
     if first_token_at is not None:
         metrics.ttft.observe(first_token_at - stream.arrival)
         if n > 1:
@@ -461,45 +468,55 @@ async def _collect(streams: list[RequestStream], fmt, raw: Request, metrics: Met
                 return
 
     watcher = asyncio.create_task(watch())
-    finals, first = {}, {}
+    n = fmt.params.n
+    done, first, prompts = {}, {}, {}  # done: choice index -> its final CompletionOutput
     try:
         async for i, out in _merge(streams):
             first.setdefault(i, time.monotonic())
+            for c in out.outputs:  # streamed children come one per output; ranked (best_of) ones all at the end
+                if c.finished():
+                    done[i * n + c.index] = c
             if out.finished:
-                finals[i] = out
-                _record(metrics, streams[i], out, first[i])
+                prompts[i] = out.prompt or ""
+                _record(metrics, streams[i], [done[i * n + k] for k in range(n)], first[i])
     finally:
         watcher.cancel()
         _close(streams, metrics)
-    choices = [fmt.choice(i, finals[i].outputs[0].text, finals[i], 0, 0, _finish(finals[i])) for i in sorted(finals)]
-    return fmt.head(fmt.object, choices, _usage(streams, sum(len(o.outputs[0].token_ids) for o in finals.values())))
+    choices = [fmt.choice(k, (prompts[k // n] if fmt.echo else "") + c.text, c) for k, c in sorted(done.items())]
+    return fmt.head(fmt.object, choices, _usage(streams, sum(len(c.token_ids) for c in done.values())))
 
 
 def _sse(streams: list[RequestStream], fmt, params, include_usage: bool, metrics: Metrics) -> StreamingResponse:
     # A stop string is cut from the text only once complete, so text that could still become one is held back.
     hold = max((len(s) for s in params.stop_strings), default=1) - 1
+    n = params.n
 
     async def events():
-        sent_text, sent_tokens, first = [0] * len(streams), [0] * len(streams), {}
-        completion_tokens = 0
+        sent_text, sent_tokens, first = {}, {}, {}  # by choice index: chars and tokens sent; by prompt: first output
+        done: dict[int, CompletionOutput] = {}
         try:
-            for chunk in fmt.first_chunks(len(streams)):
+            for chunk in fmt.first_chunks(len(streams) * n):
                 yield f"data: {json.dumps(chunk)}\n\n"
             async for i, out in _merge(streams):
                 first.setdefault(i, time.monotonic())
-                text, n = out.outputs[0].text, len(out.outputs[0].token_ids)
-                upto = len(text) if out.finished else max(sent_text[i], len(text) - hold)
-                finish = _finish(out) if out.finished else None
-                if upto > sent_text[i] or n > sent_tokens[i] or finish:
-                    chunk = fmt.chunk(i, text[sent_text[i]:upto], out, sent_tokens[i], sent_text[i], finish)
-                    if chunk is not None:
-                        yield f"data: {json.dumps(chunk)}\n\n"
-                    sent_text[i], sent_tokens[i] = upto, n
+                for c in out.outputs:
+                    k = i * n + c.index
+                    echo = (out.prompt or "") if fmt.echo and k not in sent_text else ""  # before its first text
+                    sent, ntok = sent_text.get(k, 0), sent_tokens.get(k, 0)
+                    finish = _finish(c)
+                    upto = len(c.text) if finish else max(sent, len(c.text) - hold)
+                    if echo or upto > sent or len(c.token_ids) > ntok or finish:
+                        chunk = fmt.chunk(k, echo + c.text[sent:upto], c, ntok, sent, finish)
+                        if chunk is not None:
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                        sent_text[k], sent_tokens[k] = upto, len(c.token_ids)
+                    if finish:
+                        done[k] = c
                 if out.finished:
-                    completion_tokens += n
-                    _record(metrics, streams[i], out, first[i])
+                    _record(metrics, streams[i], [done[i * n + j] for j in range(n)], first[i])
             if include_usage:
-                yield f"data: {json.dumps(fmt.head(fmt.chunk_object, [], _usage(streams, completion_tokens)))}\n\n"
+                usage = _usage(streams, sum(len(c.token_ids) for c in done.values()))
+                yield f"data: {json.dumps(fmt.head(fmt.chunk_object, [], usage))}\n\n"
         except (EngineDeadError, ServerShuttingDownError) as e:  # as vLLM: an error event, then [DONE]
             error = {"message": str(e), "type": _ERROR_TYPES[503], "param": None, "code": 503}
             yield f"data: {json.dumps({'error': error})}\n\n"

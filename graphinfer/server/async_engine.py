@@ -102,9 +102,11 @@ class AsyncLLMEngine:
     def request_limit(self) -> int:
         return self.max_waiting_requests + self.engine.config.scheduler_config.max_num_seqs
 
-    def check_batch_size(self, n: int) -> None:
-        if n > self.request_limit:  # could never be accepted: retrying would not help
-            raise InvalidRequestError(f"{n} prompts in one request exceed the server's limit of {self.request_limit} "
+    def check_batch_size(self, n: int, best_of: int = 1) -> None:
+        """n prompts, each sampled best_of times (parallel sampling: as many sequences run)."""
+        if n * best_of > self.request_limit:  # could never be accepted: retrying would not help
+            what = f"{n} prompts" if best_of == 1 else f"{n} prompt(s) x {best_of} samples (n / best_of)"
+            raise InvalidRequestError(f"{what} in one request exceed the server's limit of {self.request_limit} "
                                       f"requests in flight; send at most {self.request_limit}.")
 
     def make_sequences(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> list[Sequence]:

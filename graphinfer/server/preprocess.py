@@ -80,13 +80,19 @@ class Preprocessor:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ----- on a worker thread -----
-    def completion(self, prompts: list, params: SamplingParams, request_id: str) -> list[Sequence]:
-        self.async_engine.check_batch_size(len(prompts))
+    def completion(self, prompts: list, params: SamplingParams, request_id: str, echo: bool = False) -> list[Sequence]:
+        self.async_engine.check_batch_size(len(prompts), params.num_candidates)
         ids = [self._tokenize(p) if isinstance(p, str) else p for p in prompts]
-        return self._sequences(ids, prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))])
+        seqs = self._sequences(ids, prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))])
+        if echo:  # the text echoed: a token-id prompt's is its decoded text (vLLM's; "" without a tokenizer)
+            for seq in seqs:
+                if seq.prompt is None:
+                    seq.prompt = self.tokenizer.decode(seq.prompt_token_ids) if self.tokenizer is not None else ""
+        return seqs
 
     def chat(self, messages: list[dict], add_generation_prompt: bool, params: SamplingParams,
              request_id: str, tools: list[dict] | None = None) -> list[Sequence]:
+        self.async_engine.check_batch_size(1, params.num_candidates)
         text = chat_prompt_text(self.tokenizer, messages, add_generation_prompt, tools=tools)
         ids = self._tokenize(text, add_special_tokens=False)
         return self._sequences([ids], [None], params, [request_id])

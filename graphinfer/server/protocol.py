@@ -48,7 +48,7 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    n: int = 1
+    n: int = Field(1, ge=1, le=128)  # OpenAI's range
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -75,13 +75,16 @@ class _SamplingRequest(BaseModel):
     def _logprobs(self) -> int | None:
         return None
 
+    def _best_of(self) -> int | None:
+        return None
+
     def to_sampling_params(self) -> SamplingParams:
         """Raises InvalidSamplingParamsError (-> 400) for out-of-range values."""
         def pick(value, default):
             return default if value is None else value
 
         return SamplingParams(
-            n=self.n, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0), top_k=pick(self.top_k, 0),
+            n=self.n, best_of=self._best_of(), temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0), top_k=pick(self.top_k, 0),
             min_p=pick(self.min_p, 0.0), presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0), repetition_penalty=pick(self.repetition_penalty, 1.0),
             seed=self.seed, max_tokens=self._max_tokens(), min_tokens=self.min_tokens, stop=self.stop,
@@ -97,12 +100,25 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False  # echoing the prompt back is not supported
-    best_of: Literal[1] | None = None
+    echo: bool = False  # the prompt's text before each choice's
+    best_of: int | None = Field(None, ge=1, le=20)  # OpenAI's range; None: n
     suffix: None = None  # insertion is not supported
+
+    @model_validator(mode="after")
+    def _parallel_sampling(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs would need the prompt tokens' logprobs, which graphinfer does not "
+                             "compute; drop logprobs, or echo.")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError(f"best_of={self.best_of} > n={self.n} cannot be streamed (as in OpenAI's API: the best "
+                             f"are known only once all candidates finished); set stream=false, or best_of=n.")
+        return self
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def _best_of(self) -> int | None:
+        return self.best_of
 
     def prompts(self) -> list:
         """A single prompt or a batch, each a string or token ids."""

@@ -1,0 +1,85 @@
+"""Parallel sampling (SamplingParams n > 1, best_of > 1), as vLLM v1's ParentRequest: a request fans out into best_of
+child sequences of its prompt, and their outputs are gathered back under the request's id.
+
+To the scheduler the children are ordinary sequences. Their prompt KV is computed once: the scheduler offers the full
+blocks of what it schedules to the prefix cache at once (as vLLM v1 does), so the siblings admitted after the first
+child, in the same step, hit its prompt blocks and compute only the last, partial one. A seeded request's child i
+samples with seed + i (vLLM's rule): the children differ, and child i equals an n=1 request with that seed.
+
+Outputs. Streamed (CUMULATIVE): each child's CompletionOutput (index i) in a RequestOutput of its own under the
+request's id, `finished` once every child has. FINAL_ONLY: one RequestOutput with the n CompletionOutputs in index
+order. best_of > n: once every candidate has finished, the n with the highest cumulative logprob, best first
+(index 0..n-1); to rank them the children compute their logprobs even where the request asked for none.
+"""
+from dataclasses import replace
+
+from graphinfer.outputs import RequestOutput
+from graphinfer.runtime.sequence import Sequence
+from graphinfer.sampling_params import RequestOutputKind, SamplingParams
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params child `index` samples with: n = 1, its own seed, and what ranking needs."""
+    seed = params.seed
+    if seed is not None:
+        seed += index
+        if seed >= 2**64:  # wraps: still the 64-bit seed range SamplingParams accepts
+            seed -= 2**64
+    if params.num_candidates == params.n:
+        return replace(params, n=1, best_of=None, seed=seed)
+    return replace(params, n=1, best_of=None, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
+                   logprobs=0 if params.logprobs is None else params.logprobs)
+
+
+def make_children(seq: Sequence) -> list[Sequence]:
+    """seq's best_of child sequences (ids "{i}_{request id}", as vLLM's); the engine gives them generators and
+    detokenizers."""
+    params = seq.sampling_params
+    children = [Sequence(f"{i}_{seq.request_id}", seq.prompt, seq.prompt_token_ids, child_params(params, i),
+                         seq.max_tokens) for i in range(params.num_candidates)]
+    for i, child in enumerate(children):
+        child.index = i
+    return children
+
+
+class ParentRequest:
+    """A request running as child sequences (seq.children): turns their outputs into the request's."""
+
+    def __init__(self, seq: Sequence):
+        params = seq.sampling_params
+        self.request_id, self.prompt, self.children = seq.request_id, seq.prompt, seq.children
+        self.n, self.ranked = params.n, params.num_candidates > params.n
+        self.logprobs_asked = params.logprobs is not None
+        self.streaming = params.output_kind != RequestOutputKind.FINAL_ONLY and not self.ranked
+        self.unfinished = len(self.children)
+        self.finals: dict[int, RequestOutput] = {}  # child index -> its final output (FINAL_ONLY, ranked)
+        for child in self.children:
+            child.parent = self
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    def output(self, child: Sequence, out: RequestOutput) -> RequestOutput | None:
+        """child's output (under child's id) as the request's; None while a FINAL_ONLY request still runs."""
+        if out.finished:
+            self.unfinished -= 1
+        if self.streaming:
+            return replace(out, request_id=self.request_id, prompt=self.prompt, finished=self.finished)
+        self.finals[child.index] = out
+        if not self.finished:
+            return None
+        finals = [self.finals[i] for i in range(len(self.children))]
+        completions = [o.outputs[0] for o in finals]
+        if self.ranked:
+            best = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[:self.n]
+            completions = [replace(c, index=i, logprobs=c.logprobs if self.logprobs_asked else None)
+                           for i, c in enumerate(best)]
+        metrics = {}
+        for o in finals:  # speculative decoding's counters, summed over the children
+            for k, v in o.metrics.items():
+                metrics[k] = metrics.get(k, 0) + v
+        metrics["num_cached_tokens"] = [c.num_cached_tokens for c in self.children]  # per child, in child order
+        # the prompt as first computed: its later siblings took it from the prefix cache
+        return replace(out, request_id=self.request_id, prompt=self.prompt, outputs=completions, finished=True,
+                       num_cached_tokens=min(c.num_cached_tokens for c in self.children), metrics=metrics)
