@@ -15,6 +15,10 @@ from graphinfer.errors import InvalidStructuredOutputError
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
          "grammar": "grammar", "structural_tag": "structural tag"}
+# JSON: whitespace between elements allowed, but at most this many characters per gap, so that sampling cannot stall
+# in whitespace (at temperature 1.0 a small model fills max_tokens with newlines otherwise); pretty-printed JSON
+# three levels deep fits. disable_any_whitespace: none at all (compact JSON).
+MAX_JSON_WHITESPACE = 16
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[09:49:03] /project/cpp/regex_converter.cc:83: "
 
 
@@ -84,12 +88,14 @@ class XgrammarBackend:
 
     def _compile(self, kind: str, spec: str, any_whitespace: bool) -> "xgr.CompiledGrammar":
         c = self.compiler
+        whitespace = MAX_JSON_WHITESPACE if any_whitespace else None
         try:
             if kind == "json":
                 json.loads(spec)  # xgrammar's own message for bad JSON text is a C++ parser's
-                return c.compile_json_schema(spec, any_whitespace=any_whitespace)
+                return c.compile_json_schema(spec, any_whitespace=any_whitespace, max_whitespace_cnt=whitespace)
             if kind == "json_object":  # OpenAI's JSON mode: an object (vLLM's)
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
+                                             max_whitespace_cnt=whitespace)
             if kind == "regex":
                 return c.compile_regex(spec)
             if kind == "choice":
