@@ -1,5 +1,6 @@
-"""Structured outputs: graphinfer::apply_token_bitmask against xgrammar's own apply_token_bitmask_inplace (cpu), the
-Triton kernel (interpreted without a GPU) and the cpu platform's kernel against the reference; the bundled SmolLM2
+"""Structured outputs: graphinfer::apply_token_bitmask's reference against xgrammar's own apply_token_bitmask_inplace
+(cpu), the cpu platform's kernel and the Triton kernel (interpreted without a GPU; tests/test_triton_kernels.py runs it
+compiled on a GPU and under Triton-Ascend's interpreter) against the reference; the bundled SmolLM2
 offline (the session LLM) and behind one `graphinfer serve` (--async-scheduling) with the official `openai` client,
 sampled at temperature 1.0 over 20 seeds: JSON-schema outputs validate (jsonschema, else jsonschema_rs), regex ones
 re.fullmatch, choices are members; the openai client parses a pydantic response_format; bad constraints are 400s."""
@@ -19,12 +20,14 @@ from pydantic import BaseModel, Field
 import graphinfer.ops  # noqa: F401
 from graphinfer import SamplingParams
 from graphinfer.errors import InvalidStructuredOutputError
-from graphinfer.ops.bitmask import apply_token_bitmask as reference
+from graphinfer.ops.bitmask import apply_token_bitmask
 from graphinfer.ops.cpu_bitmask import apply_token_bitmask_cpu
 from graphinfer.ops.triton.bitmask import apply_token_bitmask as triton_kernel
 from graphinfer.runtime.structured_output import StructuredOutputManager
 from graphinfer.sampling_params import StructuredOutputsParams
 from server_utils import Server, assert_openai_error
+
+reference = apply_token_bitmask.reference  # the PyTorch function itself, whatever a platform registered for cpu
 
 try:
     from jsonschema import validate as _validate
@@ -242,3 +245,16 @@ def test_bad_constraints_are_400(server, body, message):
                    json={"model": "smol", "messages": [{"role": "user", "content": "Hi"}], **body})
     err = assert_openai_error(r, 400)
     assert message in err["message"], err["message"]
+
+
+def test_bench_counts_the_structured_work(smollm2_llm):
+    """bench throughput's structured run (bench/structured_output.py): the schema lets no output end early, and the
+    per-step counters cover every step's rows."""
+    from graphinfer.bench.throughput import Workload, timed_generate
+
+    workload = Workload([[100 + i] * 6 for i in range(3)], [6, 9, 12])
+    stats, _ = timed_generate(smollm2_llm, workload, 0.6, "json")
+    so = stats["structured_output_stats"]
+    assert stats["output_tokens"] == workload.output_tokens  # ran to max_tokens, as the unconstrained run would
+    assert so["rows"] == workload.output_tokens and so["steps"] == stats["num_steps"] == 12
+    assert so["fill_ms_per_step"] > 0 and so["apply_ms_per_step"] > 0 and so["accept_s"] > 0
