@@ -103,7 +103,7 @@ def _check(kind: str, text: str) -> None:
 
 def test_offline_outputs_always_match(smollm2_llm):
     """One generate: 3 kinds x 5 seeds at temperature 1.0, plus the grammar's end overriding ignore_eos / min_tokens,
-    and logprobs read from the masked logits."""
+    and logprobs read from the masked logits; then LLM.chat with a choice."""
     so = {"json": StructuredOutputsParams(json=SCHEMA), "regex": StructuredOutputsParams(regex=REGEX),
           "choice": StructuredOutputsParams(choice=CHOICE)}
     cases = [(kind, SamplingParams(temperature=1.0, seed=s, max_tokens=200, structured_outputs=p))
@@ -119,6 +119,9 @@ def test_offline_outputs_always_match(smollm2_llm):
     assert len(last.token_ids) < 20  # the grammar ended it before min_tokens, ignore_eos or not
     for token, entry in zip(last.token_ids, last.logprobs):
         assert entry[token].logprob > float("-inf") and sum(lp.logprob > float("-inf") for lp in entry.values()) >= 1
+    chat = smollm2_llm.chat([{"role": "user", "content": "Which city?"}], SamplingParams(
+        temperature=0, max_tokens=10, structured_outputs=so["choice"]), use_tqdm=False)
+    assert chat[0].outputs[0].text in CHOICE
 
 
 def test_greedy_async_equals_sync(smollm2_llm):

@@ -19,7 +19,8 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "
 # in whitespace (at temperature 1.0 a small model fills max_tokens with newlines otherwise); pretty-printed JSON
 # three levels deep fits. disable_any_whitespace: none at all (compact JSON).
 MAX_JSON_WHITESPACE = 16
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[09:49:03] /project/cpp/regex_converter.cc:83: "
+# "[09:49:03] /project/cpp/regex_converter.cc:83: ", "Check failed: (std::holds_alternative<Grammar>(result)) is false: "
+_CPP_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: |Check failed: .*? is false: ")
 
 
 class XgrammarGrammar:
@@ -109,8 +110,8 @@ class XgrammarBackend:
                              for s in tag["structures"]]
                     return c.compile_structural_tag(items, tag["triggers"])
                 return c.compile_structural_tag(spec)
-        except (RuntimeError, ValueError, TypeError, KeyError) as e:
-            detail = _CPP_PREFIX.sub("", str(e)).strip() or type(e).__name__
+        except Exception as e:  # xgrammar's errors (RuntimeError and its own classes), bad JSON, a missing key
+            detail = _CPP_NOISE.sub("", str(e)).strip() or type(e).__name__
             raise InvalidStructuredOutputError(
                 f"structured outputs: the {_WHAT[kind]} cannot be compiled into a grammar: {detail}. Fix the "
                 f"{_WHAT[kind]} (xgrammar {_xgrammar_version()} reads it) and send the request again.") from None
