@@ -126,7 +126,8 @@ def test_offline_outputs_always_match(smollm2_llm):
 
 def test_greedy_async_equals_sync(smollm2_llm):
     engine = smollm2_llm.llm_engine
-    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+    compact = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=compact),
               SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=REGEX)),
               SamplingParams(temperature=0, max_tokens=20)]  # a row without a grammar in the same steps
     prompts = ["Rate a city as JSON:", "A product code:", "The capital of France is"]
@@ -138,8 +139,30 @@ def test_greedy_async_equals_sync(smollm2_llm):
         engine.async_scheduling = False
     assert [o.outputs[0].token_ids for o in asynchronous] == [o.outputs[0].token_ids for o in sync]
     _check("json", sync[0].outputs[0].text)
+    assert "\n" not in sync[0].outputs[0].text and sync[0].outputs[0].text.startswith('{"city":')  # compact
     _check("regex", sync[1].outputs[0].text)
     assert engine.structured_output.stats().rows > 0
+
+
+def test_structured_requests_get_no_drafts(smollm2_llm):
+    """Speculative decoding (the ngram proposer, k = 3, put on the session engine for this test): the plain request
+    of the batch gets drafts, the structured one none (its mask is known for the next token only)."""
+    from graphinfer.runtime.spec_decode import NgramProposer
+    from graphinfer.runtime.spec_decode.metrics import SpecDecodingStats
+
+    engine = smollm2_llm.llm_engine
+    engine.proposer, engine.spec_stats = NgramProposer(3, 1, 4), SpecDecodingStats(3)
+    try:
+        prompt = "Repeat: red green blue red green blue red green blue red green blue"
+        outs = smollm2_llm.generate([prompt, prompt], [
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=REGEX))],
+            use_tqdm=False)
+    finally:
+        engine.proposer = engine.spec_stats = None
+    assert outs[0].metrics["spec_decode_num_draft_tokens"] > 0
+    assert outs[1].metrics["spec_decode_num_draft_tokens"] == 0
+    _check("regex", outs[1].outputs[0].text)
 
 
 # ----- one `graphinfer serve` -----
