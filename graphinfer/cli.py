@@ -571,8 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="max-num-seqs=16,32,..., graph-mode=NONE,FULL_AND_PIECEWISE,..., async-scheduling=off,on, "
                          "tensor-parallel-size=1,2, data-parallel-size=1,2, quantization=none,w8a8,..., spec=off,ngram "
                          "(without / with --speculative-config, default ngram k=3, lookup 1..4; off,on alike) or "
-                         "num-speculative-tokens=0,3,5 (that config with k drafts, 0: without), structured-output=none,json "
-                         "(repeat for a grid)")
+                         "num-speculative-tokens=0,3,5 (that config with k drafts, 0: without), "
+                         "structured-output=none,json (repeat for a grid)")
     bt.add_argument("--structured-output", default="none", choices=["none", "json"],
                     help="json: every request constrained to a JSON schema that no output completes before its "
                          "max_tokens (bench/structured_output.py), with the mask fill / apply time per step in the "

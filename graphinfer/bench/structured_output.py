@@ -41,6 +41,6 @@ def delta(engine, before, num_steps: int, total_s: float) -> dict:
             "accept_ms_per_step": per_step(d["accept_s"]),
             "host_fraction": (d["fill_s"] + d["accept_s"]) / total_s, "device_fraction": d["apply_s"] / total_s,
             "measure": "fill_s / accept_s: host wall time (xgrammar's batch fill into pinned memory; the matchers' "
-                       "accept_token); apply_s: the bitmask's host -> device copy plus graphinfer::apply_token_bitmask, "
-                       "timed with device events (on cpu the host's wall time); with async scheduling the host part "
-                       "overlaps the step's forward on the device"}
+                       "accept_token); apply_s: the bitmask's host -> device copy plus "
+                       "graphinfer::apply_token_bitmask, timed with device events (on cpu the host's wall time); with "
+                       "async scheduling the host part overlaps the step's forward on the device"}

@@ -49,8 +49,8 @@ from graphinfer.runtime.sequence import Sequence, SequenceStatus
 from graphinfer.runtime.spec_decode import NgramProposer
 from graphinfer.runtime.spec_decode.metrics import SpecDecodingStats
 from graphinfer.runtime.spec_decode.verify import warm_up_rejection_sample
-from graphinfer.runtime.structured_output import StructuredOutputManager
 from graphinfer.runtime.startup_timer import StartupTimer, seconds_since_process_start
+from graphinfer.runtime.structured_output import StructuredOutputManager
 from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,8 @@ class LLMEngine:
                 if config.speculative_config is not None:
                     warm_up_rejection_sample(self.device)
                 # structured outputs' mask kernel, compiled (or loaded) now rather than at the first such request
-                logits = torch.zeros(1, self.hf_config.vocab_size, dtype=activation_dtype(self.model), device=self.device)
+                logits = torch.zeros(1, self.hf_config.vocab_size, dtype=activation_dtype(self.model),
+                                     device=self.device)
                 torch.ops.graphinfer.apply_token_bitmask(logits, torch.full((1, -(-logits.shape[1] // 32)), -1,
                                                                             dtype=torch.int32, device=self.device))
         capture = not config.compile_only or self.device.type != "cpu"  # compile on a GPU: warm every bucket's kernels

@@ -19,7 +19,8 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "
 # in whitespace (at temperature 1.0 a small model fills max_tokens with newlines otherwise); pretty-printed JSON
 # three levels deep fits. disable_any_whitespace: none at all (compact JSON).
 MAX_JSON_WHITESPACE = 16
-# "[09:49:03] /project/cpp/regex_converter.cc:83: ", "Check failed: (std::holds_alternative<Grammar>(result)) is false: "
+# "[09:49:03] /project/cpp/regex_converter.cc:83: ",
+# "Check failed: (std::holds_alternative<Grammar>(result)) is false: "
 _CPP_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: |Check failed: .*? is false: ")
 
 
@@ -101,7 +102,7 @@ class XgrammarBackend:
                 return c.compile_regex(spec)
             if kind == "choice":
                 return c.compile_grammar(spec)
-            if kind == "grammar":  # EBNF / GBNF (rules with ::=); otherwise Lark, which vLLM converts and xgrammar reads
+            if kind == "grammar":  # EBNF / GBNF (rules with ::=); otherwise Lark (vLLM converts it; xgrammar reads it)
                 return c.compile_grammar(spec) if "::=" in spec else c.compile_lark(spec)
             if kind == "structural_tag":
                 tag = json.loads(spec)
