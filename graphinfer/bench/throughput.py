@@ -21,6 +21,10 @@ tokens_per_step (output tokens / steps, all rows) says how many a step yielded; 
 timed run's drafts (num_drafts, num_draft_tokens, num_accepted_tokens and per position, acceptance_rate,
 mean_acceptance_length, as engine.spec_decode_stats()). The engine runs speculative steps synchronously: a row records the async scheduling
 the engine actually used.
+Structured outputs (--structured-output json, or --sweep structured-output=none,json): every request of the warm-up and
+the timed run constrained to the JSON schema of bench/structured_output.py (which no output completes before its
+max_tokens, so the token counts stay the unconstrained run's); such a row adds structured_output_stats, the timed run's
+mask fill / copy + apply / accept time in all and per step (the model needs a tokenizer).
 dataset "copy" (bench/copy_workload.py; its docstring says how the prompts are built): num_prompts passages of about
 min_len tokens that the model is asked to repeat, max_tokens the passage length + 16; a real model's request ends at
 its EOS (not ignored: past its answer's end nothing is copied, and a user's request would stop there; the timed run's
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from graphinfer.bench import common, roofline
+from graphinfer.bench import structured_output as structured
 from graphinfer.bench.roofline import ModelShape, ideal_roofline, measure_bandwidth, step_bytes
 from graphinfer.errors import InvalidConfigError
 
@@ -83,10 +88,12 @@ def warmup_workload(num: int, min_len: int, vocab_size: int, max_model_len: int,
     return Workload(prompts, [2 + max(0, 40 - i) for i in range(num)])
 
 
-def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, common.StepLog]:
+def timed_generate(llm, workload: Workload, temperature: float,
+                   structured_output: str | None = None) -> tuple[dict, common.StepLog]:
     """LLM.generate(prompts, params) timed as a whole and per engine step. With data parallel (a DPEngine) also per
     replica: the requests routed to it, their prompt / output tokens and its preemptions (log.replicas: each
-    request's replica)."""
+    request's replica). structured_output "json": every request constrained to bench/structured_output.py's schema,
+    and the structured-output counters of the run in stats["structured_output"]."""
     from graphinfer import SamplingParams
     from graphinfer.sampling_params import RequestOutputKind
 
@@ -95,10 +102,13 @@ def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, c
     sync = engine.platform.synchronize
     log = common.StepLog()
     before = engine.scheduler_stats()  # summed over the replicas (data parallel), each under "engines"
+    constraint = structured.structured_params(structured_output)
+    so_before = structured.snapshot(engine) if constraint is not None else None
     sync()
     start = time.perf_counter()
     seqs = [engine.make_sequence(p, SamplingParams(temperature=temperature, ignore_eos=workload.ignore_eos,
-                                                   max_tokens=m, output_kind=RequestOutputKind.FINAL_ONLY))  # as LLM.generate
+                                                   max_tokens=m, output_kind=RequestOutputKind.FINAL_ONLY,
+                                                   structured_outputs=constraint))  # as LLM.generate
             for p, m in zip(workload.prompts, workload.max_tokens)]
     for seq in seqs:
         engine.add_sequence(seq)
@@ -117,6 +127,8 @@ def timed_generate(llm, workload: Workload, temperature: float) -> tuple[dict, c
     stats = {"total_s": total, "output_tokens": out_tokens, "output_tok_s": out_tokens / total,
              **({} if workload.ignore_eos else {"output_lens": _output_lens(seqs, finished)}),
              "num_preemptions": after["preemptions"] - before["preemptions"], **log.summary()}
+    if so_before is not None:
+        stats["structured_output_stats"] = structured.delta(engine, so_before, stats["num_steps"], total)
     if dp > 1:
         replica = {seq.request_id: d for seq, d in zip(seqs, log.replicas)}
         stats["replicas"] = [
@@ -189,7 +201,7 @@ def collective_measure(engine) -> str:
 
 
 def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature: float, bandwidth: float,
-               min_len: int, extra_warmup: Workload | None = None) -> dict:
+               min_len: int, extra_warmup: Workload | None = None, structured_output: str | None = None) -> dict:
     from graphinfer import LLM
 
     t = time.perf_counter()
@@ -204,13 +216,13 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
         warm = warmup_workload(min(len(workload.prompts), engine.config.scheduler_config.max_num_seqs), min_len,
                                engine.hf_config.vocab_size, engine.max_model_len)
         t = time.perf_counter()
-        timed_generate(llm, warm, temperature)
+        timed_generate(llm, warm, temperature, structured_output)  # structured: the grammar compiles here
         if extra_warmup is not None:  # the copy workload: steps that verify drafts run before the timed ones too
-            timed_generate(llm, extra_warmup, temperature)
+            timed_generate(llm, extra_warmup, temperature, structured_output)
         row["warmup_s"] = time.perf_counter() - t
         engine.reset_expert_load()  # the timed run's routing only
         spec_before = common.spec_decode_snapshot(engine)
-        stats, log = timed_generate(llm, workload, temperature)
+        stats, log = timed_generate(llm, workload, temperature, structured_output)
         shape = ModelShape.from_engine(engine)  # at tp > 1: rank 0's shard
         row.update(stats, **log.collective_summary(), collective_measure=collective_measure(engine),
                    tokens_per_step=stats["output_tokens"] / max(1, stats["num_steps"]),
@@ -229,7 +241,8 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
 
 def _mode(r: dict) -> str:
     return r["graph_mode"] + (" + async" if r.get("async_scheduling") else "") + (
-        f" {r['quantization']}" if r.get("quantization") else "") + _spec(r)
+        f" {r['quantization']}" if r.get("quantization") else "") + _spec(r) + (
+        f" + {r['structured_output']} outputs" if r.get("structured_output") not in (None, "none") else "")
 
 
 def _spec(r: dict) -> str:
@@ -279,6 +292,9 @@ def _fmt_row(r: dict) -> str:
     if dp > 1:
         dec += (f"; requests per replica {r['requests_routed']}, replica 0 idle {r['idle_s']:.2f} s / "
                 f"{r['num_idle_steps']} steps")
+    if so := r.get("structured_output_stats"):
+        dec += (f"; structured outputs per step: mask fill {so['fill_ms_per_step']:.3f} ms (host), copy + apply "
+                f"{so['apply_ms_per_step']:.3f} ms (device), accept {so['accept_ms_per_step']:.3f} ms (host)")
     return (f"{name}: {r['output_tokens']:,} output tokens in "
             f"{r['total_s']:.2f} s = {r['output_tok_s']:,.1f} tok/s (prefill {r['prefill_s']:.2f} s / "
             f"{r['num_prefill_steps']} steps, decode {r['decode_s']:.2f} s / {r['num_decode_steps']} steps, mean "
@@ -418,14 +434,14 @@ def run_hf(path: str, dtype: torch.dtype, device: str, workload: Workload, tempe
 
 def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("NONE",), max_num_seqs=(256,),
         async_scheduling=(False,), tensor_parallel_size=(1,), data_parallel_size=(1,), quantization=(None,),
-        speculative_config=(None,), dataset: str = "random", parallel: dict | None = None,
+        speculative_config=(None,), structured_output=("none",), dataset: str = "random", parallel: dict | None = None,
         capture_sizes: list[int] | None = None, passes: str = "default",
         num_prompts: int = 256, min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
         hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None,
         hf_dtype: str | None = None, kernels: str | None = None, block_size: int = 16, enable_prefix_caching: bool = True) -> dict:
     """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size, data_parallel_size, quantization,
-    speculative_config) configuration on the same workload (dataset "random": the standard one; "copy":
+    speculative_config, structured_output) configuration on the same workload (dataset "random": the standard one; "copy":
     bench/copy_workload.py, num_prompts passages of about min_len tokens to repeat) (the roofline counts unquantized
     weights); optionally HF too. parallel: the other parallel flags (enable_expert_parallel; nnodes, node_rank,
     master_addr, master_port for tp > 1)."""
@@ -442,9 +458,9 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         fixed_output_len = 512
     with tempfile.TemporaryDirectory(prefix="graphinfer-bench-") as tmp:
         # HF needs a checkpoint with graphinfer's weights; a sweep saves re-drawing a preset's random weights.
-        configs = [(mode, a, mns, tp, dp, q, sd) for mode in graph_modes for a in async_scheduling
+        configs = [(mode, a, mns, tp, dp, q, sd, so) for mode in graph_modes for a in async_scheduling
                    for mns in max_num_seqs for tp in tensor_parallel_size for dp in data_parallel_size
-                   for q in quantization for sd in speculative_config]
+                   for q in quantization for sd in speculative_config for so in structured_output]
         gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) if compare_hf or len(configs) > 1 else model
         max_model_len = common.clamp_max_model_len(gi_model, max_model_len)
         vocab = _vocab_size(gi_model)
@@ -466,7 +482,7 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                   "runs": []}
         print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
               f"tokens; copy bandwidth {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s on {result['env']['device_name']}")
-        for mode, a, mns, tp, dp, q, sd in configs:
+        for mode, a, mns, tp, dp, q, sd, so in configs:
             sizes = capture_sizes  # the engine keeps the sizes each kind of graph can use
             kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
                       async_scheduling=a, passes=passes, max_model_len=max_model_len,
@@ -475,10 +491,10 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                       quantization=q, speculative_config=sd, **(parallel or {}))
             row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "tensor_parallel_size": tp,
                    "data_parallel_size": dp, "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
-                   "quantization": q, "speculative_config": sd, "capture_sizes": sizes}
+                   "quantization": q, "speculative_config": sd, "structured_output": so, "capture_sizes": sizes}
             try:
                 row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len,
-                                      extra_warmup))
+                                      extra_warmup, so))
             except InvalidConfigError as e:  # e.g. FULL_DECODE_ONLY on CPU: no device graphs there
                 row["unavailable"] = str(e)
             except Exception as e:  # noqa: BLE001 (a sweep keeps going, e.g. past an OOM, and still writes its JSON)

@@ -30,7 +30,7 @@ from graphinfer.config import FULL_GRAPH_MODES, PIECEWISE_GRAPH_MODES, EngineCon
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import (ArtifactMismatchError, GraphinferError, InvalidConfigError, InvalidRequestError,
                                KVCacheTooSmallError, PromptTooLongError)
-from graphinfer.models.layers import rope_parameters
+from graphinfer.models.layers import activation_dtype, rope_parameters
 from graphinfer.models.loader import load_config, load_model, load_tokenizer, release_tensors
 from graphinfer.models.parallel_layers import check_tensor_parallel, uses_expert_parallel
 from graphinfer.models.presets import PRESET_NAMES
@@ -51,6 +51,7 @@ from graphinfer.runtime.spec_decode import NgramProposer
 from graphinfer.runtime.spec_decode.metrics import SpecDecodingStats
 from graphinfer.runtime.spec_decode.verify import warm_up_rejection_sample
 from graphinfer.runtime.startup_timer import StartupTimer, seconds_since_process_start
+from graphinfer.runtime.structured_output import StructuredOutputManager
 from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,11 @@ class LLMEngine:
                 self.model_runner.warm_up()
                 if config.speculative_config is not None:
                     warm_up_rejection_sample(self.device)
+                # structured outputs' mask kernel, compiled (or loaded) now rather than at the first such request
+                logits = torch.zeros(1, self.hf_config.vocab_size, dtype=activation_dtype(self.model),
+                                     device=self.device)
+                torch.ops.graphinfer.apply_token_bitmask(logits, torch.full((1, -(-logits.shape[1] // 32)), -1,
+                                                                            dtype=torch.int32, device=self.device))
         capture = not config.compile_only or self.device.type != "cpu"  # compile on a GPU: warm every bucket's kernels
         self.capture_stats = self.piecewise_capture_stats = None
         if comp.graph_mode in FULL_GRAPH_MODES and capture:
@@ -207,6 +213,10 @@ class LLMEngine:
         # Speculative decoding steps synchronously: drafts for step N+1 need step N's accepted tokens on the host
         self.async_scheduling = sc.async_scheduling and self.proposer is None
         self._in_flight: _InFlight | None = None
+        self._early_outputs: list[RequestOutput] = []  # the in-flight step's, finished early by _mask_logits
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, self.device,
+            self.platform.device_module if self.device.type != "cpu" else None)
         self.requests: dict[str, Sequence] = {}  # the sequences that run (a parallel-sampling request's children)
         self.parents: dict[str, ParentRequest] = {}  # parallel-sampling requests by their id
         self._ids = itertools.count()
@@ -539,6 +549,8 @@ class LLMEngine:
         if params.num_candidates > 1:  # parallel sampling: the children run, seq stands for the request
             seq.children = make_children(seq)
         for s in seq.children or [seq]:
+            if params.structured_outputs is not None:  # compiled once (the server: on its preprocessing threads)
+                s.grammar = self.structured_output.grammar_init(params.structured_outputs)
             if s.sampling_params.seed is not None:
                 s.generator = torch.Generator(device=self.device).manual_seed(s.sampling_params.seed)
             if self.tokenizer is not None:
@@ -592,14 +604,16 @@ class LLMEngine:
         if self.async_scheduling:
             return self._step_async()
         if self.proposer is not None:
-            self.proposer.propose_for([s for s in self.scheduler.running if s.num_computed_tokens == s.num_tokens - 1])
+            # structured requests get no drafts: their mask is known for the next token only
+            self.proposer.propose_for([s for s in self.scheduler.running
+                                       if s.num_computed_tokens == s.num_tokens - 1 and s.grammar is None])
         sched = self._schedule()
         dp = self._dp_agree(sched)
         if not sched.scheduled:
             if dp is not None:  # another replica has work: run the padding its MoE all-to-alls pair with
                 self.model_runner.execute_model(None, dp_step=dp)
             return []
-        rows, sampled = self._execute(sched, dp_step=dp)
+        rows, sampled = self._execute(sched, dp_step=dp, mask_logits=self._mask_logits)
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted (_accept_drafts)
         if sampled is None:
@@ -617,7 +631,9 @@ class LLMEngine:
             self.model_runner.execute_model(None, dp_step=dp)
         if sched.scheduled:
             prev = self._in_flight.sampled.sampled_token_ids if self._in_flight is not None else None
-            rows, sampled = self._execute(sched, prev, share_sampled=True, dp_step=dp)
+            rows, sampled = self._execute(sched, prev, share_sampled=True, dp_step=dp, mask_logits=self._mask_logits)
+            outputs += self._early_outputs
+            self._early_outputs = []
             for seq, n in sched.scheduled:
                 seq.num_computed_tokens += n
             if sampled is not None:
@@ -629,6 +645,14 @@ class LLMEngine:
         outputs += self._finish_in_flight()
         self._in_flight = launched
         return outputs
+
+    def _mask_logits(self, logits: torch.Tensor, rows: list[Sequence], spec_lens: list[int] | None) -> None:
+        """The runner's hook between a step's forward (launched, still running on the device) and its sampling:
+        structured outputs' grammar masks, filled on the host meanwhile. With async scheduling the in-flight step's
+        tokens reach the matchers first (its outputs are returned with this step's)."""
+        if self.structured_output.wants_mask(rows):
+            self._early_outputs += self._finish_in_flight()
+            self.structured_output.mask_logits(logits, rows, spec_lens)
 
     def _finish_in_flight(self) -> list[RequestOutput]:
         step, self._in_flight = self._in_flight, None
@@ -712,6 +736,11 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, sampled: SamplerOutput, row: int) -> None:
         seq.append_token(token)
+        if seq.grammar is not None and not self.structured_output.accept_token(seq.grammar, token):
+            logger.error("request %s: its grammar rejected the sampled token %d (a bug); the request ends",
+                         seq.request_id, token)
+            self.scheduler.finish(seq, "abort")
+            return
         if seq.logprobs is not None:
             self._record_logprobs(seq, token, sampled, row)
         delta = ""
@@ -729,6 +758,10 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int, delta: str) -> str | None:
         """"stop" / "length" if seq is done after `token` (setting stop_reason, cutting a stop string), else None."""
         params = seq.sampling_params
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            # structured outputs: the grammar's end (its stop token accepted) is the output's end; min_tokens and
+            # ignore_eos do not extend it (the grammar would allow nothing more)
+            return "stop"
         if len(seq.output_token_ids) >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 return "stop"

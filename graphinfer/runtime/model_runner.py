@@ -244,11 +244,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput | None, prev_tokens: torch.Tensor | None = None,
-                      share_sampled: bool = False, dp_step=None) -> tuple[list[Sequence], SamplerOutput | None]:
+                      share_sampled: bool = False, dp_step=None,
+                      mask_logits=None) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run one step; returns the sequences that sample this step and the sampler's output, on the device
         (nothing here waits for the device). prev_tokens: the in-flight step's sampled ids (async scheduling),
         which, with share_sampled, the other tensor-parallel ranks get too. dp_step: the shape the data-parallel
-        replicas agreed on (runtime/dp_lockstep.py), to pad to; out None: a padding-only step."""
+        replicas agreed on (runtime/dp_lockstep.py), to pad to; out None: a padding-only step. mask_logits(logits,
+        rows, spec_lens): called once the forward is launched, before sampling, to mask the logits in place
+        (structured outputs); they are the forward's output, outside any captured graph."""
         h = self.host_inputs(out) if out is not None else None
         if dp_step is not None:
             from graphinfer.runtime import dp_lockstep  # it builds on HostInputs
@@ -262,6 +265,8 @@ class ModelRunner:
             logits = self.step_logits(h, prev_tokens)
             if logits is None:
                 return h.rows, None
+            if mask_logits is not None:
+                mask_logits(logits, h.rows, h.spec_lens)
             if h.spec_lens is None:
                 sampled = self.sampler(logits, h.rows)
             else:

@@ -1,7 +1,8 @@
 """Batched next-token sampler, following vLLM v1's Sampler.
 
 Order: raw logprobs -> min_tokens mask -> penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p
--> exponential-race sampling. Logprobs are computed only when some row asks for them.
+-> exponential-race sampling. Logprobs are computed only when some row asks for them. Structured outputs' grammar
+mask is applied to the logits before any of it (model runner), so every path reads masked logits.
 
 Where the platform has the fused sampling kernel (graphinfer/ops/triton/sampling.py: CUDA, Ascend with
 Triton-Ascend, cpu with kernels="triton"), a batch whose rows ask for nothing but a temperature (no logprobs,
@@ -140,7 +141,7 @@ class Sampler:
         # Like vLLM, eos is masked even with ignore_eos (it's in the request's stop set either way).
         r_idx, t_idx = [], []
         for i, (row, p) in enumerate(zip(rows, params)):
-            if row.num_output_tokens < p.min_tokens:  # counting a token still on its way to the host
+            if _min_tokens_in_force(row, p):
                 stops = set(p.stop_token_ids) | self.eos_token_ids
                 r_idx += [i] * len(stops)
                 t_idx += sorted(stops)
@@ -171,14 +172,21 @@ class Sampler:
             x -= torch.tensor(pres, device=dev)[:, None] * (counts > 0)
 
 
+def _min_tokens_in_force(row, p) -> bool:
+    """Whether the row's stop tokens are masked (min_tokens not yet reached, counting a token still on its way to the
+    host). Not for a structured-output row: its grammar decides where the output ends (once complete it allows only
+    the stop tokens, so masking them too would leave nothing to sample)."""
+    return row.num_output_tokens < p.min_tokens and p.structured_outputs is None
+
+
 def _argmax_only(row, p) -> bool:
     """Greedy, no logprobs, no penalties, no min_tokens mask in force: the token is the logits' argmax."""
-    return p.greedy and p.logprobs is None and not p.has_penalties and row.num_output_tokens >= p.min_tokens
+    return p.greedy and p.logprobs is None and not p.has_penalties and not _min_tokens_in_force(row, p)
 
 
 def _temperature_only(row, p) -> bool:
     """Nothing but a temperature to apply: the fused kernel samples the row from the logits as they are."""
-    return (p.logprobs is None and not p.has_penalties and row.num_output_tokens >= p.min_tokens
+    return (p.logprobs is None and not p.has_penalties and not _min_tokens_in_force(row, p)
             and (p.greedy or (p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0)))
 
 

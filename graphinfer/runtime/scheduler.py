@@ -120,5 +120,6 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.grammar = None  # structured outputs: its matcher goes now, not with the last reference to the sequence
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

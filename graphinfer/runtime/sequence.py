@@ -36,6 +36,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
         self.generator: torch.Generator | None = None  # set by the engine (on its device) for a seeded request
+        self.grammar = None  # structured outputs: the request's grammar matcher (runtime/structured_output/)
         self.detokenizer = None  # set by the engine when a tokenizer exists
         self.output_text = ""
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None

@@ -325,9 +325,10 @@ class _CompletionFormat:
         tokens, lps, tops, offsets = [], [], [], []
         for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
             tokens.append(entry[tid].decoded_token)
-            lps.append(entry[tid].logprob)
+            lps.append(_json_logprob(entry[tid].logprob))
             # the top N plus the sampled token, as vLLM returns them
-            tops.append({e.decoded_token: e.logprob for t, e in entry.items() if t == tid or e.rank <= self.params.logprobs})
+            tops.append({e.decoded_token: _json_logprob(e.logprob) for t, e in entry.items()
+                         if t == tid or e.rank <= self.params.logprobs})
             offsets.append(offset)
             offset += len(entry[tid].decoded_token or "")
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -358,7 +359,7 @@ class _ChatFormat(_CompletionFormat):
 
         def item(e):
             tok = e.decoded_token or ""
-            return {"token": tok, "logprob": e.logprob, "bytes": list(tok.encode())}
+            return {"token": tok, "logprob": _json_logprob(e.logprob), "bytes": list(tok.encode())}
 
         content = []
         for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
@@ -389,6 +390,11 @@ class _ChatFormat(_CompletionFormat):
     def first_chunks(self, n: int) -> list[dict]:
         return [self.head(self.chunk_object, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]) for i in range(n)]
+
+
+def _json_logprob(logprob: float) -> float:
+    """vLLM's clamp: a token the grammar forbids (structured outputs) has logprob -inf, which JSON cannot carry."""
+    return max(logprob, -9999.0)
 
 
 def _finish(c: CompletionOutput) -> str | None:

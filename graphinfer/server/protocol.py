@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graphinfer.sampling_params import SamplingParams
+from graphinfer.server.structured_outputs import StructuredOutputsFields
 
 
 def _check_utf8(value) -> None:
@@ -31,7 +32,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(StructuredOutputsFields):  # + structured_outputs, guided_*, response_format
     # NaN / Infinity (Python's json reads them) slip through SamplingParams' range checks and poison sampling.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -89,7 +90,8 @@ class _SamplingRequest(BaseModel):
             frequency_penalty=pick(self.frequency_penalty, 0.0), repetition_penalty=pick(self.repetition_penalty, 1.0),
             seed=self.seed, max_tokens=self._max_tokens(), min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=self._logprobs(),
-            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params())
 
     @property
     def include_usage(self) -> bool:

@@ -38,6 +38,7 @@ _backport_interpreter_index_fix()
 
 from graphinfer.ops.triton.activation import silu_and_mul  # noqa: E402
 from graphinfer.ops.triton.attention import paged_attention  # noqa: E402
+from graphinfer.ops.triton.bitmask import apply_token_bitmask  # noqa: E402
 from graphinfer.ops.triton.fused_moe import fused_experts_op, fused_moe  # noqa: E402
 from graphinfer.ops.triton.kv_cache import reshape_and_cache  # noqa: E402
 from graphinfer.ops.triton.norm import add_rms_norm, rms_norm  # noqa: E402
@@ -58,8 +59,9 @@ TRITON_OPS: dict[str, Callable] = {
     "fused_moe": fused_moe,
     "fused_experts": fused_experts_op,
     "rejection_sample": rejection_sample,
+    "apply_token_bitmask": apply_token_bitmask,
     **QUANT_OPS,  # dynamic_quant, scaled_mm, wo_linear and the fused norm / activation + quant ops
 }
 
-__all__ = ["TRITON_OPS", "add_rms_norm", "fused_moe", "paged_attention", "qk_norm_rope", "qk_norm_rope_cache",
+__all__ = ["TRITON_OPS", "add_rms_norm", "apply_token_bitmask", "fused_moe", "paged_attention", "qk_norm_rope", "qk_norm_rope_cache",
            "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]
