@@ -92,3 +92,18 @@ def smollm2_greedy(smollm2_llm):
     from test_smollm2 import PROMPTS
 
     return smollm2_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+
+
+@pytest.fixture(scope="session")
+def openai_server(tmp_path_factory):
+    """One SmolLM2 `graphinfer serve` (fp32, async scheduling, Hermes tool calling) shared by the OpenAI-surface tests
+    (test_parallel_sampling, test_structured_output, test_tool_calling): started once, not once per file."""
+    from server_utils import Server
+
+    s = Server(["--dtype", "float32", "--max-model-len", "1024", "--served-model-name", "smol", "--async-scheduling",
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+               tmp_path_factory.mktemp("openai-server") / "server.log").launch()
+    try:
+        yield s.wait_ready(300)
+    finally:
+        s.stop()

@@ -16,7 +16,6 @@ from graphinfer.errors import InvalidSamplingParamsError
 from graphinfer.runtime.parallel_sampling import make_children
 from graphinfer.runtime.scheduler import Scheduler
 from graphinfer.runtime.sequence import Sequence
-from server_utils import Server
 
 MODEL = "smol"
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -24,18 +23,12 @@ SAMPLE = dict(temperature=1.0, max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(["--dtype", "float32", "--max-model-len", "512", "--served-model-name", MODEL, "--async-scheduling"],
-               tmp_path_factory.mktemp("nbest") / "server.log").launch()
-    try:
-        yield s
-    finally:
-        s.stop()
+def server(openai_server):  # conftest: SmolLM2 fp32, async scheduling
+    return openai_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    server.wait_ready(300)
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", timeout=120, max_retries=0) as c:
         yield c
 

@@ -83,14 +83,51 @@ IN_RANGE = {  # (None last: hypothesis favours a one_of's first branches)
 }
 
 
-def steer(body, data):
+# The fields that need a tokenizer (structured outputs, tools), steered against the SmolLM2 server: schemas, regexes
+# and grammars that are partly random go into the grammar compiler (a 400 or an answer, never a 5xx); messages, model
+# and a short max_tokens always steered, so requests run.
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=4),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                     max_leaves=6)
+_SCHEMA = st.one_of(
+    st.just({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a"]}),
+    st.dictionaries(st.sampled_from(["type", "properties", "enum", "items", "required", "pattern", "minItems", "$ref",
+                                     "anyOf", "const", "maxLength"]), _JSON, max_size=4))
+SURFACE = {
+    "model": st.just("smol"),
+    "messages": st.just([{"role": "user", "content": "hi"}]),
+    "max_tokens": st.integers(1, 8),
+    "temperature": st.sampled_from([0.0, 1.0]),
+    "n": st.integers(1, 2),
+    "response_format": st.one_of(st.just({"type": "json_object"}), st.just({"type": "text"}),
+                                 _SCHEMA.map(lambda x: {"type": "json_schema", "json_schema": {"name": "x", "schema": x}})),
+    "structured_outputs": st.one_of(st.text(max_size=6).map(lambda r: {"regex": r}),
+                                    st.lists(st.text(max_size=4), max_size=3).map(lambda c: {"choice": c}),
+                                    _SCHEMA.map(lambda x: {"json": x}), st.text(max_size=16).map(lambda g: {"grammar": g})),
+    "guided_regex": st.text(max_size=6),
+    "tools": st.lists(_SCHEMA.map(lambda x: {"type": "function", "function": {"name": "f", "parameters": x}}),
+                      min_size=1, max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+}
+ALWAYS = ("model", "messages", "max_tokens")
+CONSTRAINTS = ("response_format", "structured_outputs", "guided_regex", "tools")  # one at a time (else a 400)
+
+
+def steer(body, data, fields=None):
     """Each field: an in-range value (mostly), schemathesis's own value, or left out."""
     if not isinstance(body, dict):
         return body
     body = dict(body)
-    for key, values in IN_RANGE.items():
-        how = data.draw(st.sampled_from(["in-range"] * 3 + (["keep"] if key in ("prompt", "model") else ["keep", "drop"])),
-                        label=f"steer {key}")
+    fields = fields or IN_RANGE
+    constraint = data.draw(st.sampled_from(CONSTRAINTS), label="constraint") if fields is SURFACE else None
+    for key, values in fields.items():
+        if fields is SURFACE and (key in ALWAYS or key == constraint or (key == "tool_choice" and constraint == "tools")):
+            how = "in-range"
+        elif fields is SURFACE and key in CONSTRAINTS + ("tool_choice",):
+            how = data.draw(st.sampled_from(["drop"] * 4 + ["keep"]), label=f"steer {key}")
+        else:
+            how = data.draw(st.sampled_from(["in-range"] * 3 + (["keep"] if key in ("prompt", "model")
+                                                                else ["keep", "drop"])), label=f"steer {key}")
         if how == "in-range":
             body[key] = data.draw(values, label=key)
         elif how == "drop":
@@ -117,6 +154,17 @@ CASES = [  # (path, method, mode, steered, max_examples); the GETs take no param
 @pytest.mark.parametrize("path,method,mode,steered,examples", CASES,
                          ids=[f"{c[1]}-{c[0]}-{c[2].value}{'-steered' if c[3] else ''}" for c in CASES])
 def test_fuzz_no_server_errors(server, api_schema, path, method, mode, steered, examples):
+    fuzz(server, api_schema, path, method, mode, IN_RANGE if steered else None, examples)
+
+
+def test_fuzz_structured_outputs_and_tools(openai_server, api_schema):
+    """Chat requests with structured outputs and tools (SURFACE) on the SmolLM2 server (conftest), which has a
+    tokenizer and Hermes tool calling: what tiny-llama refuses for want of a tokenizer reaches the grammar compiler."""
+    fuzz(openai_server, api_schema, "/v1/chat/completions", "POST", POS, SURFACE, 30)
+
+
+def fuzz(server, api_schema, path, method, mode, steering, examples):
+    steered = steering is not None
     operation = api_schema[path][method]
     started = time.monotonic()
     seen = {"calls": 0, "statuses": {}}
@@ -129,7 +177,7 @@ def test_fuzz_no_server_errors(server, api_schema, path, method, mode, steered, 
             if time.monotonic() - started > TIME_BUDGET_S * SCALE:
                 return
             if steered:
-                case.body = steer(case.body, data)
+                case.body = steer(case.body, data, steering)
             response = case.call(base_url=server.url, timeout=60)
             seen["calls"] += 1
             seen["statuses"][response.status_code] = seen["statuses"].get(response.status_code, 0) + 1

@@ -25,7 +25,7 @@ from graphinfer.ops.cpu_bitmask import apply_token_bitmask_cpu
 from graphinfer.ops.triton.bitmask import apply_token_bitmask as triton_kernel
 from graphinfer.runtime.structured_output import StructuredOutputManager
 from graphinfer.sampling_params import StructuredOutputsParams
-from server_utils import Server, assert_openai_error
+from server_utils import assert_openai_error
 
 reference = apply_token_bitmask.reference  # the PyTorch function itself, whatever a platform registered for cpu
 
@@ -168,13 +168,8 @@ def test_structured_requests_get_no_drafts(smollm2_llm):
 # ----- one `graphinfer serve` -----
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(["--dtype", "float32", "--max-model-len", "1024", "--served-model-name", "smol", "--async-scheduling"],
-               tmp_path_factory.mktemp("so") / "server.log").launch()
-    try:
-        yield s.wait_ready(300)
-    finally:
-        s.stop()
+def server(openai_server):  # conftest: SmolLM2 fp32, async scheduling
+    return openai_server
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from graphinfer.server.protocol import ChatCompletionRequest
 from graphinfer.server.tool_calling import AUTO_NEEDS_PARSER, ToolCalling, tool_choice_json_schema
 from graphinfer.server.tool_parsers import (Hermes2ProToolParser, Llama3JsonToolParser, NamedToolParser,
                                             RequiredToolParser, ToolParserManager)
-from server_utils import Server, assert_openai_error
+from server_utils import assert_openai_error
 
 HAS_STRUCTURED_OUTPUTS = importlib.util.find_spec("graphinfer.runtime.structured_output") is not None
 needs_structured_outputs = pytest.mark.skipif(not HAS_STRUCTURED_OUTPUTS, reason="the structured-output engine "
@@ -342,21 +342,9 @@ FEW_SHOT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "
             {"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def launched(tmp_path_factory):
-    """Started with the module, so that its start-up overlaps the offline tests."""
-    s = Server(["--dtype", "float32", "--max-model-len", "1024", "--served-model-name", MODEL,
-                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-               tmp_path_factory.mktemp("tools") / "server.log").launch()
-    try:
-        yield s
-    finally:
-        s.stop()
-
-
 @pytest.fixture(scope="module")
-def server(launched):
-    return launched.wait_ready(300)
+def server(openai_server):  # conftest: --enable-auto-tool-choice --tool-call-parser hermes
+    return openai_server
 
 
 @pytest.fixture(scope="module")
