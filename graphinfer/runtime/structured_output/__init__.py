@@ -74,7 +74,12 @@ class StructuredOutputManager:
                     "this model ships none: serve a checkpoint with a tokenizer, or leave structured outputs out.")
             with self._lock:
                 if self.backend is None:
-                    import xgrammar as xgr
+                    try:
+                        import xgrammar as xgr
+                    except ImportError as e:  # a GPU image where graphinfer was installed with --no-deps
+                        raise InvalidStructuredOutputError(
+                            f"structured outputs need the xgrammar package ({e}): pip install 'xgrammar>=0.2.8' "
+                            f"and restart, or leave structured outputs out.") from None
 
                     from graphinfer.runtime.structured_output.backend_xgrammar import XgrammarBackend
 
