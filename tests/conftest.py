@@ -107,3 +107,11 @@ def openai_server(tmp_path_factory):
         yield s.wait_ready(300)
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_client(openai_server):
+    import openai
+
+    with openai.OpenAI(base_url=f"{openai_server.url}/v1", api_key="EMPTY", timeout=120, max_retries=0) as c:
+        yield c

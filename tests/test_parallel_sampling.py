@@ -28,9 +28,8 @@ def server(openai_server):  # conftest: SmolLM2 fp32, async scheduling
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", timeout=120, max_retries=0) as c:
-        yield c
+def client(openai_client):
+    return openai_client
 
 
 def _texts(out):

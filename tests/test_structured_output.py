@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import httpx
-import openai
 import pytest
 import torch
 import xgrammar as xgr
@@ -173,9 +172,8 @@ def server(openai_server):  # conftest: SmolLM2 fp32, async scheduling
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", timeout=120, max_retries=0) as c:
-        yield c
+def client(openai_client):
+    return openai_client
 
 
 def _request(client, kind: str, seed: int, stream: bool) -> tuple[str, str]:

@@ -14,7 +14,6 @@ import re
 
 import httpx
 import jsonschema_rs
-import openai
 import pytest
 from openai.lib.streaming._deltas import accumulate_delta
 
@@ -348,9 +347,8 @@ def server(openai_server):  # conftest: --enable-auto-tool-choice --tool-call-pa
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", timeout=120, max_retries=0) as c:
-        yield c
+def client(openai_client):
+    return openai_client
 
 
 def _named(name):
