@@ -28,7 +28,8 @@ def test_smollm2_fp32_matches_hf(hf_smollm2):
                                                "qk_norm_rope_cache": "graphinfer.ops.cpu_attention",
                                                "wo_linear": "graphinfer.ops.cpu_quant",
                                                "dynamic_quant": "graphinfer.ops.cpu_quant",
-                                               "scaled_mm": "graphinfer.ops.cpu_quant"}
+                                               "scaled_mm": "graphinfer.ops.cpu_quant",
+                                               "apply_token_bitmask": "graphinfer.ops.cpu_bitmask"}
     pieces = [m for n, m in llm.llm_engine.model_runner.graph.named_children() if isinstance(m, _BoundPiece)]
     assert len(pieces) == 31  # between 30 attention calls; the 30 between cache write and attention are empty
     assert len({id(p.compiled) for p in pieces}) == 3  # embed + layer 0's qkv, the 29 identical layers, the final norm
