@@ -73,13 +73,16 @@ IN_RANGE = {  # (None last: hypothesis favours a one_of's first branches)
                                 st.none()),
     "logprobs": st.one_of(st.integers(0, 20), st.none()),
     "stream": st.booleans(),
-    "stream_options": st.one_of(st.just({"include_usage": True}), st.none()),  # only with stream: else a 400
+    "stream_options": st.sampled_from([None, None, {"include_usage": True}]),  # only with stream: else a 400
     "ignore_eos": st.booleans(),
     "n": st.integers(1, 3),
     # mostly combinations that run: echo refuses logprobs, best_of > n refuses stream and temperature 0
     "echo": st.sampled_from([False, False, True]),
     "best_of": st.sampled_from([None, None, 3]),
     "suffix": st.none(),
+    # structured outputs need a tokenizer, which tiny-llama lacks (a 400): test_fuzz_structured_outputs_and_tools
+    **{key: st.none() for key in ("structured_outputs", "response_format", "guided_json", "guided_regex",
+                                  "guided_choice", "guided_grammar", "guided_whitespace_pattern")},
 }
 
 
