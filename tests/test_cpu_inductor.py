@@ -21,6 +21,7 @@ def inductor_cache(tmp_path_factory):
     get_platform("cpu").activate("reference")  # later tests call the ops directly: give them the reference back
 
 
+@pytest.mark.slow  # 45 s: SmolLM2 through Inductor; the default suite checks Inductor on tiny models (below)
 def test_smollm2_fp32_matches_hf(hf_smollm2):
     llm = LLM(dtype="float32", max_model_len=512, kernels="inductor")
     assert llm.llm_engine.platform.kernels == {"reshape_and_cache": "graphinfer.ops.cpu_attention",

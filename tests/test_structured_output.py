@@ -206,8 +206,8 @@ KINDS = ("json_schema", "regex", "guided_regex", "choice")
 
 @pytest.fixture(scope="module")
 def sampled(client):
-    """Every kind x 20 seeds x streamed and not, sent at once (160 concurrent requests)."""
-    jobs = [(kind, seed, stream) for kind in KINDS for seed in SEEDS for stream in (False, True)]
+    """Every kind x 20 seeds, the odd seeds streamed (80 concurrent requests)."""
+    jobs = [(kind, seed, seed % 2 == 1) for kind in KINDS for seed in SEEDS]
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: _request(client, *job), jobs))
     return {job: result for job, result in zip(jobs, results)}
