@@ -15,6 +15,9 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 @dataclass
 class StructuredOutputsParams:
     """vLLM's: constrain the output to a JSON schema (`json`, a dict or its JSON text), any JSON object
@@ -32,8 +35,7 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
 
     def __post_init__(self):
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-                 if getattr(self, name) not in (None, False)]
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise InvalidSamplingParamsError(
                 f"structured outputs take exactly one of json, regex, choice, grammar, json_object, structural_tag; "
@@ -44,8 +46,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint: "json", "regex", "choice", "grammar", "json_object" or "structural_tag"."""
-        return next(name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-                    if getattr(self, name) not in (None, False))
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False))
 
 
 @dataclass

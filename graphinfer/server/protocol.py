@@ -28,11 +28,19 @@ def _check_utf8(value) -> None:
             _check_utf8(v)
 
 
+class _UnicodeChecked(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        _check_utf8(data)
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(StructuredOutputsFields):  # + structured_outputs, guided_*, response_format
+class _SamplingRequest(StructuredOutputsFields, _UnicodeChecked):  # + structured_outputs, guided_*, response_format
     # NaN / Infinity (Python's json reads them) slip through SamplingParams' range checks and poison sampling.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -55,12 +63,6 @@ class _SamplingRequest(StructuredOutputsFields):  # + structured_outputs, guided
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data):
-        _check_utf8(data)
-        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -304,7 +306,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_UnicodeChecked):
     """vLLM's /tokenize body: a `prompt` (TokenizeCompletionRequest) or chat `messages` (TokenizeChatRequest)."""
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -314,12 +316,6 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data):
-        _check_utf8(data)
-        return data
 
     @model_validator(mode="after")
     def _prompt_or_messages(self):

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from graphinfer.errors import InvalidStructuredOutputError
-from graphinfer.sampling_params import StructuredOutputsParams
+from graphinfer.sampling_params import STRUCTURED_OUTPUT_KINDS as _CONSTRAINTS, StructuredOutputsParams
 
 
 class StructuredOutputsRequest(BaseModel):
@@ -40,7 +40,6 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaResponseFormat | None = None
 
 
-_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 

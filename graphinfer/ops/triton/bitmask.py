@@ -4,8 +4,6 @@
 that holds its bit (32 neighbouring tokens share a word: cached loads) and stores -inf where the bit is clear. One
 masked load and one masked store per element, no loop, no reshape: the Triton-Ascend subset. Nothing is read on the
 host, and the only per-step quantity, the row count, sizes the grid alone (no recompiles)."""
-import functools
-
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -30,16 +28,11 @@ def _bitmask_kernel(logits_ptr, bitmask_ptr, vocab_size, stride_logits, stride_b
 _BITMASK = Launcher(_bitmask_kernel)
 
 
-@functools.lru_cache(maxsize=64)
-def _blocks(vocab_size: int) -> int:
-    return cdiv(vocab_size, _BLOCK)
-
-
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> None:
     rows, vocab_size = logits.shape
     if not rows:
         return
     assert logits.stride(-1) == 1 and bitmask.stride(-1) == 1, "apply_token_bitmask: rows must be contiguous"
-    n_blocks = _blocks(vocab_size)
+    n_blocks = cdiv(vocab_size, _BLOCK)
     _BITMASK.launch((rows * n_blocks,), logits, bitmask, vocab_size, logits.stride(0), bitmask.stride(0), n_blocks,
                     BLOCK=_BLOCK, num_warps=4)

@@ -96,14 +96,14 @@ class StructuredOutputManager:
     # ----- steps -----
     def wants_mask(self, rows) -> bool:
         """Whether any row of the step has a grammar (False at once while no structured request ever came)."""
-        return self.backend is not None and any(getattr(seq, "grammar", None) is not None for seq in rows)
+        return self.backend is not None and any(seq.grammar is not None for seq in rows)
 
     def mask_logits(self, logits: torch.Tensor, rows, spec_lens: list[int] | None) -> None:
         """Mask the logits rows of the sequences with a grammar (row i of `rows` owns 1 + spec_lens[i] logits rows:
         speculative decoding; a structured request has no drafts, so its one row is its first)."""
         matchers, indices, r = [], [], 0
         for i, seq in enumerate(rows):
-            if getattr(seq, "grammar", None) is not None:  # None: finished meanwhile (async scheduling): unmasked
+            if seq.grammar is not None:  # None: finished meanwhile (async scheduling): unmasked
                 matchers.append(seq.grammar.matcher)
                 indices.append(r)
             r += 1 + (spec_lens[i] if spec_lens else 0)

@@ -6,6 +6,7 @@ arguments as far as they are certain (partial_json). Streaming re-parses the tex
 since the last delta, so the pieces of a stream add up to exactly what the one-shot parse of the whole text gives,
 however the text was split.
 """
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ def call_from_object(node: Node, args_keys: tuple[str, ...]) -> PartialCall:
     return PartialCall(name.value if name is not None and name.complete else None, canonical(args), node.complete)
 
 
-class ToolParser:
+class ToolParser(ABC):
     """One instance per streamed choice (it remembers what was sent); extract_tool_calls keeps no state."""
 
     def __init__(self, tokenizer=None):
@@ -51,10 +52,10 @@ class ToolParser:
         self._sent_content = ""
 
     # ----- what a parser defines -----
+    @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedText:
         """The content and calls of `text`; final: the text is complete (nothing held back, every call must be
         complete). Raises MalformedJSON where the calls are not valid JSON."""
-        raise NotImplementedError
 
     # ----- vLLM's interface -----
     def adjust_request(self, request):

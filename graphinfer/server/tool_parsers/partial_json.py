@@ -133,15 +133,9 @@ def _parse_object(s: str, i: int, depth: int) -> tuple[Node, int]:
         node.items.append((key.value, value))
         if not value.complete:
             return node, i
-        i = skip_ws(s, i)
-        if i == len(s):
+        done, i = _after_item(s, i, node, "}")
+        if done:
             return node, i
-        if s[i] == "}":
-            node.complete = True
-            return node, i + 1
-        if s[i] != ",":
-            raise MalformedJSON(f"expected ',' or '}}' at {i}")
-        i += 1
 
 
 def _parse_array(s: str, i: int, depth: int) -> tuple[Node, int]:
@@ -157,15 +151,23 @@ def _parse_array(s: str, i: int, depth: int) -> tuple[Node, int]:
         node.items.append(value)
         if not value.complete:
             return node, i
-        i = skip_ws(s, i)
-        if i == len(s):
+        done, i = _after_item(s, i, node, "]")
+        if done:
             return node, i
-        if s[i] == "]":
-            node.complete = True
-            return node, i + 1
-        if s[i] != ",":
-            raise MalformedJSON(f"expected ',' or ']' at {i}")
-        i += 1
+
+
+def _after_item(s: str, i: int, node: Node, close: str) -> tuple[bool, int]:
+    """After a complete item of an object / array: (True, i) at the text's end or past `close` (node complete), else
+    (False, the index past the ',')."""
+    i = skip_ws(s, i)
+    if i == len(s):
+        return True, i
+    if s[i] == close:
+        node.complete = True
+        return True, i + 1
+    if s[i] != ",":
+        raise MalformedJSON(f"expected ',' or '{close}' at {i}")
+    return False, i + 1
 
 
 def _dumps(text: str) -> str:
