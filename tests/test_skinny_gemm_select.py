@@ -14,6 +14,7 @@ from graphinfer.errors import InvalidConfigError  # noqa: E402
 from graphinfer.ops.triton.skinny_gemm import CONFIGS, DEFAULT_CONFIG  # noqa: E402
 
 FAST, SLOW = CONFIGS[1], CONFIGS[2]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel runs where Triton does (interpreted on cpu)
 
 
 class Tiny(nn.Module):
@@ -86,8 +87,9 @@ def test_kernel_where_faster_and_lowered_graph_runs_it():
     lowered = sg.apply(gm, table)
     assert lowered is not gm and all(type(m) is nn.Linear for m in (gm.a, gm.b, gm.c))  # the engine's graph kept
     assert isinstance(lowered.a, sg.SkinnyLinear) and lowered.a.weight is gm.a.weight
+    lowered.to(DEVICE), gm.to(DEVICE)  # shares the weights: both move
     for rows in (1, 2, 3, 9):
-        x = torch.randn(rows, 40)
+        x = torch.randn(rows, 40, device=DEVICE)
         torch.testing.assert_close(lowered(x), gm(x), atol=1e-5, rtol=1e-5)
 
 

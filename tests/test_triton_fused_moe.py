@@ -195,9 +195,10 @@ def test_fused_experts_op_matches_the_reference_chain():
 
     torch.manual_seed(0)
     N, H, inter, E = 12, 32, 16, 4
-    rows, ids, weights = torch.randn(N, H), torch.randint(0, E, (N, 1)), torch.ones(N, 1)
+    rows, ids, weights = (torch.randn(N, H, device=DEVICE), torch.randint(0, E, (N, 1), device=DEVICE),
+                          torch.ones(N, 1, device=DEVICE))
     rows[1::4], ids[1::4], weights[1::4] = 0, 0, 0
-    w13, w2 = torch.randn(E, 2 * inter, H) * 0.2, torch.randn(E, H, inter) * 0.2
+    w13, w2 = torch.randn(E, 2 * inter, H, device=DEVICE) * 0.2, torch.randn(E, H, inter, device=DEVICE) * 0.2
     got = TRITON_OPS["fused_experts"](rows, ids, weights, w13, w2)
     torch.testing.assert_close(got, torch.ops.graphinfer.fused_experts(rows, ids, weights, w13, w2), rtol=1e-4, atol=1e-4)
     assert torch.equal(got[1::4], torch.zeros_like(got[1::4]))
