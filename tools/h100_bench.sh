@@ -73,7 +73,8 @@
 #               pytest-xdist workers and NONE vs every capturing mode (gpu_check, tie-aware); then, serially (timings),
 #               prefill attention / qk_norm_rope / sampler (gpu_check), the standard workload FULL_AND_PIECEWISE + async
 #               at max_num_seqs 64 and 256, the FULL_DECODE_ONLY decode step at batch 1/64/256, start-up from an
-#               artifact (Qwen3-0.6B), the skinny GEMM configs vs cuBLAS. Logs per part (round_PART.log), a summary on
+#               artifact (Qwen3-0.6B; its server needs tools/gpu_wheels.sh's wheels carried as .whl), the skinny
+#               GEMM configs vs cuBLAS. Logs per part (round_PART.log), a summary on
 #               stdout; ROUND_TAR=FILE packs $OUT_DIR after each part (the device tool returns at most 8 files)
 #                                                                                           (~9 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
@@ -83,7 +84,7 @@
 # Through the device tool (10 min per command, the machine goes back after ~30 s idle) run one step per
 # call, back to back:  run(command="tools/h100_bench.sh throughput"), then sweep, hf, latency.
 # Each call installs graphinfer first (pip --no-deps: the image has torch 2.11 / triton 3.6 / transformers
-# 5.17). Results (JSON written as each configuration finishes, logs, PNGs when matplotlib exists) go
+# 5.17), and the wheels of tools/gpu_wheels.sh where the call carries .whl (the server, gguf, xgrammar). Results (JSON written as each configuration finishes, logs, PNGs when matplotlib exists) go
 # to $OUT, else ./bench-out. Without matplotlib, plot the JSON on any machine afterwards:
 #   python -c "import json; from graphinfer.bench.throughput import plot; plot(json.load(open('sweep.json')), 'sweep.png')"
 set -euo pipefail
@@ -107,6 +108,10 @@ install() {
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3 \
         || echo "pip install failed; running from the source tree (PYTHONPATH)"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    if compgen -G ".whl/*.whl" > /dev/null; then  # tools/gpu_wheels.sh's server / gguf / xgrammar wheels, carried
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            && export PYTHONPATH="$PYTHONPATH:/tmp/site"  # packages the image lacks
+    fi
     {
         date -u +%FT%TZ
         nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv || true
@@ -451,7 +456,9 @@ step_round() {
         echo "=== round: $name: exit $rc$([ $rc = 124 ] && echo ' (time box)') in $((SECONDS - start)) s / $secs s"
         grep -E "^(ok |BAD|SKIP|FAIL|ERROR)|passed|failed|error|Traceback|Error:|tok/s|TFLOP|ms |\| " \
             "$OUT_DIR/round_$name.log" | tail -n "${SUMMARY_LINES:-25}" || true
-        if [ -n "${ROUND_TAR:-}" ]; then tar -czf "$ROUND_TAR" -C "$OUT_DIR" . 2>/dev/null || true; fi
+        if [ -n "${ROUND_TAR:-}" ]; then  # logs and JSON only: artifacts (GBs of weights) stay behind
+            tar -czf "$ROUND_TAR" -C "$OUT_DIR" --exclude='*-artifact' --exclude='startup-*' . 2>/dev/null || true
+        fi
     }
     part "${T_TESTS:-170}" gpu_tests & local tests_pid=$!
     part "${T_MODES:-170}" modes
