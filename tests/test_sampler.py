@@ -3,6 +3,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from graphinfer.errors import InvalidConfigError
 from graphinfer.runtime.sampler import Sampler
 from graphinfer.sampling_params import SamplingParams
 
@@ -130,6 +131,36 @@ def test_logprobs_ranks_and_topk_are_raw():
     assert out.topk_token_ids.shape == (5, 5) and out.topk_token_ids.dtype == torch.int64
     assert torch.equal(out.topk_token_ids, ids)
     torch.testing.assert_close(out.topk_logprobs, vals)
+
+
+def test_raw_logits_mode_reports_the_logits():
+    logits = rand_logits(3, seed=5).to(torch.bfloat16)
+    rows = [row(temperature=0.0, logprobs=2), row(temperature=0.8, repetition_penalty=1.5, prompt=range(9),
+                                                   logprobs=0), row(temperature=0.0)]
+    out = Sampler(EOS, logprobs_mode="raw_logits")(logits, rows)
+    raw = logits.float()  # before penalties and temperature, as raw_logprobs
+    tok = out.sampled_token_ids
+    assert torch.equal(out.sampled_logprobs, raw.gather(1, tok[:, None])[:, 0])
+    assert torch.equal(out.topk_logprobs, torch.topk(raw, 2, dim=-1).values)
+    assert torch.equal(out.sampled_ranks, torch.tensor([int((raw[i] > raw[i, tok[i]]).sum()) + 1 for i in range(3)]))
+    with pytest.raises(InvalidConfigError, match="processed_logits.*raw_logprobs, raw_logits"):
+        Sampler(EOS, logprobs_mode="processed_logits")
+
+
+def test_tie_aware_comparison_at_the_logits_precision():
+    from graphinfer.bench.common import compare_tie_aware, ulp
+    from graphinfer.outputs import Logprob
+
+    assert ulp(200.0, torch.bfloat16) == 1.0 and ulp(-300.0, torch.bfloat16) == 2.0 and ulp(1.5, torch.bfloat16) == 2**-7
+    ref = [[5, 6, 7], [5, 6, 7], [5, 6, 7]]
+    got = [[5, 6, 7], [5, 9, 1], [5, 8, 1]]  # request 1: at a one-ulp gap; request 2: a three-ulp gap
+    top = [{6: Logprob(200.0, 1), 9: Logprob(199.0, 2)}, {6: Logprob(201.0, 1), 8: Logprob(198.0, 2)}]
+    logits = [[None, top[0]], [None, top[0]], [None, top[1]]]
+    cmp = compare_tie_aware(ref, logits, got, logits_dtype=torch.bfloat16)
+    assert (cmp["identical"], cmp["tie_divergences"], [m["request"] for m in cmp["mismatches"]]) == (1, 1, [2])
+    assert cmp["mismatches"][0]["tie_limit"] == 1.0 and not cmp["ok"]
+    # the same numbers read as log-probs with the fixed threshold: both are mismatches
+    assert len(compare_tie_aware(ref, logits, got)["mismatches"]) == 2
 
 
 def test_no_topk_when_nobody_asks():

@@ -1,6 +1,7 @@
 """Shared by the offline benchmarks: engine lifecycle, a recorded engine-step loop, environment, tables."""
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -190,10 +191,19 @@ def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
     return finished
 
 
-def compare_tie_aware(ref: list[list[int]], ref_logprobs: list, got: list[list[int]], tie: float = 1e-3) -> dict:
-    """Requests whose tokens are identical, or first differ where the reference's top-2 log-probs are within
-    `tie` and the other token is the reference's runner-up (random bf16 weights give exact ties: either token is
-    right, and the sequences then diverge). ref_logprobs: the reference's per-position {token: Logprob} (>= 2)."""
+def ulp(x: float, dtype: torch.dtype) -> float:
+    """The spacing of `dtype`'s values at |x| (bf16: 1.0 for |x| in [128, 256))."""
+    info = torch.finfo(dtype)
+    return info.eps * 2.0 ** math.floor(math.log2(abs(x))) if abs(x) >= info.tiny else info.tiny
+
+
+def compare_tie_aware(ref: list[list[int]], ref_logprobs: list, got: list[list[int]], tie: float = 1e-3,
+                      logits_dtype: torch.dtype | None = None) -> dict:
+    """Requests whose tokens are identical, or first differ where the reference's top-2 are tied and the other
+    token is the reference's runner-up (random bf16 weights give exact ties: either token is right, and the
+    sequences then diverge). ref_logprobs: the reference's per-position {token: Logprob} (>= 2). Tied: within
+    `tie` (log-probs), or, with logits_dtype (ref_logprobs from logprobs_mode="raw_logits"), within one ulp of
+    the larger logit in that dtype: the compute dtype cannot order two logits closer than that."""
     identical = ties = 0
     mismatches = []
     for i, (a, b) in enumerate(zip(ref, got)):
@@ -202,10 +212,11 @@ def compare_tie_aware(ref: list[list[int]], ref_logprobs: list, got: list[list[i
             continue
         pos = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
         top = sorted((lp.logprob for lp in ref_logprobs[i][pos].values()), reverse=True)[:2]
-        if len(top) == 2 and top[0] - top[1] <= tie and b[pos] in ref_logprobs[i][pos]:
+        limit = tie if logits_dtype is None or len(top) < 2 else ulp(max(abs(top[0]), abs(top[1])), logits_dtype)
+        if len(top) == 2 and top[0] - top[1] <= limit and b[pos] in ref_logprobs[i][pos]:
             ties += 1
         else:
-            mismatches.append(dict(request=i, position=pos, ref_top2=top))
+            mismatches.append(dict(request=i, position=pos, ref_top2=top, tie_limit=limit))
     return dict(identical=identical, tie_divergences=ties, mismatches=mismatches, ok=not mismatches)
 
 

@@ -1,6 +1,6 @@
 """Batched next-token sampler, following vLLM v1's Sampler.
 
-Order: raw logprobs -> min_tokens mask -> penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p
+Order: raw logprobs (or raw logits: logprobs_mode) -> min_tokens mask -> penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p
 -> exponential-race sampling. Logprobs are computed only when some row asks for them. Structured outputs' grammar
 mask is applied to the logits before any of it (model runner), so every path reads masked logits.
 
@@ -20,15 +20,17 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from graphinfer.errors import InvalidConfigError
+
 
 @dataclass
 class SamplerOutput:
     """On the sampler's device; to_host() copies it over. The logprob fields are None when no row asked."""
     sampled_token_ids: torch.Tensor  # [B] int64
-    sampled_logprobs: torch.Tensor | None  # [B] float32, raw log_softmax at the sampled token
+    sampled_logprobs: torch.Tensor | None  # [B] float32, raw log_softmax (or logit: logprobs_mode) at the sampled token
     sampled_ranks: torch.Tensor | None  # [B] int64, 1 = most likely under the raw logits
     topk_token_ids: torch.Tensor | None  # [B, N] int64, N = max requested logprobs (0 if none asked)
-    topk_logprobs: torch.Tensor | None  # [B, N] float32, raw log_softmax
+    topk_logprobs: torch.Tensor | None  # [B, N] float32, raw log_softmax (or logits)
     # Speculative decoding (runtime/spec_decode/verify.py): the rows above are draft positions, and request i
     # emits output_token_ids[i] up to the first -1 (its j-th token is row offset_i + j above)
     output_token_ids: torch.Tensor | None = None
@@ -39,9 +41,19 @@ class SamplerOutput:
                                for t in (getattr(self, f.name) for f in fields(self))))
 
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits")  # vLLM's names; its processed_* modes are not supported
+
+
 class Sampler:
-    def __init__(self, eos_token_ids: int | set[int] | None, seed: int = 0, device="cpu", kernel=None):
-        """kernel: the platform's fused sampling kernel (Platform.sample_kernel), or None for torch alone."""
+    def __init__(self, eos_token_ids: int | set[int] | None, seed: int = 0, device="cpu", kernel=None,
+                 logprobs_mode: str = "raw_logprobs"):
+        """kernel: the platform's fused sampling kernel (Platform.sample_kernel), or None for torch alone.
+        logprobs_mode: what the logprobs fields report, vLLM's raw_logprobs (log_softmax of the logits) or
+        raw_logits (the logits themselves, e.g. to judge ties at the compute dtype's precision)."""
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidConfigError(f"logprobs_mode {logprobs_mode!r} is not supported: use one of "
+                                     f"{', '.join(LOGPROBS_MODES)} (vLLM's processed_* modes are not implemented)")
+        self.logprobs_mode = logprobs_mode
         # Several ids end generation for some models (Llama 3: <|end_of_text|>, <|eot_id|>).
         self.eos_token_ids = {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids or ())
         self.device = torch.device(device)
@@ -66,9 +78,11 @@ class Sampler:
         x = logits.to(torch.float32, copy=True)  # copy: we mask and penalise in place
         dev = x.device
 
-        # vLLM's default logprobs_mode is raw_logprobs: before penalties, temperature and filtering.
+        # vLLM's raw_* logprobs modes: before penalties, temperature and filtering.
         asked = [p.logprobs for p in params if p.logprobs is not None]
-        raw_lp = torch.log_softmax(x, dim=-1) if asked else None
+        raw_lp = None
+        if asked:
+            raw_lp = torch.log_softmax(x, dim=-1) if self.logprobs_mode == "raw_logprobs" else x.clone()
 
         self._apply_min_tokens(x, rows, params)
         self._apply_penalties(x, rows, params)
