@@ -163,16 +163,21 @@ def choose(cublas_s: float, kernel_s: dict, margin: float = MARGIN):
 
 
 def event_timer(device_module) -> Timer:
-    """Device time per call with the device's events: WARMUP calls (compiles), then REPS calls queued behind a
-    sleep kernel where the device has one, so the host's launch cost does not pace the device."""
+    """Device time per call with the device's events: WARMUP calls (compiles; their host time measured), then
+    REPS calls queued behind a sleep kernel where the device has one, long enough that the host's launch cost
+    does not pace the device (a fixed ~1 ms was too short for split-K configs' launches on the H200: it timed
+    the host, 16-28 us a call, where a CUDA graph timed 6-7 us)."""
     sleep = getattr(device_module, "_sleep", None)
 
     def timer(run, shape, rows, candidate) -> float:
-        for i in range(WARMUP):
+        run(0)
+        started = time.perf_counter()
+        for i in range(1, WARMUP):
             run(i)
+        host_s = (time.perf_counter() - started) / max(WARMUP - 1, 1)
         start, end = device_module.Event(enable_timing=True), device_module.Event(enable_timing=True)
-        if sleep is not None:
-            sleep(2_000_000)  # ~1 ms at 2 GHz: longer than launching REPS small GEMMs from Python
+        if sleep is not None:  # cycles at up to ~2 GHz: twice the launches' host time, at least 1 ms
+            sleep(int(max(1e-3, 2 * REPS * host_s) * 2e9))
         start.record()
         for i in range(REPS):
             run(i)
