@@ -25,6 +25,7 @@ from graphinfer.errors import GraphinferError, InvalidRequestError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime import llm_engine
 from graphinfer.runtime.llm_engine import LLMEngine
+from graphinfer.runtime.parallel_layout import check_parallel_config
 from graphinfer.runtime.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class DPEngine:
     def __init__(self, config: EngineConfig, platform=None):
         # every replica on the same platform (class): their graph paths, and so their collectives, must pair
         platform = platform or llm_engine.platform_for_device(str(config.model_config.device).split(":")[0])
-        llm_engine.check_parallel_config(config)  # before any replica starts
+        check_parallel_config(config)  # before any replica starts
         pc = config.parallel_config
         pc.master_port = pc.master_port or launch.free_port()
         self.dp_size, tp = pc.data_parallel_size, pc.tensor_parallel_size
