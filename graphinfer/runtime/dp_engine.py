@@ -259,7 +259,7 @@ class DPEngine:
                 pass
         local = self.__dict__.get("local")
         if local is not None and local.model_runner is not None and not self.dead:
-            local.stop_dp_rounds()  # lockstep replicas wait in a round: this one tells them to stop
+            local.lockstep.stop_rounds()  # lockstep replicas wait in a round: this one tells them to stop
         launch.stop_ranks(self.procs, timeout=30 if local is not None and not self.dead else 0)
         self._listener.close()
         if local is not None:
@@ -287,7 +287,7 @@ def serve_replica(engine: LLMEngine, send, inbox: queue.Queue) -> None:
                 send("aborted", msg[1])
         busy = engine.has_unfinished_requests() or bool(msgs)  # msgs: an abort changes the load too
         outs = engine.step()  # lockstep: one round, a padding-only step when only other replicas have work
-        if engine.dp_stopped:
+        if engine.lockstep.stopped:
             return
         if busy or outs:
             send("outputs", outs, engine.scheduler_stats())

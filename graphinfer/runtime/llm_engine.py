@@ -13,33 +13,27 @@ strings) has computed one more row, which is dropped; requests that stop on leng
 import gc
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from graphinfer.compiler import artifact
 from graphinfer.compiler.artifact_export import export_artifact, write_rank_files
-from graphinfer.compiler.pipeline import CompilePipeline
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import GraphinferError
-from graphinfer.models.layers import rope_parameters
-from graphinfer.models.loader import load_tokenizer
 from graphinfer.outputs import RequestOutput
 from graphinfer.platforms import Platform, platform_for_device
 from graphinfer.runtime import dp_lockstep
 from graphinfer.runtime.executor import MultiprocExecutor
 from graphinfer.runtime.expert_load import read_expert_load, reset_expert_load, summarize
-from graphinfer.runtime.input_processor import InputProcessor, eos_token_ids_of, max_model_len_of
-from graphinfer.runtime.model_runner import ModelRunner
+from graphinfer.runtime.input_processor import InputProcessor
 from graphinfer.runtime.output_processor import OutputProcessor
 from graphinfer.runtime.parallel_layout import check_artifact_parallel, check_parallel_config, expert_parallel_size
-from graphinfer.runtime.parallel_sampling import ParentRequest
 from graphinfer.runtime.sampler import SamplerOutput
 from graphinfer.runtime.scheduler import Scheduler, SchedulerOutput
 from graphinfer.runtime.sequence import Sequence
 from graphinfer.runtime.spec_decode import make_proposer
+from graphinfer.runtime.startup import start_model
 from graphinfer.runtime.startup_timer import StartupTimer, seconds_since_process_start
 from graphinfer.runtime.structured_output import StructuredOutputManager
 from graphinfer.sampling_params import SamplingParams
@@ -96,64 +90,31 @@ class LLMEngine:
         self.startup = timer = StartupTimer()
         if (since_start := seconds_since_process_start()) is not None:
             timer.record("imports (process start to engine start)", since_start)
-        mc, sc, spec = config.model_config, config.scheduler_config, config.speculative_config
-        torch.manual_seed(mc.seed)
-        self.device = torch.device(mc.device)
-        if ps.is_initialized() and self.device.type != "cpu" and self.device.index is None:
-            self.device = torch.device(self.device.type, ps.local_rank())  # one device per rank of this node
-        memory_at_start = self.platform.memory_allocated(self.device)
-        pipeline = CompilePipeline(config, self.platform, self.device, timer.phase)
-        # From an artifact, the tokenizer (mostly transformers' import) loads in a thread while the weights and graph
-        # load, where nothing else imports transformers meanwhile (its lazy module is not safe to import from two
-        # threads at once; RoPE other than "default" uses transformers' init functions).
-        in_thread = pipeline.manifest is not None and ps.tp_rank() == 0 and \
-            rope_parameters(artifact.load_config(config.artifact)).get("rope_type", "default") == "default"
-        with ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(self._load_tokenizer, "tokenizer (in a thread)") if in_thread else None
-            self.compiled = pipeline.load()
-            if tokenizer is not None:
-                with timer.phase("tokenizer (wait for its thread)"):
-                    self.tokenizer = tokenizer.result()
-            else:  # the other ranks neither tokenize nor detokenize
-                self.tokenizer = self._load_tokenizer("tokenizer") if ps.tp_rank() == 0 else None
-        self.model, self.hf_config = self.compiled.model, self.compiled.hf_config
-        self.max_model_len = max_model_len_of(self.hf_config, mc.max_model_len, sc)
-        self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)
-        with timer.phase("KV cache"):
-            engine_bytes = self.platform.memory_allocated(self.device) - memory_at_start
-            self.model_runner = runner = ModelRunner(
-                self.model, config.cache_config, self.device, self.platform, self.eos_token_ids, mc.seed,
-                self.max_model_len, engine_bytes, placeholder_kv=config.compile_only)
-        if self.executor is not None and ps.tp_size() > 1:
-            runner.channel = self.executor.channel
+        channel = self.executor.channel if self.executor is not None and ps.tp_size() > 1 else None
+        self.device, self.compiled, self.tokenizer, self.max_model_len, self.eos_token_ids, runner = \
+            start_model(config, self.platform, timer, channel)
+        self.model_runner, self.model, self.hf_config = runner, self.compiled.model, self.compiled.hf_config
         # MoE + expert parallel over several replicas: their MoE layers share all-to-alls, so they step together
         self.dp_lockstep = ps.dp_size() > 1 and ps.ep_size() > 1 and bool(runner.moe_layers)
-        self.dp_stopped = False  # lockstep: the front end ended the replicas' rounds
-        pipeline.finish(self.compiled, runner, self.max_model_len, spec.num_speculative_tokens if spec else None)
-        self.scheduler = Scheduler(sc, config.cache_config, runner.num_blocks)
-        self.proposer, self.spec_stats = make_proposer(spec, self)
+        self.lockstep = dp_lockstep.Lockstep(self.dp_lockstep)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, runner.num_blocks)
+        self.proposer, self.spec_stats = make_proposer(config.speculative_config, self)
         # Speculative decoding steps synchronously: drafts for step N+1 need step N's accepted tokens on the host
-        self.async_scheduling = sc.async_scheduling and self.proposer is None
+        self.async_scheduling = config.scheduler_config.async_scheduling and self.proposer is None
         self._in_flight: _InFlight | None = None
         self._early_outputs: list[RequestOutput] = []  # the in-flight step's, finished early by _mask_logits
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, self.device,
             self.platform.device_module if self.device.type != "cpu" else None)
-        self.requests: dict[str, Sequence] = {}  # the sequences that run (a parallel-sampling request's children)
-        self.parents: dict[str, ParentRequest] = {}  # parallel-sampling requests by their id
-        self.inputs = InputProcessor(mc.model, self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
-                                     self.scheduler.block_manager, runner.num_blocks, self.structured_output,
-                                     self.device, self.requests, self.parents)
         self.outputs = OutputProcessor(self.scheduler, self.structured_output, self.tokenizer, self.eos_token_ids,
-                                       self.max_model_len, self.spec_stats, self.requests, self.parents)
+                                       self.max_model_len, self.spec_stats)
+        self.requests, self.parents = self.outputs.requests, self.outputs.parents  # what runs, by request id
+        self.inputs = InputProcessor(config.model_config.model, self.tokenizer, self.hf_config.vocab_size,
+                                     self.max_model_len, self.scheduler.block_manager, runner.num_blocks,
+                                     self.structured_output, self.device, self.requests, self.parents)
+        self.tokenize, self.make_sequence = self.inputs.tokenize, self.inputs.make_sequence
         self.reset_expert_load()  # warm-up, capture and the passes' checks ran the MoE layers on synthetic inputs
         timer.record("engine ready", time.perf_counter() - started)
-
-    def _load_tokenizer(self, phase: str):
-        with self.startup.phase(phase):
-            if self.config.artifact:
-                return artifact.load_tokenizer(self.config.artifact)
-            return load_tokenizer(self.config.model_config.model)
 
     def spec_decode_stats(self) -> dict:
         """Speculative decoding's counters since start (SpecDecodingStats.as_dict), {} with it off."""
@@ -169,26 +130,20 @@ class LLMEngine:
     def save_rank_files(self, out_dir: str) -> None:  # a tensor-parallel rank's part, called by rank 0
         write_rank_files(out_dir, self.compiled)
 
-    # ----- expert load (runtime/expert_load.py) -----
-    @property
-    def expert_parallel_size(self) -> int:
-        return expert_parallel_size(self.config)
+    # ----- expert load (runtime/expert_load.py): tokens routed to each expert since ready or the last reset; {} for
+    # a dense model; rank 0's are the totals under tensor parallelism. A host sync: call it between steps. -----
+    expert_parallel_size = property(lambda self: expert_parallel_size(self.config))
 
     def expert_load(self) -> dict[int, list[int]]:
-        """MoE layer index -> tokens routed to each expert since the engine was ready (or the last
-        reset_expert_load); {} for a dense model. A host sync: call it between steps, not on the step path.
-        Under tensor parallelism rank 0's counts are the totals (every rank routes the same tokens)."""
-        runner = getattr(self, "model_runner", None)
-        return read_expert_load(runner.moe_layers) if runner is not None else {}
+        return read_expert_load(self.model_runner.moe_layers) if getattr(self, "model_runner", None) else {}
 
     def expert_load_summary(self, ep_size: int | None = None) -> dict:
-        """expert_load() with tokens per EP rank and imbalances (max / mean), for ep_size (default: this
-        engine's expert-parallel size) under the contiguous expert placement."""
+        """Tokens per EP rank and imbalances (max / mean) for ep_size (default: this engine's EP size)."""
         return summarize(self.expert_load(), ep_size or self.expert_parallel_size)
 
     def reset_expert_load(self) -> None:
-        if (runner := getattr(self, "model_runner", None)) is not None:
-            reset_expert_load(runner.moe_layers)
+        if getattr(self, "model_runner", None) is not None:
+            reset_expert_load(self.model_runner.moe_layers)
 
     def shutdown(self) -> None:
         """Release every device buffer this engine holds: captured graphs and their pool, static buffers, the KV
@@ -236,20 +191,9 @@ class LLMEngine:
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
 
-    # ----- requests -----
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.inputs.tokenize(prompt)
-
-    def make_sequence(self, prompt: str | list[int] | dict, params: SamplingParams | None,
-                      request_id: str | None = None) -> Sequence:
-        """Validate and tokenize one request without queueing it (runtime/input_processor.py)."""
-        return self.inputs.make_sequence(prompt, params, request_id)
-
+    # ----- requests (in: tokenize, make_sequence: runtime/input_processor.py; out: runtime/output_processor.py) -----
     def add_sequence(self, seq: Sequence) -> None:
-        if seq.children:
-            self.parents[seq.request_id] = ParentRequest(seq)
-        for s in seq.children or [seq]:
-            self.requests[s.request_id] = s
+        for s in self.outputs.add_request(seq):
             self.scheduler.add(s)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
@@ -259,19 +203,13 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (every child of a parallel-sampling one) and free its blocks."""
-        parent = self.parents.pop(request_id, None)
-        for seq in parent.children if parent is not None else [self.requests.get(request_id)]:
-            if seq is not None and self.requests.pop(seq.request_id, None) is not None and not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+        self.outputs.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def scheduler_stats(self) -> dict:
-        """The scheduler's load, for /metrics and the data-parallel front end."""
-        sched = self.scheduler
-        return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_usage": sched.block_manager.usage,
-                "preemptions": sched.num_preemptions}
+        return self.scheduler.stats()
 
     @property
     def dead(self) -> str | None:
@@ -296,7 +234,7 @@ class LLMEngine:
             self.proposer.propose_for([s for s in self.scheduler.running
                                        if s.num_computed_tokens == s.num_tokens - 1 and s.grammar is None])
         sched = self._schedule()
-        dp = self._dp_agree(sched)
+        dp = self.lockstep.agree(sched)
         if not sched.scheduled:
             if dp is not None:  # another replica has work: run the padding its MoE all-to-alls pair with
                 self.model_runner.execute_model(None, dp_step=dp)
@@ -313,7 +251,7 @@ class LLMEngine:
         if self._in_flight is not None and any(s.sampling_params.has_penalties for s in self._in_flight.rows):
             outputs = self._finish_in_flight()  # penalties count output tokens: they must be on the host
         sched = self._schedule(in_flight=self._in_flight is not None)
-        dp = self._dp_agree(sched)
+        dp = self.lockstep.agree(sched)
         launched = None
         if not sched.scheduled and dp is not None:
             self.model_runner.execute_model(None, dp_step=dp)
@@ -351,20 +289,6 @@ class LLMEngine:
         for seq in step.rows:
             seq.num_pending -= 1
         return self.outputs.process(step.rows, step.host)
-
-    def _dp_agree(self, sched: SchedulerOutput, stop: bool = False) -> "dp_lockstep.DPStep | None":
-        """Lockstep replicas (runtime/dp_lockstep.py): the step shape every replica pads to, or None when no
-        replica has work (or the front end stopped the rounds: dp_stopped). Otherwise None."""
-        if not self.dp_lockstep:
-            return None
-        step = dp_lockstep.agree(sched, stop)
-        self.dp_stopped |= step.stop
-        return step if step.num_tokens and not step.stop else None
-
-    def stop_dp_rounds(self) -> None:
-        """Front end (replica 0), at shutdown: one last round that tells the other lockstep replicas to stop."""
-        if self.dp_lockstep and not self.dp_stopped:
-            self._dp_agree(None, stop=True)
 
     def _schedule(self, in_flight: bool = False) -> SchedulerOutput:
         sched = self.scheduler.schedule()

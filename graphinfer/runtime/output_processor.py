@@ -18,13 +18,27 @@ logger = logging.getLogger(__name__)
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, structured_output: StructuredOutputManager, tokenizer,
-                 eos_token_ids: set[int], max_model_len: int, spec_stats: SpecDecodingStats | None,
-                 requests: dict[str, Sequence], parents: dict[str, ParentRequest]):
-        """spec_stats: speculative decoding's counters (None: off); requests / parents: the engine's, from which
-        finished ones are dropped."""
+                 eos_token_ids: set[int], max_model_len: int, spec_stats: SpecDecodingStats | None):
+        """spec_stats: speculative decoding's counters (None: off)."""
         self.scheduler, self.structured_output, self.tokenizer = scheduler, structured_output, tokenizer
         self.eos_token_ids, self.max_model_len, self.spec_stats = eos_token_ids, max_model_len, spec_stats
-        self.requests, self.parents = requests, parents
+        self.requests: dict[str, Sequence] = {}  # the sequences that run (a parallel-sampling request's children)
+        self.parents: dict[str, ParentRequest] = {}  # parallel-sampling requests by their id
+
+    def add_request(self, seq: Sequence) -> list[Sequence]:
+        """Track a request until it finishes; returns the sequences to schedule (a parallel-sampling one's children)."""
+        if seq.children:
+            self.parents[seq.request_id] = ParentRequest(seq)
+        for s in seq.children or [seq]:
+            self.requests[s.request_id] = s
+        return seq.children or [seq]
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request (every child of a parallel-sampling one) and free its blocks."""
+        parent = self.parents.pop(request_id, None)
+        for seq in parent.children if parent is not None else [self.requests.get(request_id)]:
+            if seq is not None and self.requests.pop(seq.request_id, None) is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
 
     def process(self, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         """Append each row's tokens (on the host) one by one, check stops, and build the outputs. A verification step
