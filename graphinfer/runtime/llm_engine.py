@@ -107,7 +107,7 @@ class LLMEngine:
             self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, self.device,
             self.platform.device_module if self.device.type != "cpu" else None)
         self.outputs = OutputProcessor(self.scheduler, self.structured_output, self.tokenizer, self.eos_token_ids,
-                                       self.max_model_len, self.spec_stats)
+                                       self.max_model_len)
         self.requests, self.parents = self.outputs.requests, self.outputs.parents  # what runs, by request id
         self.inputs = InputProcessor(config.model_config.model, self.tokenizer, self.hf_config.vocab_size,
                                      self.max_model_len, self.scheduler.block_manager, runner.num_blocks,
@@ -244,7 +244,7 @@ class LLMEngine:
             seq.num_computed_tokens += n - len(seq.spec_token_ids)  # drafts count once accepted (_accept_drafts)
         if sampled is None:
             return []
-        return self.outputs.process(rows, sampled.to_host())
+        return self.outputs.process(rows, sampled.to_host(), self.spec_stats)
 
     def _step_async(self) -> list[RequestOutput]:
         outputs = []
@@ -288,7 +288,7 @@ class LLMEngine:
             step.event.synchronize()
         for seq in step.rows:
             seq.num_pending -= 1
-        return self.outputs.process(step.rows, step.host)
+        return self.outputs.process(step.rows, step.host, self.spec_stats)
 
     def _schedule(self, in_flight: bool = False) -> SchedulerOutput:
         sched = self.scheduler.schedule()

@@ -18,10 +18,9 @@ logger = logging.getLogger(__name__)
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, structured_output: StructuredOutputManager, tokenizer,
-                 eos_token_ids: set[int], max_model_len: int, spec_stats: SpecDecodingStats | None):
-        """spec_stats: speculative decoding's counters (None: off)."""
+                 eos_token_ids: set[int], max_model_len: int):
         self.scheduler, self.structured_output, self.tokenizer = scheduler, structured_output, tokenizer
-        self.eos_token_ids, self.max_model_len, self.spec_stats = eos_token_ids, max_model_len, spec_stats
+        self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
         self.requests: dict[str, Sequence] = {}  # the sequences that run (a parallel-sampling request's children)
         self.parents: dict[str, ParentRequest] = {}  # parallel-sampling requests by their id
 
@@ -40,9 +39,11 @@ class OutputProcessor:
             if seq is not None and self.requests.pop(seq.request_id, None) is not None and not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
 
-    def process(self, rows: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+    def process(self, rows: list[Sequence], sampled: SamplerOutput,
+                spec_stats: SpecDecodingStats | None = None) -> list[RequestOutput]:
         """Append each row's tokens (on the host) one by one, check stops, and build the outputs. A verification step
-        (speculative decoding) emits a row's accepted drafts and one more token; a stop mid-proposal drops the rest."""
+        (speculative decoding) emits a row's accepted drafts and one more token; a stop mid-proposal drops the rest.
+        spec_stats: speculative decoding's counters, which its rows add to (None: it is off)."""
         spec = sampled.output_token_ids is not None
         emitted = (sampled.output_token_ids if spec else sampled.sampled_token_ids[:, None]).tolist()
         outputs, row = [], 0
@@ -51,7 +52,7 @@ class OutputProcessor:
             if seq.is_finished:  # aborted, or stopped a step earlier (async scheduling): its tokens are dropped
                 continue
             if spec:
-                tokens = self._accept_drafts(seq, tokens)
+                tokens = self._accept_drafts(seq, tokens, spec_stats)
             for j, token in enumerate(tokens):
                 self._append(seq, token, sampled, first + j)
                 if seq.is_finished:
@@ -61,7 +62,7 @@ class OutputProcessor:
                     self.scheduler.block_manager.trim(seq)
                     self.scheduler.block_manager.cache_full_blocks(seq)
             if seq.is_finished or seq.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
-                out = self._output(seq)
+                out = self._output(seq, spec_stats is not None)
                 if seq.parent is not None:  # a child: its output becomes its request's (None: siblings still run)
                     out = seq.parent.output(seq, out)
                     if seq.parent.finished:
@@ -72,11 +73,11 @@ class OutputProcessor:
                 self.requests.pop(seq.request_id, None)
         return outputs
 
-    def _accept_drafts(self, seq: Sequence, emitted: list[int]) -> list[int]:
+    def _accept_drafts(self, seq: Sequence, emitted: list[int], spec_stats: SpecDecodingStats) -> list[int]:
         """The tokens a verified row emits (its -1 padding cut); its accepted drafts' KV becomes computed."""
         tokens = emitted[:emitted.index(-1)] if -1 in emitted else emitted
         if k := len(seq.spec_token_ids):
-            self.spec_stats.observe(k, len(tokens) - 1)
+            spec_stats.observe(k, len(tokens) - 1)
             seq.num_draft_tokens += k
             seq.num_accepted_tokens += len(tokens) - 1
         seq.num_computed_tokens += len(tokens) - 1
@@ -141,12 +142,12 @@ class OutputProcessor:
                 logprob.decoded_token = self.tokenizer.decode([tid])
         seq.logprobs.append(entry)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, spec_metrics: bool) -> RequestOutput:
         completion = CompletionOutput(
             index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
             logprobs=seq.logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        metrics = {} if self.spec_stats is None else {"spec_decode_num_draft_tokens": seq.num_draft_tokens,
+        metrics = {} if not spec_metrics else {"spec_decode_num_draft_tokens": seq.num_draft_tokens,
                                                       "spec_decode_num_accepted_tokens": seq.num_accepted_tokens}
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
                              finished=seq.status == SequenceStatus.FINISHED, num_cached_tokens=seq.num_cached_tokens,
