@@ -51,12 +51,12 @@ def test_artifact_contents(qwen2_artifact):
 
 def test_round_trip_gives_in_memory_tokens_without_tracing(qwen2_artifact, monkeypatch):
     path, art, _, in_memory = qwen2_artifact
-    import graphinfer.runtime.llm_engine as engine_mod
+    import graphinfer.compiler.pipeline as pipeline
 
     def no_compile(*a, **k):
         raise AssertionError("an artifact must not be traced or passed again")
 
-    monkeypatch.setattr(engine_mod, "compile_model", no_compile)
+    monkeypatch.setattr(pipeline, "compile_model", no_compile)
     loaded = LLM(artifact=art)  # model and dtype come from the manifest
     assert loaded.llm_engine.config.model_config.model == os.path.abspath(path)
     assert _tokens(loaded, PROMPTS) == _tokens(in_memory, PROMPTS)
@@ -81,10 +81,12 @@ def test_artifact_weights_are_final_and_load_without_the_checkpoint(qwen2_artifa
 
     for name in ("load_model", "load_config", "load_hf_config", "load_tokenizer"):
         monkeypatch.setattr(loader, name, no_checkpoint)
+    import graphinfer.compiler.pipeline as pipeline
     import graphinfer.runtime.llm_engine as engine_mod
 
-    for name in ("load_model", "load_config", "load_tokenizer"):
-        monkeypatch.setattr(engine_mod, name, no_checkpoint)
+    for name in ("load_model", "load_config"):
+        monkeypatch.setattr(pipeline, name, no_checkpoint)
+    monkeypatch.setattr(engine_mod, "load_tokenizer", no_checkpoint)
     assert _tokens(LLM(artifact=moved), PROMPTS) == _tokens(in_memory, PROMPTS)
 
 

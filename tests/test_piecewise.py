@@ -12,7 +12,7 @@ import torch
 import graphinfer.runtime.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
 from graphinfer.compiler.compile import check_inputs
-from graphinfer.compiler.piecewise import fit_graph_budget
+from graphinfer.compiler.pipeline import fit_graph_budget
 from graphinfer.compiler.split import split_graph
 from graphinfer.compiler.trace import node_target_name
 from graphinfer.errors import InvalidConfigError

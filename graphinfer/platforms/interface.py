@@ -113,10 +113,11 @@ class Platform:
         (compiler/skinny_gemm.py decides where, by measurement). Default: no."""
         return False
 
-    def compile_graph(self, graph, kernels: str | None = None):
-        """What the model runner executes for the fused graph on this platform (cpu: Inductor-compiled);
-        default: the graph itself, run eagerly or captured."""
-        return graph
+    def graph_compiler(self, kernels: str | None = None) -> str | None:
+        """The compiler the fused graph goes through on this platform before it runs ("inductor": cpu's
+        compiler/inductor.py; the compile pipeline applies it), or None: the graph runs as is, eagerly or
+        captured. A name, not a function: platforms sit below the compiler and import none of it."""
+        return None
 
     def activate(self, kernels: str | None = None) -> None:
         """Register op_impls(kernels) under dispatch_key (replacing an earlier activation's choice)."""

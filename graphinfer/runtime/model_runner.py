@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphinfer.compiler.capture import CaptureStats, DecodeGraphs, staged
-from graphinfer.compiler.piecewise import PiecewiseGraphs
+from graphinfer.runtime.device_graphs import CaptureStats, DecodeGraphs, staged
+from graphinfer.runtime.piecewise_graphs import PiecewiseGraphs
 from graphinfer.compiler.split import SplitGraph
 from graphinfer.config import CacheConfig
 from graphinfer.distributed import parallel_state as ps
@@ -21,7 +21,7 @@ from graphinfer.runtime.expert_load import moe_layers
 from graphinfer.runtime.sampler import Sampler, SamplerOutput
 from graphinfer.runtime.scheduler import SchedulerOutput
 from graphinfer.runtime.sequence import Sequence
-from graphinfer.runtime.spec_decode.verify import verify
+from graphinfer.runtime.spec_decode.verify import verify, warm_up_rejection_sample
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +124,11 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self, speculative: bool = False) -> None:
         """Run the eager forward (and the LM head) on a few dummy prefills that write no KV, so the kernels a
         first request needs are compiled, or loaded from the kernel cache, now rather than at that request.
-        Lengths 16 and 7: a multiple of 16 and not (Triton specialises integer arguments on divisibility by 16)."""
+        Lengths 16 and 7: a multiple of 16 and not (Triton specialises integer arguments on divisibility by 16).
+        Then the sampling-side kernels: rejection sampling (speculative decoding) and structured outputs' mask."""
         for n in (16, 7):
             blocks = -(-n // self.block_size)
             md = AttentionMetadata(torch.full((n,), -1, dtype=torch.int64, device=self.device),
@@ -137,6 +138,11 @@ class ModelRunner:
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             positions = torch.arange(n, dtype=torch.int64, device=self.device)
             self.model.compute_logits(self.graph(ids, positions, md)[-1:])
+        if speculative:
+            warm_up_rejection_sample(self.device)
+        logits = torch.zeros(1, self.model.config.vocab_size, dtype=activation_dtype(self.model), device=self.device)
+        torch.ops.graphinfer.apply_token_bitmask(logits, torch.full((1, -(-logits.shape[1] // 32)), -1,
+                                                                    dtype=torch.int32, device=self.device))
         self.platform.synchronize()
 
     def release(self) -> None:
