@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from graphinfer import envs
 from graphinfer.compiler import artifact, kernel_cache
 from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.fingerprint import model_fingerprint
@@ -130,9 +131,8 @@ class LLMEngine:
         if comp.graph_mode is None:
             comp.graph_mode = self.platform.default_graph_mode(comp.kernels)
         self._check_graph_mode()
-        self.capture_sizes = comp.capture_sizes or default_capture_sizes(
-            comp.max_capture_size or min(2 * sc.max_num_seqs, 512))
-        if self.manifest is not None and os.environ.get("GRAPHINFER_KERNEL_CACHE", "on") != "off":
+        self.capture_sizes = comp.capture_sizes or default_capture_sizes(comp.max_capture_size)  # EngineConfig derived it
+        if self.manifest is not None and envs.GRAPHINFER_KERNEL_CACHE != "off":
             kernel_cache.use(config.artifact, self.device)  # before any kernel compiles
         # From an artifact, the tokenizer (mostly transformers' import) loads in a thread while the weights and graph
         # load, where nothing else imports transformers meanwhile (its lazy module is not safe to import from two
