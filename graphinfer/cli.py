@@ -210,7 +210,7 @@ def _bench_serve(args) -> None:
 
     try:
         run(args.url, [int(c) for c in args.concurrency.split(",")], args.num_prompts, args.prompt_len,
-            args.max_tokens, args.model, args.output_json, args.plot, args.seed)
+            args.max_tokens, args.model, args.output_json, args.plot, args.prompt_seed)
     except (RuntimeError, httpx.HTTPError) as e:  # the warm-up request failed: no server, wrong model, ...
         raise GraphinferError(f"{args.url}: {e!r}. Is `graphinfer serve` running there?") from None
 
@@ -419,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--passes", default=None, help="the pipeline the pass sits in (default: 'default'); a "
                                                           "pass not in it runs after all of it")
         if name == "verify":
-            p.add_argument("--passes", default="default", help="'default', 'none', 'a,b,c' or 'default,my_pass'")
+            p.add_argument("--passes", default=engine_args.default("passes"),
+                           help="'default', 'none', 'a,b,c' or 'default,my_pass'")
             _add_tolerance_args(p)
         p.add_argument("--dump-dir", default=None,
                        help="write the graph as traced and after each pass there (NN-<pass>.py code, .txt nodes)")
@@ -452,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--prompt-len", type=int, default=128, help="prompt length in (random) tokens")
     bs.add_argument("--max-tokens", type=int, default=64)
     bs.add_argument("--model", default=None, help="default: the server's first model")
-    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--seed", dest="prompt_seed", type=int, default=0, help="seed of the random prompts (a client "
+                                                                        "setting, not the server's engine seed)")
     bs.add_argument("--output-json", default=None)
     bs.add_argument("--plot", default=None, help="PNG: throughput and latency vs concurrency")
     bs.set_defaults(func=_bench_serve)

@@ -331,4 +331,4 @@ class EngineConfig:
         UnknownEngineArgumentError naming the close matches (graphinfer/engine_args.py)."""
         from graphinfer.engine_args import create_engine_config
 
-        return create_engine_config(**kwargs)
+        return create_engine_config(kwargs)

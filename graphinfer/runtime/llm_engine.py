@@ -162,7 +162,9 @@ class LLMEngine:
         with timer.phase("KV cache"):
             engine_bytes = self.platform.memory_allocated(self.device) - memory_at_start
             self.model_runner = ModelRunner(self.model, cc, self.device, self.platform, self.eos_token_ids, mc.seed,
-                                            self.max_model_len, engine_bytes, placeholder_kv=config.compile_only)
+                                            self.max_model_len, engine_bytes, placeholder_kv=config.compile_only,
+                                            graph=self.graph, step_tokens=sc.max_num_batched_tokens, logits_rows=sc.max_num_seqs,
+                                            graph_tokens=max(self.capture_sizes) if comp.graph_mode != "NONE" else 0)
         if self.executor is not None and ps.tp_size() > 1:
             self.model_runner.channel = self.executor.channel
         # MoE + expert parallel over several replicas: their MoE layers share all-to-alls, so they step together
