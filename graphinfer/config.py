@@ -62,8 +62,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 class ModelConfig:
     model: str = setting("", "HF checkpoint dir, .gguf file or preset (default: the bundled SmolLM2)")
     dtype: str | torch.dtype = setting(
-        "auto", "auto (bf16 on accelerators and on CPUs with native bf16, else float32) | float32 | bfloat16 | float16; "
-                "from an artifact: the artifact's")
+        "auto", "auto (bf16 on accelerators and on CPUs with native bf16, else float32) | float32 | bfloat16 | "
+                "float16; from an artifact: the artifact's")
     max_model_len: int | None = setting(None, "context length in tokens (default: the model's own)")
     seed: int = setting(0, "random seed of the engine (weights of presets, sampling without a per-request seed)")
     device: str = setting("auto", "auto (the detected platform: $GRAPHINFER_PLATFORM, else cuda, npu or cpu) or a "

@@ -29,7 +29,8 @@ class LLM:
     (LM head inside unless capture_lm_head=False) and replays it for uniform decode steps; "PIECEWISE" splits
     the graph at attention (`splitting_ops`) and captures the pieces per token count, so any step up to the
     largest size replays them with attention run eagerly in between; "FULL_AND_PIECEWISE" does both. Capture
-    sizes default to vLLM's list up to max_capture_size (config.derived_max_capture_size: twice max_num_seqs, at most 512).
+    sizes default to vLLM's list up to max_capture_size (config.derived_max_capture_size: twice max_num_seqs, at
+    most 512).
     kernels: the platform's op implementations (None: its default; "reference": PyTorch).
     npu_compiler="torchair": torchair compiles the fused graph and captures ACL graphs (npu, graph_mode NONE).
     async_scheduling: prepare and launch each step while the previous one runs (see LLMEngine).

@@ -131,7 +131,7 @@ class LLMEngine:
         if comp.graph_mode is None:
             comp.graph_mode = self.platform.default_graph_mode(comp.kernels)
         self._check_graph_mode()
-        self.capture_sizes = comp.capture_sizes or default_capture_sizes(comp.max_capture_size)  # EngineConfig derived it
+        self.capture_sizes = comp.capture_sizes or default_capture_sizes(comp.max_capture_size)  # derived in config
         if self.manifest is not None and envs.GRAPHINFER_KERNEL_CACHE != "off":
             kernel_cache.use(config.artifact, self.device)  # before any kernel compiles
         # From an artifact, the tokenizer (mostly transformers' import) loads in a thread while the weights and graph
@@ -163,7 +163,8 @@ class LLMEngine:
             engine_bytes = self.platform.memory_allocated(self.device) - memory_at_start
             self.model_runner = ModelRunner(self.model, cc, self.device, self.platform, self.eos_token_ids, mc.seed,
                                             self.max_model_len, engine_bytes, placeholder_kv=config.compile_only,
-                                            graph=self.graph, step_tokens=sc.max_num_batched_tokens, logits_rows=sc.max_num_seqs,
+                                            graph=self.graph, step_tokens=sc.max_num_batched_tokens,
+                                            logits_rows=sc.max_num_seqs,
                                             graph_tokens=max(self.capture_sizes) if comp.graph_mode != "NONE" else 0)
         if self.executor is not None and ps.tp_size() > 1:
             self.model_runner.channel = self.executor.channel
