@@ -9,8 +9,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "graphinfer"
 
 # Bottom to top. Packages in one layer may import each other.
 LAYERS = [
-    {"graphinfer", "errors"},  # the package root: __version__, and LLM & co. exported lazily (importlib, by name)
-    {"config", "sampling_params", "outputs"},  # plain dataclasses a user builds
+    {"graphinfer", "errors", "envs"},  # the package root: __version__, LLM & co. exported lazily (importlib, by name);
+    # errors; envs, where every GRAPHINFER_* variable is read
+    {"config", "engine_args", "sampling_params", "outputs"},  # plain dataclasses a user builds; engine_args: LLM(**kwargs)
+    # and the CLI flags, generated from EngineConfig's fields
     {"ops", "distributed"},  # the op vocabulary, collectives included (communication_op registers graphinfer:: ops)
     {"platforms"},  # which implementation each op gets, device graphs, streams: plugins that name, never import, a compiler
     {"models", "quantization"},  # plain PyTorch models; quantized layers are layers the loader installs
@@ -27,6 +29,8 @@ ALLOWED_LAZY_UPWARD = {
     # both sit above config (they use its dataclasses' neighbours), so config asks them only when it is built.
     ("graphinfer.config", "platforms"),
     ("graphinfer.config", "quantization"),
+    # an artifact's manifest supplies the settings it was compiled with as the defaults of LLM(artifact=...) / serve
+    ("graphinfer.engine_args", "compiler"),
 }
 
 LEVEL = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

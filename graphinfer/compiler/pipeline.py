@@ -17,13 +17,13 @@ The KV cache is sized from the memory the weights and graph took, so the engine 
 """
 import contextlib
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 
+from graphinfer import envs
 from graphinfer.compiler import artifact, kernel_cache
 from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.fingerprint import model_fingerprint
@@ -71,14 +71,13 @@ class CompilePipeline:
                  phase: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()):
         """phase(name): a context that times one start-up phase (runtime/startup_timer.py)."""
         self.config, self.platform, self.device, self.phase = config, platform, device, phase
-        comp, sc = config.compile_config, config.scheduler_config
+        comp = config.compile_config
         if comp.graph_mode is None:
             comp.graph_mode = platform.default_graph_mode(comp.kernels)
         self._check_graph_mode()
-        self.capture_sizes = comp.capture_sizes or default_capture_sizes(
-            comp.max_capture_size or min(2 * sc.max_num_seqs, 512))
+        self.capture_sizes = comp.capture_sizes or default_capture_sizes(comp.max_capture_size)  # derived in config
         self.manifest = artifact.read_manifest(config.artifact) if config.artifact else None
-        if self.manifest is not None and os.environ.get("GRAPHINFER_KERNEL_CACHE", "on") != "off":
+        if self.manifest is not None and envs.GRAPHINFER_KERNEL_CACHE != "off":
             kernel_cache.use(config.artifact, device)  # before any kernel compiles
 
     def _check_graph_mode(self) -> None:

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from graphinfer import envs
 from graphinfer.errors import InvalidConfigError
 from graphinfer.platforms.interface import Platform
 
@@ -62,7 +63,7 @@ class CpuPlatform(Platform):
 
     @staticmethod
     def resolve_kernels(kernels: str | None) -> str:
-        kernels = kernels or os.environ.get("GRAPHINFER_CPU_KERNELS") or "eager"
+        kernels = kernels or envs.GRAPHINFER_CPU_KERNELS or "eager"
         if kernels not in CPU_KERNELS:
             raise InvalidConfigError(f"kernels={kernels!r} on cpu: use one of {', '.join(CPU_KERNELS)} (default "
                                      f"'eager', or $GRAPHINFER_CPU_KERNELS).")

@@ -10,7 +10,6 @@ MoE layer and step in lockstep (runtime/dp_lockstep.py): replica 0 drives the ro
 the others follow, idle ones with padding-only steps. Dense replicas share nothing and step on their own.
 """
 import logging
-import os
 import pickle
 import queue
 import secrets
@@ -19,6 +18,7 @@ import threading
 from dataclasses import replace
 from multiprocessing.connection import Client, Connection, Listener
 
+from graphinfer import envs
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import launch
 from graphinfer.errors import GraphinferError, InvalidRequestError
@@ -342,7 +342,7 @@ def main() -> int:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the front end decides
-    logging.basicConfig(level=os.environ.get("GRAPHINFER_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.GRAPHINFER_LOG_LEVEL,
                         format=f"(dp rank {spec['rank']}) %(levelname)s %(name)s: %(message)s")
     return run_replica(spec)
 

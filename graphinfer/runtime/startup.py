@@ -53,8 +53,11 @@ def start_model(config: EngineConfig, platform: Platform, timer: StartupTimer, c
     eos_token_ids = eos_token_ids_of(compiled.hf_config, tokenizer)
     with timer.phase("KV cache"):
         engine_bytes = platform.memory_allocated(device) - memory_at_start
+        sc, graphs = config.scheduler_config, config.compile_config.graph_mode != "NONE"
         runner = ModelRunner(compiled.model, config.cache_config, device, platform, eos_token_ids, mc.seed,
-                             max_model_len, engine_bytes, placeholder_kv=config.compile_only)
+                             max_model_len, engine_bytes, placeholder_kv=config.compile_only, graph=compiled.graph,
+                             step_tokens=sc.max_num_batched_tokens, logits_rows=sc.max_num_seqs,
+                             graph_tokens=max(compiled.capture_sizes) if graphs else 0)
     runner.channel = channel
     pipeline.finish(compiled, runner, max_model_len, spec.num_speculative_tokens if spec else None)
     return StartedModel(device, compiled, tokenizer, max_model_len, eos_token_ids, runner)
