@@ -72,6 +72,9 @@ class ModelConfig:
         None, "w8a8 | fp8 (cuda) | int8_wo | int4_wo: quantize the weights at load; gguf: keep a GGUF's quantized "
               "blocks; a compressed-tensors checkpoint is read quantized anyway; none (default)",
         aliases=["-q"], parse=lambda v: None if v == "none" else v)
+    logprobs_mode: str = setting("raw_logprobs", "what logprobs report (vLLM's): raw_logprobs, the log_softmax of the "
+                                                 "logits before any processing; raw_logits, the logits themselves",
+                                 choices=["raw_logprobs", "raw_logits"])
 
     def __post_init__(self):
         self.model = os.path.expanduser(self.model) if self.model else bundled_model_path()

@@ -76,7 +76,7 @@ class ModelRunner:
     def __init__(self, model, cache_config: CacheConfig, device: torch.device, platform: Platform,
                  eos_token_ids: set[int], seed: int, max_model_len: int, engine_bytes: int = 0,
                  placeholder_kv: bool = False, graph=None, step_tokens: int = 0, logits_rows: int = 1,
-                 graph_tokens: int = 0):
+                 graph_tokens: int = 0, logprobs_mode: str = "raw_logprobs"):
         """engine_bytes: device memory the engine took before the KV cache (weights, fused copies, buffers), which
         gpu_memory_utilization counts; placeholder_kv: a 1-block cache (`graphinfer compile`, which serves nothing).
         step_tokens (max_num_batched_tokens), logits_rows (max_num_seqs), graph_tokens (the largest capture size; 0:
@@ -106,7 +106,8 @@ class ModelRunner:
         if not placeholder_kv:
             logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                         self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
-        self.sampler = Sampler(eos_token_ids, seed=seed, device=device, kernel=platform.sample_kernel)
+        self.sampler = Sampler(eos_token_ids, seed=seed, device=device, kernel=platform.sample_kernel,
+                               logprobs_mode=logprobs_mode)
         self.channel = None  # tensor parallel, on rank 0: the StepChannel to the other ranks
 
     def _block_bytes(self) -> int:

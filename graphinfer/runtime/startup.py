@@ -57,7 +57,8 @@ def start_model(config: EngineConfig, platform: Platform, timer: StartupTimer, c
         runner = ModelRunner(compiled.model, config.cache_config, device, platform, eos_token_ids, mc.seed,
                              max_model_len, engine_bytes, placeholder_kv=config.compile_only, graph=compiled.graph,
                              step_tokens=sc.max_num_batched_tokens, logits_rows=sc.max_num_seqs,
-                             graph_tokens=max(compiled.capture_sizes) if graphs else 0)
+                             graph_tokens=max(compiled.capture_sizes) if graphs else 0,
+                             logprobs_mode=mc.logprobs_mode)
     runner.channel = channel
     pipeline.finish(compiled, runner, max_model_len, spec.num_speculative_tokens if spec else None)
     return StartedModel(device, compiled, tokenizer, max_model_len, eos_token_ids, runner)
