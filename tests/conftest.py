@@ -139,3 +139,32 @@ def openai_client(openai_server):
 
     with openai.OpenAI(base_url=f"{openai_server.url}/v1", api_key="EMPTY", timeout=120, max_retries=0) as c:
         yield c
+
+
+@pytest.fixture(params=["suite", "cpu-default"])
+def engine_kernels(request, monkeypatch):
+    """LLM kwargs for end-to-end tests run two ways: "suite", as the rest of the suite (on CPU the reference ops this
+    file selects; on a GPU machine the GPU's kernels), and "cpu-default", the cpu platform's shipped default kernels
+    (GRAPHINFER_CPU_KERNELS unset, so the engine resolves its own default: the CPU attention/cache ops and quantized
+    linears, graph run op by op), on CPU also on a GPU machine. Afterwards the cpu ops are the reference again (an
+    engine's activation is process-wide, and other tests call the ops directly)."""
+    if request.param == "suite":
+        yield {}
+        return
+    from graphinfer.platforms import get_platform
+    from graphinfer.platforms.cpu import CpuPlatform
+
+    monkeypatch.delenv("GRAPHINFER_CPU_KERNELS", raising=False)
+    assert CpuPlatform.resolve_kernels(None) != "reference"  # the shipped default is not the suite's oracle
+    try:
+        yield {"device": "cpu"}
+    finally:
+        monkeypatch.undo()
+        get_platform("cpu").activate("reference")
+
+
+def assert_cpu_default_bound(llm, engine_kernels) -> None:
+    """For engine_kernels' "cpu-default": the engine's cpu platform bound the CPU attention ops (not the reference)."""
+    if engine_kernels:
+        assert llm.llm_engine.platform.kernels.get("paged_attention") == "graphinfer.ops.cpu_attention", \
+            llm.llm_engine.platform.kernels
