@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_output import expected_blocks, parse_generate
 
 from graphinfer import LLM, SamplingParams
 from graphinfer.errors import ArtifactMismatchError
@@ -205,4 +206,7 @@ def test_smollm2_compile_then_generate_cli(smollm2_llm, tmp_path):
                                                                           gguf.pad_token_id)
     res = subprocess.run([BIN, "generate", "--artifact", art, "--prompt", prompts[0], "--temperature", "0",
                           "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "Paris" in res.stdout, res.stderr
+    assert res.returncode == 0, res.stderr
+    expected = smollm2_llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert parse_generate(res.stdout) == expected_blocks(prompts[:1], expected)
+    assert expected[0].outputs[0].text.startswith(" Paris")
