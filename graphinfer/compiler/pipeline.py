@@ -17,6 +17,7 @@ The KV cache is sized from the memory the weights and graph took, so the engine 
 """
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
