@@ -4,48 +4,42 @@ import logging
 import os
 import sys
 
+from graphinfer import engine_args, envs
 from graphinfer.config import GRAPH_MODES
 from graphinfer.errors import GraphinferError
 from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, TOOL_CALL_PARSERS
 
 
+# Engine settings are EngineConfig's fields (graphinfer/config.py): their flags and defaults come from there
+# (graphinfer/engine_args.py); this file writes none of those defaults again. The groups below pick which settings
+# a subcommand takes.
+PARALLEL_ARGS = ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "enable_expert_parallel",
+                 "data_parallel_size")
+GRAPH_ARGS = ("graph_mode", "capture_sizes", "max_capture_size", "splitting_ops")
+# `graphinfer compile`: what shapes the artifact (the KV cache is a placeholder; nothing is served)
+COMPILE_ARGS = ("dtype", "quantization", "device", "passes", "max_num_seqs", *GRAPH_ARGS, "speculative_config",
+                *PARALLEL_ARGS)
+# the offline benchmarks (throughput, latency): the engine settings each run takes from the command line
+OFFLINE_BENCH_ARGS = ("model", "dtype", "quantization", "device", "passes", "capture_sizes", "max_model_len", "seed")
+# The benchmarks' workloads: where a bench subcommand starts from other values than the engine's defaults, and why.
+BENCH_DEFAULTS = {
+    "model": "qwen3-0.6b",  # nano-vllm's workload model (random weights of its shape: no download)
+    "max_model_len": 4096,  # the workload's longest request (clamped to the model's context)
+    "graph_mode": "NONE",  # the eager baseline; the graph modes are compared with --sweep graph-mode=...
+}
+
+
 def _add_engine_args(p: argparse.ArgumentParser, with_model: bool = True, serving: bool = False) -> None:
-    g = p.add_argument_group("engine")
-    if with_model:
-        g.add_argument("--model", default="", help="HF checkpoint dir, .gguf file or preset (default: bundled SmolLM2)")
-        g.add_argument("--artifact", default=None, help="start from a `graphinfer compile` output directory")
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    _add_quantization_arg(g)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    if serving:  # a smaller step budget online, per platform (graphinfer.server.defaults)
+    g = p.add_argument_group("engine (EngineConfig's fields; docs/configuration.md)")
+    exclude = [*PARALLEL_ARGS, *(() if with_model else ("model", "artifact"))]
+    if serving:  # a smaller step budget online, per platform (graphinfer.server.defaults): None = derive at start
         from graphinfer.server.defaults import SERVE_BATCHED_TOKENS_HELP
 
-        g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help=f"tokens per engine step, which bounds a stream's inter-token gap while a long prompt "
-                            f"is prefilled; {SERVE_BATCHED_TOKENS_HELP}")
+        engine_args.add_cli_args(g, exclude=exclude, defaults={"max_num_batched_tokens": None}, helps={
+            "max_num_batched_tokens": f"tokens per engine step, which bounds a stream's inter-token gap while a long "
+                                      f"prompt is prefilled; {SERVE_BATCHED_TOKENS_HELP}"})
     else:
-        g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--async-scheduling", action="store_true",
-                   help="schedule and launch each step while the previous one runs on the device")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", help="auto (the detected platform: cuda, npu or cpu) or a torch device")
-    g.add_argument("--passes", default="default", help="'default', 'none' or a comma-separated list of pass names")
-    _add_graph_mode_args(g)
-    g.add_argument("--no-capture-lm-head", dest="capture_lm_head", action="store_false",
-                   help="full decode graphs: keep the LM head out of them")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV cache size in bytes (default: 1 GiB on cpu; on a GPU what --gpu-memory-utilization leaves)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of the device's total memory this engine may use (weights, graphs, KV cache)")
-    g.add_argument("--kernels", "--npu-kernels", dest="kernels", default=None,
-                   help="op implementations: the platform's default, 'reference', or on npu 'triton' | 'torch_npu' "
-                        "| per op, e.g. 'torch_npu,paged_attention=triton'")
-    g.add_argument("--npu-compiler", default=None, choices=["torchair", "torchair:reduce-overhead"],
-                   help="npu: hand the fused graph to torchair (ACL graphs; use with --graph-mode NONE)")
-    _add_speculative_arg(g)
+        engine_args.add_cli_args(g, exclude=exclude)
     _add_parallel_args(p)
 
 
@@ -56,58 +50,9 @@ def _add_dataset_arg(p) -> None:
                         "--min-len tokens; graphinfer/bench/copy_workload.py)")
 
 
-def _add_speculative_arg(g, also: str = "") -> None:
-    g.add_argument("--speculative-config", default=None, type=_json_object,
-                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 3}\'' + also)
-
-
-def _json_object(text: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tensor, expert and data parallel (vLLM's / torchrun's flags)")
-    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=None,
-                   help="shard the model over N ranks (gloo on cpu, NCCL on cuda, HCCL on npu); one node: graphinfer "
-                        "starts the other ranks (default: an artifact's size, else 1)")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes the ranks are spread over (tp / nnodes each); every "
-                                                         "node runs the same command with its --node-rank")
-    g.add_argument("--node-rank", type=int, default=0,
-                   help="this node: 0 runs rank 0 (scheduler, sampler, server); others run workers only and take the "
-                        "engine settings from node 0")
-    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
-    g.add_argument("--master-port", type=int, default=None,
-                   help="node 0's rendezvous port (default: a free one on one node, 29500 across nodes)")
-    g.add_argument("--enable-expert-parallel", action="store_true", default=None,
-                   help="MoE models: partition whole experts over the ranks (expert parallel, EP size = tp x dp) "
-                        "instead of splitting each expert (default: an artifact's setting, else off)")
-    g.add_argument("-dp", "--data-parallel-size", type=int, default=1,
-                   help="N engine replicas (each tp ranks, its own scheduler and KV cache) behind this front end, "
-                        "each request on the one with the fewest outstanding tokens; MoE + expert parallel replicas "
-                        "step in lockstep (one node)")
-
-
-def _add_graph_mode_args(g) -> None:
-    g.add_argument("--graph-mode", default=None, choices=GRAPH_MODES,
-                   help="default: the artifact's mode, else the platform's (FULL_AND_PIECEWISE on cuda / npu, NONE on "
-                        "cpu). NONE: eager; PIECEWISE: the graph split at attention, pieces replayed per token "
-                        "count; FULL_DECODE_ONLY: full graphs for decode steps; FULL_AND_PIECEWISE: both")
-    g.add_argument("--capture-sizes", default=None,
-                   help="comma-separated sizes to capture: decode batch sizes (full graphs, those <= max-num-seqs) "
-                        "and token counts (pieces); default: vLLM's list up to --max-capture-size")
-    g.add_argument("--max-capture-size", type=int, default=None,
-                   help="largest default capture size (default: min(2 * max-num-seqs, 512))")
-    g.add_argument("--splitting-ops", default=None,
-                   help="comma-separated ops that run eagerly between the pieces (default: graphinfer::paged_attention)")
+    engine_args.add_cli_args(g, PARALLEL_ARGS)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -127,57 +72,24 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def _add_quantization_arg(g) -> None:
-    g.add_argument("-q", "--quantization", default=None, type=lambda v: None if v == "none" else v,
-                   help="w8a8 | fp8 (cuda) | int8_wo | int4_wo: quantize the weights at load; gguf: keep a GGUF's "
-                        "quantized blocks; a compressed-tensors checkpoint is read quantized anyway; none (default)")
-
-
 def _engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len, block_size=args.block_size,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
-                seed=args.seed, device=args.device,
-                passes=args.passes, graph_mode=args.graph_mode, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
-                max_capture_size=args.max_capture_size, splitting_ops=_splitting_ops(args),
-                capture_lm_head=args.capture_lm_head, kernels=args.kernels, npu_compiler=args.npu_compiler,
-                speculative_config=args.speculative_config, **_parallel_kwargs(args))
-
-
-def _parallel_kwargs(args) -> dict:
-    return dict(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
-                master_addr=args.master_addr, master_port=args.master_port,
-                enable_expert_parallel=args.enable_expert_parallel, data_parallel_size=args.data_parallel_size)
+    """The engine settings the subcommand parsed (its flags are EngineConfig's fields), for LLM(**kwargs)."""
+    return engine_args.kwargs_from_args(args)
 
 
 def _parallel_config(args):
     """compile's, or (--node-rank > 0) another node's: the tensor-parallel size as given, else the artifact's as
     node 0 takes it, else 1."""
-    from graphinfer.config import ParallelConfig
-
-    kwargs = _parallel_kwargs(args)
+    kwargs = engine_args.kwargs_from_args(args, PARALLEL_ARGS)
     kwargs["data_parallel_size"] = 1  # an artifact is one replica's; another node runs no replica of its own
-    manifest = None
     if art := getattr(args, "artifact", None) or getattr(args, "target", None):  # generate --artifact, serve ART
-        from graphinfer.compiler.artifact import read_manifest
         from graphinfer.server.serve import is_artifact
 
-        manifest = read_manifest(art) if is_artifact(art) else None
-    if kwargs["tensor_parallel_size"] is None:
-        from graphinfer.compiler.artifact import tensor_parallel_size
+        if is_artifact(art):
+            kwargs = engine_args.with_artifact_defaults({**kwargs, "artifact": art})
+    from graphinfer.config import ParallelConfig
 
-        kwargs["tensor_parallel_size"] = tensor_parallel_size(manifest) if manifest else 1
-    if kwargs["enable_expert_parallel"] is None:
-        from graphinfer.compiler.artifact import expert_parallel
-
-        kwargs["enable_expert_parallel"] = expert_parallel(manifest) if manifest else False
-    return ParallelConfig(**kwargs)
-
-
-def _splitting_ops(args) -> list[str] | None:
-    return _csv(args.splitting_ops) if args.splitting_ops else None
+    return ParallelConfig(**{k: kwargs[k] for k in PARALLEL_ARGS})
 
 
 def _serve(args) -> None:
@@ -197,7 +109,7 @@ def _generate(args) -> None:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
         stop=args.stop, seed=args.sampling_seed, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, artifact=args.artifact, **_engine_kwargs(args))
+    llm = LLM(**_engine_kwargs(args))
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
     else:
@@ -218,7 +130,7 @@ def _generate(args) -> None:
 def _bench_generate(args) -> None:
     from graphinfer.bench.generate import run
 
-    passes = args.passes.split(";")
+    passes = args.pass_lists.split(";")
     result = run(args.model, args.dtype, [int(b) for b in args.batch_sizes.split(",")], args.max_tokens,
                  args.repeats, args.compare == "hf", args.output_json, passes)
     head = " | ".join(f"graphinfer passes={p} tok/s" for p in passes)
@@ -237,24 +149,18 @@ def _compile(args) -> None:
     from graphinfer.compiler import kernel_cache
     from graphinfer.compiler.artifact import WEIGHTS, rank_file
     from graphinfer.compiler.report import pass_table
-    from graphinfer.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig,
-                                   SpeculativeConfig)
     from graphinfer.platforms.cpu import CpuPlatform
     from graphinfer.runtime.llm_engine import LLMEngine
 
-    sizes = _csv(args.capture_sizes, int) if args.capture_sizes else None
-    model_config = ModelConfig(args.model, args.dtype, device=args.device, quantization=args.quantization)
-    device = torch.device(model_config.device)
+    kwargs = {**engine_args.kwargs_from_args(args, COMPILE_ARGS), "model": args.model}
+    kwargs["data_parallel_size"] = 1  # an artifact is one replica's
+    config = engine_args.create_engine_config(kwargs, compile_only=True)  # a placeholder KV cache
+    device = torch.device(config.model_config.device)
     if device.type != "cpu" or CpuPlatform.resolve_kernels(None) == "inductor":  # compiled kernels go into the artifact
         kernel_cache.collect(args.output, device)
     else:  # the reference ops compile nothing
         kernel_cache.clear(args.output)
-    engine = LLMEngine(EngineConfig(  # a placeholder KV cache; on a GPU every bucket is captured once (warm-up)
-        model_config, CacheConfig(), SchedulerConfig(max_num_seqs=args.max_num_seqs),
-        CompileConfig(args.graph_mode, args.passes, sizes, max_capture_size=args.max_capture_size,
-                      splitting_ops=_splitting_ops(args)),
-        _parallel_config(args), compile_only=True,
-        speculative_config=SpeculativeConfig.from_dict(args.speculative_config)))
+    engine = LLMEngine(config)  # on a GPU every bucket is captured once (warm-up)
     print(pass_table(engine.pass_reports.rejudge(args.atol, args.rtol)))
     manifest = engine.save_artifact(args.output, atol=args.atol, rtol=args.rtol,
                                     allow_check_failure=args.allow_check_failure)
@@ -304,7 +210,7 @@ def _bench_serve(args) -> None:
 
     try:
         run(args.url, [int(c) for c in args.concurrency.split(",")], args.num_prompts, args.prompt_len,
-            args.max_tokens, args.model, args.output_json, args.plot, args.seed)
+            args.max_tokens, args.model, args.output_json, args.plot, args.prompt_seed)
     except (RuntimeError, httpx.HTTPError) as e:  # the warm-up request failed: no server, wrong model, ...
         raise GraphinferError(f"{args.url}: {e!r}. Is `graphinfer serve` running there?") from None
 
@@ -387,10 +293,10 @@ def _bench_throughput(args) -> None:
         tensor_parallel_size=grid["tensor_parallel_size"], data_parallel_size=grid["data_parallel_size"],
         quantization=grid["quantization"], speculative_config=grid["speculative_config"],
         structured_output=grid["structured_output"], dataset=args.dataset,
-        parallel={k: v for k, v in _parallel_kwargs(args).items()
+        parallel={k: v for k, v in engine_args.kwargs_from_args(args, PARALLEL_ARGS).items()
                   if k not in ("tensor_parallel_size", "data_parallel_size")},
-        capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
-        passes=args.passes, num_prompts=args.num_prompts, min_len=args.min_len, max_len=args.max_len,
+        capture_sizes=args.capture_sizes, passes=args.passes, num_prompts=args.num_prompts, min_len=args.min_len,
+        max_len=args.max_len,
         fixed_output_len=args.fixed_output_len, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, temperature=args.temperature, seed=args.seed,
         compare_hf=args.compare == "hf", hf_cuda_graph=args.hf_cuda_graph, output_json=args.output_json,
@@ -410,7 +316,7 @@ def _bench_moe_balance(args) -> None:
 def _bench_accuracy(args) -> None:
     from graphinfer.bench.accuracy import run
 
-    run(args.model, schemes=_csv(args.quantization), dtype=args.dtype, device=args.device,
+    run(args.model, schemes=_csv(args.schemes), dtype=args.dtype, device=args.device,
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed, output_json=args.output_json,
         kernels=args.kernels)
 
@@ -419,7 +325,7 @@ def _bench_latency(args) -> None:
     from graphinfer.bench.latency import run
 
     run(args.model, dtype=args.dtype, device=args.device, batch_sizes=_csv(args.batch_sizes, int),
-        graph_modes=_csv(args.graph_modes), capture_sizes=_csv(args.capture_sizes, int) if args.capture_sizes else None,
+        graph_modes=_csv(args.graph_modes), capture_sizes=args.capture_sizes,
         passes=args.passes, prompt_len=args.prompt_len, warmup_steps=args.warmup_steps, num_steps=args.num_steps,
         max_model_len=args.max_model_len, temperature=args.temperature, seed=args.seed,
         output_json=args.output_json, plot_path=args.plot, quantization=args.quantization,
@@ -442,16 +348,10 @@ def _bench_startup(args) -> None:
 
 
 def _add_offline_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen3-0.6b", help="HF checkpoint dir, .gguf, or a preset shape with random "
-                                                         "weights (qwen3-0.6b, smollm2-135m, tiny-llama, ...)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on accelerators and CPUs with native bf16, else fp32) | bfloat16 | ...")
-    _add_quantization_arg(p)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--passes", default="default", help="compiler passes: 'default', 'none' or a comma-separated list")
-    p.add_argument("--capture-sizes", default=None, help="batch sizes / token counts to capture (default: vLLM's list)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="clamped to the model's context")
+    engine_args.add_cli_args(p, OFFLINE_BENCH_ARGS, defaults=BENCH_DEFAULTS, helps={
+        "model": "HF checkpoint dir, .gguf, or a preset shape with random weights (qwen3-0.6b, smollm2-135m, "
+                 "tiny-llama, ...)", "max_model_len": "clamped to the model's context"})
     p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG file")
 
@@ -490,18 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_serve)
 
     comp = sub.add_parser("compile", help="trace + optimise a model and write an artifact that generate/serve start from")
-    comp.add_argument("model", nargs="?", default="", help="HF checkpoint dir, .gguf file or preset (default: bundled SmolLM2)")
+    comp.add_argument("model", nargs="?", default=engine_args.default("model"),
+                      help="HF checkpoint dir, .gguf file or preset (default: bundled SmolLM2)")
     comp.add_argument("-o", "--output", required=True, help="artifact directory to write")
-    _add_graph_mode_args(comp)
-    comp.add_argument("--passes", default="default", help="'default', 'none' or a comma-separated list of pass names")
-    comp.add_argument("--max-num-seqs", type=int, default=256, help="bounds the default capture sizes")
     _add_tolerance_args(comp)
     comp.add_argument("--allow-check-failure", action="store_true",
                       help="write the artifact even if a pass fails its numeric check (recorded in the manifest)")
-    comp.add_argument("--dtype", default="auto")
-    _add_quantization_arg(comp)
-    _add_speculative_arg(comp)
-    comp.add_argument("--device", default="auto", help="auto (the detected platform) or a torch device")
+    engine_args.add_cli_args(comp.add_argument_group("engine (EngineConfig's fields; docs/configuration.md)"),
+                             [n for n in COMPILE_ARGS if n not in PARALLEL_ARGS])
     _add_parallel_args(comp)
     comp.set_defaults(func=_compile)
 
@@ -511,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
                         ("verify", "every pass's numeric check, max abs error and matches, as a table")):
         p = ps.add_parser(name, help=help_)
         p.add_argument("model", help="checkpoint path or preset (tiny-llama, tiny-qwen2, tiny-qwen3, ...)")
-        p.add_argument("--dtype", default="auto")
+        engine_args.add_cli_args(p, ["dtype"])
         if name == "show":
             p.add_argument("--after", default=None, help="show the graph after this pass (default: as traced)")
             p.add_argument("--passes", default=None, help="the pipeline to run (default: none; with --after, the "
@@ -523,11 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--passes", default=None, help="the pipeline the pass sits in (default: 'default'); a "
                                                           "pass not in it runs after all of it")
         if name == "verify":
-            p.add_argument("--passes", default="default", help="'default', 'none', 'a,b,c' or 'default,my_pass'")
+            p.add_argument("--passes", default=engine_args.default("passes"),
+                           help="'default', 'none', 'a,b,c' or 'default,my_pass'")
             _add_tolerance_args(p)
         p.add_argument("--dump-dir", default=None,
                        help="write the graph as traced and after each pass there (NN-<pass>.py code, .txt nodes)")
-        _add_quantization_arg(p)
+        engine_args.add_cli_args(p, ["quantization"])
         if name != "diff":
             p.add_argument("--onnx", default=None, help="also export the graph as ONNX for Netron")
         if name != "verify":
@@ -540,13 +437,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (write JSON)").add_subparsers(dest="bench", required=True)
     bg = bench.add_parser("generate", help="offline generation throughput, optionally vs HF transformers' generate")
-    bg.add_argument("--model", default="", help="HF checkpoint dir or .gguf file (default: bundled SmolLM2)")
-    bg.add_argument("--dtype", default="auto")
+    engine_args.add_cli_args(bg, ["model", "dtype"])
     bg.add_argument("--batch-sizes", default="1,8")
     bg.add_argument("--max-tokens", type=int, default=64)
     bg.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; the best is kept")
     bg.add_argument("--compare", choices=["hf"], default=None)
-    bg.add_argument("--passes", default="default", help="pass lists to compare, separated by ';' (e.g. 'default;none')")
+    bg.add_argument("--passes", dest="pass_lists", default=engine_args.default("passes"),
+                    help="pass lists to compare, separated by ';' (e.g. 'default;none')")
     bg.add_argument("--output-json", default=None)
     bg.set_defaults(func=_bench_generate)
     bs = bench.add_parser("serve", help="load an OpenAI-compatible server: throughput, TTFT / TPOT percentiles")
@@ -556,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--prompt-len", type=int, default=128, help="prompt length in (random) tokens")
     bs.add_argument("--max-tokens", type=int, default=64)
     bs.add_argument("--model", default=None, help="default: the server's first model")
-    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--seed", dest="prompt_seed", type=int, default=0, help="seed of the random prompts (a client "
+                                                                        "setting, not the server's engine seed)")
     bs.add_argument("--output-json", default=None)
     bs.add_argument("--plot", default=None, help="PNG: throughput and latency vs concurrency")
     bs.set_defaults(func=_bench_serve)
@@ -564,11 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt = bench.add_parser("throughput", help="nano-vllm's offline workload (256 prompts, 100-1024 in/out): tok/s, "
                                              "prefill/decode split, memory roofline; sweeps; vs HF generate_batch")
     _add_offline_bench_args(bt)
-    bt.add_argument("--graph-mode", default="NONE", choices=GRAPH_MODES)
-    bt.add_argument("--max-num-seqs", type=int, default=256)
-    bt.add_argument("--async-scheduling", action="store_true",
-                    help="schedule and launch each step while the previous one runs on the device")
-    bt.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    engine_args.add_cli_args(bt, ["graph_mode", "max_num_seqs", "async_scheduling", "max_num_batched_tokens", "kernels",
+                                  "block_size", "enable_prefix_caching", "speculative_config"], defaults=BENCH_DEFAULTS)
     bt.add_argument("--num-prompts", type=int, default=256)
     bt.add_argument("--min-len", type=int, default=100, help="shortest prompt and output (tokens)")
     bt.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (tokens)")
@@ -585,17 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "max_tokens (bench/structured_output.py), with the mask fill / apply time per step in the "
                          "JSON (the model needs a tokenizer: e.g. --model '' for the bundled SmolLM2)")
     _add_dataset_arg(bt)
-    _add_speculative_arg(bt)
     bt.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' generate_batch "
                                                                     "(fixed output length: 512 unless given)")
     bt.add_argument("--hf-cuda-graph", action="store_true", help="HF: use_cuda_graph=True, max_memory_percent=0.5")
     bt.add_argument("--hf-dtype", default=None, help="dtype of the HF run (default: --dtype); the CPU comparison "
                                                     "of docs/benchmarks.md runs HF in float32")
-    bt.add_argument("--kernels", default=None, help="op implementations (cpu: inductor | eager | reference); "
-                                                   "default: the platform's")
-    bt.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
-    bt.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                    help="disable prefix caching")
     _add_parallel_args(bt)
     bt.set_defaults(func=_bench_throughput)
 
@@ -604,15 +493,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Scores a fixed prompt set (teacher-forced on the unquantized model's greedy continuation) and a "
                     "fixed text with the unquantized model and with each --quantization scheme: greedy-token "
                     "agreement, mean KL of the next-token distributions, perplexity, and the weights' bytes.")
-    ba.add_argument("--model", default="", help="HF checkpoint dir, .gguf file or preset (default: bundled SmolLM2)")
-    ba.add_argument("--quantization", default="int8_wo,int4_wo,w8a8",
+    ba.add_argument("--quantization", dest="schemes", default="int8_wo,int4_wo,w8a8",
                     help="comma-separated schemes to compare with the unquantized model (gguf: a .gguf kept quantized)")
-    ba.add_argument("--dtype", default="float32")
-    ba.add_argument("--device", default="auto")
-    ba.add_argument("--kernels", default=None, help="the platform's kernels (cpu: eager | inductor | reference)")
+    # float32: the unquantized reference the schemes are scored against
+    engine_args.add_cli_args(ba, ["model", "dtype", "device", "kernels", "seed"], defaults={"dtype": "float32"})
     ba.add_argument("--num-prompts", type=int, default=8)
     ba.add_argument("--max-tokens", type=int, default=32, help="greedy continuation scored per prompt")
-    ba.add_argument("--seed", type=int, default=0)
     ba.add_argument("--output-json", default=None)
     ba.set_defaults(func=_bench_accuracy)
 
@@ -624,18 +510,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "experts [r*E/N, (r+1)*E/N), vLLM's default placement) and imbalance = max / mean tokens per rank. "
                     "It is a statistic of the routing: any --ep-size is evaluated in one process, on one device "
                     "(a CPU works), without starting N ranks.")
-    bm.add_argument("--model", default="tiny-qwen3-moe", help="a MoE model: HF checkpoint dir or a preset "
-                                                              "(tiny-qwen3-moe, ...)")
-    bm.add_argument("--dtype", default="auto")
-    bm.add_argument("--device", default="auto")
-    bm.add_argument("--passes", default="default", help="compiler passes: 'default', 'none' or a comma-separated list")
-    bm.add_argument("--max-model-len", type=int, default=4096, help="clamped to the model's context")
+    engine_args.add_cli_args(bm, ["model", "dtype", "device", "passes", "max_model_len", "seed", "graph_mode",
+                                  "max_num_seqs"], defaults={**BENCH_DEFAULTS, "model": "tiny-qwen3-moe"},
+                             helps={"model": "a MoE model: HF checkpoint dir or a preset (tiny-qwen3-moe, ...)",
+                                    "max_model_len": "clamped to the model's context"})
     bm.add_argument("--temperature", type=float, default=0.6)
-    bm.add_argument("--seed", type=int, default=0)
     bm.add_argument("--output-json", default=None)
     bm.add_argument("--ep-size", type=int, default=1, help="expert-parallel size to partition the experts for")
-    bm.add_argument("--graph-mode", default="NONE", choices=GRAPH_MODES)
-    bm.add_argument("--max-num-seqs", type=int, default=256)
     bm.add_argument("--num-prompts", type=int, default=64)
     bm.add_argument("--min-len", type=int, default=100, help="shortest prompt and output (tokens)")
     bm.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (tokens)")
@@ -650,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--warmup-steps", type=int, default=5, help="decode steps dropped before timing")
     bl.add_argument("--num-steps", type=int, default=30, help="decode steps timed (the median is reported)")
     _add_dataset_arg(bl)
-    _add_speculative_arg(bl, also="; each graph mode is measured without it, then with it, in the same run")
+    engine_args.add_cli_args(bl, ["speculative_config"], helps={"speculative_config": engine_args.engine_args()[
+        "speculative_config"].help + "; each graph mode is measured without it, then with it, in the same run"})
     bl.add_argument("--num-speculative-tokens", default=None, metavar="K1,K2",
                     help="with --speculative-config (default ngram, lookup 1..4): one run per k, e.g. 3,5")
     bl.set_defaults(func=_bench_latency)
@@ -671,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Start-up facts (KV cache size, decode-graph capture time and memory) are INFO logs, on stderr.
-    logging.basicConfig(level=os.environ.get("GRAPHINFER_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.GRAPHINFER_LOG_LEVEL,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         if getattr(args, "node_rank", 0) > 0:  # another node's ranks: workers only, node 0 does the rest

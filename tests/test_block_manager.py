@@ -110,3 +110,108 @@ def test_no_prefix_caching_means_no_hits():
     a = seq(list(range(9)), "a")
     run_prompt(bm, a)
     assert bm.hash_to_block_id == {} and bm.find_cached_blocks(seq(list(range(9)), "b")) == []
+
+
+def _check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
+    """Every block is either free (ref 0, in the LRU) or held (ref = the number of live tables that hold it), and
+    every cached hash points at a block that carries it."""
+    held = {}
+    for s in live:
+        for b in s.block_table:
+            held[b] = held.get(b, 0) + 1
+    assert {b.block_id: b.ref_count for b in bm.blocks if b.ref_count} == held
+    assert set(bm.free_block_ids) == set(range(bm.num_blocks)) - set(held)
+    assert all(bm.blocks[b].hash == h for h, b in bm.hash_to_block_id.items())
+
+
+def test_a_blocks_hash_chains_its_parents():
+    """The same 4 tokens in block 1 hash differently after different blocks 0; the same whole prefix, the same hash."""
+    bm = BlockManager(16, BS)
+    a, b, c = seq([0, 1, 2, 3, 10, 11, 12, 13, 0], "a"), seq([9, 1, 2, 3, 10, 11, 12, 13, 0], "b"), \
+        seq([0, 1, 2, 3, 10, 11, 12, 13, 5], "c")
+    for s in (a, b):
+        run_prompt(bm, s)
+    assert a.block_hashes[0] != b.block_hashes[0] and a.block_hashes[1] != b.block_hashes[1]
+    assert a.block_hashes[1] == hash((a.block_hashes[0], (10, 11, 12, 13)))  # (parent hash, own tokens)
+    assert b.block_hashes[1] == hash((b.block_hashes[0], (10, 11, 12, 13)))
+    assert run_prompt(bm, c) == a.block_table[:2] and c.block_hashes == a.block_hashes  # same prefix: a's blocks
+    assert len(bm.hash_to_block_id) == 4  # a's two, b's two; c added none
+
+
+def test_lru_evicts_the_earliest_freed_sequence_first():
+    """Two finished sequences: new blocks come from the one freed first; the later one's prefix still hits."""
+    bm = BlockManager(4, BS)
+    a, b = seq(list(range(5)), "a"), seq(list(range(50, 55)), "b")  # 5 tokens: 2 blocks each, one full
+    run_prompt(bm, a)
+    run_prompt(bm, b)
+    ta, tb = list(a.block_table), list(b.block_table)
+    bm.free(a)
+    bm.free(b)
+    assert list(bm.free_block_ids) == [ta[1], ta[0], tb[1], tb[0]]
+    c = seq([200 + i for i in range(5)], "c")  # takes 2 blocks: both of a's (a's cached prefix is evicted)
+    run_prompt(bm, c)
+    assert sorted(c.block_table) == sorted(ta)
+    assert bm.find_cached_blocks(seq(list(range(5)), "a2")) == []
+    assert bm.find_cached_blocks(seq(list(range(50, 55)), "b2")) == tb[:1]
+    # a revived block leaves the LRU; freed again, it is the most recently freed
+    d = seq(list(range(50, 55)), "d")
+    run_prompt(bm, d)
+    assert d.block_table[0] == tb[0] and tb[0] not in bm.free_block_ids
+    bm.free(d)
+    assert list(bm.free_block_ids)[-1] == tb[0]
+
+
+def test_a_shared_prefix_outlives_the_sequence_that_cached_it():
+    """a caches a prefix, b shares it; a finishes: b still holds the blocks (not free, not evictable), and a third
+    request still hits them while b runs."""
+    bm = BlockManager(6, BS)
+    a, b = seq(list(range(9)), "a"), seq(list(range(9)) + [77, 78], "b")
+    run_prompt(bm, a)
+    run_prompt(bm, b)
+    shared = a.block_table[:2]
+    bm.free(a)
+    _check_invariants(bm, [b])
+    assert [bm.blocks[i].ref_count for i in shared] == [1, 1] and not set(shared) & set(bm.free_block_ids)
+    filler = seq([300 + i for i in range(bm.num_free_blocks * BS)], "f")  # takes every free block
+    run_prompt(bm, filler)
+    assert bm.num_free_blocks == 0 and not set(shared) & set(filler.block_table)
+    assert bm.find_cached_blocks(seq(list(range(9)), "c")) == shared
+    bm.free(filler)
+    bm.free(b)
+    _check_invariants(bm, [])
+
+
+def test_no_block_leaks_over_many_requests():
+    """Requests sharing prefixes, growing by decode steps, trimmed after rejected drafts, freed in mixed order: the
+    ref counts always match the live tables, and once all are freed every block is free with ref count 0."""
+    import random
+
+    rng = random.Random(0)
+    bm = BlockManager(24, BS)
+    prefixes = [[rng.randrange(100) for _ in range(rng.choice((4, 6, 8)))] for _ in range(3)]
+    live = []
+    for step in range(200):
+        if live and (rng.random() < 0.35 or not bm.num_free_blocks):
+            s = live.pop(rng.randrange(len(live)))
+            bm.free(s)
+            assert s.block_table == [] and s.block_hashes == []
+        elif rng.random() < 0.5 and live:  # a decode step, sometimes with drafts trimmed afterwards
+            s = rng.choice(live)
+            k = rng.choice((1, 1, 3))
+            if bm.can_append(s, k):
+                bm.append_slots(s, k)
+                s.append_token(rng.randrange(100))
+                s.num_computed_tokens += 1
+                bm.trim(s)
+                bm.cache_full_blocks(s)
+        else:
+            s = seq(rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(1, 7))], f"r{step}")
+            cached = bm.find_cached_blocks(s)
+            if bm.can_allocate(s, cached, s.num_tokens - len(cached) * BS):
+                run_prompt(bm, s)
+                live.append(s)
+        _check_invariants(bm, live)
+    for s in live:
+        bm.free(s)
+    _check_invariants(bm, [])
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)

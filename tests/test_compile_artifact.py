@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_output import expected_blocks, parse_generate
 
 from graphinfer import LLM, SamplingParams
 from graphinfer.errors import ArtifactMismatchError
@@ -51,12 +52,12 @@ def test_artifact_contents(qwen2_artifact):
 
 def test_round_trip_gives_in_memory_tokens_without_tracing(qwen2_artifact, monkeypatch):
     path, art, _, in_memory = qwen2_artifact
-    import graphinfer.runtime.llm_engine as engine_mod
+    import graphinfer.compiler.pipeline as pipeline
 
     def no_compile(*a, **k):
         raise AssertionError("an artifact must not be traced or passed again")
 
-    monkeypatch.setattr(engine_mod, "compile_model", no_compile)
+    monkeypatch.setattr(pipeline, "compile_model", no_compile)
     loaded = LLM(artifact=art)  # model and dtype come from the manifest
     assert loaded.llm_engine.config.model_config.model == os.path.abspath(path)
     assert _tokens(loaded, PROMPTS) == _tokens(in_memory, PROMPTS)
@@ -81,10 +82,12 @@ def test_artifact_weights_are_final_and_load_without_the_checkpoint(qwen2_artifa
 
     for name in ("load_model", "load_config", "load_hf_config", "load_tokenizer"):
         monkeypatch.setattr(loader, name, no_checkpoint)
+    import graphinfer.compiler.pipeline as pipeline
     import graphinfer.runtime.llm_engine as engine_mod
 
-    for name in ("load_model", "load_config", "load_tokenizer"):
-        monkeypatch.setattr(engine_mod, name, no_checkpoint)
+    for name in ("load_model", "load_config"):
+        monkeypatch.setattr(pipeline, name, no_checkpoint)
+    monkeypatch.setattr(engine_mod, "load_tokenizer", no_checkpoint)
     assert _tokens(LLM(artifact=moved), PROMPTS) == _tokens(in_memory, PROMPTS)
 
 
@@ -203,4 +206,7 @@ def test_smollm2_compile_then_generate_cli(smollm2_llm, tmp_path):
                                                                           gguf.pad_token_id)
     res = subprocess.run([BIN, "generate", "--artifact", art, "--prompt", prompts[0], "--temperature", "0",
                           "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "Paris" in res.stdout, res.stderr
+    assert res.returncode == 0, res.stderr
+    expected = smollm2_llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert parse_generate(res.stdout) == expected_blocks(prompts[:1], expected)
+    assert expected[0].outputs[0].text.startswith(" Paris")

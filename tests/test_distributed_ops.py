@@ -20,7 +20,7 @@ def _x(rank: int) -> torch.Tensor:
     return torch.randn(4, 6, generator=g)
 
 
-def _ranks(rank: int, port: int) -> None:
+def _ranks(rank: int, port: int, done) -> None:
     ps.init_distributed(rank, 2, 2, "gloo", "127.0.0.1", port, 60)
     xs = [_x(0), _x(1)]
     x, total = xs[rank], xs[0] + xs[1]
@@ -37,6 +37,7 @@ def _ranks(rank: int, port: int) -> None:
     ps.broadcast_from_rank0(t)
     assert torch.equal(t, torch.zeros(3))
     if rank == 1:
+        done()
         os._exit(0)  # dies without a word (no clean-up): rank 0's next collective must fail, not hang
     with ps.phase("the dead-peer check"):
         with pytest.raises(ps.DistributedError, match=r"rank 0 of 2: all_reduce on group 'tp' failed during the dead-peer check"):
@@ -44,8 +45,56 @@ def _ranks(rank: int, port: int) -> None:
     ps.destroy()
 
 
-def test_collectives_on_two_gloo_ranks():
-    mp.start_processes(_ranks, args=(launch.free_port(),), nprocs=2, start_method="spawn")
+def _parts(rank: int, ports: list[int], out: str) -> None:
+    """Every check below that needs a real 2-rank gloo group, in one spawned pair of processes (starting one costs
+    seconds): each part in a group of its own, its outcome written to out/<part>-<rank> ("ok" or the traceback) for
+    its own test to assert. The collectives part ends with rank 1 dying, so it runs last."""
+    import traceback
+
+    def record(name, text):
+        with open(os.path.join(out, f"{name}-{rank}"), "w") as f:
+            f.write(text)
+
+    for (name, fn), port in zip(PARTS, ports):
+        try:
+            if name == "collectives":
+                fn(rank, port, lambda: record(name, "ok"))
+            else:
+                fn(rank, port)
+        except BaseException:
+            record(name, traceback.format_exc())
+            ps.destroy()
+        else:
+            record(name, "ok")
+
+
+@pytest.fixture(scope="module")
+def gloo_pair(tmp_path_factory):
+    """part name -> {rank: "ok" or the traceback} of _parts' one spawned run."""
+    out = str(tmp_path_factory.mktemp("gloo-pair"))
+    ports = [launch.free_port() for _ in PARTS]
+    error = None
+    try:
+        mp.start_processes(_parts, args=(ports, out), nprocs=2, start_method="spawn")
+    except Exception as e:  # a rank that crashed outright: each part without a result says so below
+        error = e
+    results = {}
+    for name, _ in PARTS:
+        results[name] = {}
+        for rank in (0, 1):
+            path = os.path.join(out, f"{name}-{rank}")
+            results[name][rank] = open(path).read() if os.path.exists(path) else f"no result ({error!r})"
+    return results
+
+
+def _assert_part(results, name):
+    failed = {rank: text for rank, text in results[name].items() if text != "ok"}
+    if failed:
+        pytest.fail(f"{name} on two gloo ranks:\n" + "\n".join(f"rank {r}:\n{t}" for r, t in failed.items()), pytrace=False)
+
+
+def test_collectives_on_two_gloo_ranks(gloo_pair):
+    _assert_part(gloo_pair, "collectives")
 
 
 def test_fake_impls_give_the_shapes():
@@ -121,8 +170,8 @@ def _grouped(moe, hidden, ids, w13, w2):
     return moe.moe_grouped_mlp(sorted_hidden, offsets, w13, w2), inverse_perm
 
 
-def test_expert_parallel_dispatch_and_combine_on_two_gloo_ranks():
-    mp.start_processes(_ep_ranks, args=(launch.free_port(),), nprocs=2, start_method="spawn")
+def test_expert_parallel_dispatch_and_combine_on_two_gloo_ranks(gloo_pair):
+    _assert_part(gloo_pair, "expert parallel")
 
 
 def _mc2_ranks(rank: int, port: int) -> None:
@@ -167,8 +216,11 @@ def _mc2_ranks(rank: int, port: int) -> None:
     ps.destroy()
 
 
-def test_expert_parallel_through_the_npu_mc2_adapters_on_two_gloo_ranks():
-    mp.start_processes(_mc2_ranks, args=(launch.free_port(),), nprocs=2, start_method="spawn")
+def test_expert_parallel_through_the_npu_mc2_adapters_on_two_gloo_ranks(gloo_pair):
+    _assert_part(gloo_pair, "npu mc2 adapters")
+
+
+PARTS = [("expert parallel", _ep_ranks), ("npu mc2 adapters", _mc2_ranks), ("collectives", _ranks)]  # see _parts
 
 
 def test_expert_parallel_fake_impls_give_the_shapes():

@@ -9,7 +9,6 @@ import pytest
 import torch
 import transformers
 
-from graphinfer.config import bundled_model_path
 from graphinfer.errors import UnsupportedArchitectureError
 from graphinfer.models import gguf_loader
 from graphinfer.models.gguf_loader import load_gguf_config, load_gguf_state_dict, load_gguf_tokenizer
@@ -18,8 +17,8 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def path():
-    return bundled_model_path()
+def path(smollm2_path):
+    return smollm2_path
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
-from graphinfer.config import bundled_model_path
 from graphinfer.errors import UnsupportedQuantizationError
 from graphinfer.models.gguf_loader import GGUFTensor, _unpermute, gguf_tensors, load_gguf_config, load_gguf_state_dict
 from graphinfer.ops.quant import dequantize_weight, unpack_int4
@@ -187,8 +186,8 @@ def test_quantized_weights_of_a_written_gguf(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2_reader():
-    return gguf.GGUFReader(bundled_model_path())
+def smollm2_reader(smollm2_path):
+    return gguf.GGUFReader(smollm2_path)
 
 
 def test_smollm2_kept_quantized(smollm2_reader):

@@ -5,6 +5,7 @@ are chunked and share steps with decodes, on a paged cache with small blocks.
 """
 import pytest
 import torch
+from conftest import assert_cpu_default_bound
 
 from graphinfer import LLM, SamplingParams
 
@@ -19,10 +20,13 @@ class _RecordingSampler:
         return self.sampler(logits, rows)
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3"])
-def test_logits_match_hf_through_prefill_and_decode(arch, tiny_checkpoint):
+@pytest.mark.parametrize("arch,engine_kernels", [  # the cpu default kernels on two (rope scaling / qk-norm, head_dim 32)
+    ("llama", "suite"), ("llama3", "suite"), ("qwen2", "suite"), ("qwen3", "suite"), ("llama3", "cpu-default"),
+    ("qwen3", "cpu-default")], indirect=["engine_kernels"])
+def test_logits_match_hf_through_prefill_and_decode(arch, tiny_checkpoint, engine_kernels):
     path, hf = tiny_checkpoint(arch)
-    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, max_model_len=256)
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, max_model_len=256, **engine_kernels)
+    assert_cpu_default_bound(llm, engine_kernels)
     runner = llm.llm_engine.model_runner
     runner.sampler = rec = _RecordingSampler(runner.sampler)
     g = torch.Generator().manual_seed(1)
@@ -44,11 +48,12 @@ def test_logits_match_hf_through_prefill_and_decode(arch, tiny_checkpoint):
 
 @pytest.mark.parametrize("arch,dtype", [("qwen3", torch.bfloat16), ("qwen3", torch.float16),
                                         ("qwen3_moe", torch.bfloat16)])
-def test_half_precision_prefill_logits_close_to_hf(arch, dtype, tiny_checkpoint):
+def test_half_precision_prefill_logits_close_to_hf(arch, dtype, tiny_checkpoint, engine_kernels):
     path, hf32 = tiny_checkpoint(arch)
     hf = type(hf32)(hf32.config).to(dtype).eval()
     hf.load_state_dict(hf32.state_dict())
-    llm = LLM(path, dtype=str(dtype).split(".")[1])
+    llm = LLM(path, dtype=str(dtype).split(".")[1], **engine_kernels)
+    assert_cpu_default_bound(llm, engine_kernels)
     assert llm.llm_engine.model.lm_head.weight.dtype == dtype
     assert all(p.dtype == dtype for p in llm.llm_engine.model.parameters())  # stacked experts included
     runner = llm.llm_engine.model_runner

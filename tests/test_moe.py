@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from conftest import assert_cpu_default_bound
 from torch import fx, nn
 
 import graphinfer.ops  # noqa: F401  (registers the ops)
@@ -113,8 +114,9 @@ def _moe_layers(hf) -> int:
     return sum(hasattr(layer.mlp, "experts") for layer in hf.model.layers)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_moe_nonorm"])
-def test_logits_and_tokens_match_hf_unfused_and_fused(arch, tiny_checkpoint):
+@pytest.mark.parametrize("arch,engine_kernels", [("qwen3_moe", "suite"), ("qwen3_moe_nonorm", "suite"),
+                                                 ("qwen3_moe", "cpu-default")], indirect=["engine_kernels"])
+def test_logits_and_tokens_match_hf_unfused_and_fused(arch, tiny_checkpoint, engine_kernels):
     path, hf = tiny_checkpoint(arch)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 23, 11, 40)]
@@ -123,7 +125,9 @@ def test_logits_and_tokens_match_hf_unfused_and_fused(arch, tiny_checkpoint):
                       .tolist() for p in prompts]
     ref_logits = {}
     for passes in ("none", "default"):
-        llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, max_model_len=256, passes=passes)
+        llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, max_model_len=256, passes=passes,
+                  **engine_kernels)
+        assert_cpu_default_bound(llm, engine_kernels)
         runner = llm.llm_engine.model_runner
         runner.sampler = rec = _RecordingSampler(runner.sampler)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)

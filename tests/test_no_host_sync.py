@@ -32,6 +32,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads it when @triton.jit decorates: set before import
 
+from cpu_env import cpu_subprocess_env  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 aten = torch.ops.aten
@@ -285,12 +286,11 @@ def test_guard_catches_the_reference_ops_in_a_model():
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the test below")
 def test_model_forward_never_syncs_the_host():
     """tiny-qwen3 and tiny-qwen3-moe with the Triton kernels (interpreted), fp32, every batch mix. The engine is
     built with the reference ops and then bound to the Triton kernels: LLM(kernels="triton") would run the
     passes' numeric self-checks through the interpreter too (~25 s a model) for the same graph."""
-    _run_models("no_host_sync()", {**os.environ, "TRITON_INTERPRET": "1"}, activate="triton", dtype="float32")
+    _run_models("no_host_sync()", cpu_subprocess_env(), activate="triton", dtype="float32", device="cpu")
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from torch import fx
 
 import graphinfer.ops  # noqa: F401  (registers the graphinfer:: ops)
 from graphinfer import LLM, SamplingParams
-from graphinfer.compiler.capture import DecodeGraphs
+from graphinfer.runtime.device_graphs import DecodeGraphs
 from graphinfer.compiler.torchair_backend import compile_with_torchair
 from graphinfer.errors import InvalidConfigError
 from graphinfer.ops.npu import NPU_OPS, NpuOps, mc2_fits

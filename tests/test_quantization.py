@@ -9,6 +9,7 @@ stays to the float model is a property of real weights, measured on SmolLM2 by `
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_cpu_default_bound
 
 from graphinfer import LLM, SamplingParams
 from graphinfer.errors import InvalidConfigError
@@ -26,10 +27,10 @@ def _greedy(llm) -> list[list[int]]:
 
 
 @torch.no_grad()
-def _rounded_float_engine(scheme: str):
+def _rounded_float_engine(scheme: str, **kw):
     """tiny-qwen3 in float whose projections (fused as the compiled graph has them; every scheme is per output row,
     so quantizing the fused weight equals fusing the quantized ones) hold their weights rounded through the scheme."""
-    llm = LLM("tiny-qwen3", dtype="float32", seed=0)
+    llm = LLM("tiny-qwen3", dtype="float32", seed=0, **kw)
     for name, m in llm.llm_engine.graph.named_modules():
         if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"):
             s = fit_group(ONLINE_SCHEMES[scheme], m.in_features)
@@ -54,10 +55,15 @@ def _kl(ref: dict, other: dict) -> float:
     return F.kl_div(q, p, log_target=True, reduction="sum").item()
 
 
-@pytest.mark.parametrize("scheme", CPU_SCHEMES)
-def test_online_scheme_compiles_fuses_and_computes_with_its_rounded_weights(scheme):
-    ref = _rounded_float_engine(scheme)
-    llm = LLM("tiny-qwen3", dtype="float32", seed=0, quantization=scheme)
+@pytest.mark.parametrize("scheme,engine_kernels", [*((s, "suite") for s in CPU_SCHEMES), ("w8a8", "cpu-default"),
+                                                   ("int4_wo", "cpu-default")], indirect=["engine_kernels"])
+def test_online_scheme_compiles_fuses_and_computes_with_its_rounded_weights(scheme, engine_kernels):
+    """engine_kernels "cpu-default": the quantized linears on the cpu platform's C++ kernels (ops/cpu_quant.py)."""
+    ref = _rounded_float_engine(scheme, **engine_kernels)
+    llm = LLM("tiny-qwen3", dtype="float32", seed=0, quantization=scheme, **engine_kernels)
+    assert_cpu_default_bound(llm, engine_kernels)
+    if engine_kernels:
+        assert llm.llm_engine.platform.kernels.get("wo_linear") == "graphinfer.ops.cpu_quant"
     reports = {r.name: r for r in llm.llm_engine.pass_reports}
     assert all(r.passed for r in reports.values()), [(r.name, r.max_abs_error) for r in reports.values()]
     assert reports["lower_quant_linears"].matches == 8  # 2 layers x (qkv, o, gate_up, down), fused first

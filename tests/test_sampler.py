@@ -279,3 +279,20 @@ def test_sampling_follows_softmax():
     counts = torch.bincount(toks, minlength=5).float()
     expected = torch.softmax(probs.log() / 2, -1) * n
     assert float(((counts - expected) ** 2 / expected).sum()) < 40
+
+
+def test_llm_logprobs_mode_raw_logits():
+    """LLM(logprobs_mode="raw_logits") reports the logits: the same tokens as raw_logprobs, each position's values
+    shifted by one constant (the log-sum-exp), and refused with the fix for a mode it lacks."""
+    from graphinfer import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True)
+    outs = {mode: LLM("tiny-llama", device="cpu", num_gpu_blocks_override=16, logprobs_mode=mode)
+            .generate([[1, 2, 3, 4]], params, use_tqdm=False)[0].outputs[0] for mode in ("raw_logprobs", "raw_logits")}
+    assert outs["raw_logits"].token_ids == outs["raw_logprobs"].token_ids
+    for logits, logprobs in zip(outs["raw_logits"].logprobs, outs["raw_logprobs"].logprobs):
+        assert logits.keys() == logprobs.keys()
+        shifts = [logits[t].logprob - logprobs[t].logprob for t in logits]
+        assert max(shifts) - min(shifts) < 1e-4 and abs(shifts[0]) > 1e-3
+    with pytest.raises(InvalidConfigError, match="raw_logprobs, raw_logits"):
+        LLM("tiny-llama", device="cpu", num_gpu_blocks_override=16, logprobs_mode="processed_logprobs")

@@ -96,12 +96,17 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(smollm2_llm):
     assert run(PROMPTS[:3], temperature=0.8, top_k=1) == greedy
 
 
-def test_chat_template(smollm2_llm):
-    out = smollm2_llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0, max_tokens=30),
-                           use_tqdm=False)[0]
-    assert "4" in out.outputs[0].text
+def test_chat_template(smollm2_llm, hf_smollm2):
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    out = smollm2_llm.chat(chat, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
+    c = out.outputs[0]
     assert out.prompt_token_ids[:1] == [1]  # <|im_start|>, from the template
-    assert out.outputs[0].finish_reason == "stop"
+    assert out.prompt_token_ids == hf_smollm2[1].apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                                      return_dict=True)["input_ids"]
+    assert (c.finish_reason, c.token_ids[-1]) == ("stop", 2) and len(c.token_ids) < 30  # ended by <|im_end|>
+    assert c.token_ids == _hf_argmax(hf_smollm2, out.prompt_token_ids, c.token_ids)
+    assert c.text == hf_smollm2[1].decode(c.token_ids, skip_special_tokens=True)
+    assert "4" in c.text.replace("2+2", "")
 
 
 def test_prefix_cache_hits_on_real_weights(smollm2_llm, hf_smollm2):

@@ -3,8 +3,8 @@
 Every model family, loaded from HF safetensors checkpoints (so each rank reads its slices), runs one workload
 that goes through chunked prefill (prompts longer than the step budget), prefix-cache hits (the same prompts
 twice), preemption (a KV pool too small for the batch) and async scheduling (the workload again with it on),
-in NONE and, for two families, with the recorded-op stand-in for the capturing modes (FULL_AND_PIECEWISE, so
-collectives run inside both full decode graphs and pieces, in every rank's replay).
+in NONE for the dense Llama / Qwen2 families and with the recorded-op stand-in for the capturing modes for Qwen3 /
+Qwen3-MoE (FULL_AND_PIECEWISE, so collectives run inside both full decode graphs and pieces, in every rank's replay).
 """
 import functools
 
@@ -68,17 +68,40 @@ def reference(checkpoints):
     return functools.cache(lambda arch: _run(LLM(checkpoints(arch), **KW)))
 
 
-@pytest.mark.parametrize("arch,ep", [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen3_moe", False),
-                                     ("qwen3_moe", True), ("llama_kv1", False), ("qwen3", True)])
-def test_tp2_matches_tp1(arch, ep, checkpoints, reference):
-    """ep: expert parallel (whole experts per rank, ep_dispatch / ep_combine); on a dense model (qwen3) a no-op."""
+# One tp-2 engine per family / expert-parallel setting (each starts its own worker rank: the cost of a case): NONE for
+# the dense Llama / Qwen2 families, the capture stand-in (FULL_AND_PIECEWISE) for Qwen3 and Qwen3-MoE, whose every
+# check (tokens, prefix cache, async scheduling, the passes on every rank, the sharded shapes) is the same.
+CASES = [("llama", False, "NONE"), ("qwen2", False, "NONE"), ("llama_kv1", False, "NONE"),
+         ("qwen3", True, "FULL_AND_PIECEWISE"),  # ep on a dense model: a no-op
+         ("qwen3_moe", False, "FULL_AND_PIECEWISE"), ("qwen3_moe", True, "FULL_AND_PIECEWISE")]
+
+
+@pytest.mark.parametrize("arch,ep,mode", CASES, ids=[f"{a}-{'ep' if ep else 'tp'}-{m}" for a, ep, m in CASES])
+def test_tp2_matches_tp1(arch, ep, mode, checkpoints, reference, monkeypatch):
+    """tp 2 gives tp 1's greedy tokens (NONE) through chunked prefill, prefix-cache hits, preemption and async
+    scheduling. ep: expert parallel (whole experts per rank, ep_dispatch / ep_combine); on a dense model a no-op.
+    FULL_AND_PIECEWISE replays on the recorded-op stand-in on both ranks (rank 0 hands its platform class to the
+    worker): uniform decode steps replay full graphs, mixed steps the pieces, collectives inside both (ep:
+    ep_dispatch / ep_combine / all_gather replayed at each bucket's static shapes)."""
     ref = reference(arch)
     assert ref["cached"] > 0 and ref["preemptions"] > 0  # the workload reaches both paths
-    with LLM(checkpoints(arch), tensor_parallel_size=2, enable_expert_parallel=ep, **KW) as llm:
+    kw = dict(KW)
+    if mode != "NONE":
+        monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
+        kw.update(graph_mode=mode, capture_sizes=[1, 2, 4, 8, 32])
+    replays = []
+    with LLM(checkpoints(arch), tensor_parallel_size=2, enable_expert_parallel=ep, **kw) as llm:
+        runner = llm.llm_engine.model_runner
+        if mode != "NONE":
+            for graphs, method in ((runner.decode_graphs, "replay"), (runner.piecewise_graphs, "run")):
+                original = getattr(graphs, method)
+                monkeypatch.setattr(graphs, method, lambda *a, _o=original, _m=method, **k: replays.append(_m) or _o(*a, **k))
+        seen = count_tokens(runner, monkeypatch)
         got = _run(llm)
-        attn = llm.llm_engine.model_runner.attn_layers[0]
+        attn = runner.attn_layers[0]
         reports, config = llm.llm_engine.pass_reports, llm.llm_engine.hf_config
         experts = [tuple(m.w2_weight.shape) for m in llm.llm_engine.model.modules() if isinstance(m, MoEExperts)]
+        load = llm.llm_engine.expert_load()
     assert got["tokens"] == ref["tokens"] and got["cached"] == ref["cached"]
     assert got["tokens"][0] == got["tokens"][2]  # async scheduling changed nothing either
     assert attn.num_heads == 2 and attn.num_kv_heads == 1  # rank 0's share (llama_kv1: its one KV head, replicated)
@@ -95,30 +118,11 @@ def test_tp2_matches_tp1(arch, ep, checkpoints, reference):
                                                                (E, config.hidden_size, I // 2)}
         moe = next(r for r in reports if r.name == "fuse_moe")
         assert moe.matches == len(experts) and moe.declined == []  # EP: the local experts fused into fused_experts
-
-
-@pytest.mark.parametrize("arch,ep", [("qwen3", False), ("qwen3_moe", False), ("qwen3_moe", True)])
-def test_tp2_capture_standin_matches_none(arch, ep, checkpoints, reference, monkeypatch):
-    """FULL_AND_PIECEWISE replayed on the recorded-op stand-in on both ranks (rank 0 hands its platform class to
-    the worker): uniform decode steps replay full graphs, mixed steps the pieces, collectives inside both (ep:
-    ep_dispatch / ep_combine / all_gather replayed at each bucket's static shapes)."""
-    monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
-    with LLM(checkpoints(arch), tensor_parallel_size=2, graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 32],
-             enable_expert_parallel=ep, **KW) as llm:
-        runner = llm.llm_engine.model_runner
-        replays = []
-        for graphs in (runner.decode_graphs, runner.piecewise_graphs):
-            method = "replay" if graphs is runner.decode_graphs else "run"
-            original = getattr(graphs, method)
-            monkeypatch.setattr(graphs, method, lambda *a, _o=original, _m=method, **k: replays.append(_m) or _o(*a, **k))
-        seen = count_tokens(runner, monkeypatch)
-        got = _run(llm)
-        load = llm.llm_engine.expert_load()
-    assert got["tokens"] == reference(arch)["tokens"]
-    assert {"replay", "run"} <= set(replays)
-    if arch == "qwen3_moe":  # rank 0's expert load is the total: every rank routes the same tokens, padding excluded
-        top_k = llm.llm_engine.hf_config.num_experts_per_tok
+        # rank 0's expert load is the total: every rank routes the same tokens, padding excluded
+        top_k = config.num_experts_per_tok
         assert load and all(sum(c) == sum(seen) * top_k for c in load.values())
+    if mode != "NONE":
+        assert {"replay", "run"} <= set(replays)
 
 
 def test_bad_tensor_parallel_size_is_refused_with_the_numbers(smollm2_path):

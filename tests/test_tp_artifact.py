@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import graphinfer.runtime.llm_engine as llm_engine
+import graphinfer.compiler.pipeline as pipeline
 from graphinfer import LLM, SamplingParams
 from graphinfer.cli import _parallel_config, build_parser, main
 from graphinfer.compiler.artifact import final_weights, graph_source
@@ -94,7 +95,7 @@ def test_artifact_runs_at_its_tp_with_tp1_tokens(tp2_artifact, tp1, monkeypatch)
     def no_compile(*a, **k):
         raise AssertionError("an artifact must not be traced or passed again")
 
-    monkeypatch.setattr(llm_engine, "compile_model", no_compile)
+    monkeypatch.setattr(pipeline, "compile_model", no_compile)
     with LLM(artifact=art, device="cpu", num_gpu_blocks_override=64) as llm:  # tp and dtype: the artifact's
         engine = llm.llm_engine
         assert engine.config.parallel_config.tensor_parallel_size == 2

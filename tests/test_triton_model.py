@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from cpu_env import cpu_subprocess_env
 
 SCRIPT = """
 import sys
@@ -25,7 +25,7 @@ params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in 
 # Small token budget and blocks: prompts are chunked and decodes share steps with prefill chunks. max_model_len
 # sizes the captured block tables (the decode kernel's splits): 128 gives two splits, the second one empty.
 kw = dict(max_num_seqs=8, num_gpu_blocks_override=64, block_size=4, dtype="float32", max_num_batched_tokens=16,
-          max_model_len=128)
+          max_model_len=128, device="cpu")
 refs = {{m: [o.outputs[0].token_ids for o in LLM(m, **kw).generate(prompts, params, use_tqdm=False)]
         for m in {models!r}}}
 refs_llm = LLM("tiny-qwen3", **kw)
@@ -70,14 +70,13 @@ print("spec", spec_ref == tri, bool(replays), llm.llm_engine.spec_decode_stats()
 """
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs these kernels compiled (tools/gpu_check.py)")
 def test_triton_kernels_give_reference_tokens_in_models():
     """One Triton engine per model (FULL_DECODE_ONLY on the stand-in) runs every kind of step: chunked prefill
     over cached blocks and mixed steps (eager), a decode batch above the largest capture size (eager), decode
     batches replayed at their own size and padded to a larger bucket. The script says which kinds it saw. Then
     ngram speculative decoding on the same kernels, verify graphs replayed, gives the reference's greedy tokens."""
     models = ["tiny-qwen3", "tiny-qwen3-moe"]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = cpu_subprocess_env()  # on CPU also on a GPU machine (the GPU runs them compiled: tools/gpu_check.py)
     script = SCRIPT.format(models=models, tests_dir=os.path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -105,7 +104,8 @@ from graphinfer.compiler.skinny_gemm import SkinnyLinear
 
 prompts = [[1, 5, 9, 3], [7] * 6, [4, 4, 8]]
 params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True) for _ in prompts]
-kw = dict(max_num_seqs=4, num_gpu_blocks_override=64, block_size=4, dtype="float32", max_num_batched_tokens=16)
+kw = dict(max_num_seqs=4, num_gpu_blocks_override=64, block_size=4, dtype="float32", max_num_batched_tokens=16,
+          device="cpu")
 os.environ["GRAPHINFER_SKINNY_GEMM"] = "0"
 ref_llm = LLM("tiny-qwen3", **kw)
 assert ref_llm.llm_engine.skinny_gemm is None
@@ -119,12 +119,11 @@ print("NONE", ref == tri, skinny, engine.skinny_gemm.mode, ref, tri)
 """
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU measures its own choice (tools/gpu_check.py --skinny-gemm)")
 def test_skinny_gemm_linears_give_reference_tokens():
     """GRAPHINFER_SKINNY_GEMM=force: every linear of the graph on the skinny GEMM kernel for steps of <= 4 rows
     (decodes, short prompts), the same greedy tokens as the reference ops. (Not in test_capture's device-graph
     stand-in: it records torch ops, and this kernel is launched by the module, as a CUDA graph records it.)"""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = cpu_subprocess_env()  # on CPU also on a GPU machine (the GPU runs them compiled: tools/gpu_check.py)
     out = subprocess.run([sys.executable, "-c", SKINNY_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1].split()
@@ -137,7 +136,7 @@ from graphinfer import LLM, SamplingParams
 prompts = [[1, 5, 9, 3], [7] * 11, list(range(2, 28)), [4, 4, 8]]
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 5, 5, 6)]
 kw = dict(max_num_seqs=8, num_gpu_blocks_override=64, block_size=4, dtype="float32", max_num_batched_tokens=16,
-          max_model_len=128, graph_mode="NONE")
+          max_model_len=128, graph_mode="NONE", device="cpu")
 for scheme in ("w8a8", "int8_wo", "int4_wo"):
     ref = [o.outputs[0].token_ids for o in LLM("tiny-qwen3", quantization=scheme, **kw).generate(prompts, params,
                                                                                                  use_tqdm=False)]
@@ -148,11 +147,10 @@ for scheme in ("w8a8", "int8_wo", "int4_wo"):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs them compiled (tools/gpu_check.py --quant)")
 def test_quantized_models_on_the_triton_quant_kernels():
     """Each online scheme's model (w8a8: dynamic_quant / scaled_mm and the fused norm / activation + quant ops after
     the quant passes; int8_wo / int4_wo: wo_linear) gives the reference kernels' greedy tokens (~2 min)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = cpu_subprocess_env()  # on CPU also on a GPU machine (the GPU runs them compiled: tools/gpu_check.py)
     out = subprocess.run([sys.executable, "-c", QUANT_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [line.split()[:2] for line in out.stdout.strip().splitlines()] == [

@@ -18,7 +18,6 @@ with kernels="triton" on cpu; comparisons on a device).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from graphinfer import envs
 from graphinfer.compiler.trace import is_leaf_layer
 from graphinfer.errors import InvalidConfigError
 
@@ -44,7 +44,7 @@ Timer = Callable[[Callable[[int], object], "LinearShape", int, object], float]
 
 def skinny_gemm_mode() -> str:
     """'auto', 'off' or 'force', from GRAPHINFER_SKINNY_GEMM."""
-    value = os.environ.get(ENV, "auto").strip().lower()
+    value = envs.get(ENV).strip().lower()
     if value in ("", "auto", "1", "on", "true", "yes"):
         return "auto"
     if value in ("0", "off", "false", "no"):

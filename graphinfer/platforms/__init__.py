@@ -5,9 +5,9 @@ Third-party platforms register a Platform subclass in the entry-point group `gra
     my_accel = "my_package.platform:MyAccelPlatform"
 """
 import functools
-import os
 from importlib.metadata import entry_points
 
+from graphinfer import envs
 from graphinfer.errors import InvalidConfigError
 from graphinfer.platforms.cpu import CpuPlatform
 from graphinfer.platforms.cuda import CudaPlatform
@@ -40,7 +40,7 @@ def get_platform(name: str) -> Platform:
 
 def current_platform() -> Platform:
     """$GRAPHINFER_PLATFORM if set, else the first available of: plugins, cuda, npu, cpu."""
-    name = os.environ.get("GRAPHINFER_PLATFORM")
+    name = envs.GRAPHINFER_PLATFORM
     if name:
         return get_platform(name)
     return get_platform(next(n for n, cls in available_platforms().items() if cls.is_available()))

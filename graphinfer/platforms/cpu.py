@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from graphinfer import envs
 from graphinfer.errors import InvalidConfigError
 from graphinfer.platforms.interface import Platform
 
@@ -62,7 +63,7 @@ class CpuPlatform(Platform):
 
     @staticmethod
     def resolve_kernels(kernels: str | None) -> str:
-        kernels = kernels or os.environ.get("GRAPHINFER_CPU_KERNELS") or "eager"
+        kernels = kernels or envs.GRAPHINFER_CPU_KERNELS or "eager"
         if kernels not in CPU_KERNELS:
             raise InvalidConfigError(f"kernels={kernels!r} on cpu: use one of {', '.join(CPU_KERNELS)} (default "
                                      f"'eager', or $GRAPHINFER_CPU_KERNELS).")
@@ -108,19 +109,8 @@ class CpuPlatform(Platform):
         used only where forced (GRAPHINFER_SKINNY_GEMM=force): nothing is measured on cpu."""
         return os.environ.get("TRITON_INTERPRET") == "1" and self.resolve_kernels(kernels) != "inductor"
 
-    def compile_graph(self, graph, kernels: str | None = None):
-        if self.resolve_kernels(kernels) != "inductor":
-            return graph
-        from torch import fx
-
-        from graphinfer.compiler.inductor import compile_for_cpu, warm_up
-        from graphinfer.compiler.trace import trace_model
-
-        if not isinstance(graph, fx.GraphModule):  # an artifact's graph.py module: the same nodes, re-traced
-            graph = trace_model(graph)
-        compiled = compile_for_cpu(graph)
-        warm_up(compiled, torch.device(self.device_type))  # compile (or load from Inductor's cache) at start-up
-        return compiled
+    def graph_compiler(self, kernels: str | None = None) -> str | None:
+        return "inductor" if self.resolve_kernels(kernels) == "inductor" else None
 
     def mem_get_info(self, device):
         import psutil

@@ -51,6 +51,16 @@ class Platform:
         """Bytes the caching allocator holds (allocated or kept for reuse)."""
         return self.device_module.memory_reserved(device) if self.device_module is not None else 0
 
+    def max_memory_allocated(self, device: torch.device) -> int:
+        """The allocator's peak allocated bytes since reset_peak_memory_stats (memory_allocated where the device
+        module keeps no peak)."""
+        peak = getattr(self.device_module, "max_memory_allocated", None)
+        return peak(device) if peak is not None else self.memory_allocated(device)
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        if (reset := getattr(self.device_module, "reset_peak_memory_stats", None)) is not None:
+            reset(device)
+
     def empty_cache(self) -> None:
         """Give the caching allocator's unused memory back to the device (after an engine shut down)."""
         if self.device_module is not None:
@@ -113,10 +123,11 @@ class Platform:
         (compiler/skinny_gemm.py decides where, by measurement). Default: no."""
         return False
 
-    def compile_graph(self, graph, kernels: str | None = None):
-        """What the model runner executes for the fused graph on this platform (cpu: Inductor-compiled);
-        default: the graph itself, run eagerly or captured."""
-        return graph
+    def graph_compiler(self, kernels: str | None = None) -> str | None:
+        """The compiler the fused graph goes through on this platform before it runs ("inductor": cpu's
+        compiler/inductor.py; the compile pipeline applies it), or None: the graph runs as is, eagerly or
+        captured. A name, not a function: platforms sit below the compiler and import none of it."""
+        return None
 
     def activate(self, kernels: str | None = None) -> None:
         """Register op_impls(kernels) under dispatch_key (replacing an earlier activation's choice)."""

@@ -10,7 +10,6 @@ MoE layer and step in lockstep (runtime/dp_lockstep.py): replica 0 drives the ro
 the others follow, idle ones with padding-only steps. Dense replicas share nothing and step on their own.
 """
 import logging
-import os
 import pickle
 import queue
 import secrets
@@ -19,12 +18,14 @@ import threading
 from dataclasses import replace
 from multiprocessing.connection import Client, Connection, Listener
 
+from graphinfer import envs
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import launch
 from graphinfer.errors import GraphinferError, InvalidRequestError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime import llm_engine
 from graphinfer.runtime.llm_engine import LLMEngine
+from graphinfer.runtime.parallel_layout import check_parallel_config
 from graphinfer.runtime.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class DPEngine:
     def __init__(self, config: EngineConfig, platform=None):
         # every replica on the same platform (class): their graph paths, and so their collectives, must pair
         platform = platform or llm_engine.platform_for_device(str(config.model_config.device).split(":")[0])
-        llm_engine.check_parallel_config(config)  # before any replica starts
+        check_parallel_config(config)  # before any replica starts
         pc = config.parallel_config
         pc.master_port = pc.master_port or launch.free_port()
         self.dp_size, tp = pc.data_parallel_size, pc.tensor_parallel_size
@@ -258,7 +259,7 @@ class DPEngine:
                 pass
         local = self.__dict__.get("local")
         if local is not None and local.model_runner is not None and not self.dead:
-            local.stop_dp_rounds()  # lockstep replicas wait in a round: this one tells them to stop
+            local.lockstep.stop_rounds()  # lockstep replicas wait in a round: this one tells them to stop
         launch.stop_ranks(self.procs, timeout=30 if local is not None and not self.dead else 0)
         self._listener.close()
         if local is not None:
@@ -286,7 +287,7 @@ def serve_replica(engine: LLMEngine, send, inbox: queue.Queue) -> None:
                 send("aborted", msg[1])
         busy = engine.has_unfinished_requests() or bool(msgs)  # msgs: an abort changes the load too
         outs = engine.step()  # lockstep: one round, a padding-only step when only other replicas have work
-        if engine.dp_stopped:
+        if engine.lockstep.stopped:
             return
         if busy or outs:
             send("outputs", outs, engine.scheduler_stats())
@@ -341,7 +342,7 @@ def main() -> int:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the front end decides
-    logging.basicConfig(level=os.environ.get("GRAPHINFER_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.GRAPHINFER_LOG_LEVEL,
                         format=f"(dp rank {spec['rank']}) %(levelname)s %(name)s: %(message)s")
     return run_replica(spec)
 

@@ -32,6 +32,29 @@ def agree(sched: SchedulerOutput | None, stop: bool = False) -> DPStep:
     return DPStep(T, B, not nonuniform, bool(stop))
 
 
+class Lockstep:
+    """One replica's side of the rounds; enabled for MoE + expert parallel over several replicas (else every method
+    is a no-op)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.stopped = False  # the front end ended the rounds
+
+    def agree(self, sched: SchedulerOutput | None, stop: bool = False) -> DPStep | None:
+        """The step shape every replica pads to, or None when no replica has work, the rounds stopped, or lockstep
+        is off."""
+        if not self.enabled:
+            return None
+        step = agree(sched, stop)
+        self.stopped |= step.stop
+        return step if step.num_tokens and not step.stop else None
+
+    def stop_rounds(self) -> None:
+        """Front end (replica 0), at shutdown: one last round that tells the other lockstep replicas to stop."""
+        if self.enabled and not self.stopped:
+            self.agree(None, stop=True)
+
+
 def empty_inputs() -> HostInputs:
     i64, i32 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
     return HostInputs(i64, i64, i64, np.zeros((0, 1), dtype=np.int32), np.zeros(1, dtype=np.int32), i32, i64, [],

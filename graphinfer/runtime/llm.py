@@ -4,9 +4,7 @@ from dataclasses import replace
 
 from tqdm.auto import tqdm
 
-from graphinfer.compiler import artifact as artifacts
-from graphinfer.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                               SpeculativeConfig)
+from graphinfer.engine_args import create_engine_config
 from graphinfer.errors import GraphinferError, InvalidConfigError
 from graphinfer.outputs import RequestOutput
 from graphinfer.runtime.chat_template import chat_prompt_ids
@@ -31,7 +29,8 @@ class LLM:
     (LM head inside unless capture_lm_head=False) and replays it for uniform decode steps; "PIECEWISE" splits
     the graph at attention (`splitting_ops`) and captures the pieces per token count, so any step up to the
     largest size replays them with attention run eagerly in between; "FULL_AND_PIECEWISE" does both. Capture
-    sizes default to vLLM's list up to max_capture_size (min(2 * max_num_seqs, 512)).
+    sizes default to vLLM's list up to max_capture_size (config.derived_max_capture_size: twice max_num_seqs, at
+    most 512).
     kernels: the platform's op implementations (None: its default; "reference": PyTorch).
     npu_compiler="torchair": torchair compiles the fused graph and captures ACL graphs (npu, graph_mode NONE).
     async_scheduling: prepare and launch each step while the previous one runs (see LLMEngine).
@@ -49,53 +48,21 @@ class LLM:
     speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} or
     {"model": DRAFT, "num_speculative_tokens": 3} (config.SpeculativeConfig); greedy outputs are those without it,
     sampled ones follow the same distribution.
-    gpu_memory_utilization: the fraction of the device's total memory this engine may use (weights, graphs and
-    KV cache; as in vLLM, so two engines at 0.4 fit on one device). A KV cache that cannot hold one request of
-    max_model_len tokens is refused at start-up (KVCacheTooSmallError).
+    gpu_memory_utilization: the fraction of the device's total memory this engine may use (weights, the profiled
+    activation peak of a step, graphs and KV cache; as in vLLM, so two engines at 0.4 fit on one device). A KV cache
+    that cannot hold one request of max_model_len tokens is refused at start-up (KVCacheTooSmallError).
+    Every keyword argument and its default: docs/configuration.md (EngineConfig's fields).
     shutdown() (or `with LLM(...) as llm:`, or dropping the last reference) gives the memory back.
     """
 
-    def __init__(self, model: str = "", *, dtype: str = "auto", max_model_len: int | None = None,
-                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, async_scheduling: bool = False,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 num_gpu_blocks_override: int | None = None, seed: int = 0, device: str = "auto",
-                 passes: str | list[str] = "default", graph_mode: str | None = None, capture_sizes: list[int] | None = None,
-                 capture_lm_head: bool = True, kernels: str | None = None, npu_compiler: str | None = None,
-                 max_capture_size: int | None = None, splitting_ops: list[str] | None = None,
-                 tensor_parallel_size: int | None = None, nnodes: int = 1, node_rank: int = 0,
-                 master_addr: str = "127.0.0.1", master_port: int | None = None,
-                 enable_expert_parallel: bool | None = None, data_parallel_size: int = 1,
-                 quantization: str | None = None, speculative_config: dict | None = None,
-                 artifact: str | None = None):
-        if artifact:
-            manifest = artifacts.read_manifest(artifact)
-            model = model or manifest["model"]["path"]
-            dtype = manifest["dtype"] if dtype == "auto" else dtype
-            quantization = quantization or (manifest.get("quantization") or {}).get("method")
-            graph_mode = graph_mode or manifest["graph_mode"]
-            capture_sizes = capture_sizes or manifest["capture_sizes"]
-            splitting_ops = splitting_ops or (manifest.get("split") or {}).get("splitting_ops")
-            speculative_config = speculative_config or manifest.get("speculative_config")
-            if tensor_parallel_size is None:
-                tensor_parallel_size = artifacts.tensor_parallel_size(manifest)
-            if enable_expert_parallel is None:
-                enable_expert_parallel = artifacts.expert_parallel(manifest)
-        if tensor_parallel_size is None:
-            tensor_parallel_size = 1
-        engine_cls = DPEngine if data_parallel_size > 1 else LLMEngine
-        self.llm_engine = engine_cls(EngineConfig(
-            ModelConfig(model, dtype, max_model_len, seed, device, quantization),
-            CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes, gpu_memory_utilization,
-                        num_gpu_blocks_override),
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, async_scheduling),
-            CompileConfig(graph_mode, passes, capture_sizes, capture_lm_head, kernels, npu_compiler, max_capture_size,
-                          splitting_ops),
-            ParallelConfig(tensor_parallel_size, nnodes, node_rank, master_addr, master_port,
-                           enable_expert_parallel=bool(enable_expert_parallel),
-                           data_parallel_size=data_parallel_size),
-            artifact=artifact, speculative_config=SpeculativeConfig.from_dict(speculative_config),
-        ))
+    def __init__(self, model: str | None = None, **kwargs):
+        """kwargs: the engine settings, EngineConfig's fields by name (graphinfer/config.py; defaults there and
+        nowhere else); another name raises UnknownEngineArgumentError (a TypeError) naming the close matches."""
+        if model is not None:
+            kwargs["model"] = model
+        config = create_engine_config(kwargs)
+        engine_cls = DPEngine if config.parallel_config.data_parallel_size > 1 else LLMEngine
+        self.llm_engine = engine_cls(config)
 
     def shutdown(self) -> None:
         """Release the engine's device memory now (graphs and their pool, KV cache, static buffers, weights).

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import fx
 
-from graphinfer.compiler.capture import CaptureStats, DecodeGraphs, staged
-from graphinfer.compiler.piecewise import PiecewiseGraphs
+from graphinfer.runtime.device_graphs import CaptureStats, DecodeGraphs, staged
+from graphinfer.runtime.piecewise_graphs import PiecewiseGraphs
 from graphinfer.compiler.split import SplitGraph
+from graphinfer.compiler.trace import rebind_buffers
 from graphinfer.config import CacheConfig
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import KVCacheTooSmallError
@@ -21,7 +23,7 @@ from graphinfer.runtime.expert_load import moe_layers
 from graphinfer.runtime.sampler import Sampler, SamplerOutput
 from graphinfer.runtime.scheduler import SchedulerOutput
 from graphinfer.runtime.sequence import Sequence
-from graphinfer.runtime.spec_decode.verify import verify
+from graphinfer.runtime.spec_decode.verify import verify, warm_up_rejection_sample
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +61,29 @@ class HostInputs:
         return np.array([self.pending_dst, self.pending_src], dtype=np.int64)
 
 
+def kv_cache_budget(gpu_memory_utilization: float, free: int, total: int, unused_cache: int, engine_bytes: int,
+                    activation_bytes: int, graph_bytes: int) -> int:
+    """Bytes the KV cache may take on a GPU, vLLM's arithmetic: this engine may use gpu_memory_utilization of the
+    device's TOTAL memory (two engines at 0.4 fit side by side), less what it already holds (engine_bytes: weights,
+    fused copies, buffers), less the profiled peak of a step's activations and the estimated graph pool; and all of
+    that within what is free now (memory the caching allocator keeps but nothing uses counts as free). No hidden
+    factor: the rest of the device, (1 - gpu_memory_utilization) of it, is the head-room (CUDA context, kernels'
+    workspaces, other processes)."""
+    return int(min(gpu_memory_utilization * total - engine_bytes, free + unused_cache) - activation_bytes - graph_bytes)
+
+
 class ModelRunner:
     def __init__(self, model, cache_config: CacheConfig, device: torch.device, platform: Platform,
                  eos_token_ids: set[int], seed: int, max_model_len: int, engine_bytes: int = 0,
-                 placeholder_kv: bool = False):
+                 placeholder_kv: bool = False, graph=None, step_tokens: int = 0, logits_rows: int = 1,
+                 graph_tokens: int = 0, logprobs_mode: str = "raw_logprobs"):
         """engine_bytes: device memory the engine took before the KV cache (weights, fused copies, buffers), which
-        gpu_memory_utilization counts; placeholder_kv: a 1-block cache (`graphinfer compile`, which serves nothing)."""
+        gpu_memory_utilization counts; placeholder_kv: a 1-block cache (`graphinfer compile`, which serves nothing).
+        step_tokens (max_num_batched_tokens), logits_rows (max_num_seqs), graph_tokens (the largest capture size; 0:
+        no graphs): the shapes whose activation peaks are profiled, with `graph` (the engine's fused graph; None:
+        the model), before a GPU's KV cache is sized by gpu_memory_utilization."""
         self.model = model
-        self.graph = model  # what runs the forward: the compiled fx graph once the engine has one
+        self.graph = model if graph is None else graph  # what runs the forward (the engine sets its compiled graph)
         self.device = device
         self.platform = platform
         self.decode_graphs: DecodeGraphs | None = None  # FULL_DECODE_ONLY / FULL_AND_PIECEWISE: capture_decode_graphs
@@ -75,19 +92,22 @@ class ModelRunner:
         self.lm_head_in_graph = False
         self.block_size = cache_config.block_size
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-        self.num_blocks = 1 if placeholder_kv else self._num_kv_blocks(cache_config, max_model_len, engine_bytes)
-        self.num_blocks = ps.min_across_ranks(self.num_blocks)  # tensor parallel: every rank's cache alike
-        self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size)
-        if not placeholder_kv:
-            logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
-                        self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
-        self.sampler = Sampler(eos_token_ids, seed=seed, device=device, kernel=platform.sample_kernel)
         # MoE models: the step's real token count, read by every MoE layer's expert-load count (runtime/expert_load.py)
         # at a fixed address, so captured graphs see each step's value and their padded rows count nothing.
         self.moe_layers = moe_layers(model)
         self.num_tokens = torch.zeros(1, dtype=torch.int64, device=device) if self.moe_layers else None
         for layer in self.moe_layers.values():
             layer.num_tokens = self.num_tokens
+        self.profile = dict(step_tokens=step_tokens, logits_rows=logits_rows, graph_tokens=graph_tokens,
+                            max_model_len=max_model_len)
+        self.num_blocks = 1 if placeholder_kv else self._num_kv_blocks(cache_config, max_model_len, engine_bytes)
+        self.num_blocks = ps.min_across_ranks(self.num_blocks)  # tensor parallel: every rank's cache alike
+        self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size)
+        if not placeholder_kv:
+            logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
+                        self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+        self.sampler = Sampler(eos_token_ids, seed=seed, device=device, kernel=platform.sample_kernel,
+                               logprobs_mode=logprobs_mode)
         self.channel = None  # tensor parallel, on rank 0: the StepChannel to the other ranks
 
     def _block_bytes(self) -> int:
@@ -103,15 +123,17 @@ class ModelRunner:
         budget, source = cfg.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         if budget is None and self.device.type == "cpu":
             budget, source = _CPU_KV_CACHE_BYTES, "kv_cache_memory_bytes (default on cpu: 1 GiB)"
-        elif budget is None:
-            # vLLM's meaning: this engine may use gpu_memory_utilization of the device's TOTAL memory (so two engines
-            # at 0.4 fit side by side), minus what it already holds, within what is free (memory the caching
-            # allocator keeps but nothing uses counts as free); 10% stays for activations.
+        elif budget is None:  # vLLM's meaning of gpu_memory_utilization (kv_cache_budget)
+            activation_bytes, graph_bytes = self._profile_peaks()
             free, total = self.platform.mem_get_info(self.device)
             unused_cache = self.platform.memory_reserved(self.device) - self.platform.memory_allocated(self.device)
-            budget = int(min(cfg.gpu_memory_utilization * total - engine_bytes, free + unused_cache) * 0.9)
-            source = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB, the engine "
-                      f"holding {engine_bytes / 2**30:.2f} GiB, {free / 2**30:.1f} GiB free on the device")
+            budget = kv_cache_budget(cfg.gpu_memory_utilization, free, total, unused_cache, engine_bytes,
+                                     activation_bytes, graph_bytes)
+            source = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB, less the "
+                      f"engine's {engine_bytes / 2**30:.2f} GiB (weights, buffers), the profiled peak of a step's "
+                      f"activations {activation_bytes / 2**30:.2f} GiB and of the largest captured graph "
+                      f"{graph_bytes / 2**30:.2f} GiB; {free / 2**30:.1f} GiB free on the device")
+            logger.info("KV cache budget %.2f GiB: %s", max(0, budget) / 2**30, source)
         blocks = max(0, budget) // self._block_bytes()
         needed = -(-max_model_len // self.block_size)
         if blocks < needed:
@@ -124,10 +146,52 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def _profile_peaks(self) -> tuple[int, int]:
+        """(activation, graph) bytes: the peak device memory above what the engine holds of an eager forward of a
+        full step (step_tokens tokens as requests of at most max_model_len, the LM head on logits_rows rows and a
+        sampler-sized softmax + sort), and of one of graph_tokens tokens (the largest captured graph: its pool keeps
+        about that much). A 1-block KV cache stands in (slots -1 write nothing); the engine points the graph at the
+        real one once it is allocated."""
+        p = self.profile
+        if not p["step_tokens"]:
+            return 0, 0
+        allocate_kv_cache(self.model, 1, self.block_size)
+        if isinstance(self.graph, fx.GraphModule):
+            rebind_buffers(self.graph, self.model)
+        peaks = []
+        for tokens in (p["step_tokens"], p["graph_tokens"]):
+            if not tokens:
+                peaks.append(0)
+                continue
+            self.platform.synchronize()
+            self.platform.reset_peak_memory_stats(self.device)
+            before = self.platform.memory_allocated(self.device)
+            self._dummy_step(tokens, p["max_model_len"], min(p["logits_rows"], tokens))
+            self.platform.synchronize()
+            peaks.append(max(0, self.platform.max_memory_allocated(self.device) - before))
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = None
+        return peaks[0], peaks[1]
+
+    def _dummy_step(self, tokens: int, max_len: int, rows: int) -> None:
+        lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+        blocks = -(-max(lens) // self.block_size)
+        dev, i32, i64 = self.device, torch.int32, torch.int64
+        md = AttentionMetadata(torch.full((tokens,), -1, dtype=i64, device=dev),
+                               torch.zeros(len(lens), blocks, dtype=i32, device=dev),
+                               torch.tensor(np.cumsum([0, *lens]), dtype=i32, device=dev),
+                               torch.tensor(lens, dtype=i32, device=dev))
+        positions = torch.cat([torch.arange(n, dtype=i64, device=dev) for n in lens])
+        hidden = self.graph(torch.zeros(tokens, dtype=i64, device=dev), positions, md)
+        logits = self.model.compute_logits(hidden[-rows:]).float()
+        torch.sort(logits.softmax(-1), dim=-1, descending=True)  # about the sampler's working set (top-p sorts)
+
+    @torch.inference_mode()
+    def warm_up(self, speculative: bool = False) -> None:
         """Run the eager forward (and the LM head) on a few dummy prefills that write no KV, so the kernels a
         first request needs are compiled, or loaded from the kernel cache, now rather than at that request.
-        Lengths 16 and 7: a multiple of 16 and not (Triton specialises integer arguments on divisibility by 16)."""
+        Lengths 16 and 7: a multiple of 16 and not (Triton specialises integer arguments on divisibility by 16).
+        Then the sampling-side kernels: rejection sampling (speculative decoding) and structured outputs' mask."""
         for n in (16, 7):
             blocks = -(-n // self.block_size)
             md = AttentionMetadata(torch.full((n,), -1, dtype=torch.int64, device=self.device),
@@ -137,6 +201,11 @@ class ModelRunner:
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             positions = torch.arange(n, dtype=torch.int64, device=self.device)
             self.model.compute_logits(self.graph(ids, positions, md)[-1:])
+        if speculative:
+            warm_up_rejection_sample(self.device)
+        logits = torch.zeros(1, self.model.config.vocab_size, dtype=activation_dtype(self.model), device=self.device)
+        torch.ops.graphinfer.apply_token_bitmask(logits, torch.full((1, -(-logits.shape[1] // 32)), -1,
+                                                                    dtype=torch.int32, device=self.device))
         self.platform.synchronize()
 
     def release(self) -> None:

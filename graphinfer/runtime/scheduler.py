@@ -51,6 +51,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def stats(self) -> dict:
+        """The load, for /metrics and the data-parallel front end."""
+        return {"running": len(self.running), "waiting": len(self.waiting), "kv_usage": self.block_manager.usage,
+                "preemptions": self.num_preemptions}
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

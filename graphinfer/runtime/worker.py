@@ -6,13 +6,13 @@ checks; KV cache; capture: the collectives in them pair up), then runs each step
 forward on its shard, no scheduling and no sampling.
 """
 import logging
-import os
 import pickle
 import signal
 import sys
 
 import torch
 
+from graphinfer import envs
 from graphinfer.config import EngineConfig, ParallelConfig
 from graphinfer.distributed import launch
 from graphinfer.distributed import parallel_state as ps
@@ -81,7 +81,7 @@ def run_node(pc: ParallelConfig) -> int:
 def main() -> int:
     spec = pickle.load(sys.stdin.buffer)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
-    logging.basicConfig(level=os.environ.get("GRAPHINFER_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.GRAPHINFER_LOG_LEVEL,
                         format=f"(rank {spec['rank']}) %(levelname)s %(name)s: %(message)s")
     return run_rank(spec["config"], spec["rank"], spec["master_port"], spec["platform_cls"])
 

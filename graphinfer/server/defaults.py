@@ -38,12 +38,15 @@ def resolve_serve_engine_args(engine_args: dict) -> dict:
     """serve's engine arguments: max_num_batched_tokens from the platform unless given, and max_num_seqs at most
     that (as vLLM: every running request needs a token each step, and the scheduler serves the running ones in
     order, so beyond the budget the last ones would wait for the first ones to finish)."""
+    from graphinfer.engine_args import default
+
     args = dict(engine_args)
     if args.get("max_num_batched_tokens") is None:
         args["max_num_batched_tokens"] = serve_batched_tokens(args.get("device") or "auto")
     budget = args["max_num_batched_tokens"]
-    if args.get("max_num_seqs", 256) > budget:
+    max_num_seqs = args.get("max_num_seqs", default("max_num_seqs"))
+    if max_num_seqs > budget:
         logger.info("max_num_seqs %d -> %d: no more requests run at once than a step (max_num_batched_tokens) has "
-                    "tokens", args.get("max_num_seqs", 256), budget)
+                    "tokens", max_num_seqs, budget)
         args["max_num_seqs"] = budget
     return args

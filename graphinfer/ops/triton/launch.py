@@ -50,6 +50,8 @@ import os
 import torch
 import triton
 
+from graphinfer import envs
+
 log = logging.getLogger(__name__)
 
 ENV = "GRAPHINFER_TRITON_FAST_LAUNCH"
@@ -59,7 +61,7 @@ _MAX_BINDINGS = 4096  # per kernel; int arguments are keyed by value, so prefill
 
 
 def _env_mode() -> str:
-    value = os.environ.get(ENV, "1").strip().lower()
+    value = envs.get(ENV).strip().lower()
     if value == "check":
         return "check"
     return "off" if value in ("0", "false", "off", "no") else "on"

@@ -6,6 +6,28 @@ keeps the drafts up to the first one that differs from its target token, plus th
 k accepted drafts). Drafts are deterministic (lookup, a draft model's argmax), for which this is the exact
 accept / resample-from-residual rule: the output follows the target distribution (graphinfer/ops/rejection.py).
 """
+import logging
+
+from graphinfer.config import SpeculativeConfig
+from graphinfer.runtime.spec_decode.metrics import SpecDecodingStats
 from graphinfer.runtime.spec_decode.ngram_proposer import NgramProposer, draft_budget
 
-__all__ = ["NgramProposer", "draft_budget"]
+__all__ = ["NgramProposer", "draft_budget", "make_proposer"]
+
+logger = logging.getLogger(__name__)
+
+
+def make_proposer(spec: SpeculativeConfig | None, target):
+    """(proposer, its SpecDecodingStats) for the target LLMEngine's speculative_config, or (None, None) without one
+    and in `compile` (where only the verify graphs, warmed on a GPU, matter)."""
+    if spec is None or target.config.compile_only:
+        return None, None
+    if target.config.scheduler_config.async_scheduling:
+        logger.info("speculative decoding: steps run synchronously (the drafts need the last step's tokens)")
+    if spec.method == "ngram":
+        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:  # it builds an LLMEngine of its own
+        from graphinfer.runtime.spec_decode.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(spec, target)
+    return proposer, SpecDecodingStats(spec.num_speculative_tokens)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, fx, nn
 from tqdm.auto import tqdm
 
-from graphinfer.compiler.capture import CaptureStats, measured_capture, release_graphs, staged
+from graphinfer.runtime.device_graphs import CaptureStats, measured_capture, release_graphs, staged
 from graphinfer.compiler.split import SplitGraph, is_metadata_read
 from graphinfer.models.layers import AttentionMetadata
 from graphinfer.platforms import Platform
@@ -225,18 +225,3 @@ def _is_static_source(node: fx.Node) -> bool:
         return True
     return (node.op == "call_function" and node.target is operator.getitem
             and isinstance(node.args[0], fx.Node) and node.args[0].op == "call_module")
-
-
-def fit_graph_budget(sizes: list[int], graphs_per_size: int, budget: int) -> list[int]:
-    """The capture sizes whose graphs fit `budget` (Ascend's stream budget, as vllm-ascend's
-    update_aclgraph_sizes computed it): all of them if they fit, else as many as fit, spread evenly over the
-    list with the smallest and the largest kept, and a warning that says how many were kept and why."""
-    sizes = sorted(set(sizes))
-    keep = max(1, budget // max(1, graphs_per_size))
-    if len(sizes) <= keep:
-        return sizes
-    kept = sorted({sizes[round(i * (len(sizes) - 1) / max(1, keep - 1))] for i in range(keep)})
-    logger.warning("Capturing %d of %d piecewise sizes: each costs %d graphs (one per piece) and the platform can "
-                   "capture %d graphs in all; kept %s. Lower max_capture_size or give capture_sizes to choose.",
-                   len(kept), len(sizes), graphs_per_size, budget, kept)
-    return kept

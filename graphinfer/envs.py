@@ -1,0 +1,70 @@
+"""Every GRAPHINFER_* environment variable graphinfer reads, in one place (as vLLM's vllm/envs.py).
+
+Each is read lazily, when asked for (`envs.GRAPHINFER_LOG_LEVEL`, or `envs.get("GRAPHINFER_LOG_LEVEL")`), so a
+change to os.environ (a test's monkeypatch, a launcher's env for its children) is seen at the next read. No other
+module of graphinfer reads a GRAPHINFER_* variable from os.environ (tests/test_settings.py checks), and
+docs/configuration.md lists every variable of VARIABLES (checked too).
+
+Engine settings live in graphinfer.config (EngineConfig and its sections), reachable as CLI flags and LLM keyword
+arguments; a variable here is either process-wide (logging, platform selection, caches, kernel-launch switches) or
+the documented environment default of one engine setting (GRAPHINFER_CPU_KERNELS: `kernels` on cpu).
+"""
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str | None  # the value when unset (None: unset has its own meaning, given in `meaning`)
+    meaning: str
+    setting: str | None = None  # the engine setting (EngineConfig field) this variable gives the default of
+
+
+_VARS = [
+    EnvVar("GRAPHINFER_CACHE_DIR", "~/.cache/graphinfer",
+           "Where graphinfer caches converted GGUF tokenizers and weight-file hashes."),
+    EnvVar("GRAPHINFER_CPU_KERNELS", None,
+           "The cpu platform's op implementations when `kernels` (--kernels / LLM(kernels=)) is not given: eager, "
+           "inductor, reference or triton (unset: eager). The engine setting wins when given.", setting="kernels"),
+    EnvVar("GRAPHINFER_KERNEL_CACHE", "on",
+           "off: ignore an artifact's kernel_cache/ (every kernel compiled anew; `bench startup`'s cold runs)."),
+    EnvVar("GRAPHINFER_LOG_LEVEL", "INFO",
+           "Log level of the `graphinfer` CLI and of the processes it starts (ranks, replicas): DEBUG, INFO, "
+           "WARNING, ... Start-up facts (KV cache size, capture time and memory) are INFO logs on stderr."),
+    EnvVar("GRAPHINFER_PLATFORM", None,
+           "The platform device=\"auto\" picks (cpu, cuda, npu or a plugin's name); unset: detection (plugins, cuda, "
+           "npu, cpu). An explicit device (--device / LLM(device=)) wins."),
+    EnvVar("GRAPHINFER_SKINNY_GEMM", "auto",
+           "Decode linears on the skinny GEMM Triton kernel: auto (where start-up measures it >= 5% faster than "
+           "cuBLAS, GPU platforms), 0 / off (never), force (every shape, unmeasured; tests)."),
+    EnvVar("GRAPHINFER_TRITON_FAST_LAUNCH", "1",
+           "Triton kernels launched through graphinfer's cached binder: 1 (on), 0 (Triton's own launch path), "
+           "check (both, compared at every launch; slow, for tests). Read once, when ops/triton/launch.py is "
+           "imported."),
+]
+VARIABLES: dict[str, EnvVar] = {v.name: v for v in _VARS}
+
+
+def get(name: str) -> str | None:
+    """The variable's value now: os.environ's if set (and not empty), else its default (~ expanded)."""
+    var = VARIABLES[name]  # a KeyError names a variable nobody documented
+    value = os.environ.get(name)
+    if value:
+        return value
+    return os.path.expanduser(var.default) if var.default and var.default.startswith("~") else var.default
+
+
+def is_set(name: str) -> bool:
+    VARIABLES[name]
+    return bool(os.environ.get(name))
+
+
+def __getattr__(name: str):
+    if name in VARIABLES:
+        return get(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *VARIABLES])

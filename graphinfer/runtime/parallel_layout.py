@@ -1,0 +1,60 @@
+"""Refusals of a tensor / expert / data-parallel layout, with the numbers, before any rank or replica starts."""
+from graphinfer.compiler import artifact
+from graphinfer.config import EngineConfig
+from graphinfer.errors import ArtifactMismatchError, InvalidConfigError
+from graphinfer.models.loader import load_config
+from graphinfer.models.parallel_layers import check_tensor_parallel, uses_expert_parallel
+
+
+def model_config_of(config: EngineConfig):
+    return artifact.load_config(config.artifact) if config.artifact else load_config(config.model_config.model)
+
+
+def expert_parallel_size(config: EngineConfig) -> int:
+    """The EP size: tp x dp with expert parallel on (and experts to split), else 1."""
+    pc = config.parallel_config
+    return pc.world_size if uses_expert_parallel(model_config_of(config), pc.world_size,
+                                                  pc.enable_expert_parallel) else 1
+
+
+def check_parallel_config(config: EngineConfig) -> None:
+    """Refuse a tensor / expert / data-parallel layout the model cannot take (with the numbers) before any rank
+    or replica starts."""
+    pc = config.parallel_config
+    if pc.node_rank != 0:
+        raise InvalidConfigError(
+            f"node_rank={pc.node_rank}: nodes other than 0 run workers only; start them with "
+            f"`graphinfer serve|generate|compile|bench ... --node-rank N` (graphinfer.runtime.worker.run_node).")
+    model = model_config_of(config)
+    check_tensor_parallel(model, pc.tensor_parallel_size, pc.enable_expert_parallel, pc.data_parallel_size)
+    if config.artifact and pc.data_parallel_size > 1 and uses_expert_parallel(model, pc.world_size,
+                                                                               pc.enable_expert_parallel):
+        raise InvalidConfigError(
+            f"Artifact {config.artifact!r}: expert parallel over data_parallel_size={pc.data_parallel_size} replicas "
+            f"runs from the checkpoint for now (an artifact's experts are laid out over its tensor-parallel ranks "
+            f"only): serve the model's checkpoint with --data-parallel-size {pc.data_parallel_size} "
+            f"--enable-expert-parallel, or leave data parallel off.")
+
+
+def check_artifact_parallel(config: EngineConfig) -> None:
+    """Refuse an artifact compiled for another tensor-parallel size or expert-parallel setting (its weights are
+    laid out for that) before starting any rank."""
+    art, tp = config.artifact, config.parallel_config.tensor_parallel_size
+    manifest = artifact.read_manifest(art)
+    compiled = artifact.tensor_parallel_size(manifest)
+    if compiled != tp:
+        raise ArtifactMismatchError(
+            f"Artifact {art!r} was compiled for tensor_parallel_size={compiled}, but this engine runs "
+            f"tensor_parallel_size={tp}. Run it with --tensor-parallel-size {compiled} (LLM(tensor_parallel_size="
+            f"{compiled})), or recompile it for {tp}: graphinfer compile {manifest['model']['path']} -o {art} "
+            f"--tensor-parallel-size {tp}")
+    ep = uses_expert_parallel(model_config_of(config), tp, config.parallel_config.enable_expert_parallel)
+    if ep != (compiled := artifact.expert_parallel(manifest)):
+        state = {True: "on", False: "off"}
+        run = "with" if compiled else "without"
+        raise ArtifactMismatchError(
+            f"Artifact {art!r} was compiled with expert parallel {state[compiled]}, but this engine runs it "
+            f"{state[ep]} (the experts are laid out over the ranks differently). Run it {run} "
+            f"--enable-expert-parallel (LLM(enable_expert_parallel={compiled})), or recompile it: graphinfer "
+            f"compile {manifest['model']['path']} -o {art} --tensor-parallel-size {tp}"
+            + (" --enable-expert-parallel" if ep else ""))
