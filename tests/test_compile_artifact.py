@@ -83,11 +83,11 @@ def test_artifact_weights_are_final_and_load_without_the_checkpoint(qwen2_artifa
     for name in ("load_model", "load_config", "load_hf_config", "load_tokenizer"):
         monkeypatch.setattr(loader, name, no_checkpoint)
     import graphinfer.compiler.pipeline as pipeline
-    import graphinfer.runtime.llm_engine as engine_mod
+    import graphinfer.runtime.startup as startup_mod
 
     for name in ("load_model", "load_config"):
         monkeypatch.setattr(pipeline, name, no_checkpoint)
-    monkeypatch.setattr(engine_mod, "load_tokenizer", no_checkpoint)
+    monkeypatch.setattr(startup_mod, "load_tokenizer", no_checkpoint)
     assert _tokens(LLM(artifact=moved), PROMPTS) == _tokens(in_memory, PROMPTS)
 
 
