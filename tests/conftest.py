@@ -164,7 +164,8 @@ def engine_kernels(request, monkeypatch):
 
 
 def assert_cpu_default_bound(llm, engine_kernels) -> None:
-    """For engine_kernels' "cpu-default": the engine's cpu platform bound the CPU attention ops (not the reference)."""
+    """For engine_kernels' "cpu-default": the engine's cpu platform bound the CPU attention and row-wise ops (not the reference)."""
     if engine_kernels:
-        assert llm.llm_engine.platform.kernels.get("paged_attention") == "graphinfer.ops.cpu_attention", \
-            llm.llm_engine.platform.kernels
+        kernels = llm.llm_engine.platform.kernels
+        assert kernels.get("paged_attention") == "graphinfer.ops.cpu_attention", kernels
+        assert kernels.get("add_rms_norm") == kernels.get("rotary_embedding") == "graphinfer.ops.cpu_elementwise", kernels

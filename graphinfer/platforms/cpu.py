@@ -2,7 +2,8 @@
 (FULL_DECODE_ONLY is refused here).
 
 kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, else "eager"):
-- "eager" (the default): the paged attention and cache write of ops/cpu_attention.py and the quantized linears of
+- "eager" (the default): the paged attention and cache write of ops/cpu_attention.py, the row-wise ops of
+  ops/cpu_elementwise.py (rms_norm, add_rms_norm, rotary_embedding, silu_and_mul) and the quantized linears of
   ops/cpu_quant.py (C++ kernels of csrc/cpu/ where built), and xgrammar's C++ kernel for structured outputs' mask
   (ops/cpu_bitmask.py), the graph run op by op
   (no compile: `serve ART` healthy in ~3.6 s for SmolLM2 on the 2-core AVX2 dev machine);
@@ -76,9 +77,10 @@ class CpuPlatform(Platform):
         if kernels in ("inductor", "eager"):
             from graphinfer.ops.cpu_attention import CPU_OPS
             from graphinfer.ops.cpu_bitmask import CPU_BITMASK_OPS
+            from graphinfer.ops.cpu_elementwise import CPU_ELEMENTWISE_OPS
             from graphinfer.ops.cpu_quant import CPU_QUANT_OPS
 
-            return {**CPU_OPS, **CPU_QUANT_OPS, **CPU_BITMASK_OPS}
+            return {**CPU_OPS, **CPU_ELEMENTWISE_OPS, **CPU_QUANT_OPS, **CPU_BITMASK_OPS}
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise InvalidConfigError("kernels='triton' on cpu runs Triton's interpreter: set TRITON_INTERPRET=1 "
                                      "in the environment before starting graphinfer.")
