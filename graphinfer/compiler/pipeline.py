@@ -27,6 +27,7 @@ from torch import fx, nn
 from graphinfer import envs
 from graphinfer.compiler import artifact, kernel_cache
 from graphinfer.compiler.compile import compile_model
+from graphinfer.compiler.cpu_packed_linear import pack_linears
 from graphinfer.compiler.fingerprint import model_fingerprint
 from graphinfer.compiler.skinny_gemm import SkinnyGemmTable, event_timer, lower_skinny_gemm
 from graphinfer.compiler.split import DEFAULT_SPLITTING_OPS, SplitGraph, split_graph
@@ -190,6 +191,8 @@ class CompilePipeline:
                 timer = event_timer(platform.device_module) if self.device.type != "cpu" else None
                 c.skinny_gemm, executable = lower_skinny_gemm(_fx(c.graph), self.config.scheduler_config.max_num_seqs,
                                                               timer)
+        if platform.prepacks_linear_weights(comp.kernels):
+            executable = pack_linears(_fx(executable))
         if comp.npu_compiler:
             executable = self._torchair(c.graph, comp.npu_compiler)
         return executable

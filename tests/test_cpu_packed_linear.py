@@ -1,0 +1,39 @@
+"""compiler/cpu_packed_linear.py: the cpu default's float linears on oneDNN prepacked weights, against F.linear."""
+import pytest
+import torch
+from torch import fx, nn
+
+from graphinfer.compiler.cpu_packed_linear import PackedLinear, pack_linears
+from graphinfer.compiler.trace import GraphinferTracer
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+class Block(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.up = nn.Linear(64, 96, bias=True, dtype=dtype)
+        self.down = nn.Linear(96, 64, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))) + x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_packed_graph_matches_the_plain_one(dtype, rows):
+    torch.manual_seed(rows)
+    model = Block(dtype)
+    gm = fx.GraphModule(model, GraphinferTracer().trace(model))
+    packed = pack_linears(gm)
+    assert isinstance(packed.up, PackedLinear) and isinstance(packed.down, PackedLinear)
+    assert type(gm.up) is nn.Linear and gm.up.weight.dtype == dtype  # the engine's graph (artifacts) untouched
+    x = torch.randn(rows, 64, dtype=dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    torch.testing.assert_close(packed(x), gm(x), **tol)
+
+
+def test_fp16_linears_are_left_alone():
+    model = Block(torch.float16)  # fp16: not a dtype the path packs
+    gm = fx.GraphModule(model, GraphinferTracer().trace(model))
+    assert pack_linears(gm) is gm
