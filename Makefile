@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-triton-ascend venv venv-ascend clean
+.PHONY: run test test-slow test-triton-ascend venv venv-ascend clean
 
 # The cpu platform's C++ kernels (csrc/cpu/), compiled for this machine with its own g++ (graphinfer/ops/cpu_ext.py).
 CPU_KERNELS := graphinfer/ops/_cpu_kernels.so
@@ -47,6 +47,10 @@ run: venv $(ARTIFACT)/manifest.json
 test: venv venv-ascend
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-triton-ascend
+
+# The tests marked slow (whole models under the Triton interpreter, SmolLM2 at tp 3, Inductor in bf16, ...).
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow
 
 test-triton-ascend: venv-ascend
 	TRITON_INTERPRET=1 PYTHONPATH=. $(ASCEND_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_fused_moe.py tests/test_triton_qk_norm_rope.py \

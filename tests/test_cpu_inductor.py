@@ -67,6 +67,7 @@ def test_pointwise_ops_inlined_attention_opaque():
 BF16_TIE = 0.125 + 1e-6
 
 
+@pytest.mark.slow  # 30 s of Inductor compiles; Inductor (not the cpu default) stays covered on tiny models above
 def test_bf16_matches_reference_through_chunks_prefix_hits_and_preemption():
     """tiny-qwen3 in bf16, test_piecewise's scenario: a 32-token step budget (prompts chunked, chunks sharing steps
     with decodes), a shared 16-token prefix (cache hits), a KV pool too small for all requests (preemption).

@@ -217,7 +217,8 @@ def test_verify_graphs_replay_under_the_capture_stand_in(monkeypatch, greedy_bas
     assert replays and set(replays) <= {3, 6, 9, 12}
 
 
-@pytest.mark.parametrize("spec", [ngram(3, 1, 4), {"method": "draft_model", "model": "SMOLLM2", "num_speculative_tokens": 2}],
+@pytest.mark.parametrize("spec", [ngram(3, 1, 4), pytest.param(  # self-draft: 23 s; tiny draft models run below
+    {"method": "draft_model", "model": "SMOLLM2", "num_speculative_tokens": 2}, marks=pytest.mark.slow)],
                          ids=["ngram", "self-draft"])
 def test_smollm2_greedy_equals_no_spec(smollm2_greedy, smollm2_path, spec):
     """The real SmolLM2 (fp32) on test_smollm2's prompts, 32 greedy tokens: ngram lookup, and SmolLM2 drafting for

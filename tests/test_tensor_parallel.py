@@ -142,6 +142,7 @@ def test_expert_count_not_divisible_by_the_ep_size_is_refused_with_the_numbers(c
     assert not ps.is_initialized()
 
 
+@pytest.mark.slow  # 42 s (3 ranks on SmolLM2); the default suite runs tp 2 on every tiny family
 def test_smollm2_tp3_matches_tp1_and_hf(smollm2_greedy, hf_smollm2):
     from test_smollm2 import PROMPTS as SMOL_PROMPTS, _hf_argmax
 

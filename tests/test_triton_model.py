@@ -70,6 +70,7 @@ print("spec", spec_ref == tri, bool(replays), llm.llm_engine.spec_decode_stats()
 """
 
 
+@pytest.mark.slow  # 115 s of whole models under the interpreter; each kernel has its own tests in the suite
 def test_triton_kernels_give_reference_tokens_in_models():
     """One Triton engine per model (FULL_DECODE_ONLY on the stand-in) runs every kind of step: chunked prefill
     over cached blocks and mixed steps (eager), a decode batch above the largest capture size (eager), decode
