@@ -269,7 +269,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prefill-len", type=int, default=4096, help="one prompt this long, prefill timed (0: skip)")
     p.add_argument("--repeats", type=int, default=2, help="TTFT, batch 1 and prefill: the best of this many")
-    p.add_argument("--settle-load", type=float, default=0.3, help="wait for the 1-min load average to fall to "
+    p.add_argument("--settle-load", type=float, default=0.5, help="wait for the 1-min load average to fall to "
                                                                   "this before each engine (up to --settle-max-s)")
     p.add_argument("--settle-max-s", type=float, default=240)
     p.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm/bin/python"))

@@ -28,9 +28,13 @@ install() {
     .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
     touch .venv-vllm/.installed
   fi
-  if [ ! -f .venv-peers/.installed ]; then  # an sdist: llama.cpp compiled for this CPU
+  if [ ! -f .venv-peers/.installed ]; then  # an sdist: llama.cpp compiled for this CPU (-march=native)
     "$PY3" -m venv .venv-peers
-    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" .venv-peers/bin/pip install -q llama-cpp-python==0.3.36
+    # Without AMX: on an AMX CPU ggml's AMX int8 matmul dies with SIGILL at its first `tilezero` (0.3.36 here; its
+    # tile config is not loaded, llama.cpp PR #26954). --no-cache-dir: else pip reuses a wheel built with other flags.
+    nomx=""; [ "$(uname -m)" = x86_64 ] && nomx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CFLAGS="$nomx" CXXFLAGS="$nomx" CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" \
+      .venv-peers/bin/pip install -q --no-cache-dir llama-cpp-python==0.3.36
     touch .venv-peers/.installed
   fi
 }
