@@ -345,6 +345,7 @@ def main() -> None:
             rc = subprocess.run([python[e], os.path.abspath(__file__), "--worker", e, "--spec", spec_path,
                                  "--result", result], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=7200).returncode
         info["wall_s"] = round(time.perf_counter() - t, 1)
+        info["load_average_after"] = [round(x, 2) for x in os.getloadavg()]  # above ~2: someone else ran too
         with open(log) as f:
             text = f.read()
         if rc or not os.path.exists(result):
