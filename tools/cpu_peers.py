@@ -285,7 +285,8 @@ def main() -> None:
     if a.worker:
         return worker(a.worker, a.spec, a.result)
     if a.smoke:
-        a.num_prompts, a.new_tokens, a.prefill_len, a.settle_load, a.skip_missing = 4, 8, 256, 99.0, True
+        a.num_prompts, a.new_tokens, a.settle_load, a.skip_missing = 4, 8, 99.0, True
+        a.prefill_len = 256 if a.prefill_len else 0
 
     from graphinfer.bench.common import environment, markdown_table
     from graphinfer.config import bundled_model_path
