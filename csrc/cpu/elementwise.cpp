@@ -168,6 +168,9 @@ void silu_mul_rows(const scalar_t* in, scalar_t* out, int64_t rows, int64_t d) {
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "x");
   const int64_t n2 = x.size(-1), d = n2 / 2, rows = n2 ? x.numel() / n2 : 0;
+  // The loop's std::exp does not vectorise (glibc's vector expf needs -ffast-math): from a few rows on, ATen's
+  // vectorised silu and mul cost less than the chain's dispatches (the same rounding: the reference's ops).
+  if (rows > 4) return at::silu(x.narrow(-1, 0, d)) * x.narrow(-1, d, d);
   auto sizes = x.sizes().vec();
   sizes.back() = d;
   auto out = at::empty(sizes, x.options());
