@@ -37,3 +37,14 @@ def test_fp16_linears_are_left_alone():
     model = Block(torch.float16)  # fp16: not a dtype the path packs
     gm = fx.GraphModule(model, GraphinferTracer().trace(model))
     assert pack_linears(gm) is gm
+
+
+def test_an_in_place_weight_update_is_repacked():
+    torch.manual_seed(0)
+    model = Block(torch.float32)
+    gm = fx.GraphModule(model, GraphinferTracer().trace(model))
+    packed = pack_linears(gm)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        gm.up.weight.mul_(-2)  # e.g. weights reloaded into the engine's parameters
+    torch.testing.assert_close(packed(x), gm(x), rtol=1e-5, atol=1e-5)

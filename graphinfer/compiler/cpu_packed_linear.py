@@ -23,14 +23,20 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
-                                                                                        PACK_BATCH), persistent=False)
         self.weight, self.bias = linear.weight, linear.bias  # the engine's graph holds weight anyway
         self.gemv = linear.weight.dtype == torch.float32  # one fp32 row: MKL's GEMV on the plain weight
+        self.register_buffer("packed_weight", None, persistent=False)
+        self._pack()
+
+    def _pack(self) -> None:
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH)
+        self.packed_version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.numel() == self.in_features:
             return F.linear(x, self.weight, self.bias)
+        if self.weight._version != self.packed_version:  # the weight was updated in place (a reload): repack
+            self._pack()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
