@@ -1,18 +1,18 @@
 """CPU linears on oneDNN with prepacked weights (vLLM-CPU's choice: its dispatch_cpu_unquantized_gemm).
 
 ATen's F.linear on CPU calls MKL on the plain [N, K] weight each step; oneDNN's matmul on a weight reordered
-once into its blocked layout is faster at every row count but one (measured on a 2-core AMX Xeon, SmolLM2-135M's
-120 decoder linears per step: fp32 at 1 / 7 / 64 rows 34 / 41 / 113 ms vs F.linear's 30 / 73 / 129; bf16 17 / 20 /
-22 ms vs 25 / 26 / 35, AMX). That one is fp32 at a single row, where MKL's GEMV already streams the weight at the
-memory's speed: it stays on F.linear. The runner gets a copy of the fused graph whose leaf Linear modules are
-PackedLinear; the engine's own graph keeps its nn.Linear (artifacts save it), so the weights are held twice.
+once into its blocked layout was faster in a one-off microbenchmark on the 2-core AMX dev VM (SmolLM2's decoder
+linears at 7 and 64 rows, fp32 and bf16; not committed: docs/benchmarks.md "CPU peers" has the engine-level run),
+except for fp32 at a single row, where MKL's GEMV already streams the weight at memory speed: that stays on
+F.linear. The runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear; the engine's own
+graph keeps its nn.Linear (artifacts save it), so the weights are held twice.
 """
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
 from graphinfer.compiler.skinny_gemm import SkinnyLinear
-from graphinfer.compiler.trace import is_leaf_layer
+from graphinfer.compiler.trace import is_leaf_layer, with_modules
 
 PACK_BATCH = 32  # oneDNN's batch hint for the layout (vLLM's); any row count runs on it
 
@@ -51,13 +51,6 @@ def packable(mod: nn.Module) -> bool:
 
 def pack_linears(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of gm (its own module tree; gm untouched) whose packable Linear modules are PackedLinear."""
-    targets = [n.target for n in gm.graph.nodes if n.op == "call_module" and packable(gm.get_submodule(n.target))]
-    if not targets:
-        return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    packed = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    for target in dict.fromkeys(targets):
-        parent, _, name = target.rpartition(".")
-        setattr(packed.get_submodule(parent) if parent else packed, name, PackedLinear(gm.get_submodule(target)))
-    return packed
+    targets = dict.fromkeys(n.target for n in gm.graph.nodes
+                            if n.op == "call_module" and packable(gm.get_submodule(n.target)))
+    return with_modules(gm, {t: PackedLinear(gm.get_submodule(t)) for t in targets}) if targets else gm

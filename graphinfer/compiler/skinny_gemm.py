@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from graphinfer import envs
-from graphinfer.compiler.trace import is_leaf_layer
+from graphinfer.compiler.trace import is_leaf_layer, with_modules
 from graphinfer.errors import InvalidConfigError
 
 logger = logging.getLogger(__name__)
@@ -238,14 +238,7 @@ def apply(gm: fx.GraphModule, table: SkinnyGemmTable) -> fx.GraphModule:
     swaps = {t: c for t, c in swaps.items() if c}
     if not swaps:
         return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    lowered = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    for target, configs in swaps.items():
-        parent, _, name = target.rpartition(".")
-        setattr(lowered.get_submodule(parent) if parent else lowered, name,
-                SkinnyLinear(lowered.get_submodule(target), configs))
-    return lowered
+    return with_modules(gm, {t: SkinnyLinear(gm.get_submodule(t), c) for t, c in swaps.items()})
 
 
 def lower_skinny_gemm(gm: fx.GraphModule, max_rows: int, timer: Timer | None, mode: str | None = None

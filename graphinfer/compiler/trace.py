@@ -31,6 +31,18 @@ def trace_model(model: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(model, graph, class_name=f"{type(model).__name__}Graph")
 
 
+def with_modules(gm: fx.GraphModule, swaps: dict[str, nn.Module]) -> fx.GraphModule:
+    """A copy of gm (same nodes, its own module tree; gm untouched) with the call_module targets in `swaps`
+    replaced: how a lowering step gives the runner its own graph while artifacts save gm."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    for target, module in swaps.items():
+        parent, _, name = target.rpartition(".")
+        setattr(copy.get_submodule(parent) if parent else copy, name, module)
+    return copy
+
+
 def rebind_buffers(gm: fx.GraphModule, model: nn.Module) -> None:
     """Point gm's buffer reads at model's current buffers of the same path (e.g. a re-allocated KV cache):
     a GraphModule keeps its own module tree, holding the tensors that existed when it was traced."""
