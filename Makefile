@@ -44,8 +44,11 @@ run: venv $(ARTIFACT)/manifest.json
 
 # The default suite (fast); slow / gpu / npu tests carry markers and skip by default. Without a GPU the
 # Triton kernels run under TRITON_INTERPRET=1: upstream Triton here, then Triton-Ascend 3.2's interpreter.
+# Two xdist workers (one per core of the 2-core dev machine, one torch thread each: tests/conftest.py), each test
+# module on one worker so that its module fixtures (servers, engines) start once.
+TEST_WORKERS ?= 2
 test: venv venv-ascend
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 	$(MAKE) test-triton-ascend
 
 # The tests marked slow (whole models under the Triton interpreter, SmolLM2 at tp 3, Inductor in bf16, ...).
@@ -53,7 +56,7 @@ test-slow: venv
 	$(BIN)/python -m pytest -q -m slow
 
 test-triton-ascend: venv-ascend
-	TRITON_INTERPRET=1 PYTHONPATH=. $(ASCEND_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_fused_moe.py tests/test_triton_qk_norm_rope.py \
+	TRITON_INTERPRET=1 PYTHONPATH=. $(ASCEND_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_fused_moe.py tests/test_triton_qk_norm_rope.py \
 		tests/test_triton_prefill_attention.py tests/test_triton_sampling.py tests/test_triton_skinny_gemm.py \
 		tests/test_triton_quant.py tests/test_rejection_sampler.py
 

@@ -14,9 +14,28 @@ os.environ.setdefault("GRAPHINFER_CPU_KERNELS", "reference")
 # first (compressed_tensors -> torch._dynamo does): set it before anything is collected.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# `make test` runs two xdist workers, one per core of a 2-core machine: each worker (and the engines and subprocesses
+# it starts) keeps to one torch thread, since two OpenMP teams spinning on two cores slow each other down many times.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and not torch.cuda.is_available():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# The longest modules (about a minute or more of a serial run each): under xdist's loadscope they start first, so a
+# worker does not pick one up near the end while the other worker sits idle.
+LONGEST_MODULES = ("test_tensor_parallel", "test_smollm2", "test_quantization", "test_cli", "test_tp_server",
+                   "test_server", "test_data_parallel", "test_compile_artifact", "test_spec_decode", "test_gguf_loader")
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
+        items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each module keeps its order
+    _deselect_cpu_subprocess_only(config, items)
+
+
+def _deselect_cpu_subprocess_only(config, items):
     """A module with CPU_SUBPROCESS_ONLY = True runs on CPU only (it stubs a device runtime): where CUDA is present its
     tests are deselected, not skipped, and its own test_this_file_on_cpu_in_a_subprocess runs them with CUDA hidden."""
     if not torch.cuda.is_available():
