@@ -11,7 +11,7 @@ CPU_KERNELS := graphinfer/ops/_cpu_kernels.so
 
 venv: $(STAMP) $(CPU_KERNELS)
 
-$(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*.cpp) graphinfer/ops/cpu_ext.py
+$(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h) graphinfer/ops/cpu_ext.py
 	$(BIN)/python -m graphinfer.ops.cpu_ext
 
 $(STAMP): requirements.txt setup.py

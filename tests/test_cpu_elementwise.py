@@ -23,14 +23,15 @@ def _same(got, want):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 200])  # 200 rows: several threads' tasks
-def test_norms_and_silu(dtype, rows):
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: not a whole number of vectors (the tail lanes)
+def test_norms_and_silu(dtype, rows, hidden):
     g = torch.Generator().manual_seed(rows)
-    x, r = (torch.randn(rows, 576, generator=g) * 4).to(dtype), torch.randn(rows, 576, generator=g).to(dtype)
-    w = torch.randn(576, generator=g).to(dtype)
+    x, r = (torch.randn(rows, hidden, generator=g) * 4).to(dtype), torch.randn(rows, hidden, generator=g).to(dtype)
+    w = torch.randn(hidden, generator=g).to(dtype)
     _same(ew.rms_norm_cpu(x, w, 1e-5), rms_norm.reference(x, w, 1e-5))
     for got, want in zip(ew.add_rms_norm_cpu(x, r, w, 1e-6), add_rms_norm.reference(x, r, w, 1e-6)):
         _same(got, want)
-    gate_up = (torch.randn(rows, 2, 1536, generator=g) * 6).to(dtype).view(rows, -1)
+    gate_up = (torch.randn(rows, 2, hidden * 8 // 3, generator=g) * 6).to(dtype).view(rows, -1)
     _same(ew.silu_and_mul_cpu(gate_up), silu_and_mul.reference(gate_up))
 
 
@@ -48,6 +49,24 @@ def test_rotary(dtype, is_neox, rot_dim, cache_dtype):
     want = rotary_embedding.reference(pos, q, k, D, cache, is_neox)
     for a, b in zip(got, want):
         assert a.shape == b.shape
+        _same(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 80])  # 80: half a head is not a whole number of vectors
+def test_rotary_on_the_slices_of_a_fused_qkv_output(dtype, D, monkeypatch):
+    """q and k as the model passes them: row-strided views of one [T, (Hq + 2 Hkv) D] qkv output, rotated by the
+    kernel (not the reference) into contiguous outputs."""
+    g = torch.Generator().manual_seed(D)
+    T, Hq, Hkv = 37, 9, 3
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(dtype)
+    q, k, _ = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    cache, pos = torch.randn(4096, D, generator=g), torch.randint(0, 4096, (T,), generator=g)
+    want = rotary_embedding.reference(pos, q, k, D, cache, True)
+    monkeypatch.setattr(rotary_embedding, "reference", None)  # the kernel must take these inputs
+    got = ew.rotary_embedding_cpu(pos, q, k, D, cache, True)
+    for a, b in zip(got, want):
+        assert a.is_contiguous() and a.shape == b.shape
         _same(a, b)
 
 

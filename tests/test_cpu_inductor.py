@@ -41,11 +41,14 @@ def test_smollm2_fp32_matches_hf(hf_smollm2):
 
 
 def test_smollm2_fp32_eager_matches_hf(hf_smollm2):
-    """The cpu default (kernels="eager": the CPU attention and row-wise ops, linears on prepacked weights)."""
+    """The cpu default (kernels="eager": the CPU attention and row-wise ops, linears and the tied LM head on prepacked
+    weights)."""
     from graphinfer.compiler.cpu_packed_linear import PackedLinear
 
     llm = LLM(dtype="float32", max_model_len=512, kernels="eager")
-    assert isinstance(llm.llm_engine.model_runner.graph.get_submodule("model.layers.0.mlp.down_proj"), PackedLinear)
+    runner = llm.llm_engine.model_runner
+    assert isinstance(runner.graph.get_submodule("model.layers.0.mlp.down_proj"), PackedLinear)
+    assert isinstance(runner.compute_logits, PackedLinear) and runner.compute_logits.weight is runner.model.lm_head.weight
     outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     for o in outs:
         tokens = o.outputs[0].token_ids

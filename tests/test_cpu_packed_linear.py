@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from graphinfer.compiler.cpu_packed_linear import PackedLinear, pack_linears
+from graphinfer.compiler.cpu_packed_linear import PackedLinear, pack_linears, packed_lm_head
 from graphinfer.compiler.trace import GraphinferTracer
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -48,3 +48,19 @@ def test_an_in_place_weight_update_is_repacked():
     with torch.no_grad():
         gm.up.weight.mul_(-2)  # e.g. weights reloaded into the engine's parameters
     torch.testing.assert_close(packed(x), gm(x), rtol=1e-5, atol=1e-5)
+
+
+def test_lm_head_is_packed_where_it_is_a_plain_linear():
+    class Model(nn.Module):
+        def __init__(self, head):
+            super().__init__()
+            self.lm_head = head
+
+    head = nn.Linear(64, 300, bias=False)
+    packed = packed_lm_head(Model(head))
+    x = torch.randn(6, 64)
+    assert isinstance(packed, PackedLinear) and packed.weight is head.weight  # a tied head stays tied
+    torch.testing.assert_close(packed(x), head(x), rtol=1e-5, atol=1e-5)
+    assert packed_lm_head(Model(nn.Linear(64, 300, dtype=torch.float16))) is None
+    head.has_collective = True  # tensor parallel: the head all-gathers its logits
+    assert packed_lm_head(Model(head)) is None

@@ -9,7 +9,9 @@
 // Request b is a decode row when it owns exactly one query row and has seq_len > 0; its output row is written,
 // every other row of `out` is left untouched (the caller handles prefill chunks and zero-fills padding).
 // One task per (request, kv head) holds the GQA group's G query heads and walks the context block by block
-// with an online softmax in fp32 (bf16/fp16 caches are widened on load), so K and V are read once per group.
+// with an online softmax in fp32, so K and V are read once per group: a block's K rows are widened to fp32 (ATen's
+// vectorised conversion, vec.h) and transposed, so that scores, exp and the weighted sum of V all run as float
+// vectors (a per-token dot product's horizontal sum and a scalar exp per score cost ~3x more).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,16 +20,22 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
+
+#include "vec.h"
 
 namespace {
 
+using cpu_vec::fVec;
+using cpu_vec::kVec;
+constexpr int64_t kHeads = 4;   // query heads whose scores one pass over K^T accumulates (independent FMA chains)
+constexpr int64_t kChains = 4;  // vectors of a head's output accumulated together (independent FMA chains)
+
+// row[0..Dp) = src[0..D) as floats, zero past D (Dp: D rounded up to whole vectors).
 template <typename scalar_t>
-inline float dot(const float* q, const scalar_t* k, int64_t D) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
-  return s;
+inline void widen(const scalar_t* src, float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += kVec) cpu_vec::load(src + d, std::min(kVec, D - d)).store(row + d);
 }
 
 template <typename scalar_t>
@@ -38,6 +46,8 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2), G = Hq / Hkv, W = block_tables.size(1);
   const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
   const int64_t tok = Hkv * D;  // cache stride between consecutive tokens of a block
+  const int64_t Dp = (D + kVec - 1) / kVec * kVec, Gp = (G + kHeads - 1) / kHeads * kHeads;
+  const int64_t bsp = (bs + kVec - 1) / kVec * kVec, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
   const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
   const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
@@ -48,48 +58,85 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(G * D), acc(G * D), s(G * bs), m(G), l(G);
+    // Per task, zero-padded to whole vectors and to kHeads heads: the G query heads (scaled) and their fp32
+    // accumulators [Gp, Dp], a block's scores / probabilities [Gp, bsp], its K rows widened [bs, Dp] and
+    // transposed [Dp, bsp], its V rows widened [bs, Dp] (+ one pass of kChains vectors of padding).
+    std::vector<float> q(Gp * Dp), acc(Gp * Dp), s(Gp * bsp), m(G), l(G), kf(bs * Dp), kt(Dp * bsp, 0.f),
+        vf(bs * Dp + kChains * kVec);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, row = qsl[b], L = lens[b];
-      if (qsl[b + 1] - row != 1 || L <= 0) continue;
+      const int64_t b = task / Hkv, h = task % Hkv, r = qsl[b], L = lens[b];
+      if (qsl[b + 1] - r != 1 || L <= 0) continue;
       for (int64_t g = 0; g < G; ++g) {
-        const scalar_t* src = q_ptr + row * q_row + (h * G + g) * q_head;
-        for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(src[d]) * fscale;
+        widen(q_ptr + r * q_row + (h * G + g) * q_head, q.data() + g * Dp, D);
+        for (int64_t d = 0; d < Dp; ++d) q[g * Dp + d] *= fscale;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       for (int64_t j = 0; j * bs < L; ++j) {
         const int64_t n = std::min(bs, L - j * bs), base = (static_cast<int64_t>(bt[b * W + j]) * bs * Hkv + h) * D;
-        const scalar_t* kb = k_ptr + base;
-        const scalar_t* vb = v_ptr + base;
+        if ((j + 1) * bs < L) {  // the next block's rows of this head: scattered blocks defeat the hardware prefetcher
+          const int64_t next = (static_cast<int64_t>(bt[b * W + j + 1]) * bs * Hkv + h) * D;
+          for (int64_t t = 0; t < bs; ++t) {
+            for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(k_ptr + next + t * tok) + byte);
+              __builtin_prefetch(reinterpret_cast<const char*>(v_ptr + next + t * tok) + byte);
+            }
+          }
+        }
+        // Scores: with K^T [Dp, n], kHeads heads' scores of kVec tokens are Dp broadcast-FMAs into kHeads
+        // independent vectors (no per-token horizontal sum).
+        for (int64_t t = 0; t < n; ++t) widen(k_ptr + base + t * tok, kf.data() + t * Dp, D);
+        at::vec::transpose_mxn<float>(kf.data(), Dp, kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
+        for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+          const float* qg = q.data() + g0 * Dp;
+          for (int64_t t = 0; t < n; t += kVec) {
+            fVec sv[kHeads] = {}, sw[kHeads] = {};  // even and odd d: twice the independent chains
+            for (int64_t d = 0; d < Dp; d += 2) {  // Dp is a whole number of vectors: even
+              const fVec k0 = fVec::loadu(kt.data() + d * bsp + t), k1 = fVec::loadu(kt.data() + (d + 1) * bsp + t);
+              for (int64_t g = 0; g < kHeads; ++g) {
+                sv[g] = at::vec::fmadd(fVec(qg[g * Dp + d]), k0, sv[g]);
+                sw[g] = at::vec::fmadd(fVec(qg[g * Dp + d + 1]), k1, sw[g]);
+              }
+            }
+            for (int64_t g = 0; g < kHeads; ++g) (sv[g] + sw[g]).store(s.data() + (g0 + g) * bsp + t);
+          }
+        }
         for (int64_t g = 0; g < G; ++g) {
-          float* sg = s.data() + g * bs;
-          float mx = m[g];
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = dot(q.data() + g * D, kb + t * tok, D);
-            mx = std::max(mx, sg[t]);
-          }
+          // online softmax: probabilities against the new running maximum, the old sums rescaled to it
+          float* sg = s.data() + g * bsp;
+          const float mx = std::max(m[g], *std::max_element(sg, sg + n));
           const float corr = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first block
-          float* a = acc.data() + g * D;
-          float sum = l[g] * corr;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] *= corr;
-          for (int64_t t = 0; t < n; ++t) {
-            const float p = std::exp(sg[t] - mx);
-            sum += p;
-            const scalar_t* v = vb + t * tok;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(v[d]);
-          }
+          for (int64_t t = 0; t < n; t += kVec) (fVec::loadu(sg + t) - fVec(mx)).exp().store(sg + t);
+          l[g] = l[g] * corr + std::accumulate(sg, sg + n, 0.f);
           m[g] = mx;
-          l[g] = sum;
+          float* ag = acc.data() + g * Dp;
+          for (int64_t d = 0; d < Dp; d += kVec) (fVec::loadu(ag + d) * fVec(corr)).store(ag + d);
+        }
+        // Values: acc_g += sum_t p_g[t] v[t], kChains vectors of a head's accumulator at a time kept in registers
+        // (independent FMA chains; intrinsic stores may alias anything, so memory-resident sums reload every step)
+        float* vfp = vf.data();
+        for (int64_t t = 0; t < n; ++t) widen(v_ptr + base + t * tok, vfp + t * Dp, D);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* pg = s.data() + g * bsp;
+          float* ag = acc.data() + g * Dp;
+          for (int64_t d0 = 0; d0 < Dp; d0 += kChains * kVec) {
+            const int64_t nv = std::min(kChains, (Dp - d0) / kVec);  // past nv: vf's padding, never stored
+            fVec a[kChains] = {};
+            for (int64_t c = 0; c < nv; ++c) a[c] = fVec::loadu(ag + d0 + c * kVec);
+            for (int64_t t = 0; t < n; ++t) {
+              const fVec p(pg[t]);
+              const float* vt = vfp + t * Dp + d0;
+              for (int64_t c = 0; c < kChains; ++c) a[c] = at::vec::fmadd(p, fVec::loadu(vt + c * kVec), a[c]);
+            }
+            for (int64_t c = 0; c < nv; ++c) a[c].store(ag + d0 + c * kVec);
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        scalar_t* dst = o_ptr + row * o_row + (h * G + g) * o_head;
+        scalar_t* dst = o_ptr + r * o_row + (h * G + g) * o_head;
         const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * Dp + d] * inv);
       }
     }
   });

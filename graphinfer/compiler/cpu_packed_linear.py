@@ -4,8 +4,9 @@ ATen's F.linear on CPU calls MKL on the plain [N, K] weight each step; oneDNN's 
 once into its blocked layout was faster in a one-off microbenchmark on the 2-core AMX dev VM (SmolLM2's decoder
 linears at 7 and 64 rows, fp32 and bf16; not committed: docs/benchmarks.md "CPU peers" has the engine-level run),
 except for fp32 at a single row, where MKL's GEMV already streams the weight at memory speed: that stays on
-F.linear. The runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear; the engine's own
-graph keeps its nn.Linear (artifacts save it), so the weights are held twice.
+F.linear. The runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear, and a packed LM
+head for its logits (models' compute_logits is their lm_head); the engine's own graph and model keep their
+nn.Linear (artifacts save them), so these weights are held twice.
 """
 import torch
 import torch.nn.functional as F
@@ -54,3 +55,10 @@ def pack_linears(gm: fx.GraphModule) -> fx.GraphModule:
     targets = dict.fromkeys(n.target for n in gm.graph.nodes
                             if n.op == "call_module" and packable(gm.get_submodule(n.target)))
     return with_modules(gm, {t: PackedLinear(gm.get_submodule(t)) for t in targets}) if targets else gm
+
+
+def packed_lm_head(model: nn.Module) -> PackedLinear | None:
+    """model.compute_logits (its lm_head, a tied one included) on prepacked weights; None where the head is not a
+    packable Linear (tensor parallel: it all-gathers; quantized)."""
+    head = getattr(model, "lm_head", None)
+    return PackedLinear(head) if head is not None and packable(head) else None

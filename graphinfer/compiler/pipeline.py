@@ -27,7 +27,7 @@ from torch import fx, nn
 from graphinfer import envs
 from graphinfer.compiler import artifact, kernel_cache
 from graphinfer.compiler.compile import compile_model
-from graphinfer.compiler.cpu_packed_linear import pack_linears
+from graphinfer.compiler.cpu_packed_linear import pack_linears, packed_lm_head
 from graphinfer.compiler.fingerprint import model_fingerprint
 from graphinfer.compiler.skinny_gemm import SkinnyGemmTable, event_timer, lower_skinny_gemm
 from graphinfer.compiler.split import DEFAULT_SPLITTING_OPS, SplitGraph, split_graph
@@ -157,6 +157,8 @@ class CompilePipeline:
         if isinstance(c.graph, fx.GraphModule):
             rebind_buffers(c.graph, c.model)  # onto the runner's KV cache
         runner.graph = c.executable = self._lower(c)
+        if self.platform.prepacks_linear_weights(comp.kernels):
+            runner.compute_logits = packed_lm_head(c.model) or runner.compute_logits
         if self.device.type != "cpu":  # cpu: Inductor warmed itself, or there is nothing to compile
             with self.phase("kernels"):  # compiles (or loads from the kernel cache) the prefill path's kernels
                 runner.warm_up(speculative=num_speculative_tokens is not None)

@@ -21,18 +21,35 @@ _loaded: bool | None = None
 
 
 def build(compiler: str = "g++") -> Path:
+    """Each source compiled to an object in parallel (one process per file), then linked into LIBRARY."""
+    import os
+    import tempfile
+
     from torch.utils import cpp_extension
 
     if not SOURCES:
         raise FileNotFoundError("csrc/cpu/*.cpp not found: build from a source checkout")
     lib_dir = Path(torch.__file__).parent / "lib"
-    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *(f"-I{p}" for p in cpp_extension.include_paths()), *map(str, SOURCES),
-           f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib_dir}", "-o", str(LIBRARY)]
-    subprocess.run(cmd, check=True)
+    flags = [compiler, "-O3", "-march=native", "-fopenmp", "-std=c++20", "-fPIC",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *capability_flags(),
+             *(f"-I{p}" for p in cpp_extension.include_paths())]
+    with tempfile.TemporaryDirectory() as tmp:
+        objects = [os.path.join(tmp, src.stem + ".o") for src in SOURCES]
+        jobs = [subprocess.Popen([*flags, "-c", str(src), "-o", obj]) for src, obj in zip(SOURCES, objects)]
+        if any(job.wait() for job in jobs):
+            raise RuntimeError(f"compiling csrc/cpu/ with {compiler} failed (its errors are above)")
+        subprocess.run([*flags, "-shared", *objects, f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch",
+                        f"-Wl,-rpath,{lib_dir}", "-o", str(LIBRARY)], check=True)
     _TORCH_STAMP.write_text(torch.__version__)
     return LIBRARY
+
+
+def capability_flags() -> list[str]:
+    """ATen's vector types (csrc/cpu/vec.h) for the ISA torch itself dispatches to on this CPU: AVX512 or AVX2 (the
+    instructions -march=native enables), else its scalar fallback."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    cap = "AVX512" if cap.startswith("AVX512") else "AVX2" if cap.startswith("AVX2") else "DEFAULT"
+    return [f"-DCPU_CAPABILITY={cap}"] + ([f"-DCPU_CAPABILITY_{cap}"] if cap != "DEFAULT" else [])
 
 
 def available() -> bool:

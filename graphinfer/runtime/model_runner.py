@@ -83,6 +83,7 @@ class ModelRunner:
         no graphs): the shapes whose activation peaks are profiled, with `graph` (the engine's fused graph; None:
         the model), before a GPU's KV cache is sized by gpu_memory_utilization."""
         self.model = model
+        self.compute_logits = model.compute_logits  # the compile pipeline may swap in a lowered LM head (cpu: packed)
         self.graph = model if graph is None else graph  # what runs the forward (the engine sets its compiled graph)
         self.device = device
         self.platform = platform
@@ -183,7 +184,7 @@ class ModelRunner:
                                torch.tensor(lens, dtype=i32, device=dev))
         positions = torch.cat([torch.arange(n, dtype=i64, device=dev) for n in lens])
         hidden = self.graph(torch.zeros(tokens, dtype=i64, device=dev), positions, md)
-        logits = self.model.compute_logits(hidden[-rows:]).float()
+        logits = self.compute_logits(hidden[-rows:]).float()
         torch.sort(logits.softmax(-1), dim=-1, descending=True)  # about the sampler's working set (top-p sorts)
 
     @torch.inference_mode()
@@ -200,7 +201,7 @@ class ModelRunner:
                                    torch.tensor([n], dtype=torch.int32, device=self.device))
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             positions = torch.arange(n, dtype=torch.int64, device=self.device)
-            self.model.compute_logits(self.graph(ids, positions, md)[-1:])
+            self.compute_logits(self.graph(ids, positions, md)[-1:])
         if speculative:
             warm_up_rejection_sample(self.device)
         logits = torch.zeros(1, self.model.config.vocab_size, dtype=activation_dtype(self.model), device=self.device)
@@ -216,7 +217,7 @@ class ModelRunner:
         self.decode_graphs = self.verify_graphs = self.piecewise_graphs = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
-        self.kv_cache = self.graph = self.model = self.sampler = self.num_tokens = None
+        self.kv_cache = self.graph = self.model = self.compute_logits = self.sampler = self.num_tokens = None
         self.attn_layers, self.moe_layers = [], {}
 
     def host_inputs(self, out: SchedulerOutput) -> HostInputs:
@@ -283,7 +284,7 @@ class ModelRunner:
         query_len 1 + k: speculative decoding's verification step (into verify_graphs)."""
         if lm_head_in_graph:
             def forward(ids, pos, md):
-                return self.model.compute_logits(self.graph(ids, pos, md))
+                return self.compute_logits(self.graph(ids, pos, md))
         else:
             forward = self.graph
         self.lm_head_in_graph = lm_head_in_graph
@@ -378,4 +379,4 @@ class ModelRunner:
             return None
         if rows < len(h.input_ids):  # some rows are not the last of their sequence's scheduled tokens
             hidden = hidden[self.to_device(h.logits_indices)]
-        return hidden if logits_ready else self.model.compute_logits(hidden)
+        return hidden if logits_ready else self.compute_logits(hidden)
