@@ -5,7 +5,7 @@
 // Results follow the PyTorch reference's rounding: math in fp32, and in bf16/fp16 every intermediate the
 // reference materialises in the input dtype is rounded to it here too. What differs is at the level of fp32 ulps
 // (the order of the rms_norm sum, exp), which now and then flips a bf16/fp16 rounding. Rows are read and written
-// as float vectors (vec.h): in bf16 a scalar loop converts element by element and ran 4-5x slower than memory.
+// as float vectors (vec.h): a scalar loop over bf16 converts element by element.
 // Inputs must be contiguous rows (rotary's query and key: contiguous within a token, any row stride, as the
 // slices of a fused qkv output are); graphinfer/ops/cpu_elementwise.py checks and falls back to the reference.
 #include <ATen/ATen.h>
@@ -26,6 +26,12 @@ using cpu_vec::kVec;
 using cpu_vec::load;
 using cpu_vec::round_to;
 using cpu_vec::store;
+
+// One value rounded through the storage dtype (identity for float): the reference materialises it in that dtype.
+template <typename scalar_t>
+inline float rnd(float v) {
+  return static_cast<float>(static_cast<scalar_t>(v));
+}
 
 // Rows per task: small batches stay on the calling thread (OpenMP start-up costs more than the work).
 inline int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_len, 1)); }
@@ -115,10 +121,8 @@ inline void rotate_token(const scalar_t* x, scalar_t* o, int64_t H, int64_t head
     } else {
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = static_cast<float>(xh[2 * i]), x2 = static_cast<float>(xh[2 * i + 1]);
-        oh[2 * i] = static_cast<scalar_t>(static_cast<float>(static_cast<scalar_t>(x1 * c[i])) -
-                                          static_cast<float>(static_cast<scalar_t>(x2 * s[i])));
-        oh[2 * i + 1] = static_cast<scalar_t>(static_cast<float>(static_cast<scalar_t>(x2 * c[i])) +
-                                              static_cast<float>(static_cast<scalar_t>(x1 * s[i])));
+        oh[2 * i] = static_cast<scalar_t>(rnd<scalar_t>(x1 * c[i]) - rnd<scalar_t>(x2 * s[i]));
+        oh[2 * i + 1] = static_cast<scalar_t>(rnd<scalar_t>(x2 * c[i]) + rnd<scalar_t>(x1 * s[i]));
       }
     }
     for (int64_t i = 2 * half; i < head_size; ++i) oh[i] = xh[i];  // partial rotary: the tail passes through
@@ -135,8 +139,8 @@ void rotary(const int64_t* pos, const scalar_t* q, int64_t q_row, const scalar_t
     for (int64_t t = begin; t < end; ++t) {
       const cache_t* cs = cache + pos[t] * rot_dim;
       for (int64_t i = 0; i < half; ++i) {  // the reference casts the cache to the input dtype first
-        c[i] = static_cast<float>(static_cast<scalar_t>(static_cast<float>(cs[i])));
-        s[i] = static_cast<float>(static_cast<scalar_t>(static_cast<float>(cs[half + i])));
+        c[i] = rnd<scalar_t>(static_cast<float>(cs[i]));
+        s[i] = rnd<scalar_t>(static_cast<float>(cs[half + i]));
       }
       rotate_token(q + t * q_row, qo + t * Hq * head_size, Hq, head_size, half, c.data(), s.data(), neox);
       rotate_token(k + t * k_row, ko + t * Hk * head_size, Hk, head_size, half, c.data(), s.data(), neox);

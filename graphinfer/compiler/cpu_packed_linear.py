@@ -1,10 +1,10 @@
 """CPU linears on oneDNN with prepacked weights (vLLM-CPU's choice: its dispatch_cpu_unquantized_gemm).
 
-ATen's F.linear on CPU calls MKL on the plain [N, K] weight each step; oneDNN's matmul on a weight reordered
-once into its blocked layout was faster in a one-off microbenchmark on the 2-core AMX dev VM (SmolLM2's decoder
-linears at 7 and 64 rows, fp32 and bf16; not committed: docs/benchmarks.md "CPU peers" has the engine-level run),
-except for fp32 at a single row, where MKL's GEMV already streams the weight at memory speed: that stays on
-F.linear. The runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear, and a packed LM
+ATen's F.linear on CPU calls MKL on the plain [N, K] weight each step; here oneDNN's matmul runs on a weight
+reordered once into its blocked layout, as vLLM-CPU does (bf16 on AVX512-BF16 / AMX). A single fp32 row stays on
+F.linear: MKL's GEMV already streams the weight at memory speed. Only the engine-level effect is measured in the
+repository (docs/benchmarks.md "CPU peers"); at prefill sizes (1,000+ rows) the two GEMMs measured within this
+VM's noise of each other. The runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear, and a packed LM
 head for its logits (models' compute_logits is their lm_head); the engine's own graph and model keep their
 nn.Linear (artifacts save them), so these weights are held twice.
 """

@@ -6,8 +6,10 @@ torch is not loaded (rebuild with `make venv` or the command above). Without the
 back to their pure-PyTorch forms (graphinfer/ops/cpu_attention.py), which give the same results, slower.
 """
 import logging
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,9 +24,6 @@ _loaded: bool | None = None
 
 def build(compiler: str = "g++") -> Path:
     """Each source compiled to an object in parallel (one process per file), then linked into LIBRARY."""
-    import os
-    import tempfile
-
     from torch.utils import cpp_extension
 
     if not SOURCES:
@@ -36,7 +35,7 @@ def build(compiler: str = "g++") -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         objects = [os.path.join(tmp, src.stem + ".o") for src in SOURCES]
         jobs = [subprocess.Popen([*flags, "-c", str(src), "-o", obj]) for src, obj in zip(SOURCES, objects)]
-        if any(job.wait() for job in jobs):
+        if any([job.wait() for job in jobs]):  # every job waited for, failed or not
             raise RuntimeError(f"compiling csrc/cpu/ with {compiler} failed (its errors are above)")
         subprocess.run([*flags, "-shared", *objects, f"-L{lib_dir}", "-lc10", "-ltorch_cpu", "-ltorch",
                         f"-Wl,-rpath,{lib_dir}", "-o", str(LIBRARY)], check=True)
