@@ -27,6 +27,10 @@ _VARS = [
     EnvVar("GRAPHINFER_CPU_KERNELS", None,
            "The cpu platform's op implementations when `kernels` (--kernels / LLM(kernels=)) is not given: eager, "
            "inductor, reference or triton (unset: eager). The engine setting wins when given.", setting="kernels"),
+    EnvVar("GRAPHINFER_CPU_RETAIN_FREED_MEMORY", "1",
+           "1: on the cpu platform, glibc malloc keeps freed memory in the process (no mmap for large blocks, no "
+           "trim), so a prefill's large activations are not page-faulted in again every layer; the process keeps its "
+           "peak memory. 0: glibc's defaults (as with an allocator such as tcmalloc preloaded instead)."),
     EnvVar("GRAPHINFER_KERNEL_CACHE", "on",
            "off: ignore an artifact's kernel_cache/ (every kernel compiled anew; `bench startup`'s cold runs)."),
     EnvVar("GRAPHINFER_LOG_LEVEL", "INFO",

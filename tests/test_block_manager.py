@@ -215,3 +215,19 @@ def test_no_block_leaks_over_many_requests():
         bm.free(s)
     _check_invariants(bm, [])
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_without_prefix_caching_the_most_recently_freed_blocks_are_reused_first():
+    """LIFO: a new sequence gets the blocks the last one freed, in the same order (pages warm and mapped), not the
+    least recently freed (with caching on, the LRU keeps cached prefixes alive longest)."""
+    bm = BlockManager(16, BS, enable_prefix_caching=False)
+    a = seq(list(range(10)), "a")
+    run_prompt(bm, a)
+    first = list(a.block_table)
+    assert first == [0, 1, 2]
+    bm.free(a)
+    b = seq(list(range(30, 40)), "b")
+    run_prompt(bm, b)
+    assert b.block_table == first
+    bm.free(b)
+    assert bm.num_free_blocks == 16

@@ -1,4 +1,6 @@
 """Platform selection (GRAPHINFER_PLATFORM, detection, entry-point plugins) and op-impl registration."""
+import os
+import platform
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -102,6 +104,34 @@ def test_cpu_activation_keeps_a_tensor_parallel_rank_to_its_share_of_the_cores(m
     finally:
         CpuPlatform().activate("reference")  # the conftest default: reference ops under the CPU key
         torch.set_num_threads(saved)
+
+_FAULTS_PER_REALLOCATION = """
+import resource, torch
+from graphinfer.platforms.cpu import CpuPlatform
+CpuPlatform().activate("reference")
+faults = []
+for _ in range(10):  # a layer's large activations (64 and 32 MB), allocated and freed layer after layer
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x, y = torch.ones(16 * 2**20), torch.ones(8 * 2**20)
+    del x, y
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(min(faults[-4:]))  # once the heap has settled
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
+def test_cpu_platform_keeps_freed_memory_so_large_activations_are_not_faulted_in_again():
+    """GRAPHINFER_CPU_RETAIN_FREED_MEMORY: by default reallocated blocks are served from the heap already mapped
+    (once the heap has grown to the peak); with 0 (glibc's defaults) each is a fresh mmap, page-faulted in again
+    (24,576 pages of 4 KiB)."""
+    def faults(setting: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _FAULTS_PER_REALLOCATION], capture_output=True, text=True,
+                             env={**os.environ, "GRAPHINFER_CPU_RETAIN_FREED_MEMORY": setting}, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert faults("1") < 1000
+    assert faults("0") > 12000  # fewer than 24,576 where the kernel maps huge pages
+
 
 def test_importing_graphinfer_does_not_import_torch_npu_or_triton():
     code = ("import sys, graphinfer, graphinfer.platforms, graphinfer.ops; "

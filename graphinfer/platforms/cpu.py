@@ -16,6 +16,8 @@ kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, els
 - "triton": the Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1): slow, but it checks the
   kernels inside a whole model on a machine without a GPU.
 """
+import ctypes
+import ctypes.util
 import os
 
 import torch
@@ -51,6 +53,26 @@ def has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def retain_freed_memory() -> bool:
+    """Keep freed memory in the process instead of handing it back to the kernel (glibc malloc; what vLLM-CPU gets
+    from its recommended LD_PRELOAD of tcmalloc). glibc serves each allocation above its mmap threshold (at most
+    32 MB) with a fresh mmap and unmaps it on free, so every large activation of a prefill step (a 8,192-token
+    chunk's gate_up output is 100 MB in fp32) is page-faulted in and zeroed by the kernel again, on every layer.
+    Here large blocks come from the heap, and the heap is never trimmed: the process keeps its peak. Returns whether
+    glibc took the settings (False elsewhere: another C library, or an allocator preloaded in its place)."""
+    path = ctypes.util.find_library("c")
+    if not path:
+        return False
+    try:
+        mallopt = ctypes.CDLL(path).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 class CpuPlatform(Platform):
@@ -105,6 +127,8 @@ class CpuPlatform(Platform):
             # A tensor-parallel worker activates after joining its group: keep its share of the node's cores
             # (runtime/executor.join_group), or its ranks would oversubscribe them.
             torch.set_num_threads(max(1, physical_cores() // ranks_per_node()))
+        if envs.GRAPHINFER_CPU_RETAIN_FREED_MEMORY != "0":
+            retain_freed_memory()
         super().activate(kernels)
 
     def supports_skinny_gemm(self, kernels: str | None = None) -> bool:

@@ -2,7 +2,9 @@
 
 A full block whose KV is computed gets a chained hash (parent hash + its tokens), so a block's identity
 covers the whole prefix before it. Freed blocks keep their hash and sit in an LRU free list: a later
-request with the same prefix revives them; allocation evicts the least recently freed first.
+request with the same prefix revives them; allocation evicts the least recently freed first. Without prefix
+caching, allocation takes the most recently freed blocks first instead: their KV pages are warm in the CPU's
+caches and already mapped, where a block never used before is page-faulted in by its first write.
 Hits are confirmed by comparing tokens, so a hash collision can never serve wrong KV.
 """
 from collections import OrderedDict
@@ -134,12 +136,15 @@ class BlockManager:
         del seq.block_table[keep:]
 
     def free(self, seq: Sequence) -> None:
-        """Release seq's blocks; tail blocks go first in the LRU so shared prefixes outlive them."""
+        """Release seq's blocks; tail blocks go first in the LRU so shared prefixes outlive them. Without prefix
+        caching they go to the front, in table order: the next allocation reuses them (LIFO)."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
+                if not self.enable_prefix_caching:
+                    self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
