@@ -11,7 +11,8 @@
 // One task per (request, kv head) holds the GQA group's G query heads and walks the context block by block
 // with an online softmax in fp32, so K and V are read once per group: a block's K rows are widened to fp32 (ATen's
 // vectorised conversion, vec.h) and transposed, so that scores, exp and the weighted sum of V all run as float
-// vectors: no horizontal sum per token and score, no scalar exp.
+// vectors: no horizontal sum per token and score, no scalar exp. fp32 caches skip the widening copies: K is
+// transposed and V read straight from the cache.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -30,13 +32,18 @@ namespace {
 using cpu_vec::fVec;
 using cpu_vec::kVec;
 constexpr int64_t kHeads = 4;   // query heads whose scores one pass over K^T accumulates (independent FMA chains)
-constexpr int64_t kChains = 4;  // vectors of a head's output accumulated together (independent FMA chains)
+constexpr int64_t kChains = 4;
+constexpr bool kPrefetch = true;  // vectors of a head's output accumulated together (independent FMA chains)
 
 // row[0..Dp) = src[0..D) as floats, zero past D (Dp: D rounded up to whole vectors).
 template <typename scalar_t>
 inline void widen(const scalar_t* src, float* row, int64_t D) {
   for (int64_t d = 0; d < D; d += kVec) cpu_vec::load(src + d, std::min(kVec, D - d)).store(row + d);
 }
+
+// Reductions of a whole block's scores (one vector when the block size is kVec, the usual 16 fp32 lanes).
+inline fVec vmax(const fVec& x, const fVec& y) { return at::vec::maximum(x, y); }
+inline fVec vsum(const fVec& x, const fVec& y) { return x + y; }
 
 template <typename scalar_t>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -56,6 +63,8 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
+  // fp32 caches whose rows are whole passes of kChains vectors: K transposed and V read straight from the cache
+  const bool direct = std::is_same_v<scalar_t, float> && D % (kChains * kVec) == 0;
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     // Per task, zero-padded to whole vectors and to kHeads heads: the G query heads (scaled) and their fp32
@@ -86,8 +95,13 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
         }
         // Scores: with K^T [Dp, n], kHeads heads' scores of kVec tokens are Dp broadcast-FMAs into kHeads
         // independent vectors (no per-token horizontal sum).
-        for (int64_t t = 0; t < n; ++t) widen(k_ptr + base + t * tok, kf.data() + t * Dp, D);
-        at::vec::transpose_mxn<float>(kf.data(), Dp, kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
+        if (direct) {
+          at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k_ptr + base), tok, kt.data(), bsp,
+                                        static_cast<int>(n), static_cast<int>(Dp));
+        } else {
+          for (int64_t t = 0; t < n; ++t) widen(k_ptr + base + t * tok, kf.data() + t * Dp, D);
+          at::vec::transpose_mxn<float>(kf.data(), Dp, kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
+        }
         for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
           const float* qg = q.data() + g0 * Dp;
           for (int64_t t = 0; t < n; t += kVec) {
@@ -105,18 +119,26 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
         for (int64_t g = 0; g < G; ++g) {
           // online softmax: probabilities against the new running maximum, the old sums rescaled to it
           float* sg = s.data() + g * bsp;
-          const float mx = std::max(m[g], *std::max_element(sg, sg + n));
+          const float mx = std::max(m[g], n == kVec ? at::vec::vec_reduce_all<float>(vmax, fVec::loadu(sg))
+                                                    : *std::max_element(sg, sg + n));
           const float corr = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first block
           for (int64_t t = 0; t < n; t += kVec) (fVec::loadu(sg + t) - fVec(mx)).exp().store(sg + t);
-          l[g] = l[g] * corr + std::accumulate(sg, sg + n, 0.f);
+          l[g] = l[g] * corr + (n == kVec ? at::vec::vec_reduce_all<float>(vsum, fVec::loadu(sg))
+                                          : std::accumulate(sg, sg + n, 0.f));
           m[g] = mx;
           float* ag = acc.data() + g * Dp;
           for (int64_t d = 0; d < Dp; d += kVec) (fVec::loadu(ag + d) * fVec(corr)).store(ag + d);
         }
         // Values: acc_g += sum_t p_g[t] v[t], kChains vectors of a head's accumulator at a time kept in registers
         // (independent FMA chains; intrinsic stores may alias anything, so memory-resident sums reload every step)
-        float* vfp = vf.data();
-        for (int64_t t = 0; t < n; ++t) widen(v_ptr + base + t * tok, vfp + t * Dp, D);
+        const float* vfp = vf.data();
+        int64_t vld = Dp;
+        if (direct) {
+          vfp = reinterpret_cast<const float*>(v_ptr + base);
+          vld = tok;
+        } else {
+          for (int64_t t = 0; t < n; ++t) widen(v_ptr + base + t * tok, vf.data() + t * Dp, D);
+        }
         for (int64_t g = 0; g < G; ++g) {
           const float* pg = s.data() + g * bsp;
           float* ag = acc.data() + g * Dp;
@@ -126,7 +148,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
             for (int64_t c = 0; c < nv; ++c) a[c] = fVec::loadu(ag + d0 + c * kVec);
             for (int64_t t = 0; t < n; ++t) {
               const fVec p(pg[t]);
-              const float* vt = vfp + t * Dp + d0;
+              const float* vt = vfp + t * vld + d0;
               for (int64_t c = 0; c < kChains; ++c) a[c] = at::vec::fmadd(p, fVec::loadu(vt + c * kVec), a[c]);
             }
             for (int64_t c = 0; c < nv; ++c) a[c].store(ag + d0 + c * kVec);
