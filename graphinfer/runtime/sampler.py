@@ -68,8 +68,9 @@ class Sampler:
         if all(_argmax_only(r, p) for r, p in zip(rows, params)):
             # Greedy rows with nothing to mask or report need only the argmax of the logits as they are: no
             # fp32 copy written and re-read (B x vocab x 4 bytes). Same token: the upcast is exact and monotone,
-            # and argmax returns the first maximum either way.
-            return SamplerOutput(logits.argmax(dim=-1), None, None, None, None)
+            # and max returns the first maximum's index as argmax does (on CPU, max(dim) reads bf16 logits ~3x
+            # faster than argmax).
+            return SamplerOutput(logits.max(dim=-1).indices, None, None, None, None)
         if self.kernel is not None and all(_temperature_only(r, p) for r, p in zip(rows, params)):
             # One pass over the logits in their own dtype: greedy rows take the argmax (temperature 0).
             rows_idx = range(len(rows))
