@@ -12,7 +12,8 @@
 // with an online softmax in fp32, so K and V are read once per group: a block's K rows are widened to fp32 (ATen's
 // vectorised conversion, vec.h) and transposed, so that scores, exp and the weighted sum of V all run as float
 // vectors: no horizontal sum per token and score, no scalar exp. fp32 caches skip the widening copies: K is
-// transposed and V read straight from the cache.
+// transposed and V read straight from the cache. bf16 caches on AVX512-BF16 take their scores from bf16 pairs
+// (vdpbf16ps: exact products, fp32 sums), so K is transposed but never widened.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,6 +27,10 @@
 #include <vector>
 
 #include "vec.h"
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#include <immintrin.h>  // vdpbf16ps
+#endif
 
 namespace {
 
@@ -44,6 +49,37 @@ inline void widen(const scalar_t* src, float* row, int64_t D) {
 // Reductions of a whole block's scores (one vector when the block size is kVec, the usual 16 fp32 lanes).
 inline fVec vmax(const fVec& x, const fVec& y) { return at::vec::maximum(x, y); }
 inline fVec vsum(const fVec& x, const fVec& y) { return x + y; }
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+// bf16 scores without widening (AVX512-BF16): K^T is transposed as 32-bit lanes, each a pair of adjacent d values of
+// one token, [D2 = D / 2, bsp]; vdpbf16ps multiplies the pairs exactly and adds them into fp32 lanes (one per token).
+// kHeads heads' scores of the 16 tokens at kt + t, times scale, to out + g * out_stride.
+inline void bf16_pair_scores(const uint32_t* qp, int64_t D2, const uint32_t* kt, int64_t bsp, int64_t t, float scale,
+                             float* out, int64_t out_stride) {
+  __m512 sv[kHeads], sw[kHeads];  // even and odd pairs: twice the independent chains
+  for (int64_t g = 0; g < kHeads; ++g) sv[g] = sw[g] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 1 < D2; d += 2) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + d * bsp + t);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + (d + 1) * bsp + t);
+    for (int64_t g = 0; g < kHeads; ++g) {
+      sv[g] = _mm512_dpbf16_ps(sv[g], k0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g * D2 + d])));
+      sw[g] = _mm512_dpbf16_ps(sw[g], k1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g * D2 + d + 1])));
+    }
+  }
+  if (d < D2) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + d * bsp + t);
+    for (int64_t g = 0; g < kHeads; ++g)
+      sv[g] = _mm512_dpbf16_ps(sv[g], k0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g * D2 + d])));
+  }
+  for (int64_t g = 0; g < kHeads; ++g)
+    _mm512_storeu_ps(out + g * out_stride, _mm512_mul_ps(_mm512_add_ps(sv[g], sw[g]), _mm512_set1_ps(scale)));
+}
+#else
+constexpr bool kBf16Dot = false;
+inline void bf16_pair_scores(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float, float*, int64_t) {}
+#endif
 
 template <typename scalar_t>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -65,6 +101,9 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   const float fscale = static_cast<float>(scale);
   // fp32 caches whose rows are whole passes of kChains vectors: K transposed and V read straight from the cache
   const bool direct = std::is_same_v<scalar_t, float> && D % (kChains * kVec) == 0;
+  // bf16 caches on AVX512-BF16: scores from bf16 pairs (bf16_pair_scores), K never widened
+  const bool pairs = kBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && D % 2 == 0;
+  const int64_t D2 = D / 2;
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     // Per task, zero-padded to whole vectors and to kHeads heads: the G query heads (scaled) and their fp32
@@ -72,6 +111,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
     // transposed [Dp, bsp], its V rows widened [bs, Dp] (+ one pass of kChains vectors of padding).
     std::vector<float> q(Gp * Dp), acc(Gp * Dp), s(Gp * bsp), m(G), l(G), kf(bs * Dp), kt(Dp * bsp, 0.f),
         vf(bs * Dp + kChains * kVec);
+    std::vector<uint32_t> qp(pairs ? Gp * D2 : 0, 0u);  // the G query heads as bf16 pairs, unscaled
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv, r = qsl[b], L = lens[b];
       if (qsl[b + 1] - r != 1 || L <= 0) continue;
@@ -79,6 +119,8 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
         widen(q_ptr + r * q_row + (h * G + g) * q_head, q.data() + g * Dp, D);
         for (int64_t d = 0; d < Dp; ++d) q[g * Dp + d] *= fscale;
       }
+      if (pairs)
+        for (int64_t g = 0; g < G; ++g) std::memcpy(qp.data() + g * D2, q_ptr + r * q_row + (h * G + g) * q_head, 4 * D2);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
@@ -95,14 +137,21 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
         }
         // Scores: with K^T [Dp, n], kHeads heads' scores of kVec tokens are Dp broadcast-FMAs into kHeads
         // independent vectors (no per-token horizontal sum).
-        if (direct) {
+        if (pairs) {  // 32-bit lanes moved, not converted: transpose_mxn only shuffles
+          at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k_ptr + base), tok / 2, kt.data(), bsp,
+                                        static_cast<int>(n), static_cast<int>(D2));
+          const uint32_t* kt32 = reinterpret_cast<const uint32_t*>(kt.data());
+          for (int64_t g0 = 0; g0 < G; g0 += kHeads)
+            for (int64_t t = 0; t < n; t += kVec)
+              bf16_pair_scores(qp.data() + g0 * D2, D2, kt32, bsp, t, fscale, s.data() + g0 * bsp + t, bsp);
+        } else if (direct) {
           at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k_ptr + base), tok, kt.data(), bsp,
                                         static_cast<int>(n), static_cast<int>(Dp));
         } else {
           for (int64_t t = 0; t < n; ++t) widen(k_ptr + base + t * tok, kf.data() + t * Dp, D);
           at::vec::transpose_mxn<float>(kf.data(), Dp, kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
         }
-        for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+        for (int64_t g0 = 0; g0 < G && !pairs; g0 += kHeads) {
           const float* qg = q.data() + g0 * Dp;
           for (int64_t t = 0; t < n; t += kVec) {
             fVec sv[kHeads] = {}, sw[kHeads] = {};  // even and odd d: twice the independent chains
