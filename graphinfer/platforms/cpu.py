@@ -15,6 +15,9 @@ kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, els
 - "reference": the PyTorch reference ops, op by op (the correctness oracle; what most tests run);
 - "triton": the Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1): slow, but it checks the
   kernels inside a whole model on a machine without a GPU.
+
+Activation also sets torch's threads (one per physical core, a tensor-parallel rank's share) and has glibc keep freed
+memory (retain_freed_memory; GRAPHINFER_CPU_RETAIN_FREED_MEMORY=0 keeps glibc's defaults).
 """
 import ctypes
 import ctypes.util
