@@ -37,8 +37,7 @@ namespace {
 using cpu_vec::fVec;
 using cpu_vec::kVec;
 constexpr int64_t kHeads = 4;   // query heads whose scores one pass over K^T accumulates (independent FMA chains)
-constexpr int64_t kChains = 4;
-constexpr bool kPrefetch = true;  // vectors of a head's output accumulated together (independent FMA chains)
+constexpr int64_t kChains = 4;  // vectors of a head's output accumulated together (independent FMA chains)
 
 // row[0..Dp) = src[0..D) as floats, zero past D (Dp: D rounded up to whole vectors).
 template <typename scalar_t>
@@ -116,11 +115,14 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
       const int64_t b = task / Hkv, h = task % Hkv, r = qsl[b], L = lens[b];
       if (qsl[b + 1] - r != 1 || L <= 0) continue;
       for (int64_t g = 0; g < G; ++g) {
-        widen(q_ptr + r * q_row + (h * G + g) * q_head, q.data() + g * Dp, D);
-        for (int64_t d = 0; d < Dp; ++d) q[g * Dp + d] *= fscale;
+        const scalar_t* qg = q_ptr + r * q_row + (h * G + g) * q_head;
+        if (pairs) {
+          std::memcpy(qp.data() + g * D2, qg, D * sizeof(scalar_t));
+        } else {
+          widen(qg, q.data() + g * Dp, D);
+          for (int64_t d = 0; d < Dp; ++d) q[g * Dp + d] *= fscale;
+        }
       }
-      if (pairs)
-        for (int64_t g = 0; g < G; ++g) std::memcpy(qp.data() + g * D2, q_ptr + r * q_row + (h * G + g) * q_head, 4 * D2);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
