@@ -24,6 +24,7 @@ namespace {
 using cpu_vec::fVec;
 using cpu_vec::kVec;
 using cpu_vec::load;
+using cpu_vec::reduce_sum;
 using cpu_vec::round_to;
 using cpu_vec::store;
 
@@ -35,10 +36,6 @@ inline float rnd(float v) {
 
 // Rows per task: small batches stay on the calling thread (OpenMP start-up costs more than the work).
 inline int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_len, 1)); }
-
-inline float sum(const fVec& v) {
-  return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, v);
-}
 
 template <typename scalar_t>
 void norm_rows(const scalar_t* x, const scalar_t* res, const scalar_t* w, scalar_t* out, scalar_t* res_out,
@@ -58,7 +55,7 @@ void norm_rows(const scalar_t* x, const scalar_t* res, const scalar_t* w, scalar
         v.store(h.data() + i, m);
         ss = at::vec::fmadd(v, v, ss);  // lanes past m load as 0
       }
-      const fVec inv(1.f / std::sqrt(sum(ss) / static_cast<float>(n) + eps));
+      const fVec inv(1.f / std::sqrt(reduce_sum(ss) / static_cast<float>(n) + eps));
       for (int64_t i = 0; i < n; i += kVec) {
         const int64_t m = std::min(kVec, n - i);
         store(out + r * n + i, load(w + i, m) * round_to<scalar_t>(fVec::loadu(h.data() + i, m) * inv), m);

@@ -45,9 +45,20 @@ inline void widen(const scalar_t* src, float* row, int64_t D) {
   for (int64_t d = 0; d < D; d += kVec) cpu_vec::load(src + d, std::min(kVec, D - d)).store(row + d);
 }
 
-// Reductions of a whole block's scores (one vector when the block size is kVec, the usual 16 fp32 lanes).
-inline fVec vmax(const fVec& x, const fVec& y) { return at::vec::maximum(x, y); }
-inline fVec vsum(const fVec& x, const fVec& y) { return x + y; }
+// Scores from K^T [Dp, bsp] (fp32): kHeads heads' scores of the kVec tokens at kt + t are Dp broadcast-FMAs into
+// kHeads independent vectors (no per-token horizontal sum); q holds the heads pre-scaled, [kHeads, Dp].
+inline void float_scores(const float* q, int64_t Dp, const float* kt, int64_t bsp, int64_t t, float* out,
+                         int64_t out_stride) {
+  fVec sv[kHeads] = {}, sw[kHeads] = {};  // even and odd d: twice the independent chains
+  for (int64_t d = 0; d < Dp; d += 2) {  // Dp is a whole number of vectors: even
+    const fVec k0 = fVec::loadu(kt + d * bsp + t), k1 = fVec::loadu(kt + (d + 1) * bsp + t);
+    for (int64_t g = 0; g < kHeads; ++g) {
+      sv[g] = at::vec::fmadd(fVec(q[g * Dp + d]), k0, sv[g]);
+      sw[g] = at::vec::fmadd(fVec(q[g * Dp + d + 1]), k1, sw[g]);
+    }
+  }
+  for (int64_t g = 0; g < kHeads; ++g) (sv[g] + sw[g]).store(out + g * out_stride);
+}
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
@@ -137,8 +148,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
             }
           }
         }
-        // Scores: with K^T [Dp, n], kHeads heads' scores of kVec tokens are Dp broadcast-FMAs into kHeads
-        // independent vectors (no per-token horizontal sum).
+        // Scores of the block's n tokens, [Gp, bsp], from its K rows transposed.
         if (pairs) {  // 32-bit lanes moved, not converted: transpose_mxn only shuffles
           at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k_ptr + base), tok / 2, kt.data(), bsp,
                                         static_cast<int>(n), static_cast<int>(D2));
@@ -146,35 +156,26 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
           for (int64_t g0 = 0; g0 < G; g0 += kHeads)
             for (int64_t t = 0; t < n; t += kVec)
               bf16_pair_scores(qp.data() + g0 * D2, D2, kt32, bsp, t, fscale, s.data() + g0 * bsp + t, bsp);
-        } else if (direct) {
-          at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k_ptr + base), tok, kt.data(), bsp,
-                                        static_cast<int>(n), static_cast<int>(Dp));
         } else {
-          for (int64_t t = 0; t < n; ++t) widen(k_ptr + base + t * tok, kf.data() + t * Dp, D);
-          at::vec::transpose_mxn<float>(kf.data(), Dp, kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
-        }
-        for (int64_t g0 = 0; g0 < G && !pairs; g0 += kHeads) {
-          const float* qg = q.data() + g0 * Dp;
-          for (int64_t t = 0; t < n; t += kVec) {
-            fVec sv[kHeads] = {}, sw[kHeads] = {};  // even and odd d: twice the independent chains
-            for (int64_t d = 0; d < Dp; d += 2) {  // Dp is a whole number of vectors: even
-              const fVec k0 = fVec::loadu(kt.data() + d * bsp + t), k1 = fVec::loadu(kt.data() + (d + 1) * bsp + t);
-              for (int64_t g = 0; g < kHeads; ++g) {
-                sv[g] = at::vec::fmadd(fVec(qg[g * Dp + d]), k0, sv[g]);
-                sw[g] = at::vec::fmadd(fVec(qg[g * Dp + d + 1]), k1, sw[g]);
-              }
-            }
-            for (int64_t g = 0; g < kHeads; ++g) (sv[g] + sw[g]).store(s.data() + (g0 + g) * bsp + t);
+          if (direct) {
+            at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k_ptr + base), tok, kt.data(), bsp,
+                                          static_cast<int>(n), static_cast<int>(Dp));
+          } else {
+            for (int64_t t = 0; t < n; ++t) widen(k_ptr + base + t * tok, kf.data() + t * Dp, D);
+            at::vec::transpose_mxn<float>(kf.data(), Dp, kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
           }
+          for (int64_t g0 = 0; g0 < G; g0 += kHeads)
+            for (int64_t t = 0; t < n; t += kVec)
+              float_scores(q.data() + g0 * Dp, Dp, kt.data(), bsp, t, s.data() + g0 * bsp + t, bsp);
         }
         for (int64_t g = 0; g < G; ++g) {
           // online softmax: probabilities against the new running maximum, the old sums rescaled to it
           float* sg = s.data() + g * bsp;
-          const float mx = std::max(m[g], n == kVec ? at::vec::vec_reduce_all<float>(vmax, fVec::loadu(sg))
+          const float mx = std::max(m[g], n == kVec ? cpu_vec::reduce_max(fVec::loadu(sg))
                                                     : *std::max_element(sg, sg + n));
           const float corr = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first block
           for (int64_t t = 0; t < n; t += kVec) (fVec::loadu(sg + t) - fVec(mx)).exp().store(sg + t);
-          l[g] = l[g] * corr + (n == kVec ? at::vec::vec_reduce_all<float>(vsum, fVec::loadu(sg))
+          l[g] = l[g] * corr + (n == kVec ? cpu_vec::reduce_sum(fVec::loadu(sg))
                                           : std::accumulate(sg, sg + n, 0.f));
           m[g] = mx;
           float* ag = acc.data() + g * Dp;

