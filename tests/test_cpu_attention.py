@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import graphinfer.ops as ref_ops
-from graphinfer.ops import cpu_ext
+from graphinfer.ops import cpu_attention, cpu_ext
 from graphinfer.ops.cpu_attention import _decode_groups, paged_attention_cpu, reshape_and_cache_cpu
 from test_triton_kernels import DECODE_LENS, MIXED_L, MIXED_Q, TOL, _paged_batch
 
@@ -49,6 +49,17 @@ def test_ragged_batch(n_q, n_kv, head, block_size, dtype):
 def test_batches_of_the_kernel_tests(q_lens, seq_lens):
     """Pure decode (padded, and all equal lengths: no mask), the Triton tests' mixed batch, prefill only."""
     _check(q_lens, seq_lens, 8, 2, 32, 4, torch.float32, seed=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_of_several_row_tiles(dtype, monkeypatch):
+    """Chunks longer than the kernel's tile of 16 rows, fresh and over prefixes ending mid-block, beside decodes; then
+    with the kernel's context limit between them, so the longer chunks take ATen flash in the same batch."""
+    q_lens, seq_lens = [40, 1, 33, 1, 17, 16], [70, 90, 33, 5, 50, 16]
+    monkeypatch.setitem(cpu_attention.NATIVE_PREFILL_CONTEXT, dtype, 4096)
+    _check(q_lens, seq_lens, 9, 3, 64, 16, dtype, seed=3)
+    monkeypatch.setitem(cpu_attention.NATIVE_PREFILL_CONTEXT, dtype, 40)
+    _check(q_lens, seq_lens, 9, 3, 64, 16, dtype, seed=3)
 
 
 def test_long_ragged_decode_with_strided_query():

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <cmath>
 #include <limits>
@@ -91,134 +92,301 @@ constexpr bool kBf16Dot = false;
 inline void bf16_pair_scores(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float, float*, int64_t) {}
 #endif
 
-template <typename scalar_t>
-void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-            const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-            double scale) {
-  const int64_t B = seq_lens.size(0), Hq = query.size(1), D = query.size(2);
-  const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2), G = Hq / Hkv, W = block_tables.size(1);
-  const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
-  const int64_t tok = Hkv * D;  // cache stride between consecutive tokens of a block
-  const int64_t Dp = (D + kVec - 1) / kVec * kVec, Gp = (G + kHeads - 1) / kHeads * kHeads;
-  const int64_t bsp = (bs + kVec - 1) / kVec * kVec, row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
-  scalar_t* o_ptr = out.data_ptr<scalar_t>();
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
-  // fp32 caches whose rows are whole passes of kChains vectors: K transposed and V read straight from the cache
-  const bool direct = std::is_same_v<scalar_t, float> && D % (kChains * kVec) == 0;
-  // bf16 caches on AVX512-BF16: scores from bf16 pairs (bf16_pair_scores), K never widened
-  const bool pairs = kBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && D % 2 == 0;
-  const int64_t D2 = D / 2;
+// Prefill tiles: a tile's query vectors (rows x heads) sit in the lanes of kTileCols vectors ("columns"), so its
+// scores are a small GEMM: each K value broadcast against a column of queries, with K rows read as they lie in the cache
+// (no transpose), and the softmax runs down the columns, kVec query vectors at a time.
+constexpr int64_t kTileCols = 3;    // query columns a tile holds (kTileCols * kVec query vectors)
+constexpr int64_t kTileTokens = 8;  // tokens per pass of tile_scores: kTileTokens x columns accumulators
+constexpr int64_t kPvVecs = 4;      // query vectors per pass of tile_values: kPvVecs x kChains accumulators
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    // Per task, zero-padded to whole vectors and to kHeads heads: the G query heads (scaled) and their fp32
-    // accumulators [Gp, Dp], a block's scores / probabilities [Gp, bsp], its K rows widened [bs, Dp] and
-    // transposed [Dp, bsp], its V rows widened [bs, Dp] (+ one pass of kChains vectors of padding).
-    std::vector<float> q(Gp * Dp), acc(Gp * Dp), s(Gp * bsp), m(G), l(G), kf(bs * Dp), kt(Dp * bsp, 0.f),
-        vf(bs * Dp + kChains * kVec);
-    std::vector<uint32_t> qp(pairs ? Gp * D2 : 0, 0u);  // the G query heads as bf16 pairs, unscaled
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, r = qsl[b], L = lens[b];
-      if (qsl[b + 1] - r != 1 || L <= 0) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const scalar_t* qg = q_ptr + r * q_row + (h * G + g) * q_head;
-        if (pairs) {
-          std::memcpy(qp.data() + g * D2, qg, D * sizeof(scalar_t));
-        } else {
-          widen(qg, q.data() + g * Dp, D);
-          for (int64_t d = 0; d < Dp; ++d) q[g * Dp + d] *= fscale;
-        }
+// sT[t][c * kVec + i] = q_(c, i) . k_t for the kTileTokens tokens from t0 (those past n not stored): qT [D][ldq] holds
+// the queries transposed and scaled, k the block's rows (ldk apart; a row past n reads the last one).
+template <int Cols>
+inline void tile_scores(const float* qT, int64_t ldq, int64_t D, const float* k, int64_t ldk, int64_t n, int64_t t0,
+                        float* sT, int64_t lds) {
+  fVec acc[kTileTokens][Cols];
+  const float* kr[kTileTokens];
+  for (int64_t tt = 0; tt < kTileTokens; ++tt) {
+    kr[tt] = k + std::min(t0 + tt, n - 1) * ldk;
+    for (int c = 0; c < Cols; ++c) acc[tt][c] = fVec(0.f);
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    fVec qc[Cols];
+    for (int c = 0; c < Cols; ++c) qc[c] = fVec::loadu(qT + d * ldq + c * kVec);
+    for (int64_t tt = 0; tt < kTileTokens; ++tt) {
+      const fVec kb(kr[tt][d]);
+      for (int c = 0; c < Cols; ++c) acc[tt][c] = at::vec::fmadd(kb, qc[c], acc[tt][c]);
+    }
+  }
+  for (int64_t tt = 0; tt < kTileTokens && t0 + tt < n; ++tt)
+    for (int c = 0; c < Cols; ++c) acc[tt][c].store(sT + (t0 + tt) * lds + c * kVec);
+}
+
+// O[v0 + i][d0, d0 + kChains * kVec) += sum_t<n pT[t][v0 + i] * V[t][same], for kPvVecs query vectors.
+inline void tile_values(const float* pT, int64_t ldp, int64_t v0, const float* V, int64_t ldv, int64_t n, float* O,
+                        int64_t ldo, int64_t d0, int64_t nc) {
+  fVec a[kPvVecs][kChains];
+  for (int64_t i = 0; i < kPvVecs; ++i)
+    for (int64_t c = 0; c < kChains; ++c) a[i][c] = fVec::loadu(O + (v0 + i) * ldo + d0 + c * kVec);
+  for (int64_t t = 0; t < n; ++t) {
+    fVec vr[kChains];
+    for (int64_t c = 0; c < kChains; ++c) vr[c] = fVec::loadu(V + t * ldv + d0 + c * kVec);
+    for (int64_t i = 0; i < kPvVecs; ++i) {
+      const fVec pv(pT[t * ldp + v0 + i]);
+      for (int64_t c = 0; c < kChains; ++c) a[i][c] = at::vec::fmadd(pv, vr[c], a[i][c]);
+    }
+  }
+  for (int64_t i = 0; i < kPvVecs; ++i)
+    for (int64_t c = 0; c < nc; ++c) a[i][c].store(O + (v0 + i) * ldo + d0 + c * kVec);
+}
+
+// A task: `rows` consecutive query rows of request b, from row `row0` of its chunk, with the G query heads of KV head
+// h. A decode row (rows = 1) runs as G query vectors over K transposed block by block; prefill chunks are cut into
+// tiles of as many rows as kTileCols columns hold, so each K and V block is read once per tile, not once per row.
+struct Task {
+  int64_t b, h, row0, rows, cost;
+};
+
+// One call's inputs, shared read-only by the threads.
+template <typename scalar_t>
+struct Batch {
+  const scalar_t *q, *k, *v;
+  scalar_t* o;
+  const int32_t *bt, *qsl, *lens;
+  int64_t G, D, Dp, bs, bsp, Hkv, W, q_row, q_head, o_row, o_head;
+  float scale;
+  bool direct;  // fp32 caches whose rows are whole passes of kChains vectors: K and V read straight from the cache
+  bool pairs;   // bf16 caches on AVX512-BF16: decode scores from bf16 pairs (bf16_pair_scores), K never widened
+
+  int64_t tok() const { return Hkv * D; }  // cache stride between consecutive tokens of a block
+  int64_t base(int64_t b, int64_t h, int64_t j) const {  // block j of request b, KV head h: its first row
+    return (static_cast<int64_t>(bt[b * W + j]) * bs * Hkv + h) * D;
+  }
+  void prefetch(int64_t b, int64_t h, int64_t j) const {  // scattered blocks defeat the hardware prefetcher
+    const int64_t at = base(b, h, j), row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t t = 0; t < bs; ++t) {
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k + at + t * tok()) + byte);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + at + t * tok()) + byte);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t j = 0; j * bs < L; ++j) {
-        const int64_t n = std::min(bs, L - j * bs), base = (static_cast<int64_t>(bt[b * W + j]) * bs * Hkv + h) * D;
-        if ((j + 1) * bs < L) {  // the next block's rows of this head: scattered blocks defeat the hardware prefetcher
-          const int64_t next = (static_cast<int64_t>(bt[b * W + j + 1]) * bs * Hkv + h) * D;
-          for (int64_t t = 0; t < bs; ++t) {
-            for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-              __builtin_prefetch(reinterpret_cast<const char*>(k_ptr + next + t * tok) + byte);
-              __builtin_prefetch(reinterpret_cast<const char*>(v_ptr + next + t * tok) + byte);
-            }
-          }
+    }
+  }
+  // n rows of a block (K or V) as floats: in place (direct), or widened into buf [n, Dp]; ld: their stride
+  const float* rows(const scalar_t* src, int64_t n, float* buf, int64_t& ld) const {
+    if (direct) {
+      ld = tok();
+      return reinterpret_cast<const float*>(src);
+    }
+    for (int64_t t = 0; t < n; ++t) widen(src + t * tok(), buf + t * Dp, D);
+    ld = Dp;
+    return buf;
+  }
+};
+
+// A thread's scratch, zero-padded to whole vectors: a block's K rows widened [bs, Dp] and V rows widened [bs, Dp]
+// (+ kChains vectors); for decode rows K transposed [Dp, bsp], the G query heads (scaled; or as bf16 pairs) and their
+// accumulators [Gp, Dp] and scores [Gp, bsp]; for tiles the queries transposed [Dp, Nt], scores [bsp, Nt],
+// accumulators [Nt, Dp] (+ kChains vectors), and running maxima, sums, rescales and causal limits [Nt].
+struct Scratch {
+  std::vector<float> kf, vf, kt, q, acc, s, m, l, qT, sT, O, tm, tl, corr, lim;
+  std::vector<uint32_t> qp;
+  Scratch(int64_t bs, int64_t bsp, int64_t Dp, int64_t Gp, int64_t Nt, int64_t D2)
+      : kf(bs * Dp), vf(bs * Dp + kChains * kVec, 0.f), kt(Dp * bsp, 0.f), q(Gp * Dp, 0.f), acc(Gp * Dp),
+        s(Gp * bsp), m(Gp), l(Gp), qT(Dp * Nt, 0.f), sT(bsp * Nt), O(Nt * Dp + kChains * kVec, 0.f), tm(Nt), tl(Nt),
+        corr(Nt), lim(Nt), qp(Gp * D2, 0u) {}
+};
+
+// One row r (a decode's, position ctx - 1) of request b with the G query heads of KV head h: online softmax over
+// the ctx tokens, block by block.
+template <typename scalar_t>
+__attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, int64_t r, int64_t ctx) {
+  const int64_t G = x.G, D = x.D, Dp = x.Dp, bs = x.bs, bsp = x.bsp, D2 = D / 2;
+  for (int64_t g = 0; g < G; ++g) {
+    const scalar_t* qg = x.q + r * x.q_row + (h * G + g) * x.q_head;
+    if (x.pairs) {
+      std::memcpy(w.qp.data() + g * D2, qg, D * sizeof(scalar_t));
+    } else {
+      widen(qg, w.q.data() + g * Dp, D);
+      for (int64_t d = 0; d < Dp; ++d) w.q[g * Dp + d] *= x.scale;
+    }
+  }
+  float* acc = w.acc.data();
+  float* s = w.s.data();
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  for (int64_t j = 0; j * bs < ctx; ++j) {
+    const int64_t n = std::min(bs, ctx - j * bs), base = x.base(b, h, j);
+    if ((j + 1) * bs < ctx) x.prefetch(b, h, j + 1);
+    // Scores of the block's n tokens, [Gp, bsp], from its K rows transposed.
+    if (x.pairs) {  // 32-bit lanes moved, not converted: transpose_mxn only shuffles
+      at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(x.k + base), x.tok() / 2, w.kt.data(), bsp,
+                                    static_cast<int>(n), static_cast<int>(D2));
+      const uint32_t* kt32 = reinterpret_cast<const uint32_t*>(w.kt.data());
+      for (int64_t g0 = 0; g0 < G; g0 += kHeads)
+        for (int64_t t = 0; t < n; t += kVec)
+          bf16_pair_scores(w.qp.data() + g0 * D2, D2, kt32, bsp, t, x.scale, s + g0 * bsp + t, bsp);
+    } else {
+      int64_t ld;
+      const float* kr = x.rows(x.k + base, n, w.kf.data(), ld);
+      at::vec::transpose_mxn<float>(kr, ld, w.kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
+      for (int64_t g0 = 0; g0 < G; g0 += kHeads)
+        for (int64_t t = 0; t < n; t += kVec)
+          float_scores(w.q.data() + g0 * Dp, Dp, w.kt.data(), bsp, t, s + g0 * bsp + t, bsp);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      // online softmax: probabilities against the new running maximum, the old sums rescaled to it
+      float* sg = s + g * bsp;
+      const float mx = std::max(w.m[g], n == kVec ? cpu_vec::reduce_max(fVec::loadu(sg))
+                                                  : *std::max_element(sg, sg + n));
+      const float corr = std::exp(w.m[g] - mx);  // exp(-inf) = 0 on the first block
+      for (int64_t t = 0; t < n; t += kVec) (fVec::loadu(sg + t) - fVec(mx)).exp().store(sg + t);
+      w.l[g] = w.l[g] * corr + (n == kVec ? cpu_vec::reduce_sum(fVec::loadu(sg)) : std::accumulate(sg, sg + n, 0.f));
+      w.m[g] = mx;
+      float* ag = acc + g * Dp;
+      for (int64_t d = 0; d < Dp; d += kVec) (fVec::loadu(ag + d) * fVec(corr)).store(ag + d);
+    }
+    // Values: acc_g += sum_t p_g[t] v[t], kChains vectors of a head's accumulator at a time kept in registers
+    // (independent FMA chains; intrinsic stores may alias anything, so memory-resident sums reload every step)
+    int64_t vld;
+    const float* vr = x.rows(x.v + base, n, w.vf.data(), vld);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = s + g * bsp;
+      float* ag = acc + g * Dp;
+      for (int64_t d0 = 0; d0 < Dp; d0 += kChains * kVec) {
+        const int64_t nc = std::min(kChains, (Dp - d0) / kVec);  // past nc: vf's padding, never stored
+        fVec a[kChains] = {};
+        for (int64_t c = 0; c < nc; ++c) a[c] = fVec::loadu(ag + d0 + c * kVec);
+        for (int64_t t = 0; t < n; ++t) {
+          const fVec p(pg[t]);
+          const float* vt = vr + t * vld + d0;
+          for (int64_t c = 0; c < kChains; ++c) a[c] = at::vec::fmadd(p, fVec::loadu(vt + c * kVec), a[c]);
         }
-        // Scores of the block's n tokens, [Gp, bsp], from its K rows transposed.
-        if (pairs) {  // 32-bit lanes moved, not converted: transpose_mxn only shuffles
-          at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k_ptr + base), tok / 2, kt.data(), bsp,
-                                        static_cast<int>(n), static_cast<int>(D2));
-          const uint32_t* kt32 = reinterpret_cast<const uint32_t*>(kt.data());
-          for (int64_t g0 = 0; g0 < G; g0 += kHeads)
-            for (int64_t t = 0; t < n; t += kVec)
-              bf16_pair_scores(qp.data() + g0 * D2, D2, kt32, bsp, t, fscale, s.data() + g0 * bsp + t, bsp);
-        } else {
-          if (direct) {
-            at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k_ptr + base), tok, kt.data(), bsp,
-                                          static_cast<int>(n), static_cast<int>(Dp));
-          } else {
-            for (int64_t t = 0; t < n; ++t) widen(k_ptr + base + t * tok, kf.data() + t * Dp, D);
-            at::vec::transpose_mxn<float>(kf.data(), Dp, kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
-          }
-          for (int64_t g0 = 0; g0 < G; g0 += kHeads)
-            for (int64_t t = 0; t < n; t += kVec)
-              float_scores(q.data() + g0 * Dp, Dp, kt.data(), bsp, t, s.data() + g0 * bsp + t, bsp);
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          // online softmax: probabilities against the new running maximum, the old sums rescaled to it
-          float* sg = s.data() + g * bsp;
-          const float mx = std::max(m[g], n == kVec ? cpu_vec::reduce_max(fVec::loadu(sg))
-                                                    : *std::max_element(sg, sg + n));
-          const float corr = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first block
-          for (int64_t t = 0; t < n; t += kVec) (fVec::loadu(sg + t) - fVec(mx)).exp().store(sg + t);
-          l[g] = l[g] * corr + (n == kVec ? cpu_vec::reduce_sum(fVec::loadu(sg))
-                                          : std::accumulate(sg, sg + n, 0.f));
-          m[g] = mx;
-          float* ag = acc.data() + g * Dp;
-          for (int64_t d = 0; d < Dp; d += kVec) (fVec::loadu(ag + d) * fVec(corr)).store(ag + d);
-        }
-        // Values: acc_g += sum_t p_g[t] v[t], kChains vectors of a head's accumulator at a time kept in registers
-        // (independent FMA chains; intrinsic stores may alias anything, so memory-resident sums reload every step)
-        const float* vfp = vf.data();
-        int64_t vld = Dp;
-        if (direct) {
-          vfp = reinterpret_cast<const float*>(v_ptr + base);
-          vld = tok;
-        } else {
-          for (int64_t t = 0; t < n; ++t) widen(v_ptr + base + t * tok, vf.data() + t * Dp, D);
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          const float* pg = s.data() + g * bsp;
-          float* ag = acc.data() + g * Dp;
-          for (int64_t d0 = 0; d0 < Dp; d0 += kChains * kVec) {
-            const int64_t nv = std::min(kChains, (Dp - d0) / kVec);  // past nv: vf's padding, never stored
-            fVec a[kChains] = {};
-            for (int64_t c = 0; c < nv; ++c) a[c] = fVec::loadu(ag + d0 + c * kVec);
-            for (int64_t t = 0; t < n; ++t) {
-              const fVec p(pg[t]);
-              const float* vt = vfp + t * vld + d0;
-              for (int64_t c = 0; c < kChains; ++c) a[c] = at::vec::fmadd(p, fVec::loadu(vt + c * kVec), a[c]);
-            }
-            for (int64_t c = 0; c < nv; ++c) a[c].store(ag + d0 + c * kVec);
-          }
-        }
+        for (int64_t c = 0; c < nc; ++c) a[c].store(ag + d0 + c * kVec);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        scalar_t* dst = o_ptr + r * o_row + (h * G + g) * o_head;
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * Dp + d] * inv);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    scalar_t* dst = x.o + r * x.o_row + (h * G + g) * x.o_head;
+    const float inv = 1.f / w.l[g];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * Dp + d] * inv);
+  }
+}
+
+// A prefill tile: `rows` rows of request b from query row r0 (position pos0 on) with the G query heads of KV head h;
+// query vector v = row * G + head sits in lane v of the tile's columns.
+template <typename scalar_t>
+void prefill_tile(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, int64_t r0, int64_t rows, int64_t pos0) {
+  const int64_t G = x.G, D = x.D, Dp = x.Dp, bs = x.bs;
+  const int64_t Nq = rows * G, cols = (Nq + kVec - 1) / kVec, Nc = cols * kVec, ctx = pos0 + rows;
+  float* qT = w.qT.data();
+  float* sT = w.sT.data();
+  float* O = w.O.data();
+  std::fill(w.qT.begin(), w.qT.end(), 0.f);
+  for (int64_t v = 0; v < Nq; ++v) {
+    const scalar_t* qv = x.q + (r0 + v / G) * x.q_row + (h * G + v % G) * x.q_head;
+    for (int64_t d = 0; d < D; ++d) qT[d * Nc + v] = static_cast<float>(qv[d]) * x.scale;
+  }
+  for (int64_t v = 0; v < Nc; ++v)  // padding lanes see every token (scores 0): no -inf - -inf
+    w.lim[v] = static_cast<float>(v < Nq ? pos0 + v / G + 1 : ctx);
+  std::fill(w.O.begin(), w.O.end(), 0.f);
+  std::fill(w.tm.begin(), w.tm.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.tl.begin(), w.tl.end(), 0.f);
+  const fVec neg_inf(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j * bs < ctx; ++j) {
+    const int64_t n = std::min(bs, ctx - j * bs), base = x.base(b, h, j);
+    if ((j + 1) * bs < ctx) x.prefetch(b, h, j + 1);
+    int64_t kld;
+    const float* kr = x.rows(x.k + base, n, w.kf.data(), kld);
+    for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
+      const int64_t nc = std::min(kTileCols, cols - c0);
+      for (int64_t t0 = 0; t0 < n; t0 += kTileTokens) {
+        if (nc == 3) tile_scores<3>(qT + c0 * kVec, Nc, D, kr, kld, n, t0, sT + c0 * kVec, Nc);
+        else if (nc == 2) tile_scores<2>(qT + c0 * kVec, Nc, D, kr, kld, n, t0, sT + c0 * kVec, Nc);
+        else tile_scores<1>(qT + c0 * kVec, Nc, D, kr, kld, n, t0, sT + c0 * kVec, Nc);
       }
+    }
+    // causal online softmax down each column: token t of the block counts for lanes whose limit exceeds j*bs + t
+    for (int64_t c = 0; c < Nc; c += kVec) {
+      const fVec limit = fVec::loadu(w.lim.data() + c) - fVec(static_cast<float>(j * bs));
+      fVec mx = neg_inf;
+      for (int64_t t = 0; t < n; ++t) {
+        const fVec sv = fVec::blendv(fVec::loadu(sT + t * Nc + c), neg_inf, fVec(static_cast<float>(t)) >= limit);
+        sv.store(sT + t * Nc + c);
+        mx = at::vec::maximum(mx, sv);
+      }
+      const fVec old = fVec::loadu(w.tm.data() + c), mnew = at::vec::maximum(old, mx);
+      fVec sum(0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const fVec pv = (fVec::loadu(sT + t * Nc + c) - mnew).exp();
+        pv.store(sT + t * Nc + c);
+        sum = sum + pv;
+      }
+      const fVec corr = (old - mnew).exp();  // exp(-inf) = 0 on the first block
+      (fVec::loadu(w.tl.data() + c) * corr + sum).store(w.tl.data() + c);
+      mnew.store(w.tm.data() + c);
+      corr.store(w.corr.data() + c);
+    }
+    for (int64_t v = 0; v < Nq; ++v) {
+      const fVec corr(w.corr[v]);
+      for (int64_t d = 0; d < Dp; d += kVec) (fVec::loadu(O + v * Dp + d) * corr).store(O + v * Dp + d);
+    }
+    int64_t vld;
+    const float* vr = x.rows(x.v + base, n, w.vf.data(), vld);
+    for (int64_t v0 = 0; v0 < Nq; v0 += kPvVecs)
+      for (int64_t d0 = 0; d0 < Dp; d0 += kChains * kVec)
+        tile_values(sT, Nc, v0, vr, vld, n, O, Dp, d0, std::min(kChains, (Dp - d0) / kVec));
+  }
+  for (int64_t v = 0; v < Nq; ++v) {
+    scalar_t* dst = x.o + (r0 + v / G) * x.o_row + (h * G + v % G) * x.o_head;
+    const float inv = 1.f / w.tl[v];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(O[v * Dp + d] * inv);
+  }
+}
+
+template <typename scalar_t>
+void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+            const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+            double scale, int64_t max_chunk_context) {
+  const int64_t B = seq_lens.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2), G = Hq / Hkv;
+  const int64_t Dp = (D + kVec - 1) / kVec * kVec, bsp = (bs + kVec - 1) / kVec * kVec;
+  const Batch<scalar_t> x{query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+                          out.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
+                          query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), G, D, Dp, bs, bsp, Hkv,
+                          block_tables.size(1), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                          static_cast<float>(scale), std::is_same_v<scalar_t, float> && D % (kChains * kVec) == 0,
+                          kBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && D % 2 == 0};
+  // a prefill tile: R rows, R * G query vectors in Nt lanes (whole columns)
+  const int64_t R = std::max<int64_t>(1, kTileCols * kVec / G), Nt = (R * G + kVec - 1) / kVec * kVec;
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = x.qsl[b + 1] - x.qsl[b], L = x.lens[b];
+    if (n <= 0 || L <= 0 || (n > 1 && L > max_chunk_context)) continue;
+    TORCH_CHECK(n <= L, "request ", b, " has ", n, " query rows but a context of ", L, " tokens");
+    for (int64_t row0 = 0; row0 < n; row0 += R) {
+      const int64_t rows = std::min(R, n - row0);
+      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, row0, rows, rows * (L - n + row0 + rows)});
+    }
+  }
+  // the costliest first, handed out one at a time: threads finish together however uneven the tasks
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& p, const Task& q) { return p.cost > q.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_tasks), 1, [&](int64_t, int64_t) {
+    Scratch w(bs, bsp, Dp, (G + kHeads - 1) / kHeads * kHeads, Nt, x.pairs ? D / 2 : 0);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
+      const Task& t = tasks[i];
+      const int64_t r0 = x.qsl[t.b] + t.row0, pos0 = x.lens[t.b] - (x.qsl[t.b + 1] - x.qsl[t.b]) + t.row0;
+      if (t.rows == 1) decode_row(x, w, t.b, t.h, r0, pos0 + 1);
+      else prefill_tile(x, w, t.b, t.h, r0, t.rows, pos0);
     }
   });
 }
 
-void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                     const at::Tensor& seq_lens, double scale, int64_t max_chunk_context) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, Hq, D] and caches [blocks, block_size, Hkv, D]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need stride 1 over the head dim");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the KV caches must be contiguous");
@@ -229,8 +397,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "query, out and the caches must share one dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of the KV heads");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    decode<scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    attend<scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                     max_chunk_context);
   });
 }
 
@@ -263,13 +432,13 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(graphinfer_cpu, m) {
-  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int max_chunk_context) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(graphinfer_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_attention", &paged_attention);
   m.impl("reshape_and_cache", &reshape_and_cache);
 }

@@ -20,6 +20,9 @@ from graphinfer.ops import cpu_ext
 from graphinfer.ops.qk_norm_rope import chain_cache_write, qk_norm_rope
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+# Prefill chunks over contexts up to this long run in the C++ kernel, longer ones on ATen flash, whose tiled GEMMs win
+# there (bf16 ones on AMX already at ~160 tokens); measured on the dev VM (SmolLM2's heads, docs/architecture.md).
+NATIVE_PREFILL_CONTEXT = {torch.float32: 2048, torch.bfloat16: 128, torch.float16: 128}
 _DECODE_PAD_SLACK = 1.25  # a decode group attends over at most this times its rows' real context tokens
 
 
@@ -96,26 +99,34 @@ def _decode(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Ten
 
 def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                         query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+    native = _native(query, key_cache, block_tables)
+    if native:
+        # The C++ kernel (csrc/cpu/) reads the paged cache in place for every decode row and every prefill chunk
+        # over at most `native` tokens of context; the rows it does not own stay zero.
+        out = torch.zeros_like(query)
+        torch.ops.graphinfer_cpu.paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                                 seq_lens, scale, native)
+        if not seq_lens.numel() or int(seq_lens.max()) <= native:
+            return out
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [e - s for s, e in zip(starts[:-1], starts[1:])]
-    if _native_decode(query, key_cache, block_tables):
-        # The C++ kernel (csrc/cpu/) reads every decode row's context in place; rows it does not own stay zero.
-        out = torch.zeros_like(query)
-        torch.ops.graphinfer_cpu.paged_decode_attention(out, query, key_cache, value_cache, block_tables,
-                                                        query_start_loc, seq_lens, scale)
-    else:
+    if not native:
         out = _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, starts, q_lens, lens, scale)
     for i, (s, n, L) in enumerate(zip(starts, q_lens, lens)):
-        if n > 1 and L > 0:
+        if n > 1 and L > native:  # longer than the kernel took
             out[s: s + n] = _prefill(query[s: s + n], key_cache, value_cache, block_tables[i: i + 1], L,
                                      scale).to(out.dtype)
     return out
 
 
-def _native_decode(query: Tensor, key_cache: Tensor, block_tables: Tensor) -> bool:
-    return (cpu_ext.available() and query.dtype == key_cache.dtype and query.stride(-1) == 1
-            and key_cache.is_contiguous() and block_tables.dtype == torch.int32)
+def _native(query: Tensor, key_cache: Tensor, block_tables: Tensor) -> int:
+    """The longest prefill context the C++ kernel takes here (it takes every decode row); 0 where it cannot run."""
+    if not (cpu_ext.available() and hasattr(torch.ops.graphinfer_cpu, "paged_attention")
+            and query.dtype == key_cache.dtype and query.stride(-1) == 1 and key_cache.is_contiguous()
+            and block_tables.dtype == torch.int32):
+        return 0
+    return NATIVE_PREFILL_CONTEXT.get(query.dtype, 128)
 
 
 def _decode_rows(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
