@@ -29,8 +29,8 @@
 
 #include "vec.h"
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-#include <immintrin.h>  // vdpbf16ps
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -90,6 +90,68 @@ inline void bf16_pair_scores(const uint32_t* qp, int64_t D2, const uint32_t* kt,
 #else
 constexpr bool kBf16Dot = false;
 inline void bf16_pair_scores(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float, float*, int64_t) {}
+#endif
+
+// Decode scores without transposing K (AVX-512, heads of 64 or 128): per token and head one vector of products
+// (vdpbf16ps over bf16 pairs for bf16 caches), 16 tokens' vectors then summed at once by sum16.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kRowScores = true;
+
+// r[i] = the sum of v[i]'s 16 lanes: a transposing reduction, 45 instructions for 16 sums.
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // lane-local pairs: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // each 128-bit lane: the lane's sums of 4 vectors
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes added in pairs
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// nh heads' scores of the 16 tokens from k (rows ld apart; those past n repeat row n - 1) to out + g * out_stride.
+// fp32: q [nh, Dp] pre-scaled, Chunks = D / 16.
+template <int Chunks>
+inline void row_scores(const float* q, int64_t Dp, int64_t nh, const float* k, int64_t ld, int64_t n, float* out,
+                       int64_t out_stride) {
+  for (int64_t g = 0; g < nh; ++g) {
+    __m512 qv[Chunks], part[16];
+    for (int c = 0; c < Chunks; ++c) qv[c] = _mm512_loadu_ps(q + g * Dp + 16 * c);
+    for (int t = 0; t < 16; ++t) {
+      const float* kr = k + std::min<int64_t>(t, n - 1) * ld;
+      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+      for (int c = 1; c < Chunks; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
+      part[t] = a;
+    }
+    _mm512_storeu_ps(out + g * out_stride, sum16(part));
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bf16: qp [nh, D2] the heads as bf16 pairs, unscaled; Chunks = D / 32.
+template <int Chunks>
+inline void row_scores_bf16(const uint32_t* qp, int64_t D2, int64_t nh, const at::BFloat16* k, int64_t ld, int64_t n,
+                            float scale, float* out, int64_t out_stride) {
+  for (int64_t g = 0; g < nh; ++g) {
+    __m512bh qv[Chunks];
+    __m512 part[16];
+    for (int c = 0; c < Chunks; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qp + g * D2 + 16 * c);
+    for (int t = 0; t < 16; ++t) {
+      const at::BFloat16* kr = k + std::min<int64_t>(t, n - 1) * ld;
+      __m512 a = _mm512_setzero_ps();
+      for (int c = 0; c < Chunks; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+      part[t] = a;
+    }
+    _mm512_storeu_ps(out + g * out_stride, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
+  }
+}
+#endif
+#else
+constexpr bool kRowScores = false;
+template <int Chunks>
+inline void row_scores(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t) {}
 #endif
 
 // Prefill tiles: a tile's query vectors (rows x heads) sit in the lanes of kTileCols vectors ("columns"), so its
@@ -218,8 +280,21 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
   for (int64_t j = 0; j * bs < ctx; ++j) {
     const int64_t n = std::min(bs, ctx - j * bs), base = x.base(b, h, j);
     if ((j + 1) * bs < ctx) x.prefetch(b, h, j + 1);
-    // Scores of the block's n tokens, [Gp, bsp], from its K rows transposed.
-    if (x.pairs) {  // 32-bit lanes moved, not converted: transpose_mxn only shuffles
+    // Scores of the block's n tokens, [Gp, bsp]: row by row (AVX-512, heads of 64 or 128), else from K transposed.
+    if (x.pairs) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        if (D == 64 || D == 128) {
+          for (int64_t t = 0; t < n; t += 16) {
+            const scalar_t* kr = x.k + base + t * x.tok();
+            if (D == 64) row_scores_bf16<2>(w.qp.data(), D2, G, kr, x.tok(), n - t, x.scale, s + t, bsp);
+            else row_scores_bf16<4>(w.qp.data(), D2, G, kr, x.tok(), n - t, x.scale, s + t, bsp);
+          }
+          goto scored;
+        }
+      }
+#endif
+      // 32-bit lanes moved, not converted: transpose_mxn only shuffles
       at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(x.k + base), x.tok() / 2, w.kt.data(), bsp,
                                     static_cast<int>(n), static_cast<int>(D2));
       const uint32_t* kt32 = reinterpret_cast<const uint32_t*>(w.kt.data());
@@ -229,11 +304,19 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
     } else {
       int64_t ld;
       const float* kr = x.rows(x.k + base, n, w.kf.data(), ld);
-      at::vec::transpose_mxn<float>(kr, ld, w.kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
-      for (int64_t g0 = 0; g0 < G; g0 += kHeads)
-        for (int64_t t = 0; t < n; t += kVec)
-          float_scores(w.q.data() + g0 * Dp, Dp, w.kt.data(), bsp, t, s + g0 * bsp + t, bsp);
+      if (kRowScores && (D == 64 || D == 128)) {
+        for (int64_t t = 0; t < n; t += 16) {
+          if (D == 64) row_scores<4>(w.q.data(), Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
+          else row_scores<8>(w.q.data(), Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
+        }
+      } else {
+        at::vec::transpose_mxn<float>(kr, ld, w.kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
+        for (int64_t g0 = 0; g0 < G; g0 += kHeads)
+          for (int64_t t = 0; t < n; t += kVec)
+            float_scores(w.q.data() + g0 * Dp, Dp, w.kt.data(), bsp, t, s + g0 * bsp + t, bsp);
+      }
     }
+  scored:
     for (int64_t g = 0; g < G; ++g) {
       // online softmax: probabilities against the new running maximum, the old sums rescaled to it
       float* sg = s + g * bsp;
