@@ -97,6 +97,8 @@ inline void bf16_pair_scores(const uint32_t*, int64_t, const uint32_t*, int64_t,
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr bool kRowScores = true;
 
+inline __mmask16 mask16(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1; }
+
 // r[i] = the sum of v[i]'s 16 lanes: a transposing reduction, 45 instructions for 16 sums.
 inline __m512 sum16(const __m512* v) {
   __m512 t[8], u[4], w[2];
@@ -147,9 +149,48 @@ inline void row_scores_bf16(const uint32_t* qp, int64_t D2, int64_t nh, const at
     _mm512_storeu_ps(out + g * out_stride, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
   }
 }
+
+// bf16 values by token pairs: two V rows interleaved (vpunpck{l,h}wd) are multiplied with a pair of probabilities
+// rounded to bf16 (as ATen's flash attention rounds them before its bf16 GEMM) and summed into fp32 lanes by
+// vdpbf16ps. acc holds NH heads' sums, [NH, acc_stride], 2 * Chunks vectors each (Chunks = D / 32), lanes in the
+// interleaved order (pair_lane); pp the heads' probabilities as bf16 pairs, [NH, ld_pp].
+template <int Chunks, int NH>
+inline void pair_values_bf16(const uint32_t* pp, int64_t ld_pp, const at::BFloat16* v, int64_t ld, int64_t n,
+                             float* acc, int64_t acc_stride) {
+  __m512 a[NH][2 * Chunks];
+  for (int g = 0; g < NH; ++g)
+    for (int c = 0; c < 2 * Chunks; ++c) a[g][c] = _mm512_loadu_ps(acc + g * acc_stride + 16 * c);
+  for (int64_t t = 0; t < n; t += 2) {
+    const at::BFloat16* r0 = v + t * ld;
+    const at::BFloat16* r1 = t + 1 < n ? r0 + ld : r0;  // an odd last row pairs with itself, at probability 0
+    __m512i lo[Chunks], hi[Chunks];
+    for (int c = 0; c < Chunks; ++c) {
+      const __m512i x0 = _mm512_loadu_si512(r0 + 32 * c), x1 = _mm512_loadu_si512(r1 + 32 * c);
+      lo[c] = _mm512_unpacklo_epi16(x0, x1);
+      hi[c] = _mm512_unpackhi_epi16(x0, x1);
+    }
+    for (int g = 0; g < NH; ++g) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g * ld_pp + t / 2]));
+      for (int c = 0; c < Chunks; ++c) {
+        a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], (__m512bh)lo[c], p);
+        a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], (__m512bh)hi[c], p);
+      }
+    }
+  }
+  for (int g = 0; g < NH; ++g)
+    for (int c = 0; c < 2 * Chunks; ++c) _mm512_storeu_ps(acc + g * acc_stride + 16 * c, a[g][c]);
+}
+
+// Where pair_values_bf16 keeps element d of a head's sums: per 32 d, vector 2c holds lanes 0-3 of each 8-d group
+// (d = 8L + i, i < 4, at lane 4L + i), vector 2c + 1 the other four.
+inline int64_t pair_lane(int64_t d) {
+  const int64_t c = d / 32, L = d % 32 / 8, i = d % 8;
+  return (2 * c + (i >= 4)) * 16 + 4 * L + i % 4;
+}
 #endif
 #else
 constexpr bool kRowScores = false;
+inline int64_t pair_lane(int64_t d) { return d; }
 template <int Chunks>
 inline void row_scores(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t) {}
 #endif
@@ -251,11 +292,11 @@ struct Batch {
 // accumulators [Nt, Dp] (+ kChains vectors), and running maxima, sums, rescales and causal limits [Nt].
 struct Scratch {
   std::vector<float> kf, vf, kt, q, acc, s, m, l, qT, sT, O, tm, tl, corr, lim;
-  std::vector<uint32_t> qp;
+  std::vector<uint32_t> qp, pp;  // decode: the heads as bf16 pairs; probabilities as bf16 pairs [Gp, bsp / 2]
   Scratch(int64_t bs, int64_t bsp, int64_t Dp, int64_t Gp, int64_t Nt, int64_t D2)
       : kf(bs * Dp), vf(bs * Dp + kChains * kVec, 0.f), kt(Dp * bsp, 0.f), q(Gp * Dp, 0.f), acc(Gp * Dp),
         s(Gp * bsp), m(Gp), l(Gp), qT(Dp * Nt, 0.f), sT(bsp * Nt), O(Nt * Dp + kChains * kVec, 0.f), tm(Nt), tl(Nt),
-        corr(Nt), lim(Nt), qp(Gp * D2, 0u) {}
+        corr(Nt), lim(Nt), qp(Gp * D2, 0u), pp(Gp * bsp / 2 + 16, 0u) {}
 };
 
 // One row r (a decode's, position ctx - 1) of request b with the G query heads of KV head h: online softmax over
@@ -263,6 +304,7 @@ struct Scratch {
 template <typename scalar_t>
 __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, int64_t r, int64_t ctx) {
   const int64_t G = x.G, D = x.D, Dp = x.Dp, bs = x.bs, bsp = x.bsp, D2 = D / 2;
+  const bool pair_v = x.pairs && kRowScores && (D == 64 || D == 128);
   for (int64_t g = 0; g < G; ++g) {
     const scalar_t* qg = x.q + r * x.q_row + (h * G + g) * x.q_head;
     if (x.pairs) {
@@ -329,6 +371,36 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
       float* ag = acc + g * Dp;
       for (int64_t d = 0; d < Dp; d += kVec) (fVec::loadu(ag + d) * fVec(corr)).store(ag + d);
     }
+    if (pair_v) {  // bf16 heads of 64 / 128: values by token pairs
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* pg = s + g * bsp;
+        for (int64_t t = 0; t < n; t += 32) {  // pg past n is garbage: zeros from the vector of n's remainder on
+          const __m512 p0 = _mm512_maskz_loadu_ps(mask16(n - t), pg + t);
+          const __m512 p1 = _mm512_maskz_loadu_ps(mask16(n - t - 16), pg + t + 16);
+          _mm512_storeu_si512(w.pp.data() + g * bsp / 2 + t / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+      }
+      const at::BFloat16* vb = reinterpret_cast<const at::BFloat16*>(x.v + base);
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t nh = std::min<int64_t>(4, G - g0);
+        const uint32_t* pp = w.pp.data() + g0 * bsp / 2;
+        float* ag = acc + g0 * Dp;
+        if (D == 64) {
+          if (nh == 4) pair_values_bf16<2, 4>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
+          else if (nh == 3) pair_values_bf16<2, 3>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
+          else if (nh == 2) pair_values_bf16<2, 2>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
+          else pair_values_bf16<2, 1>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
+        } else {
+          if (nh == 4) pair_values_bf16<4, 4>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
+          else if (nh == 3) pair_values_bf16<4, 3>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
+          else if (nh == 2) pair_values_bf16<4, 2>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
+          else pair_values_bf16<4, 1>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
+        }
+      }
+#endif
+      continue;
+    }
     // Values: acc_g += sum_t p_g[t] v[t], kChains vectors of a head's accumulator at a time kept in registers
     // (independent FMA chains; intrinsic stores may alias anything, so memory-resident sums reload every step)
     int64_t vld;
@@ -352,7 +424,7 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
   for (int64_t g = 0; g < G; ++g) {
     scalar_t* dst = x.o + r * x.o_row + (h * G + g) * x.o_head;
     const float inv = 1.f / w.l[g];
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * Dp + d] * inv);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * Dp + (pair_v ? pair_lane(d) : d)] * inv);
   }
 }
 
