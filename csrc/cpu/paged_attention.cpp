@@ -1,19 +1,23 @@
-// The cpu platform's paged KV-cache kernels. Paged decode attention: every one-row query of a batch attends over its own context,
-// reading K and V in place from the paged cache (no gather copy, no padding to the longest context).
+// The cpu platform's paged KV-cache kernels. Paged attention: every decode row and every prefill chunk of a batch
+// attends over its own context, reading K and V in place from the paged cache (no gather copy, no padding to the
+// longest context).
 //
 // Built by `make` (graphinfer/ops/cpu_ext.py) into graphinfer/ops/_cpu_kernels.so and loaded with
 // torch.ops.load_library; graphinfer/ops/cpu_attention.py falls back to gather + ATen flash when it is absent.
 //
 // Layouts as in graphinfer/ops/attention.py: query [T, Hq, D] (stride 1 over D), caches [num_blocks,
 // block_size, Hkv, D] contiguous, block_tables [B, W] int32, query_start_loc [B + 1] int32, seq_lens [B] int32.
-// Request b is a decode row when it owns exactly one query row and has seq_len > 0; its output row is written,
-// every other row of `out` is left untouched (the caller handles prefill chunks and zero-fills padding).
-// One task per (request, kv head) holds the GQA group's G query heads and walks the context block by block
-// with an online softmax in fp32, so K and V are read once per group: a block's K rows are widened to fp32 (ATen's
-// vectorised conversion, vec.h) and transposed, so that scores, exp and the weighted sum of V all run as float
-// vectors: no horizontal sum per token and score, no scalar exp. fp32 caches skip the widening copies: K is
-// transposed and V read straight from the cache. bf16 caches on AVX512-BF16 take their scores from bf16 pairs
-// (vdpbf16ps: exact products, fp32 sums), so K is transposed but never widened.
+// Request b's rows are written unless it is a prefill chunk (more than one row) over more than max_chunk_context
+// tokens; every other row of `out` is left untouched (the caller runs those chunks and zero-fills padding).
+// Work is cut into tasks of one KV head's GQA group, handed to the threads costliest first; all run an online
+// softmax in fp32 block by block, so K and V are read once per group:
+// - a decode row: its G query heads. On AVX-512 with heads of 64 or 128, each token's scores are one vector of
+//   products per head, 16 tokens summed at once (sum16); bf16 caches on AVX512-BF16 multiply bf16 pairs
+//   (vdpbf16ps: exact products, fp32 sums) for the scores and for the values (V rows interleaved by token pairs,
+//   probabilities rounded to bf16). Elsewhere a block's K rows are widened (ATen's conversion, vec.h) and
+//   transposed, so scores, exp and the sum over V all run as float vectors.
+// - a prefill tile: up to 3 vectors' lanes of query vectors (16 rows x 3 heads on AVX-512), scores as a small GEMM
+//   over K rows as they lie (each K value broadcast against a vector of queries), the causal softmax down the lanes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

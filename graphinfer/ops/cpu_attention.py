@@ -1,15 +1,16 @@
 """CPU implementations of the paged KV-cache ops (the cpu platform's default; ops/attention.py stays the oracle).
 
-- decode rows (one query row over a cached context): the C++ kernel of csrc/cpu/paged_attention.cpp
-  (built by `make`, see ops/cpu_ext.py) reads each row's own context in place from the paged cache, all rows
-  and KV heads in one parallel call, fp32 accumulation. Without the library they fall back to PyTorch: rows
-  sorted by context length and cut into groups whose padding stays small, each group's K/V gathered by whole
-  blocks (index_select, a memcpy per block) and attended by one flash call.
-- prefill chunks run on ATen's flash CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`: tiled, all
-  cores, fp32 accumulation for bf16 inputs, GQA without repeating K/V) and never build a boolean mask: the n
-  new rows of a chunk over a context of L tokens attend causally to themselves (is_causal) and fully to the
-  cached prefix of L - n tokens; the two partials merge through their log-sum-exps, as split-KV flash
-  attention does. One call per prefill request and layer; its K/V are gathered once (whole blocks).
+- the C++ kernel of csrc/cpu/paged_attention.cpp (built by `make`, see ops/cpu_ext.py) runs every decode row and
+  every prefill chunk over at most NATIVE_PREFILL_CONTEXT tokens, reading K/V in place from the paged cache, all
+  requests and KV heads in one parallel call, fp32 accumulation.
+- longer prefill chunks run on ATen's flash CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`: tiled
+  GEMMs, all cores, fp32 accumulation for bf16 inputs, GQA without repeating K/V) and never build a boolean mask:
+  the n new rows of a chunk over a context of L tokens attend causally to themselves (is_causal) and fully to the
+  cached prefix of L - n tokens; the two partials merge through their log-sum-exps, as split-KV flash attention
+  does. One call per such request and layer; its K/V are gathered once (whole blocks).
+- without the library, decode rows fall back to PyTorch: rows sorted by context length and cut into groups whose
+  padding stays small, each group's K/V gathered by whole blocks (index_select, a memcpy per block) and attended
+  by one SDPA call; every prefill chunk takes the flash path.
 Rows with seq_len 0 (padding) and cache writes to slot -1 are skipped, as in the reference.
 """
 import torch
