@@ -185,18 +185,66 @@ inline void pair_values_bf16(const uint32_t* pp, int64_t ld_pp, const at::BFloat
     for (int c = 0; c < 2 * Chunks; ++c) _mm512_storeu_ps(acc + g * acc_stride + 16 * c, a[g][c]);
 }
 
+constexpr bool kBf16Rows = true;
+
 // Where pair_values_bf16 keeps element d of a head's sums: per 32 d, vector 2c holds lanes 0-3 of each 8-d group
 // (d = 8L + i, i < 4, at lane 4L + i), vector 2c + 1 the other four.
 inline int64_t pair_lane(int64_t d) {
   const int64_t c = d / 32, L = d % 32 / 8, i = d % 8;
   return (2 * c + (i >= 4)) * 16 + 4 * L + i % 4;
 }
+
+// A block's scores of G heads (qp [G, D / 2] as bf16 pairs) over its n rows k (ld apart), D = 64 or 128 -> s [G, bsp].
+inline void bf16_row_scores(const uint32_t* qp, int64_t D, int64_t G, const at::BFloat16* k, int64_t ld, int64_t n,
+                            float scale, float* s, int64_t bsp) {
+  for (int64_t t = 0; t < n; t += 16) {
+    if (D == 64) row_scores_bf16<2>(qp, D / 2, G, k + t * ld, ld, n - t, scale, s + t, bsp);
+    else row_scores_bf16<4>(qp, D / 2, G, k + t * ld, ld, n - t, scale, s + t, bsp);
+  }
+}
+
+// acc [G, Dp] (pair_lane order) += the block's values v (n rows, ld apart) weighted by the probabilities s [G, bsp],
+// D = 64 or 128; pp: scratch for the probabilities as bf16 pairs, [G * bsp / 2 + 16].
+template <int Chunks>
+inline void bf16_pair_values_d(const uint32_t* pp, int64_t ld_pp, int64_t G, const at::BFloat16* v, int64_t ld,
+                               int64_t n, float* acc, int64_t Dp) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t nh = std::min<int64_t>(4, G - g0);
+    const uint32_t* p = pp + g0 * ld_pp;
+    float* a = acc + g0 * Dp;
+    if (nh == 4) pair_values_bf16<Chunks, 4>(p, ld_pp, v, ld, n, a, Dp);
+    else if (nh == 3) pair_values_bf16<Chunks, 3>(p, ld_pp, v, ld, n, a, Dp);
+    else if (nh == 2) pair_values_bf16<Chunks, 2>(p, ld_pp, v, ld, n, a, Dp);
+    else pair_values_bf16<Chunks, 1>(p, ld_pp, v, ld, n, a, Dp);
+  }
+}
+inline void bf16_pair_values(const float* s, int64_t bsp, int64_t G, const at::BFloat16* v, int64_t ld, int64_t n,
+                             int64_t D, uint32_t* pp, float* acc, int64_t Dp) {
+  for (int64_t g = 0; g < G; ++g) {  // past n, s is stale: zeros from the masked loads (a head's 16 pairs may spill
+    for (int64_t t = 0; t < n; t += 32) {  // into the next head's, which is written after it)
+      const __m512 p0 = _mm512_maskz_loadu_ps(mask16(n - t), s + g * bsp + t);
+      const __m512 p1 = _mm512_maskz_loadu_ps(mask16(n - t - 16), s + g * bsp + t + 16);
+      _mm512_storeu_si512(pp + g * bsp / 2 + t / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+  }
+  if (D == 64) bf16_pair_values_d<2>(pp, bsp / 2, G, v, ld, n, acc, Dp);
+  else bf16_pair_values_d<4>(pp, bsp / 2, G, v, ld, n, acc, Dp);
+}
 #endif
-#else
+#endif
+
+#if !defined(CPU_CAPABILITY_AVX512)
 constexpr bool kRowScores = false;
-inline int64_t pair_lane(int64_t d) { return d; }
 template <int Chunks>
 inline void row_scores(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t) {}
+#endif
+#if !defined(CPU_CAPABILITY_AVX512) || !defined(__AVX512BF16__)
+constexpr bool kBf16Rows = false;
+inline int64_t pair_lane(int64_t d) { return d; }
+inline void bf16_row_scores(const uint32_t*, int64_t, int64_t, const at::BFloat16*, int64_t, int64_t, float, float*,
+                            int64_t) {}
+inline void bf16_pair_values(const float*, int64_t, int64_t, const at::BFloat16*, int64_t, int64_t, int64_t,
+                             uint32_t*, float*, int64_t) {}
 #endif
 
 // Prefill tiles: a tile's query vectors (rows x heads) sit in the lanes of kTileCols vectors ("columns"), so its
@@ -308,7 +356,7 @@ struct Scratch {
 template <typename scalar_t>
 __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, int64_t r, int64_t ctx) {
   const int64_t G = x.G, D = x.D, Dp = x.Dp, bs = x.bs, bsp = x.bsp, D2 = D / 2;
-  const bool pair_v = x.pairs && kRowScores && (D == 64 || D == 128);
+  const bool bf16_rows = x.pairs && kBf16Rows && (D == 64 || D == 128);  // bf16 scores and values row by row
   for (int64_t g = 0; g < G; ++g) {
     const scalar_t* qg = x.q + r * x.q_row + (h * G + g) * x.q_head;
     if (x.pairs) {
@@ -327,20 +375,10 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
     const int64_t n = std::min(bs, ctx - j * bs), base = x.base(b, h, j);
     if ((j + 1) * bs < ctx) x.prefetch(b, h, j + 1);
     // Scores of the block's n tokens, [Gp, bsp]: row by row (AVX-512, heads of 64 or 128), else from K transposed.
-    if (x.pairs) {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        if (D == 64 || D == 128) {
-          for (int64_t t = 0; t < n; t += 16) {
-            const scalar_t* kr = x.k + base + t * x.tok();
-            if (D == 64) row_scores_bf16<2>(w.qp.data(), D2, G, kr, x.tok(), n - t, x.scale, s + t, bsp);
-            else row_scores_bf16<4>(w.qp.data(), D2, G, kr, x.tok(), n - t, x.scale, s + t, bsp);
-          }
-          goto scored;
-        }
-      }
-#endif
-      // 32-bit lanes moved, not converted: transpose_mxn only shuffles
+    if (bf16_rows) {
+      bf16_row_scores(w.qp.data(), D, G, reinterpret_cast<const at::BFloat16*>(x.k + base), x.tok(), n, x.scale, s,
+                      bsp);
+    } else if (x.pairs) {  // 32-bit lanes moved, not converted: transpose_mxn only shuffles
       at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(x.k + base), x.tok() / 2, w.kt.data(), bsp,
                                     static_cast<int>(n), static_cast<int>(D2));
       const uint32_t* kt32 = reinterpret_cast<const uint32_t*>(w.kt.data());
@@ -362,7 +400,6 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
             float_scores(w.q.data() + g0 * Dp, Dp, w.kt.data(), bsp, t, s + g0 * bsp + t, bsp);
       }
     }
-  scored:
     for (int64_t g = 0; g < G; ++g) {
       // online softmax: probabilities against the new running maximum, the old sums rescaled to it
       float* sg = s + g * bsp;
@@ -375,34 +412,9 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
       float* ag = acc + g * Dp;
       for (int64_t d = 0; d < Dp; d += kVec) (fVec::loadu(ag + d) * fVec(corr)).store(ag + d);
     }
-    if (pair_v) {  // bf16 heads of 64 / 128: values by token pairs
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* pg = s + g * bsp;
-        for (int64_t t = 0; t < n; t += 32) {  // pg past n is garbage: zeros from the vector of n's remainder on
-          const __m512 p0 = _mm512_maskz_loadu_ps(mask16(n - t), pg + t);
-          const __m512 p1 = _mm512_maskz_loadu_ps(mask16(n - t - 16), pg + t + 16);
-          _mm512_storeu_si512(w.pp.data() + g * bsp / 2 + t / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-        }
-      }
-      const at::BFloat16* vb = reinterpret_cast<const at::BFloat16*>(x.v + base);
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int64_t nh = std::min<int64_t>(4, G - g0);
-        const uint32_t* pp = w.pp.data() + g0 * bsp / 2;
-        float* ag = acc + g0 * Dp;
-        if (D == 64) {
-          if (nh == 4) pair_values_bf16<2, 4>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
-          else if (nh == 3) pair_values_bf16<2, 3>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
-          else if (nh == 2) pair_values_bf16<2, 2>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
-          else pair_values_bf16<2, 1>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
-        } else {
-          if (nh == 4) pair_values_bf16<4, 4>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
-          else if (nh == 3) pair_values_bf16<4, 3>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
-          else if (nh == 2) pair_values_bf16<4, 2>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
-          else pair_values_bf16<4, 1>(pp, bsp / 2, vb, x.tok(), n, ag, Dp);
-        }
-      }
-#endif
+    if (bf16_rows) {  // values by token pairs
+      bf16_pair_values(s, bsp, G, reinterpret_cast<const at::BFloat16*>(x.v + base), x.tok(), n, D, w.pp.data(), acc,
+                       Dp);
       continue;
     }
     // Values: acc_g += sum_t p_g[t] v[t], kChains vectors of a head's accumulator at a time kept in registers
@@ -428,7 +440,7 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
   for (int64_t g = 0; g < G; ++g) {
     scalar_t* dst = x.o + r * x.o_row + (h * G + g) * x.o_head;
     const float inv = 1.f / w.l[g];
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * Dp + (pair_v ? pair_lane(d) : d)] * inv);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * Dp + (bf16_rows ? pair_lane(d) : d)] * inv);
   }
 }
 
