@@ -185,8 +185,6 @@ inline void pair_values_bf16(const uint32_t* pp, int64_t ld_pp, const at::BFloat
     for (int c = 0; c < 2 * Chunks; ++c) _mm512_storeu_ps(acc + g * acc_stride + 16 * c, a[g][c]);
 }
 
-constexpr bool kBf16Rows = true;
-
 // Where pair_values_bf16 keeps element d of a head's sums: per 32 d, vector 2c holds lanes 0-3 of each 8-d group
 // (d = 8L + i, i < 4, at lane 4L + i), vector 2c + 1 the other four.
 inline int64_t pair_lane(int64_t d) {
@@ -239,7 +237,6 @@ template <int Chunks>
 inline void row_scores(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t) {}
 #endif
 #if !defined(CPU_CAPABILITY_AVX512) || !defined(__AVX512BF16__)
-constexpr bool kBf16Rows = false;
 inline int64_t pair_lane(int64_t d) { return d; }
 inline void bf16_row_scores(const uint32_t*, int64_t, int64_t, const at::BFloat16*, int64_t, int64_t, float, float*,
                             int64_t) {}
@@ -356,7 +353,7 @@ struct Scratch {
 template <typename scalar_t>
 __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, int64_t r, int64_t ctx) {
   const int64_t G = x.G, D = x.D, Dp = x.Dp, bs = x.bs, bsp = x.bsp, D2 = D / 2;
-  const bool bf16_rows = x.pairs && kBf16Rows && (D == 64 || D == 128);  // bf16 scores and values row by row
+  const bool bf16_rows = x.pairs && (D == 64 || D == 128);  // bf16 scores and values row by row (AVX-512)
   for (int64_t g = 0; g < G; ++g) {
     const scalar_t* qg = x.q + r * x.q_row + (h * G + g) * x.q_head;
     if (x.pairs) {
