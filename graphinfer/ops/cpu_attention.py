@@ -22,7 +22,7 @@ from graphinfer.ops.qk_norm_rope import chain_cache_write, qk_norm_rope
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 # Prefill chunks over contexts up to this long run in the C++ kernel, longer ones on ATen flash, whose tiled GEMMs win
-# there (bf16 ones on AMX already at ~160 tokens); measured on the dev VM (SmolLM2's heads, docs/architecture.md).
+# there (bf16 ones on AMX already at ~160 tokens): tools/cpu_attention_bench.py on the dev VM (docs/benchmarks.md).
 NATIVE_PREFILL_CONTEXT = {torch.float32: 2048, torch.bfloat16: 128, torch.float16: 128}
 _DECODE_PAD_SLACK = 1.25  # a decode group attends over at most this times its rows' real context tokens
 
