@@ -13,6 +13,10 @@ if importlib.util.find_spec("torch_npu") and not any(
         os.environ.get(v) for v in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")):
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
+# The CPUs this process may use, read before `import torch`: with OMP_PROC_BIND, OMP_PLACES or GOMP_CPU_AFFINITY
+# set, libgomp pins the main thread to one CPU as torch loads (platforms/cpu.physical_cores).
+STARTUP_CPUS = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
+
 __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "graphinfer.runtime.llm", "LLMEngine": "graphinfer.runtime.llm_engine",

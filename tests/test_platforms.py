@@ -105,6 +105,19 @@ def test_cpu_activation_keeps_a_tensor_parallel_rank_to_its_share_of_the_cores(m
         CpuPlatform().activate("reference")  # the conftest default: reference ops under the CPU key
         torch.set_num_threads(saved)
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux-only")
+def test_physical_cores_survive_openmp_binding():
+    """OMP_PROC_BIND / GOMP_CPU_AFFINITY make libgomp pin the main thread to one CPU as torch loads: graphinfer's
+    thread count must still see every core the process was given."""
+    code = ("import graphinfer, torch; from graphinfer.platforms.cpu import physical_cores; "
+            "torch.ones(256, 256) @ torch.ones(256, 256); print(physical_cores())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    counts = [subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                             check=True).stdout.strip()
+              for extra in ({}, {"OMP_PROC_BIND": "true"}, {"GOMP_CPU_AFFINITY": "0-1023"})]
+    assert counts[0] == counts[1] == counts[2], counts
+
+
 _FAULTS_PER_REALLOCATION = """
 import resource, torch
 from graphinfer.platforms.cpu import CpuPlatform

@@ -32,11 +32,26 @@ from graphinfer.platforms.interface import Platform
 CPU_KERNELS = ("inductor", "eager", "reference", "triton")
 
 
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on: its affinity at graphinfer's import (before OpenMP's binding can pin the main
+    thread to one CPU) joined with every thread's now (Linux), else all of them."""
+    if not hasattr(os, "sched_getaffinity"):
+        return set(range(os.cpu_count() or 1))
+    from graphinfer import STARTUP_CPUS
+
+    cpus = set(STARTUP_CPUS) | os.sched_getaffinity(0)
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            cpus |= os.sched_getaffinity(int(tid))
+    except OSError:
+        pass
+    return cpus
+
+
 def physical_cores() -> int:
     """Physical cores this process may run on (SMT siblings counted once): graphinfer's torch threads on CPU."""
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     cores = set()
-    for cpu in allowed:
+    for cpu in allowed_cpus():
         path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
         try:
             with open(path) as f:
