@@ -45,9 +45,11 @@ class PackedLinear(nn.Module):
 
 
 def packable(mod: nn.Module) -> bool:
-    """A leaf Linear (forward = F.linear, no collective; not one the skinny GEMM took) with a float weight."""
+    """A leaf Linear (forward = F.linear, no collective; not one the skinny GEMM took) with an fp32 weight, or a bf16
+    one where oneDNN runs bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on AVX2 alone its reorder refuses bf16)."""
     return (isinstance(mod, nn.Linear) and not isinstance(mod, SkinnyLinear) and is_leaf_layer(mod)
-            and mod.weight.dtype in (torch.float32, torch.bfloat16) and mod.weight.device.type == "cpu")
+            and mod.weight.device.type == "cpu" and (mod.weight.dtype == torch.float32 or (
+                mod.weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
 
 
 def pack_linears(gm: fx.GraphModule) -> fx.GraphModule:
