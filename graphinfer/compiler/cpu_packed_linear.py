@@ -2,7 +2,8 @@
 
 ATen's F.linear on CPU calls MKL on the plain [N, K] weight each step; here oneDNN's matmul runs on a weight
 reordered once into its blocked layout, as vLLM-CPU does (bf16 on AVX512-BF16 / AMX). A single fp32 row stays on
-F.linear: MKL's GEMV already streams the weight at memory speed. Only the engine-level effect is measured in the
+F.linear on Intel CPUs, where MKL's GEMV already streams the weight at memory speed; elsewhere MKL takes a slower path
+(AMD EPYC, 2 cores: SmolLM2's 30 layers and head in one row, 49-51 ms on MKL against 27-37 ms packed). Only the engine-level effect is measured in the
 repository (docs/benchmarks.md "CPU peers"); at prefill sizes (1,000+ rows) the two GEMMs measured within this
 VM's noise of each other. The runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear,
 and a packed LM head for its logits (models' compute_logits is their lm_head); the engine's own graph and model
@@ -14,6 +15,7 @@ from torch import fx, nn
 
 from graphinfer.compiler.skinny_gemm import SkinnyLinear
 from graphinfer.compiler.trace import is_leaf_layer, with_modules
+from graphinfer.platforms.cpu import cpu_flags_and_vendor
 
 PACK_BATCH = 32  # oneDNN's batch hint for the layout (vLLM's); any row count runs on it
 
@@ -25,7 +27,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the engine's graph holds weight anyway
-        self.gemv = linear.weight.dtype == torch.float32  # one fp32 row: MKL's GEMV on the plain weight
+        # one fp32 row: MKL's GEMV on the plain weight, on Intel CPUs
+        self.gemv = linear.weight.dtype == torch.float32 and cpu_flags_and_vendor()[1] == "GenuineIntel"
         self.register_buffer("packed_weight", None, persistent=False)
         self._pack()
 

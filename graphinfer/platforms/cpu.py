@@ -61,15 +61,22 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+def cpu_flags_and_vendor() -> tuple[list[str], str]:
+    """/proc/cpuinfo's flags and vendor_id of the first CPU (empty where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("flags", "vendor_id"))][:2]
+    except OSError:
+        return [], ""
+    field = lambda key: next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith(key)), [])  # noqa: E731
+    return field("flags"), " ".join(field("vendor_id"))
+
+
 def has_native_bf16() -> bool:
     """Whether the CPU computes bf16 matmuls natively (AVX512-BF16 or AMX): else bf16 is emulated and slower than fp32."""
     if "AMX" in torch.backends.cpu.get_cpu_capability():  # e.g. "AVX2", "AVX512"; AMX where the build reports it
         return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags_and_vendor()[0]
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
