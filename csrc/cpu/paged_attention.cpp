@@ -11,8 +11,8 @@
 // tokens; every other row of `out` is left untouched (the caller runs those chunks and zero-fills padding).
 // Work is cut into tasks of one KV head's GQA group, handed to the threads costliest first; all run an online
 // softmax in fp32 block by block, so K and V are read once per group:
-// - a decode row: its G query heads. On AVX-512 with heads of 64 or 128, each token's scores are one vector of
-//   products per head, 16 tokens summed at once (sum16); bf16 caches on AVX512-BF16 multiply bf16 pairs
+// - a decode row: its G query heads. On AVX-512 or AVX2 with heads of 64 or 128, each token's fp32 scores are one
+//   vector of products per head, a vector's worth of tokens summed at once (sum16, sum_lanes); bf16 caches on AVX512-BF16 multiply bf16 pairs
 //   (vdpbf16ps: exact products, fp32 sums) for the scores and for the values (V rows interleaved by token pairs,
 //   probabilities rounded to bf16). Elsewhere a block's K rows are widened (ATen's conversion, vec.h) and
 //   transposed, so scores, exp and the sum over V all run as float vectors.
@@ -33,7 +33,7 @@
 
 #include "vec.h"
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -96,10 +96,10 @@ constexpr bool kBf16Dot = false;
 inline void bf16_pair_scores(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float, float*, int64_t) {}
 #endif
 
-// Decode scores without transposing K (AVX-512, heads of 64 or 128): per token and head one vector of products
-// (vdpbf16ps over bf16 pairs for bf16 caches), 16 tokens' vectors then summed at once by sum16.
+// Decode scores without transposing K (AVX-512 or AVX2, heads of 64 or 128): per token and head one vector of
+// products (vdpbf16ps over bf16 pairs for bf16 caches), a vector's worth of tokens then summed at once by a
+// transposing reduction (sum16 on AVX-512, 16 tokens; sum_lanes below).
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr bool kRowScores = true;
 
 inline __mmask16 mask16(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1; }
 
@@ -115,24 +115,6 @@ inline __m512 sum16(const __m512* v) {
     w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
-// nh heads' scores of the 16 tokens from k (rows ld apart; those past n repeat row n - 1) to out + g * out_stride.
-// fp32: q [nh, Dp] pre-scaled, Chunks = D / 16.
-template <int Chunks>
-inline void row_scores(const float* q, int64_t Dp, int64_t nh, const float* k, int64_t ld, int64_t n, float* out,
-                       int64_t out_stride) {
-  for (int64_t g = 0; g < nh; ++g) {
-    __m512 qv[Chunks], part[16];
-    for (int c = 0; c < Chunks; ++c) qv[c] = _mm512_loadu_ps(q + g * Dp + 16 * c);
-    for (int t = 0; t < 16; ++t) {
-      const float* kr = k + std::min<int64_t>(t, n - 1) * ld;
-      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-      for (int c = 1; c < Chunks; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
-      part[t] = a;
-    }
-    _mm512_storeu_ps(out + g * out_stride, sum16(part));
-  }
 }
 
 #if defined(__AVX512BF16__)
@@ -231,7 +213,41 @@ inline void bf16_pair_values(const float* s, int64_t bsp, int64_t G, const at::B
 #endif
 #endif
 
-#if !defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kRowScores = true;
+using RawVec = __m512;
+inline __m512 sum_lanes(const __m512* v) { return sum16(v); }
+#else
+constexpr bool kRowScores = true;
+using RawVec = __m256;
+// r[i] = the sum of v[i]'s 8 lanes: three rounds of pairwise adds (hadd), the 128-bit halves added last.
+inline __m256 sum_lanes(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [v0..v3 | v0..v3], [v4..v7 | v4..v7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+// nh heads' scores of the kVec tokens from k (rows ld apart; those past n repeat row n - 1) to out + g * out_stride.
+// fp32: q [nh, Dp] pre-scaled, Chunks = D / kVec: per token and head one vector of products, then sum_lanes.
+template <int Chunks>
+inline void row_scores(const float* q, int64_t Dp, int64_t nh, const float* k, int64_t ld, int64_t n, float* out,
+                       int64_t out_stride) {
+  for (int64_t g = 0; g < nh; ++g) {
+    fVec qv[Chunks];
+    RawVec part[kVec];
+    for (int c = 0; c < Chunks; ++c) qv[c] = fVec::loadu(q + g * Dp + kVec * c);
+    for (int t = 0; t < kVec; ++t) {
+      const float* kr = k + std::min<int64_t>(t, n - 1) * ld;
+      fVec a = qv[0] * fVec::loadu(kr);
+      for (int c = 1; c < Chunks; ++c) a = at::vec::fmadd(qv[c], fVec::loadu(kr + kVec * c), a);
+      part[t] = a;
+    }
+    fVec(sum_lanes(part)).store(out + g * out_stride);
+  }
+}
+#else
 constexpr bool kRowScores = false;
 template <int Chunks>
 inline void row_scores(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t) {}
@@ -386,9 +402,9 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
       int64_t ld;
       const float* kr = x.rows(x.k + base, n, w.kf.data(), ld);
       if (kRowScores && (D == 64 || D == 128)) {
-        for (int64_t t = 0; t < n; t += 16) {
-          if (D == 64) row_scores<4>(w.q.data(), Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
-          else row_scores<8>(w.q.data(), Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
+        for (int64_t t = 0; t < n; t += kVec) {
+          if (D == 64) row_scores<64 / kVec>(w.q.data(), Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
+          else row_scores<128 / kVec>(w.q.data(), Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
         }
       } else {
         at::vec::transpose_mxn<float>(kr, ld, w.kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
