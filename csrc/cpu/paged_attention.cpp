@@ -415,12 +415,23 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
     }
     for (int64_t g = 0; g < G; ++g) {
       // online softmax: probabilities against the new running maximum, the old sums rescaled to it
+      // whole vectors of tokens as vectors (a scalar chain over a block costs as much as its scores), the tail alone
       float* sg = s + g * bsp;
-      const float mx = std::max(w.m[g], n == kVec ? cpu_vec::reduce_max(fVec::loadu(sg))
-                                                  : *std::max_element(sg, sg + n));
+      const int64_t nv = n / kVec * kVec;
+      fVec vmax(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < nv; t += kVec) vmax = at::vec::maximum(vmax, fVec::loadu(sg + t));
+      float mx = std::max(w.m[g], cpu_vec::reduce_max(vmax));
+      for (int64_t t = nv; t < n; ++t) mx = std::max(mx, sg[t]);
       const float corr = std::exp(w.m[g] - mx);  // exp(-inf) = 0 on the first block
-      for (int64_t t = 0; t < n; t += kVec) (fVec::loadu(sg + t) - fVec(mx)).exp().store(sg + t);
-      w.l[g] = w.l[g] * corr + (n == kVec ? cpu_vec::reduce_sum(fVec::loadu(sg)) : std::accumulate(sg, sg + n, 0.f));
+      fVec vsum(0.f);
+      for (int64_t t = 0; t < n; t += kVec) {
+        const fVec p = (fVec::loadu(sg + t) - fVec(mx)).exp();
+        p.store(sg + t);
+        if (t < nv) vsum = vsum + p;
+      }
+      float sum = cpu_vec::reduce_sum(vsum);
+      for (int64_t t = nv; t < n; ++t) sum += sg[t];
+      w.l[g] = w.l[g] * corr + sum;
       w.m[g] = mx;
       float* ag = acc + g * Dp;
       for (int64_t d = 0; d < Dp; d += kVec) (fVec::loadu(ag + d) * fVec(corr)).store(ag + d);
