@@ -26,14 +26,26 @@ def test_packed_graph_matches_the_plain_one(dtype, rows):
     model = Block(dtype)
     gm = fx.GraphModule(model, GraphinferTracer().trace(model))
     packed = pack_linears(gm)
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        assert packed is gm  # AVX2 alone: oneDNN's reorder refuses bf16, the linears stay F.linear
-        return
     assert isinstance(packed.up, PackedLinear) and isinstance(packed.down, PackedLinear)
     assert type(gm.up) is nn.Linear and gm.up.weight.dtype == dtype  # the engine's graph (artifacts) untouched
     x = torch.randn(rows, 64, dtype=dtype)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
     torch.testing.assert_close(packed(x), gm(x), **tol)
+
+
+def test_bf16_without_onednn_bf16_runs_on_fp32_packed_weights():
+    """AVX2 alone (no oneDNN bf16): the bf16 weight is packed as fp32; the output is the bf16 GEMM's, rounded once."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=True, dtype=torch.bfloat16)
+    packed = PackedLinear(linear)
+    packed.upcast = True  # what __init__ chooses where oneDNN has no bf16 GEMM
+    packed._pack()
+    assert packed.packed_weight.dtype == torch.float32
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    y = packed(x)
+    assert y.dtype == torch.bfloat16
+    exact = (x.double() @ linear.weight.double().T + linear.bias.double()).to(torch.bfloat16)
+    torch.testing.assert_close(y, exact, rtol=8e-3, atol=1e-6)  # fp32 sums: within a bf16 rounding of exact
 
 
 def test_fp16_linears_are_left_alone():

@@ -1,11 +1,11 @@
 """CPU linears on oneDNN with prepacked weights (vLLM-CPU's choice: its dispatch_cpu_unquantized_gemm).
 
 ATen's F.linear on CPU calls MKL on the plain [N, K] weight each step; here oneDNN's matmul runs on a weight
-reordered once into its blocked layout, as vLLM-CPU does (bf16 on AVX512-BF16 / AMX). A single fp32 row stays on
-F.linear on Intel CPUs, where MKL's GEMV already streams the weight at memory speed; elsewhere MKL takes a slower path
-(AMD EPYC, 2 cores: SmolLM2's 30 layers and head in one row, 49-51 ms on MKL against 27-37 ms packed). Only the engine-level effect is measured in the
-repository (docs/benchmarks.md "CPU peers"); at prefill sizes (1,000+ rows) the two GEMMs measured within this
-VM's noise of each other. The runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear,
+reordered once into its blocked layout, as vLLM-CPU does (bf16 on AVX512-BF16 / AMX; on AVX2 alone bf16 weights
+are packed as fp32). A single fp32 row stays on F.linear on Intel CPUs, where MKL's GEMV already streams the weight at
+memory speed; elsewhere MKL takes a slower path (AMD EPYC, 2 cores: SmolLM2's 30 layers and head in one row, 49-51 ms
+on MKL against 27-37 ms packed). Only the engine-level effect is measured in the repository (docs/benchmarks.md
+"CPU peers"); at prefill sizes (1,000+ rows) the two GEMMs measured within the VM's noise of each other. The runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear,
 and a packed LM head for its logits (models' compute_logits is their lm_head); the engine's own graph and model
 keep their nn.Linear (artifacts save them), so these weights are held twice.
 """
@@ -27,13 +27,19 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the engine's graph holds weight anyway
+        # bf16 where oneDNN has no bf16 GEMM (AVX2 alone; ATen's fallback ran at ~16 GFLOP/s, an eighth of fp32): the
+        # weight packed as fp32 and the rows widened, so the products are exact and the sums fp32, as in a bf16 GEMM;
+        # the output is rounded back to bf16
+        self.upcast = linear.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
         # one fp32 row: MKL's GEMV on the plain weight, on Intel CPUs
         self.gemv = linear.weight.dtype == torch.float32 and cpu_flags_and_vendor()[1] == "GenuineIntel"
         self.register_buffer("packed_weight", None, persistent=False)
         self._pack()
 
     def _pack(self) -> None:
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH)
+        weight = self.weight.detach().float() if self.upcast else self.weight.detach()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH)
+        self.packed_bias = None if self.bias is None else self.bias.detach().to(weight.dtype)
         self.packed_version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,18 +47,19 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self.packed_version:  # the weight was updated in place (a reload): repack
             self._pack()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if self.upcast:
+            return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed_weight, self.packed_bias, "none", [],
+                                                      "").to(x.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.packed_bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def packable(mod: nn.Module) -> bool:
-    """A leaf Linear (forward = F.linear, no collective; not one the skinny GEMM took) with an fp32 weight, or a bf16
-    one where oneDNN runs bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on AVX2 alone its reorder refuses bf16)."""
+    """A leaf Linear (forward = F.linear, no collective; not one the skinny GEMM took) with an fp32 or bf16 weight."""
     return (isinstance(mod, nn.Linear) and not isinstance(mod, SkinnyLinear) and is_leaf_layer(mod)
-            and mod.weight.device.type == "cpu" and (mod.weight.dtype == torch.float32 or (
-                mod.weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
+            and mod.weight.dtype in (torch.float32, torch.bfloat16) and mod.weight.device.type == "cpu")
 
 
 def pack_linears(gm: fx.GraphModule) -> fx.GraphModule:
