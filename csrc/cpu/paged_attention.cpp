@@ -11,10 +11,10 @@
 // tokens; every other row of `out` is left untouched (the caller runs those chunks and zero-fills padding).
 // Work is cut into tasks of one KV head's GQA group, handed to the threads costliest first; all run an online
 // softmax in fp32 block by block, so K and V are read once per group:
-// - a decode row: its G query heads. On AVX-512 or AVX2 with heads of 64 or 128, each token's fp32 scores are one
-//   vector of products per head, a vector's worth of tokens summed at once (sum16, sum_lanes); bf16 caches on AVX512-BF16 multiply bf16 pairs
-//   (vdpbf16ps: exact products, fp32 sums) for the scores and for the values (V rows interleaved by token pairs,
-//   probabilities rounded to bf16). Elsewhere a block's K rows are widened (ATen's conversion, vec.h) and
+// - a decode row: its G query heads. On AVX-512 or AVX2 with heads of 64 or 128, each token's scores are one vector
+//   of products per head, a vector's worth of tokens summed at once (sum16, sum_lanes); bf16 caches on AVX512-BF16
+//   multiply bf16 pairs (vdpbf16ps: exact products, fp32 sums) for the scores and for the values (V rows
+//   interleaved by token pairs, probabilities rounded to bf16). Elsewhere a block's K rows are widened (ATen's conversion, vec.h) and
 //   transposed, so scores, exp and the sum over V all run as float vectors.
 // - a prefill tile: up to 3 vectors' lanes of query vectors (16 rows x 3 heads on AVX-512), scores as a small GEMM
 //   over K rows as they lie (each K value broadcast against a vector of queries), the causal softmax down the lanes.
@@ -27,7 +27,6 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -214,12 +213,11 @@ inline void bf16_pair_values(const float* s, int64_t bsp, int64_t G, const at::B
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-#if defined(CPU_CAPABILITY_AVX512)
 constexpr bool kRowScores = true;
+#if defined(CPU_CAPABILITY_AVX512)
 using RawVec = __m512;
 inline __m512 sum_lanes(const __m512* v) { return sum16(v); }
 #else
-constexpr bool kRowScores = true;
 using RawVec = __m256;
 // r[i] = the sum of v[i]'s 8 lanes: three rounds of pairwise adds (hadd), the 128-bit halves added last.
 inline __m256 sum_lanes(const __m256* v) {
@@ -414,8 +412,8 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      // online softmax: probabilities against the new running maximum, the old sums rescaled to it
-      // whole vectors of tokens as vectors (a scalar chain over a block costs as much as its scores), the tail alone
+      // online softmax: probabilities against the new running maximum, the old sums rescaled to it; max and sum over
+      // whole vectors of tokens as vectors (a scalar chain over a block cost as much as its scores), the tail alone
       float* sg = s + g * bsp;
       const int64_t nv = n / kVec * kVec;
       fVec vmax(-std::numeric_limits<float>::infinity());
