@@ -51,6 +51,15 @@ def test_batches_of_the_kernel_tests(q_lens, seq_lens):
     _check(q_lens, seq_lens, 8, 2, 32, 4, torch.float32, seed=1)
 
 
+def test_rows_past_the_last_request_are_zero():
+    """Token rows beyond query_start_loc[-1] (a padded token count) belong to no request: zero, never stale memory."""
+    q, kc, vc, bt, qsl, lens = _paged_batch([1, 3], [9, 3], 8, 2, 32, 4, torch.float32, seed=2)
+    padded = torch.cat([q, torch.full_like(q[:2], float("nan"))])
+    out = paged_attention_cpu(padded, kc, vc, bt, qsl, lens, 32 ** -0.5)
+    torch.testing.assert_close(out[:4], paged_attention_cpu(q, kc, vc, bt, qsl, lens, 32 ** -0.5))
+    assert (out[4:] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunks_of_several_row_tiles(dtype, monkeypatch):
     """Chunks longer than the kernel's tile of 16 rows, fresh and over prefixes ending mid-block, beside decodes; then

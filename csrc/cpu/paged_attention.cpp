@@ -8,7 +8,8 @@
 // Layouts as in graphinfer/ops/attention.py: query [T, Hq, D] (stride 1 over D), caches [num_blocks,
 // block_size, Hkv, D] contiguous, block_tables [B, W] int32, query_start_loc [B + 1] int32, seq_lens [B] int32.
 // Request b's rows are written unless it is a prefill chunk (more than one row) over more than max_chunk_context
-// tokens; every other row of `out` is left untouched (the caller runs those chunks and zero-fills padding).
+// tokens: those rows are left untouched and their number of chunks returned (the caller runs them); padding rows
+// (a context of 0 tokens, or past the last request) are zeroed.
 // Work is cut into tasks of one KV head's GQA group, handed to the threads costliest first; all run an online
 // softmax in fp32 block by block, so K and V are read once per group:
 // - a decode row: its G query heads. On AVX-512 or AVX2 with heads of 64 or 128, each token's scores are one vector
@@ -538,7 +539,7 @@ void prefill_tile(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, in
 }
 
 template <typename scalar_t>
-void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
             double scale, int64_t max_chunk_context) {
   const int64_t B = seq_lens.size(0), Hq = query.size(1), D = query.size(2);
@@ -553,8 +554,12 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   // a prefill tile: R rows, R * G query vectors in Nt lanes (whole columns)
   const int64_t R = std::max<int64_t>(1, kTileCols * kVec / G), Nt = (R * G + kVec - 1) / kVec * kVec;
   std::vector<Task> tasks;
+  std::vector<std::pair<int64_t, int64_t>> zero_rows{{B ? x.qsl[B] : 0, query.size(0)}};  // [begin, end): padding
+  int64_t left = 0;  // prefill chunks over more than max_chunk_context tokens: the caller's
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = x.qsl[b + 1] - x.qsl[b], L = x.lens[b];
+    if (n > 0 && L <= 0) zero_rows.push_back({x.qsl[b], x.qsl[b + 1]});
+    left += n > 1 && L > max_chunk_context;
     if (n <= 0 || L <= 0 || (n > 1 && L > max_chunk_context)) continue;
     TORCH_CHECK(n <= L, "request ", b, " has ", n, " query rows but a context of ", L, " tokens");
     for (int64_t row0 = 0; row0 < n; row0 += R) {
@@ -575,9 +580,13 @@ void attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
       else prefill_tile(x, w, t.b, t.h, r0, t.rows, pos0);
     }
   });
+  for (const auto& [begin, end] : zero_rows)
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t h = 0; h < Hq; ++h) std::fill_n(x.o + r * x.o_row + h * x.o_head, D, scalar_t(0));
+  return left;
 }
 
-void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+int64_t paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, double scale, int64_t max_chunk_context) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, Hq, D] and caches [blocks, block_size, Hkv, D]");
@@ -590,9 +599,9 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "query, out and the caches must share one dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of the KV heads");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    attend<scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                     max_chunk_context);
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    return attend<scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                            max_chunk_context);
   });
 }
 
@@ -626,7 +635,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 TORCH_LIBRARY(graphinfer_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, int max_chunk_context) -> ()");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int max_chunk_context) -> int");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
 }

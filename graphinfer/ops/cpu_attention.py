@@ -106,11 +106,10 @@ def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, b
     native = _native(query, key_cache, block_tables)
     if native:
         # The C++ kernel (csrc/cpu/) reads the paged cache in place for every decode row and every prefill chunk
-        # over at most `native` tokens of context; the rows it does not own stay zero.
-        out = torch.zeros_like(query)
-        torch.ops.graphinfer_cpu.paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                                 seq_lens, scale, native)
-        if not seq_lens.numel() or int(seq_lens.max()) <= native:
+        # over at most `native` tokens of context, zeroes padding rows, and returns how many chunks it left here.
+        out = torch.empty_like(query)
+        if not torch.ops.graphinfer_cpu.paged_attention(out, query, key_cache, value_cache, block_tables,
+                                                        query_start_loc, seq_lens, scale, native):
             return out
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
