@@ -105,6 +105,7 @@ def test_cpu_activation_keeps_a_tensor_parallel_rank_to_its_share_of_the_cores(m
         CpuPlatform().activate("reference")  # the conftest default: reference ops under the CPU key
         torch.set_num_threads(saved)
 
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux-only")
 def test_physical_cores_survive_openmp_binding():
     """OMP_PROC_BIND / GOMP_CPU_AFFINITY make libgomp pin the main thread to one CPU as torch loads: graphinfer's

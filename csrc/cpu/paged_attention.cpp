@@ -15,8 +15,8 @@
 // - a decode row: its G query heads. On AVX-512 or AVX2 with heads of 64 or 128, each token's scores are one vector
 //   of products per head, a vector's worth of tokens summed at once (sum16, sum_lanes); bf16 caches on AVX512-BF16
 //   multiply bf16 pairs (vdpbf16ps: exact products, fp32 sums) for the scores and for the values (V rows
-//   interleaved by token pairs, probabilities rounded to bf16). Elsewhere a block's K rows are widened (ATen's conversion, vec.h) and
-//   transposed, so scores, exp and the sum over V all run as float vectors.
+//   interleaved by token pairs, probabilities rounded to bf16). Elsewhere a block's K rows are widened (ATen's
+//   conversion, vec.h) and transposed, so scores, exp and the sum over V all run as float vectors.
 // - a prefill tile: up to 3 vectors' lanes of query vectors (16 rows x 3 heads on AVX-512), scores as a small GEMM
 //   over K rows as they lie (each K value broadcast against a vector of queries), the causal softmax down the lanes.
 #include <ATen/ATen.h>

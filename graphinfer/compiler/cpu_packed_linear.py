@@ -5,9 +5,10 @@ reordered once into its blocked layout, as vLLM-CPU does (bf16 on AVX512-BF16 / 
 are packed as fp32). A single fp32 row stays on F.linear on Intel CPUs, where MKL's GEMV already streams the weight at
 memory speed; elsewhere MKL takes a slower path (AMD EPYC, 2 cores: SmolLM2's 30 layers and head in one row, 49-51 ms
 on MKL against 27-37 ms packed). Only the engine-level effect is measured in the repository (docs/benchmarks.md
-"CPU peers"); at prefill sizes (1,000+ rows) the two GEMMs measured within the VM's noise of each other. The runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear,
-and a packed LM head for its logits (models' compute_logits is their lm_head); the engine's own graph and model
-keep their nn.Linear (artifacts save them), so these weights are held twice.
+"CPU peers"); at prefill sizes (1,000+ rows) the two GEMMs measured within the VM's noise of each other. The runner
+gets a copy of the fused graph whose leaf Linear modules are PackedLinear, and a packed LM head for its logits
+(models' compute_logits is their lm_head); the engine's own graph and model keep their nn.Linear (artifacts save
+them), so these weights are held twice (three times over for bf16 packed as fp32).
 """
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from torch import fx, nn
 
 from graphinfer.compiler.skinny_gemm import SkinnyLinear
 from graphinfer.compiler.trace import is_leaf_layer, with_modules
-from graphinfer.platforms.cpu import cpu_flags_and_vendor
+from graphinfer.platforms.cpu import cpu_vendor
 
 PACK_BATCH = 32  # oneDNN's batch hint for the layout (vLLM's); any row count runs on it
 
@@ -32,7 +33,7 @@ class PackedLinear(nn.Module):
         # the output is rounded back to bf16
         self.upcast = linear.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
         # one fp32 row: MKL's GEMV on the plain weight, on Intel CPUs
-        self.gemv = linear.weight.dtype == torch.float32 and cpu_flags_and_vendor()[1] == "GenuineIntel"
+        self.gemv = linear.weight.dtype == torch.float32 and cpu_vendor() == "GenuineIntel"
         self.register_buffer("packed_weight", None, persistent=False)
         self._pack()
 

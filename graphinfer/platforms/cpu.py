@@ -21,6 +21,7 @@ memory (retain_freed_memory; GRAPHINFER_CPU_RETAIN_FREED_MEMORY=0 keeps glibc's 
 """
 import ctypes
 import ctypes.util
+import functools
 import os
 
 import torch
@@ -61,22 +62,27 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def cpu_flags_and_vendor() -> tuple[list[str], str]:
-    """/proc/cpuinfo's flags and vendor_id of the first CPU (empty where there is no such file)."""
+@functools.cache
+def _cpuinfo_field(key: str) -> list[str]:
+    """A field of /proc/cpuinfo's first CPU, split on whitespace (empty where there is no such file or field)."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("flags", "vendor_id"))][:2]
+            line = next((ln for ln in f if ln.split(":", 1)[0].strip() == key), "")
     except OSError:
-        return [], ""
-    field = lambda key: next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith(key)), [])  # noqa: E731
-    return field("flags"), " ".join(field("vendor_id"))
+        return []
+    return line.split(":", 1)[1].split() if ":" in line else []
+
+
+def cpu_vendor() -> str:
+    """e.g. "GenuineIntel", "AuthenticAMD" ("" where unknown)."""
+    return " ".join(_cpuinfo_field("vendor_id"))
 
 
 def has_native_bf16() -> bool:
     """Whether the CPU computes bf16 matmuls natively (AVX512-BF16 or AMX): else bf16 is emulated and slower than fp32."""
     if "AMX" in torch.backends.cpu.get_cpu_capability():  # e.g. "AVX2", "AVX512"; AMX where the build reports it
         return True
-    flags = cpu_flags_and_vendor()[0]
+    flags = _cpuinfo_field("flags")
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
