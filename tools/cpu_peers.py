@@ -298,6 +298,9 @@ def main() -> None:
         raise SystemExit(f"unknown engine(s) {unknown}; choose from {ENGINES}")
     gguf = os.path.abspath(a.model or bundled_model_path())
     cpu = cpu_info()
+    # the checkout as the run starts (a commit made while it runs must not be recorded as the one measured)
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "-uno"], capture_output=True, text=True)
     python = {e: a.vllm_python if e.startswith("vllm") else a.llama_python if e == "llama.cpp" else sys.executable
               for e in engines}
     skipped = {}
@@ -377,8 +380,6 @@ def main() -> None:
          f"{r['agreement']:.1%}; {r['identical']}/{len(prompts)}" if ref else None,
          f"{r['load_average'][0]:.2f}"] for r in rows])
     print(table)
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "-uno"], capture_output=True, text=True)
     result = {"command": " ".join(shlex.quote(x) for x in sys.argv), "model": gguf, "hf_dir": hf_dir,
               "workload": {"num_prompts": a.num_prompts, "new_tokens": a.new_tokens, "seed": 0,
                            "prompt_tokens": sum(map(len, prompts)), "batch1_prompt_tokens": len(prompts[0]),
