@@ -3,8 +3,8 @@
 ATen's F.linear on CPU calls MKL on the plain [N, K] weight each step; here oneDNN's matmul runs on a weight
 reordered once into its blocked layout, as vLLM-CPU does (bf16 on AVX512-BF16 / AMX; on AVX2 alone bf16 weights
 are packed as fp32). A single fp32 row stays on F.linear on Intel CPUs, where MKL's GEMV already streams the weight at
-memory speed; elsewhere MKL takes a slower path (AMD EPYC, 2 cores: SmolLM2's 30 layers and head in one row, 49-51 ms
-on MKL against 27-37 ms packed). Only the engine-level effect is measured in the repository (docs/benchmarks.md
+memory speed; elsewhere MKL takes a slower path (AMD EPYC, 2 cores: batch-1 TPOT 62.0 -> 49.6 ms in
+docs/benchmarks.md's CPU peers runs, with the AVX2 attention work between them). Only the engine-level effect is measured in the repository (docs/benchmarks.md
 "CPU peers"); at prefill sizes (1,000+ rows) the two GEMMs measured within the VM's noise of each other. The runner
 gets a copy of the fused graph whose leaf Linear modules are PackedLinear, and a packed LM head for its logits
 (models' compute_logits is their lm_head); the engine's own graph and model keep their nn.Linear (artifacts save
@@ -28,9 +28,9 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the engine's graph holds weight anyway
-        # bf16 where oneDNN has no bf16 GEMM (AVX2 alone; ATen's fallback ran at ~16 GFLOP/s, an eighth of fp32): the
-        # weight packed as fp32 and the rows widened, so the products are exact and the sums fp32, as in a bf16 GEMM;
-        # the output is rounded back to bf16
+        # bf16 where oneDNN has no bf16 GEMM (AVX2 alone; ATen's bf16 fallback GEMM is several times slower than fp32):
+        # the weight packed as fp32 and the rows widened, so the products are exact and the sums fp32, as in a bf16
+        # GEMM; the output is rounded back to bf16
         self.upcast = linear.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
         # one fp32 row: MKL's GEMV on the plain weight, on Intel CPUs
         self.gemv = linear.weight.dtype == torch.float32 and cpu_vendor() == "GenuineIntel"

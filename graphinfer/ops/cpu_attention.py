@@ -22,8 +22,8 @@ from graphinfer.ops.qk_norm_rope import chain_cache_write, qk_norm_rope
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 # Prefill chunks over contexts up to this long run in the C++ kernel, longer ones on ATen flash, whose tiled GEMMs win
-# there (bf16 ones on AMX already at ~160 tokens); on AVX2 (8-lane tiles) flash wins from ~768 tokens in every dtype.
-# tools/cpu_attention_bench.py on the 2-core dev VMs, Intel Emerald Rapids and AMD EPYC (docs/benchmarks.md).
+# there (bf16 ones on AMX already at ~160 tokens); on AVX2 (8-lane tiles) the kernel wins at 512 tokens and flash at
+# 1,024 in both dtypes. tools/cpu_attention_bench.py on the 2-core dev VMs, Intel and AMD EPYC (docs/benchmarks.md).
 NATIVE_PREFILL_CONTEXT = ({torch.float32: 2048, torch.bfloat16: 128, torch.float16: 128}
                           if torch.backends.cpu.get_cpu_capability().startswith("AVX512")
                           else {torch.float32: 512, torch.bfloat16: 512, torch.float16: 512})
