@@ -114,7 +114,7 @@ def test_physical_cores_survive_openmp_binding():
             "torch.ones(256, 256) @ torch.ones(256, 256); print(physical_cores())")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
     counts = [subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
-                             check=True).stdout.strip()
+                             check=True, timeout=300).stdout.strip()
               for extra in ({}, {"OMP_PROC_BIND": "true"}, {"GOMP_CPU_AFFINITY": "0-1023"})]
     assert counts[0] == counts[1] == counts[2], counts
 
@@ -140,7 +140,8 @@ def test_cpu_platform_keeps_freed_memory_so_large_activations_are_not_faulted_in
     (24,576 pages of 4 KiB)."""
     def faults(setting: str) -> int:
         out = subprocess.run([sys.executable, "-c", _FAULTS_PER_REALLOCATION], capture_output=True, text=True,
-                             env={**os.environ, "GRAPHINFER_CPU_RETAIN_FREED_MEMORY": setting}, check=True)
+                             env={**os.environ, "GRAPHINFER_CPU_RETAIN_FREED_MEMORY": setting}, check=True,
+                             timeout=300)
         return int(out.stdout.split()[-1])
 
     assert faults("1") < 1000
@@ -151,5 +152,6 @@ def test_importing_graphinfer_does_not_import_torch_npu_or_triton():
     code = ("import sys, graphinfer, graphinfer.platforms, graphinfer.ops; "
             "from graphinfer.platforms import current_platform; current_platform(); "
             "print('torch_npu' in sys.modules, 'triton' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=300).stdout.split()
     assert out == ["False", "False"]
