@@ -210,3 +210,22 @@ def test_smollm2_compile_then_generate_cli(smollm2_llm, tmp_path):
     expected = smollm2_llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert parse_generate(res.stdout) == expected_blocks(prompts[:1], expected)
     assert expected[0].outputs[0].text.startswith(" Paris")
+
+
+def test_a_memo_caught_half_written_is_not_trusted(tmp_path, monkeypatch):
+    """Two tensor-parallel ranks hash the same graph.py at once: a memo that one of them reads empty or cut short
+    (the other still writing it) must not stand for the file's hash."""
+    import hashlib
+
+    from graphinfer.compiler.fingerprint import file_sha256
+
+    monkeypatch.setenv("GRAPHINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "graph.py"
+    path.write_bytes(b"x = 1\n")
+    true = hashlib.sha256(b"x = 1\n").hexdigest()
+    assert file_sha256(str(path)) == true
+    (memo,) = (tmp_path / "cache" / "hashes").iterdir()
+    assert memo.read_text() == true and not [p for p in memo.parent.iterdir() if p.suffix == ".tmp"]
+    for cut in ("", true[:10]):
+        memo.write_text(cut)
+        assert file_sha256(str(path)) == true and memo.read_text() == true

@@ -18,16 +18,20 @@ def file_sha256(path: str) -> str:
     memo = os.path.join(cache_dir(), "hashes", key)
     if os.path.isfile(memo):
         with open(memo) as f:
-            return f.read().strip()
+            digest = f.read().strip()
+        if len(digest) == 64:
+            return digest
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     digest = h.hexdigest()
-    try:
+    try:  # written aside and renamed: another process (a tensor-parallel rank) may be reading the memo right now
         os.makedirs(os.path.dirname(memo), exist_ok=True)
-        with open(memo, "w") as f:
+        tmp = f"{memo}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
             f.write(digest)
+        os.replace(tmp, memo)
     except OSError:  # a read-only cache dir only costs a re-hash next time
         pass
     return digest
