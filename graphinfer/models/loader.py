@@ -213,11 +213,9 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
     _check_path(path)
     schemes = {}
     if path.endswith(".gguf"):
-        from gguf import GGUFReader
+        from graphinfer.models.gguf_loader import FastGGUFReader, gguf_tensors, load_gguf_config
 
-        from graphinfer.models.gguf_loader import gguf_tensors, load_gguf_config
-
-        reader = GGUFReader(path)
+        reader = FastGGUFReader(path)
         config = load_gguf_config(reader)
         model = build_model(config, dtype, device)
         if quantization == "gguf":
