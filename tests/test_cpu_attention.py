@@ -111,3 +111,13 @@ def test_reshape_and_cache(pad, key_dtype, cache_dtype, slot_dtype):
     ref_ops.reshape_and_cache.reference(key, value, *expected, slots)
     for got, want in zip(caches, expected):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_batch_of_whole_block_tasks(dtype):
+    """Enough decode rows that each kernel task takes every KV head of its row (8 rows a thread), among a prefill
+    chunk and a padded row; heads of 64 (row scores) and 72 (K transposed), 3 and 2 KV heads."""
+    rows = 8 * torch.get_num_threads() + 3
+    q_lens, seq_lens = [1] * rows + [7, 1], [5 + 37 * i % 200 for i in range(rows)] + [30, 0]
+    _check(q_lens, seq_lens, 9, 3, 64, 16, dtype, seed=4)
+    _check(q_lens, seq_lens, 4, 2, 72, 8, dtype, seed=5)

@@ -12,7 +12,8 @@
 // (a context of 0 tokens, or past the last request) are zeroed.
 // Work is cut into tasks of one KV head's GQA group, handed to the threads costliest first; all run an online
 // softmax in fp32 block by block, so K and V are read once per group:
-// - a decode row: its G query heads. On AVX-512 or AVX2 with heads of 64 or 128, each token's scores are one vector
+// - a decode row: its G query heads; in batches of at least 8 decode rows a thread, the G heads of every KV head, so
+//   each block's K and V rows are read whole (on the AVX2 dev VM a decode layer of 64 rows took 15-23 % less). On AVX-512 or AVX2 with heads of 64 or 128, each token's scores are one vector
 //   of products per head, a vector's worth of tokens summed at once (sum16, sum_lanes); bf16 caches on AVX512-BF16
 //   multiply bf16 pairs (vdpbf16ps: exact products, fp32 sums) for the scores and for the values (V rows
 //   interleaved by token pairs, probabilities rounded to bf16). Elsewhere a block's K rows are widened (ATen's
@@ -308,10 +309,11 @@ inline void tile_values(const float* pT, int64_t ldp, int64_t v0, const float* V
 }
 
 // A task: `rows` consecutive query rows of request b, from row `row0` of its chunk, with the G query heads of KV head
-// h. A decode row (rows = 1) runs as G query vectors over K transposed block by block; prefill chunks are cut into
-// tiles of as many rows as kTileCols columns hold, so each K and V block is read once per tile, not once per row.
+// h (of the nh KV heads from h, for a decode row). A decode row (rows = 1) runs as G query vectors per KV head, block
+// by block; prefill chunks are cut into tiles of as many rows as kTileCols columns hold, so each K and V block is
+// read once per tile, not once per row.
 struct Task {
-  int64_t b, h, row0, rows, cost;
+  int64_t b, h, row0, rows, cost, nh = 1;
 };
 
 // One call's inputs, shared read-only by the threads.
@@ -329,8 +331,9 @@ struct Batch {
   int64_t base(int64_t b, int64_t h, int64_t j) const {  // block j of request b, KV head h: its first row
     return (static_cast<int64_t>(bt[b * W + j]) * bs * Hkv + h) * D;
   }
-  void prefetch(int64_t b, int64_t h, int64_t j) const {  // scattered blocks defeat the hardware prefetcher
-    const int64_t at = base(b, h, j), row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  // block j's rows of KV heads h..h+nh (adjacent in each token's row): scattered blocks defeat the hardware prefetcher
+  void prefetch(int64_t b, int64_t h, int64_t j, int64_t nh = 1) const {
+    const int64_t at = base(b, h, j), row_bytes = nh * D * static_cast<int64_t>(sizeof(scalar_t));
     for (int64_t t = 0; t < bs; ++t) {
       for (int64_t byte = 0; byte < row_bytes; byte += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(k + at + t * tok()) + byte);
@@ -357,113 +360,130 @@ struct Batch {
 struct Scratch {
   std::vector<float> kf, vf, kt, q, acc, s, m, l, qT, sT, O, tm, tl, corr, lim;
   std::vector<uint32_t> qp, pp;  // decode: the heads as bf16 pairs; probabilities as bf16 pairs [Gp, bsp / 2]
-  Scratch(int64_t bs, int64_t bsp, int64_t Dp, int64_t Gp, int64_t Nt, int64_t D2)
-      : kf(bs * Dp), vf(bs * Dp + kChains * kVec, 0.f), kt(Dp * bsp, 0.f), q(Gp * Dp, 0.f), acc(Gp * Dp),
-        s(Gp * bsp), m(Gp), l(Gp), qT(Dp * Nt, 0.f), sT(bsp * Nt), O(Nt * Dp + kChains * kVec, 0.f), tm(Nt), tl(Nt),
-        corr(Nt), lim(Nt), qp(Gp * D2, 0u), pp(Gp * bsp / 2 + 16, 0u) {}
+  Scratch(int64_t bs, int64_t bsp, int64_t Dp, int64_t Gp, int64_t Nt, int64_t D2, int64_t Hkv)
+      : kf(bs * Dp), vf(bs * Dp + kChains * kVec, 0.f), kt(Dp * bsp, 0.f), q(Hkv * Gp * Dp, 0.f),
+        acc(Hkv * Gp * Dp), s(Gp * bsp), m(Hkv * Gp), l(Hkv * Gp), qT(Dp * Nt, 0.f), sT(bsp * Nt),
+        O(Nt * Dp + kChains * kVec, 0.f), tm(Nt), tl(Nt), corr(Nt), lim(Nt), qp(Hkv * Gp * D2, 0u),
+        pp(Gp * bsp / 2 + 16, 0u) {}
 };
 
-// One row r (a decode's, position ctx - 1) of request b with the G query heads of KV head h: online softmax over
-// the ctx tokens, block by block.
+// One row r (a decode's, position ctx - 1) of request b with the G query heads of each of the KV heads h0..h0+nh:
+// online softmax over the ctx tokens, block by block. Several KV heads a task read each block's rows whole (they lie
+// side by side in a token's row of the cache) rather than a third of every token's row per task.
 template <typename scalar_t>
-__attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, int64_t r, int64_t ctx) {
+__attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h0, int64_t nh,
+                                         int64_t r, int64_t ctx) {
   const int64_t G = x.G, D = x.D, Dp = x.Dp, bs = x.bs, bsp = x.bsp, D2 = D / 2;
+  const int64_t Gp = (G + kHeads - 1) / kHeads * kHeads;  // a KV head's share of the scratch's per-head arrays
   const bool bf16_rows = x.pairs && (D == 64 || D == 128);  // bf16 scores and values row by row (AVX-512)
-  for (int64_t g = 0; g < G; ++g) {
-    const scalar_t* qg = x.q + r * x.q_row + (h * G + g) * x.q_head;
-    if (x.pairs) {
-      std::memcpy(w.qp.data() + g * D2, qg, D * sizeof(scalar_t));
-    } else {
-      widen(qg, w.q.data() + g * Dp, D);
-      for (int64_t d = 0; d < Dp; ++d) w.q[g * Dp + d] *= x.scale;
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    for (int64_t g = 0; g < G; ++g) {
+      const scalar_t* qg = x.q + r * x.q_row + ((h0 + hh) * G + g) * x.q_head;
+      const int64_t i = hh * Gp + g;
+      if (x.pairs) {
+        std::memcpy(w.qp.data() + i * D2, qg, D * sizeof(scalar_t));
+      } else {
+        widen(qg, w.q.data() + i * Dp, D);
+        for (int64_t d = 0; d < Dp; ++d) w.q[i * Dp + d] *= x.scale;
+      }
     }
   }
-  float* acc = w.acc.data();
   float* s = w.s.data();
-  std::fill(w.acc.begin(), w.acc.end(), 0.f);
-  std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
-  std::fill(w.l.begin(), w.l.end(), 0.f);
+  std::fill_n(w.acc.begin(), nh * Gp * Dp, 0.f);
+  std::fill_n(w.m.begin(), nh * Gp, -std::numeric_limits<float>::infinity());
+  std::fill_n(w.l.begin(), nh * Gp, 0.f);
   for (int64_t j = 0; j * bs < ctx; ++j) {
-    const int64_t n = std::min(bs, ctx - j * bs), base = x.base(b, h, j);
-    if ((j + 1) * bs < ctx) x.prefetch(b, h, j + 1);
-    // Scores of the block's n tokens, [Gp, bsp]: row by row (AVX-512, heads of 64 or 128), else from K transposed.
-    if (bf16_rows) {
-      bf16_row_scores(w.qp.data(), D, G, reinterpret_cast<const at::BFloat16*>(x.k + base), x.tok(), n, x.scale, s,
-                      bsp);
-    } else if (x.pairs) {  // 32-bit lanes moved, not converted: transpose_mxn only shuffles
-      at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(x.k + base), x.tok() / 2, w.kt.data(), bsp,
-                                    static_cast<int>(n), static_cast<int>(D2));
-      const uint32_t* kt32 = reinterpret_cast<const uint32_t*>(w.kt.data());
-      for (int64_t g0 = 0; g0 < G; g0 += kHeads)
-        for (int64_t t = 0; t < n; t += kVec)
-          bf16_pair_scores(w.qp.data() + g0 * D2, D2, kt32, bsp, t, x.scale, s + g0 * bsp + t, bsp);
-    } else {
-      int64_t ld;
-      const float* kr = x.rows(x.k + base, n, w.kf.data(), ld);
-      if (kRowScores && (D == 64 || D == 128)) {
-        for (int64_t t = 0; t < n; t += kVec) {
-          if (D == 64) row_scores<64 / kVec>(w.q.data(), Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
-          else row_scores<128 / kVec>(w.q.data(), Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
-        }
-      } else {
-        at::vec::transpose_mxn<float>(kr, ld, w.kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
+    const int64_t n = std::min(bs, ctx - j * bs);
+    if ((j + 1) * bs < ctx) x.prefetch(b, h0, j + 1, nh);
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t base = x.base(b, h0 + hh, j);
+      const float* q = w.q.data() + hh * Gp * Dp;
+      const uint32_t* qp = w.qp.data() + hh * Gp * D2;
+      float* acc = w.acc.data() + hh * Gp * Dp;
+      float* m = w.m.data() + hh * Gp;
+      float* l = w.l.data() + hh * Gp;
+      // Scores of the block's n tokens, [Gp, bsp]: row by row (AVX-512, heads of 64 or 128), else from K transposed.
+      if (bf16_rows) {
+        bf16_row_scores(qp, D, G, reinterpret_cast<const at::BFloat16*>(x.k + base), x.tok(), n, x.scale, s, bsp);
+      } else if (x.pairs) {  // 32-bit lanes moved, not converted: transpose_mxn only shuffles
+        at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(x.k + base), x.tok() / 2, w.kt.data(), bsp,
+                                      static_cast<int>(n), static_cast<int>(D2));
+        const uint32_t* kt32 = reinterpret_cast<const uint32_t*>(w.kt.data());
         for (int64_t g0 = 0; g0 < G; g0 += kHeads)
           for (int64_t t = 0; t < n; t += kVec)
-            float_scores(w.q.data() + g0 * Dp, Dp, w.kt.data(), bsp, t, s + g0 * bsp + t, bsp);
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      // online softmax: probabilities against the new running maximum, the old sums rescaled to it; max and sum over
-      // whole vectors of tokens as vectors (a scalar chain over a block cost as much as its scores), the tail alone
-      float* sg = s + g * bsp;
-      const int64_t nv = n / kVec * kVec;
-      fVec vmax(-std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < nv; t += kVec) vmax = at::vec::maximum(vmax, fVec::loadu(sg + t));
-      float mx = std::max(w.m[g], cpu_vec::reduce_max(vmax));
-      for (int64_t t = nv; t < n; ++t) mx = std::max(mx, sg[t]);
-      const float corr = std::exp(w.m[g] - mx);  // exp(-inf) = 0 on the first block
-      fVec vsum(0.f);
-      for (int64_t t = 0; t < n; t += kVec) {
-        const fVec p = (fVec::loadu(sg + t) - fVec(mx)).exp();
-        p.store(sg + t);
-        if (t < nv) vsum = vsum + p;
-      }
-      float sum = cpu_vec::reduce_sum(vsum);
-      for (int64_t t = nv; t < n; ++t) sum += sg[t];
-      w.l[g] = w.l[g] * corr + sum;
-      w.m[g] = mx;
-      float* ag = acc + g * Dp;
-      for (int64_t d = 0; d < Dp; d += kVec) (fVec::loadu(ag + d) * fVec(corr)).store(ag + d);
-    }
-    if (bf16_rows) {  // values by token pairs
-      bf16_pair_values(s, bsp, G, reinterpret_cast<const at::BFloat16*>(x.v + base), x.tok(), n, D, w.pp.data(), acc,
-                       Dp);
-      continue;
-    }
-    // Values: acc_g += sum_t p_g[t] v[t], kChains vectors of a head's accumulator at a time kept in registers
-    // (independent FMA chains; intrinsic stores may alias anything, so memory-resident sums reload every step)
-    int64_t vld;
-    const float* vr = x.rows(x.v + base, n, w.vf.data(), vld);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* pg = s + g * bsp;
-      float* ag = acc + g * Dp;
-      for (int64_t d0 = 0; d0 < Dp; d0 += kChains * kVec) {
-        const int64_t nc = std::min(kChains, (Dp - d0) / kVec);  // past nc: vf's padding, never stored
-        fVec a[kChains] = {};
-        for (int64_t c = 0; c < nc; ++c) a[c] = fVec::loadu(ag + d0 + c * kVec);
-        for (int64_t t = 0; t < n; ++t) {
-          const fVec p(pg[t]);
-          const float* vt = vr + t * vld + d0;
-          for (int64_t c = 0; c < kChains; ++c) a[c] = at::vec::fmadd(p, fVec::loadu(vt + c * kVec), a[c]);
+            bf16_pair_scores(qp + g0 * D2, D2, kt32, bsp, t, x.scale, s + g0 * bsp + t, bsp);
+      } else {
+        int64_t ld;
+        const float* kr = x.rows(x.k + base, n, w.kf.data(), ld);
+        if (kRowScores && (D == 64 || D == 128)) {
+          for (int64_t t = 0; t < n; t += kVec) {
+            if (D == 64) row_scores<64 / kVec>(q, Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
+            else row_scores<128 / kVec>(q, Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
+          }
+        } else {
+          at::vec::transpose_mxn<float>(kr, ld, w.kt.data(), bsp, static_cast<int>(n), static_cast<int>(Dp));
+          for (int64_t g0 = 0; g0 < G; g0 += kHeads)
+            for (int64_t t = 0; t < n; t += kVec)
+              float_scores(q + g0 * Dp, Dp, w.kt.data(), bsp, t, s + g0 * bsp + t, bsp);
         }
-        for (int64_t c = 0; c < nc; ++c) a[c].store(ag + d0 + c * kVec);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        // online softmax: probabilities against the new running maximum, the old sums rescaled to it; max and sum
+        // over whole vectors of tokens as vectors (a scalar chain over a block cost as much as its scores)
+        float* sg = s + g * bsp;
+        const int64_t nv = n / kVec * kVec;
+        fVec vmax(-std::numeric_limits<float>::infinity());
+        for (int64_t t = 0; t < nv; t += kVec) vmax = at::vec::maximum(vmax, fVec::loadu(sg + t));
+        float mx = std::max(m[g], cpu_vec::reduce_max(vmax));
+        for (int64_t t = nv; t < n; ++t) mx = std::max(mx, sg[t]);
+        const float corr = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first block
+        fVec vsum(0.f);
+        for (int64_t t = 0; t < n; t += kVec) {
+          const fVec p = (fVec::loadu(sg + t) - fVec(mx)).exp();
+          p.store(sg + t);
+          if (t < nv) vsum = vsum + p;
+        }
+        float sum = cpu_vec::reduce_sum(vsum);
+        for (int64_t t = nv; t < n; ++t) sum += sg[t];
+        l[g] = l[g] * corr + sum;
+        m[g] = mx;
+        float* ag = acc + g * Dp;
+        for (int64_t d = 0; d < Dp; d += kVec) (fVec::loadu(ag + d) * fVec(corr)).store(ag + d);
+      }
+      if (bf16_rows) {  // values by token pairs
+        bf16_pair_values(s, bsp, G, reinterpret_cast<const at::BFloat16*>(x.v + base), x.tok(), n, D, w.pp.data(),
+                         acc, Dp);
+        continue;
+      }
+      // Values: acc_g += sum_t p_g[t] v[t], kChains vectors of a head's accumulator at a time kept in registers
+      // (independent FMA chains; intrinsic stores may alias anything, so memory-resident sums reload every step)
+      int64_t vld;
+      const float* vr = x.rows(x.v + base, n, w.vf.data(), vld);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* pg = s + g * bsp;
+        float* ag = acc + g * Dp;
+        for (int64_t d0 = 0; d0 < Dp; d0 += kChains * kVec) {
+          const int64_t nc = std::min(kChains, (Dp - d0) / kVec);  // past nc: vf's padding, never stored
+          fVec a[kChains] = {};
+          for (int64_t c = 0; c < nc; ++c) a[c] = fVec::loadu(ag + d0 + c * kVec);
+          for (int64_t t = 0; t < n; ++t) {
+            const fVec p(pg[t]);
+            const float* vt = vr + t * vld + d0;
+            for (int64_t c = 0; c < kChains; ++c) a[c] = at::vec::fmadd(p, fVec::loadu(vt + c * kVec), a[c]);
+          }
+          for (int64_t c = 0; c < nc; ++c) a[c].store(ag + d0 + c * kVec);
+        }
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    scalar_t* dst = x.o + r * x.o_row + (h * G + g) * x.o_head;
-    const float inv = 1.f / w.l[g];
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * Dp + (bf16_rows ? pair_lane(d) : d)] * inv);
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = hh * Gp + g;
+      scalar_t* dst = x.o + r * x.o_row + ((h0 + hh) * G + g) * x.o_head;
+      const float inv = 1.f / w.l[i];
+      for (int64_t d = 0; d < D; ++d)
+        dst[d] = static_cast<scalar_t>(w.acc[i * Dp + (bf16_rows ? pair_lane(d) : d)] * inv);
+    }
   }
 }
 
@@ -556,6 +576,10 @@ int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   std::vector<Task> tasks;
   std::vector<std::pair<int64_t, int64_t>> zero_rows{{B ? x.qsl[B] : 0, query.size(0)}};  // [begin, end): padding
   int64_t left = 0;  // prefill chunks over more than max_chunk_context tokens: the caller's
+  // decode rows take all KV heads a task (each block read whole) where there are enough rows to share out
+  int64_t decode_rows = 0;
+  for (int64_t b = 0; b < B; ++b) decode_rows += x.qsl[b + 1] - x.qsl[b] == 1;
+  const bool group_heads = decode_rows >= 8 * at::get_num_threads();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = x.qsl[b + 1] - x.qsl[b], L = x.lens[b];
     if (n > 0 && L <= 0) zero_rows.push_back({x.qsl[b], x.qsl[b + 1]});
@@ -564,7 +588,8 @@ int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
     TORCH_CHECK(n <= L, "request ", b, " has ", n, " query rows but a context of ", L, " tokens");
     for (int64_t row0 = 0; row0 < n; row0 += R) {
       const int64_t rows = std::min(R, n - row0);
-      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, row0, rows, rows * (L - n + row0 + rows)});
+      if (rows == 1 && group_heads) tasks.push_back({b, 0, row0, 1, Hkv * L, Hkv});
+      else for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, row0, rows, rows * (L - n + row0 + rows)});
     }
   }
   // the costliest first, handed out one at a time: threads finish together however uneven the tasks
@@ -572,11 +597,11 @@ int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   std::atomic<int64_t> next{0};
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_tasks), 1, [&](int64_t, int64_t) {
-    Scratch w(bs, bsp, Dp, (G + kHeads - 1) / kHeads * kHeads, Nt, x.pairs ? D / 2 : 0);
+    Scratch w(bs, bsp, Dp, (G + kHeads - 1) / kHeads * kHeads, Nt, x.pairs ? D / 2 : 0, Hkv);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
       const Task& t = tasks[i];
       const int64_t r0 = x.qsl[t.b] + t.row0, pos0 = x.lens[t.b] - (x.qsl[t.b + 1] - x.qsl[t.b]) + t.row0;
-      if (t.rows == 1) decode_row(x, w, t.b, t.h, r0, pos0 + 1);
+      if (t.rows == 1) decode_row(x, w, t.b, t.h, t.nh, r0, pos0 + 1);
       else prefill_tile(x, w, t.b, t.h, r0, t.rows, pos0);
     }
   });
