@@ -49,7 +49,8 @@ def test_rounds_combine_to_medians_range_and_worst_agreement():
                                                     (110.0, 45.0, 0.4, 1.0, 64))]
     row = peers.combine(rows)
     assert row["batch64_tok_s"] == 110.0 and row["tpot_ms"] == 45.0 and row["batch64_range"] == [100.0, 120.0]
-    assert row["prefill_s"] is None and row["load_average"][0] == 0.6 and (row["agreement"], row["identical"]) == (0.9, 60)
+    assert row["prefill_s"] is None and row["load_average"][0] == 0.6
+    assert (row["agreement"], row["identical"]) == (0.9, 60)
     assert [r["batch64_tok_s"] for r in row["rounds"]] == [100.0, 120.0, 110.0]
     assert peers.combine(rows[:2])["batch64_tok_s"] == 110.0  # even count: the middle two's mean
     one = peers.combine(rows[:1])

@@ -18,10 +18,11 @@ and memory do not touch the next; before each, the harness waits for the load av
 engine's load decays with a one-minute time constant) and records it with the busiest processes. Per engine:
 batch-64 output tok/s, batch-1 TTFT and decode tok/s (TPOT), a --prefill-len prompt's prefill (graphinfer, vLLM),
 and greedy token agreement with the reference engine (hf-fp32 when run, else graphinfer-fp32): the share of equal
-positions and the number of fully identical sequences. --rounds N runs the engine list N times, interleaved (round 1:
-every engine, then round 2, ...), and reports each figure's median over the rounds with the batch-64 range and the
-worst agreement: this VM drifts by 10 % and more between minutes, which one run per engine cannot tell from a gap. Free-running greedy on random ids diverges for good after
-the first different token, so agreement below 100 % is no accuracy measure. Prints a table, writes one JSON.
+positions and the number of fully identical sequences. Free-running greedy on random ids diverges for good after
+the first different token, so agreement below 100 % is no accuracy measure. --rounds N runs the engine list N times,
+interleaved (round 1: every engine, then round 2, ...), and reports each figure's median over the rounds with the
+batch-64 range and the worst agreement: the dev VM drifts by 10 % and more within minutes, which one run per engine
+cannot tell from a gap. Prints a table, writes one JSON.
 
 The worker half must import nothing outside the standard library at module level: it runs in the peers' venvs.
 """
@@ -358,7 +359,8 @@ def main() -> None:
         print(f"== {e}, round {rnd + 1} of {a.rounds} (load average {info['load_average']}, after waiting "
               f"{waited:.0f} s)", file=sys.stderr)
         tag = e if a.rounds == 1 else f"{e}_r{rnd + 1}"
-        log, result = os.path.join(out_dir, f"cpu_peers_{tag}.log"), os.path.join(out_dir, f"cpu_peers_{tag}.result.json")
+        log = os.path.join(out_dir, f"cpu_peers_{tag}.log")
+        result = os.path.join(out_dir, f"cpu_peers_{tag}.result.json")
         if os.path.exists(result):
             os.remove(result)
         env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -399,13 +401,17 @@ def main() -> None:
         for info in runs[e]:
             info.pop("ref_outputs", None)
         rows.append(combine(per_round))
-    spread = lambda r: f" ({r['batch64_range'][0]:.1f}-{r['batch64_range'][1]:.1f})" if "batch64_range" in r else ""
-    headers = ["engine", "weights MB", "batch-64 out tok/s" + (f" (median of {a.rounds}; range)" if a.rounds > 1 else ""),
-               "batch-1 decode tok/s (TPOT ms)",
-               f"TTFT ms ({len(prompts[0])} tokens)", f"{a.prefill_len:,}-token prefill s",
-               f"tokens = {ref} (positions; sequences)", "load avg before" + (" (highest)" if a.rounds > 1 else "")]
+    def batch64(r):  # with the range over the rounds
+        lo_hi = f" ({r['batch64_range'][0]:.1f}-{r['batch64_range'][1]:.1f})" if "batch64_range" in r else ""
+        return f"{r['batch64_tok_s']:.1f}{lo_hi}"
+
+    rounds = a.rounds > 1
+    headers = ["engine", "weights MB", "batch-64 out tok/s" + (f" (median of {a.rounds}; range)" if rounds else ""),
+               "batch-1 decode tok/s (TPOT ms)", f"TTFT ms ({len(prompts[0])} tokens)",
+               f"{a.prefill_len:,}-token prefill s", f"tokens = {ref} (positions; sequences)",
+               "load avg before" + (" (highest)" if rounds else "")]
     table = markdown_table(headers, [
-        [r["label"], f"{r['weight_mb']:.0f}", f"{r['batch64_tok_s']:.1f}{spread(r)}",
+        [r["label"], f"{r['weight_mb']:.0f}", batch64(r),
          f"{r['batch1_tok_s']:.1f} ({r['tpot_ms']:.1f})", f"{r['ttft_ms']:,.0f}",
          None if r["prefill_s"] is None else f"{r['prefill_s']:.2f}",
          f"{r['agreement']:.1%}; {r['identical']}/{len(prompts)}" if ref else None,

@@ -13,8 +13,9 @@
 // Work is cut into tasks of one KV head's GQA group, handed to the threads costliest first; all run an online
 // softmax in fp32 block by block, so K and V are read once per group:
 // - a decode row: its G query heads; in batches of at least 8 decode rows a thread, the G heads of every KV head, so
-//   each block's K and V rows are read whole (on the AVX2 dev VM a decode layer of 64 rows took 15-23 % less). On AVX-512 or AVX2 with heads of 64 or 128, each token's scores are one vector
-//   of products per head, a vector's worth of tokens summed at once (sum16, sum_lanes); bf16 caches on AVX512-BF16
+//   each block's K and V rows are read whole (on the AVX2 dev VM a decode layer of 64 rows took 15-23 % less). On
+//   AVX-512 or AVX2 with heads of 64 or 128, each token's scores are one vector of products per head, a vector's
+//   worth of tokens summed at once (sum16, sum_lanes); bf16 caches on AVX512-BF16
 //   multiply bf16 pairs (vdpbf16ps: exact products, fp32 sums) for the scores and for the values (V rows
 //   interleaved by token pairs, probabilities rounded to bf16). Elsewhere a block's K rows are widened (ATen's
 //   conversion, vec.h) and transposed, so scores, exp and the sum over V all run as float vectors.
