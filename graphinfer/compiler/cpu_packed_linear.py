@@ -2,13 +2,13 @@
 
 ATen's F.linear on CPU calls MKL on the plain [N, K] weight each step; here oneDNN's matmul runs on a weight
 reordered once into its blocked layout, as vLLM-CPU does (bf16 on AVX512-BF16 / AMX; on AVX2 alone bf16 weights
-are packed as fp32). A single fp32 row stays on F.linear on Intel CPUs, where MKL's GEMV already streams the weight at
-memory speed; elsewhere MKL takes a slower path (AMD EPYC, 2 cores: batch-1 TPOT 62.0 -> 49.6 ms in
-docs/benchmarks.md's CPU peers runs, with the AVX2 attention work between them). Only the engine-level effect is measured in the repository (docs/benchmarks.md
-"CPU peers"); at prefill sizes (1,000+ rows) the two GEMMs measured within the VM's noise of each other. The runner
-gets a copy of the fused graph whose leaf Linear modules are PackedLinear, and a packed LM head for its logits
-(models' compute_logits is their lm_head); the engine's own graph and model keep their nn.Linear (artifacts save
-them), so these weights are held twice (three times over for bf16 packed as fp32).
+are packed as fp32). A single fp32 row stays on F.linear on Intel CPUs, where MKL's GEMV already streams the weight
+at memory speed; elsewhere MKL takes a slower path (AMD EPYC, 2 cores: CPU peers batch-1 TPOT 62.0 ms in
+docs/bench/cpu_peers_smollm2_2026-11-28_ad03415_avx2_fp32.json, in git before 9a182e5, and 49.6 ms with this rule
+and AVX2 attention work in ..._ef6f033_avx2.json). The runner gets a copy of the fused graph whose leaf Linear
+modules are PackedLinear, and a packed LM head for its logits (models' compute_logits is their lm_head); the engine's
+own graph and model keep their nn.Linear (artifacts save them), so these weights are held twice (three times over
+for bf16 packed as fp32).
 """
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,9 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the engine's graph holds weight anyway
-        # bf16 where oneDNN has no bf16 GEMM (AVX2 alone; ATen's bf16 fallback GEMM is several times slower than fp32):
-        # the weight packed as fp32 and the rows widened, so the products are exact and the sums fp32, as in a bf16
-        # GEMM; the output is rounded back to bf16
+        # bf16 where oneDNN has no bf16 GEMM (AVX2 alone, where oneDNN's bf16 reorder raises): the weight packed as
+        # fp32 and the rows widened, so the products are exact and the sums fp32, as in a bf16 GEMM; the output is
+        # rounded back to bf16 (batch 64 at fp32's speed: 98.4 vs 99.5 tok/s, docs/bench/..._ef6f033_avx2.json)
         self.upcast = linear.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
         # one fp32 row: MKL's GEMV on the plain weight, on Intel CPUs
         self.gemv = linear.weight.dtype == torch.float32 and cpu_vendor() == "GenuineIntel"

@@ -60,10 +60,10 @@ def _heads(reader: GGUFReader, arch: str) -> tuple[int, int]:
 
 
 class FastGGUFReader(GGUFReader):
-    """gguf's reader, its metadata parsed 3.5x faster (SmolLM2's: 4.9 -> 1.4 s a load on the AVX2 dev VM): _get
-    slices a plain ndarray view of the file instead of the np.memmap itself, whose every slice ran memmap's
-    __array_finalize__ (and np.empty for an item size): for each of the ~100k strings of the token and merge arrays.
-    Same parts, dtypes and tensors (tests/test_gguf_loader.py compares them); gguf is pinned (requirements.txt)."""
+    """gguf's reader with its metadata parsed faster (seconds a SmolLM2 load): _get slices a plain ndarray view of the
+    file instead of the np.memmap itself, whose every slice runs memmap's __array_finalize__ (and np.empty for an item
+    size), for each of the ~100k strings of the token and merge arrays. Same parts, dtypes and tensors
+    (tests/test_gguf_loader.py compares them); gguf is pinned (requirements.txt)."""
 
     def _get(self, offset, dtype, count=1, override_order=None):
         plain = self.__dict__.get("_plain")
