@@ -9,6 +9,9 @@ from graphinfer.config import bundled_model_path
 # Tests run the reference ops op by op unless they ask for the cpu platform's compiled path (kernels="inductor":
 # tests/test_cpu_inductor.py), which compiles for a minute; subprocesses (CLI tests) inherit this.
 os.environ.setdefault("GRAPHINFER_CPU_KERNELS", "reference")
+# Engines map their KV cache's pages as first written: committing each one's 1 GiB at start-up would cost seconds and
+# gigabytes across the many engines (and rank and server subprocesses) of a run; tests/test_cpu_kv_pages.py turns it on.
+os.environ.setdefault("GRAPHINFER_CPU_POPULATE_KV_CACHE", "0")
 # Without a GPU the Triton kernels run under Triton's interpreter. Triton reads TRITON_INTERPRET when a function is
 # decorated, its own standard library (tl.sum's combine functions...) included, and any test module may import triton
 # first (compressed_tensors -> torch._dynamo does): set it before anything is collected.

@@ -17,12 +17,14 @@ kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, els
   kernels inside a whole model on a machine without a GPU.
 
 Activation also sets torch's threads (one per physical core, a tensor-parallel rank's share) and has glibc keep freed
-memory (retain_freed_memory; GRAPHINFER_CPU_RETAIN_FREED_MEMORY=0 keeps glibc's defaults).
+memory (retain_freed_memory; GRAPHINFER_CPU_RETAIN_FREED_MEMORY=0 keeps glibc's defaults). The KV cache's pages are
+committed at start-up (populate_in_background; GRAPHINFER_CPU_POPULATE_KV_CACHE=0 maps them as first written).
 """
 import ctypes
 import ctypes.util
 import functools
 import os
+import threading
 
 import torch
 
@@ -87,6 +89,27 @@ def has_native_bf16() -> bool:
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+ (mman-common.h)
+_POPULATE_CHUNK = 16 << 20
+
+
+def populate_pages(t: torch.Tensor) -> bool:
+    """Have the kernel map every page of t's memory for writing now (madvise MADV_POPULATE_WRITE), its contents
+    unchanged, so later writes do not page-fault. Safe beside threads writing to t meanwhile. Returns False where the
+    kernel or C library cannot (the pages then map as first written, as before)."""
+    path = ctypes.util.find_library("c")
+    if not path or t.numel() == 0:
+        return False
+    madvise = ctypes.CDLL(path, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = t.data_ptr() // page * page, t.data_ptr() + t.numel() * t.element_size()
+    # In chunks: the call holds the address space's lock, and a malloc that grows the heap (brk) meanwhile would wait
+    # for all of it (seconds a GiB of fresh memory on a VM), and every other thread's page fault behind that.
+    for chunk in range(start, end, _POPULATE_CHUNK):
+        if madvise(chunk, min(_POPULATE_CHUNK, end - chunk), _MADV_POPULATE_WRITE) != 0:
+            return False
+    return True
 
 
 def retain_freed_memory() -> bool:
@@ -104,6 +127,16 @@ def retain_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def _populate_when_idle(t: torch.Tensor) -> None:
+    """populate_pages at SCHED_IDLE (Linux: this thread alone), so that warm-up's OpenMP threads keep the cores and
+    the pages are mapped in what CPU time they leave."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+    populate_pages(t)
 
 
 class CpuPlatform(Platform):
@@ -161,6 +194,17 @@ class CpuPlatform(Platform):
         if envs.GRAPHINFER_CPU_RETAIN_FREED_MEMORY != "0":
             retain_freed_memory()
         super().activate(kernels)
+
+    def populate_in_background(self, t: torch.Tensor) -> threading.Thread | None:
+        """The KV cache is calloc'd: its pages would be mapped (and zeroed) by the kernel as requests first write
+        them, in the serving path (~3.5 s a GiB of fresh memory on the dev VM, whose host backs guest memory lazily
+        too). vLLM-CPU zeroes its cache at start-up; here a thread populates it beside warm-up, and start-up waits
+        for it (runtime/startup.py). GRAPHINFER_CPU_POPULATE_KV_CACHE=0: pages map as first written."""
+        if envs.GRAPHINFER_CPU_POPULATE_KV_CACHE == "0":
+            return None
+        thread = threading.Thread(target=_populate_when_idle, args=(t,), name="kv-cache-pages", daemon=True)
+        thread.start()  # ctypes releases the GIL for the madvise call
+        return thread
 
     def supports_skinny_gemm(self, kernels: str | None = None) -> bool:
         """Only under Triton's interpreter (TRITON_INTERPRET=1) and where the graph runs as is (not Inductor); it is

@@ -6,6 +6,7 @@ registers those implementations under its dispatch key, so the same fx graph run
 CPU tensors and the platform's kernels on its device tensors.
 """
 import contextlib
+import threading
 from collections.abc import Callable
 
 import torch
@@ -65,6 +66,11 @@ class Platform:
         """Give the caching allocator's unused memory back to the device (after an engine shut down)."""
         if self.device_module is not None:
             self.device_module.empty_cache()
+
+    def populate_in_background(self, t: torch.Tensor) -> threading.Thread | None:
+        """Start committing t's memory (the KV cache) while start-up goes on; the thread to join before the engine is
+        ready, or None where there is nothing to do (a device allocator commits memory as it allocates)."""
+        return None
 
     def record_event(self, device: torch.device):
         """An event recorded on the current stream, for waiting on the work issued so far alone (async
