@@ -28,9 +28,10 @@ _VARS = [
            "The cpu platform's op implementations when `kernels` (--kernels / LLM(kernels=)) is not given: eager, "
            "inductor, reference or triton (unset: eager). The engine setting wins when given.", setting="kernels"),
     EnvVar("GRAPHINFER_CPU_POPULATE_KV_CACHE", "1",
-           "1: on the cpu platform, the KV cache's pages are committed at start-up by a thread beside warm-up (vLLM-CPU "
-           "zeroes its cache), so requests do not page-fault them in; start-up waits for it. 0: pages are mapped as "
-           "first written (the cache's memory is committed as it is used; the tests' many short-lived engines)."),
+           "1: on the cpu platform, a thread at idle priority commits the KV cache's pages from start-up on (vLLM-CPU "
+           "zeroes its cache at start-up), so requests do not page-fault them in; LLM.generate waits for it before "
+           "its first step, the server does not. 0: pages are mapped as first written (the tests' many short-lived "
+           "engines)."),
     EnvVar("GRAPHINFER_CPU_RETAIN_FREED_MEMORY", "1",
            "1: on the cpu platform, glibc malloc keeps freed memory in the process (no mmap for large blocks, no "
            "trim), so a prefill's large activations are not page-faulted in again every layer; the process keeps its "

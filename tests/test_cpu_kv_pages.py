@@ -1,9 +1,10 @@
-"""The cpu platform commits the KV cache's pages at start-up (platforms/cpu.populate_pages, in a thread beside
-warm-up) instead of page-faulting them in as requests first write them."""
+"""The cpu platform commits the KV cache's pages (platforms/cpu.populate_pages, in a thread from start-up on) instead
+of page-faulting them in as requests first write them."""
 import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
 
 import pytest
 import torch
@@ -36,17 +37,50 @@ def test_populate_pages_maps_every_page_and_keeps_the_contents():
     buf.close()
 
 
+def test_populate_pages_stops_between_chunks():
+    buf = mmap.mmap(-1, 8 << 20)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    stop = threading.Event()
+    stop.set()
+    assert not populate_pages(t, stop)
+    assert _resident_pages(t) == 0
+    del t
+    buf.close()
+
+
 @pytest.mark.parametrize("populate", ["1", "0"])
-def test_engine_start_up_waits_for_the_cache_pages(monkeypatch, populate):
-    """GRAPHINFER_CPU_POPULATE_KV_CACHE=1 (the default outside tests): start-up has a phase that waits for the thread,
-    and the whole cache is mapped when the engine is ready; 0: no thread. Either way the engine serves."""
+def test_generate_waits_for_the_cache_pages(monkeypatch, populate):
+    """GRAPHINFER_CPU_POPULATE_KV_CACHE=1 (the default outside tests): a thread commits the cache's pages from start-up
+    on and LLM.generate waits for it, so the whole cache is mapped once it has run; 0: no thread."""
     monkeypatch.setenv("GRAPHINFER_CPU_POPULATE_KV_CACHE", populate)
     llm = LLM("tiny-llama", device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
-    engine = llm.llm_engine
-    assert ("KV cache pages (wait for its thread)" in engine.startup.seconds) == (populate == "1")
-    kv = engine.model_runner.kv_cache
-    if populate == "1":
-        assert _resident_pages(kv) == -(-(kv.data_ptr() % PAGE + kv.numel() * kv.element_size()) // PAGE)
+    runner = llm.llm_engine.model_runner
+    assert (runner.kv_pages is not None) == (populate == "1")
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                        use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 8
+    assert len(out[0].outputs[0].token_ids) == 8 and runner.kv_pages is None
+    if populate == "1":
+        kv = runner.kv_cache
+        assert _resident_pages(kv) == -(-(kv.data_ptr() % PAGE + kv.numel() * kv.element_size()) // PAGE)
+
+
+def test_shutdown_stops_the_page_thread(monkeypatch):
+    """An engine shut down while its thread still runs stops it (which drops the cache it holds)."""
+    from graphinfer.platforms import cpu
+
+    class Slow(cpu.PagePopulator):
+        def run(self):
+            self.stopping.wait(600)
+            self.t = None
+
+    def start(self, t):
+        thread = Slow(t)
+        thread.start()
+        return thread
+
+    monkeypatch.setattr(cpu.CpuPlatform, "populate_in_background", start)
+    llm = LLM("tiny-llama", device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
+    thread = llm.llm_engine.model_runner.kv_pages
+    assert thread.is_alive()
+    llm.shutdown()
+    assert thread.stopping.is_set() and not thread.is_alive() and thread.t is None

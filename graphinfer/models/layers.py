@@ -127,7 +127,7 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int) -> Ten
     dtype, device = activation_dtype(model), model.model.norm.weight.device
     shape = (len(layers), 2, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     if device.type == "cpu":  # calloc'd (numpy): the OS maps zero pages as they are first written, so allocating costs
-        # nothing (torch.zeros writes every byte); the cpu platform commits them in a thread beside warm-up
+        # nothing (torch.zeros writes every byte); the cpu platform commits them in a thread (populate_in_background)
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         kv = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
     else:

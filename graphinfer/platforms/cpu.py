@@ -18,7 +18,8 @@ kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, els
 
 Activation also sets torch's threads (one per physical core, a tensor-parallel rank's share) and has glibc keep freed
 memory (retain_freed_memory; GRAPHINFER_CPU_RETAIN_FREED_MEMORY=0 keeps glibc's defaults). The KV cache's pages are
-committed at start-up (populate_in_background; GRAPHINFER_CPU_POPULATE_KV_CACHE=0 maps them as first written).
+committed by a thread from start-up on (populate_in_background; GRAPHINFER_CPU_POPULATE_KV_CACHE=0 maps them as
+first written).
 """
 import ctypes
 import ctypes.util
@@ -90,13 +91,13 @@ def has_native_bf16() -> bool:
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+ (mman-common.h)
-_POPULATE_CHUNK = 16 << 20
+_POPULATE_CHUNK = 2 << 20
 
 
-def populate_pages(t: torch.Tensor) -> bool:
+def populate_pages(t: torch.Tensor, stop: threading.Event | None = None) -> bool:
     """Have the kernel map every page of t's memory for writing now (madvise MADV_POPULATE_WRITE), its contents
     unchanged, so later writes do not page-fault. Safe beside threads writing to t meanwhile. Returns False where the
-    kernel or C library cannot (the pages then map as first written, as before)."""
+    kernel or C library cannot (the pages then map as first written), or when `stop` was set between chunks."""
     path = ctypes.util.find_library("c")
     if not path or t.numel() == 0:
         return False
@@ -104,10 +105,11 @@ def populate_pages(t: torch.Tensor) -> bool:
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = os.sysconf("SC_PAGE_SIZE")
     start, end = t.data_ptr() // page * page, t.data_ptr() + t.numel() * t.element_size()
-    # In chunks: the call holds the address space's lock, and a malloc that grows the heap (brk) meanwhile would wait
-    # for all of it (seconds a GiB of fresh memory on a VM), and every other thread's page fault behind that.
+    # In 2 MiB chunks: each call holds the address space's lock, and a malloc that grows the heap (brk) meanwhile
+    # waits for it (a whole GiB of fresh memory took seconds on a VM), every other thread's page fault behind that.
     for chunk in range(start, end, _POPULATE_CHUNK):
-        if madvise(chunk, min(_POPULATE_CHUNK, end - chunk), _MADV_POPULATE_WRITE) != 0:
+        if (stop is not None and stop.is_set()) or madvise(chunk, min(_POPULATE_CHUNK, end - chunk),
+                                                           _MADV_POPULATE_WRITE) != 0:
             return False
     return True
 
@@ -129,14 +131,26 @@ def retain_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-def _populate_when_idle(t: torch.Tensor) -> None:
-    """populate_pages at SCHED_IDLE (Linux: this thread alone), so that warm-up's OpenMP threads keep the cores and
-    the pages are mapped in what CPU time they leave."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
-    populate_pages(t)
+class PagePopulator(threading.Thread):
+    """populate_pages(t) in a daemon thread at SCHED_IDLE (Linux: this thread alone), so that warm-up's and the
+    requests' threads keep the cores and the pages are mapped in what CPU time they leave. stop(): end it between
+    chunks and drop t (the engine's shutdown)."""
+
+    def __init__(self, t: torch.Tensor):
+        super().__init__(name="kv-cache-pages", daemon=True)
+        self.t, self.stopping = t, threading.Event()
+
+    def run(self) -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass
+        populate_pages(self.t, self.stopping)  # ctypes releases the GIL for each madvise
+        self.t = None
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join()
 
 
 class CpuPlatform(Platform):
@@ -195,15 +209,17 @@ class CpuPlatform(Platform):
             retain_freed_memory()
         super().activate(kernels)
 
-    def populate_in_background(self, t: torch.Tensor) -> threading.Thread | None:
+    def populate_in_background(self, t: torch.Tensor) -> PagePopulator | None:
         """The KV cache is calloc'd: its pages would be mapped (and zeroed) by the kernel as requests first write
         them, in the serving path (~3.5 s a GiB of fresh memory on the dev VM, whose host backs guest memory lazily
-        too). vLLM-CPU zeroes its cache at start-up; here a thread populates it beside warm-up, and start-up waits
-        for it (runtime/startup.py). GRAPHINFER_CPU_POPULATE_KV_CACHE=0: pages map as first written."""
+        too). vLLM-CPU zeroes its cache at start-up, which then takes that long; here a thread at idle priority
+        commits the pages from start-up on, and the offline API waits for it before its first step
+        (LLMEngine.wait_for_kv_cache_pages) while the server does not. GRAPHINFER_CPU_POPULATE_KV_CACHE=0: pages
+        map as first written."""
         if envs.GRAPHINFER_CPU_POPULATE_KV_CACHE == "0":
             return None
-        thread = threading.Thread(target=_populate_when_idle, args=(t,), name="kv-cache-pages", daemon=True)
-        thread.start()  # ctypes releases the GIL for the madvise call
+        thread = PagePopulator(t)
+        thread.start()
         return thread
 
     def supports_skinny_gemm(self, kernels: str | None = None) -> bool:

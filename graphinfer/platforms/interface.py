@@ -68,8 +68,8 @@ class Platform:
             self.device_module.empty_cache()
 
     def populate_in_background(self, t: torch.Tensor) -> threading.Thread | None:
-        """Start committing t's memory (the KV cache) while start-up goes on; the thread to join before the engine is
-        ready, or None where there is nothing to do (a device allocator commits memory as it allocates)."""
+        """Start committing t's memory (the KV cache) in a thread; returns it (join() waits, stop() ends it early), or
+        None where there is nothing to do (a device allocator commits memory as it allocates)."""
         return None
 
     def record_event(self, device: torch.device):

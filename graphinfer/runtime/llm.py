@@ -110,6 +110,7 @@ class LLM:
     def _run(self, seqs, use_tqdm: bool) -> list[RequestOutput]:
         # Every prompt was validated before any was queued: a bad one leaves nothing behind.
         engine = self.llm_engine
+        engine.wait_for_kv_cache_pages()
         for seq in seqs:
             engine.add_sequence(seq)
         finished: dict[str, RequestOutput] = {}

@@ -221,6 +221,15 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.death_listeners.append(callback)
 
+    def wait_for_kv_cache_pages(self) -> None:
+        """Join the thread committing the KV cache's pages (cpu: CpuPlatform.populate_in_background) if it still
+        runs. The offline API does before its first step, so a batch job does not page-fault the cache in as it goes;
+        the server does not wait (the thread runs in its idle time)."""
+        runner = self.model_runner
+        if runner is not None and runner.kv_pages is not None:
+            runner.kv_pages.join()
+            runner.kv_pages = None
+
     # ----- stepping -----
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step. Returns an output for each request that got a token (with

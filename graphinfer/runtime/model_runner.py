@@ -104,6 +104,7 @@ class ModelRunner:
         self.num_blocks = 1 if placeholder_kv else self._num_kv_blocks(cache_config, max_model_len, engine_bytes)
         self.num_blocks = ps.min_across_ranks(self.num_blocks)  # tensor parallel: every rank's cache alike
         self.kv_cache = allocate_kv_cache(model, self.num_blocks, self.block_size)
+        self.kv_pages = None  # cpu: the thread committing the cache's pages (runtime/startup.py starts it)
         if not placeholder_kv:
             logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                         self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
@@ -211,6 +212,9 @@ class ModelRunner:
 
     def release(self) -> None:
         """Free the captured graphs (and their memory pool), their static buffers and the KV cache."""
+        if self.kv_pages is not None:  # still committing the cache's pages: it holds the cache
+            self.kv_pages.stop()
+            self.kv_pages = None
         for graphs in (self.decode_graphs, self.verify_graphs, self.piecewise_graphs):
             if graphs is not None:
                 graphs.release()

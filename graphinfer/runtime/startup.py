@@ -1,7 +1,7 @@
 """An engine's start-up on the model side, in the order it must run: the device; the compile pipeline's weights and
 fused graph (from an artifact, the tokenizer loads meanwhile in a thread); the model runner, whose KV cache is sized
-from the memory those took (cpu: its pages committed by a thread meanwhile); then lowering, warm-up and capture over
-that runner (compiler/pipeline.py)."""
+from the memory those took (cpu: a thread starts committing its pages); then lowering, warm-up and capture over that
+runner (compiler/pipeline.py)."""
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -60,12 +60,10 @@ def start_model(config: EngineConfig, platform: Platform, timer: StartupTimer, c
                              step_tokens=sc.max_num_batched_tokens, logits_rows=sc.max_num_seqs,
                              graph_tokens=max(compiled.capture_sizes) if graphs else 0,
                              logprobs_mode=mc.logprobs_mode)
-        pages = None if config.compile_only else platform.populate_in_background(runner.kv_cache)
+        if not config.compile_only:
+            runner.kv_pages = platform.populate_in_background(runner.kv_cache)
     runner.channel = channel
     pipeline.finish(compiled, runner, max_model_len, spec.num_speculative_tokens if spec else None)
-    if pages is not None:
-        with timer.phase("KV cache pages (wait for its thread)"):
-            pages.join()
     return StartedModel(device, compiled, tokenizer, max_model_len, eos_token_ids, runner)
 
 
