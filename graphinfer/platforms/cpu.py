@@ -7,7 +7,7 @@ kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, els
   ops/cpu_quant.py (C++ kernels of csrc/cpu/ where built), and xgrammar's C++ kernel for structured outputs' mask
   (ops/cpu_bitmask.py), the graph run op by op with its float linears on oneDNN's prepacked weights
   (compiler/cpu_packed_linear.py)
-  (no compile: `serve ART` healthy in ~3.6 s for SmolLM2 on the 2-core AVX2 dev machine);
+  (no compile: `serve ART` healthy in 3.6-5.6 s for SmolLM2 on the 2-core AVX2 dev VMs, docs/benchmarks.md);
 - "inductor": the fused graph compiled by TorchInductor (compiler/inductor.py) with those ops opaque (the
   quantized linears as extern calls inside the compiled pieces). Not the default: on the AVX2 dev machine it
   measured slower than "eager" (SmolLM2 fp32, 32 prompts: 39.2 vs 48.9 out tok/s) and takes ~10 s to start from an
