@@ -222,10 +222,11 @@ def _scaled_mm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K, 
 
 
 @triton.jit
-def _dequant(q, s_ptr, z_ptr, cols, col_mask, g_idx, k0, G, stride_sn, HAS_ZERO: tl.constexpr,
+def _dequant(q, s_ptr, z_ptr, cols, col_mask, g_idx, k_mask, k0, G, stride_sn, HAS_ZERO: tl.constexpr,
              GROUP_TILE: tl.constexpr):
     """fp32 w = q * scales[n, k // G] (+ zeros[n, k // G]) for a code tile q [BLOCK_N, cols of k]; g_idx: the
-    group index of each column (used unless the whole K tile is one group, GROUP_TILE)."""
+    group index of each column (used unless the whole K tile is one group, GROUP_TILE), k_mask: the columns inside K
+    (past it g_idx would read beyond a row's scales: the last row's, beyond the tensor, NaN x 0 = NaN)."""
     if GROUP_TILE:
         offs = cols * stride_sn + k0 // G
         s = tl.load(s_ptr + offs, mask=col_mask, other=0.0)
@@ -234,10 +235,11 @@ def _dequant(q, s_ptr, z_ptr, cols, col_mask, g_idx, k0, G, stride_sn, HAS_ZERO:
             w += tl.load(z_ptr + offs, mask=col_mask, other=0.0)[:, None]
     else:
         offs = cols[:, None] * stride_sn + g_idx[None, :]
-        s = tl.load(s_ptr + offs, mask=col_mask[:, None], other=0.0)
+        mask = col_mask[:, None] & k_mask[None, :]
+        s = tl.load(s_ptr + offs, mask=mask, other=0.0)
         w = q * s
         if HAS_ZERO:
-            w += tl.load(z_ptr + offs, mask=col_mask[:, None], other=0.0)
+            w += tl.load(z_ptr + offs, mask=mask, other=0.0)
     return w
 
 
@@ -261,7 +263,7 @@ def _wo_linear_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, G,
                         other=0.0)
             q = tl.load(q_ptr + cols[:, None] * stride_qn + ks[None, :], mask=col_mask[:, None] & k_mask[None, :],
                         other=0).to(tl.float32)
-            w = _dequant(q, s_ptr, z_ptr, cols, col_mask, ks // G, k0, G, stride_sn, HAS_ZERO, GROUP_TILE)
+            w = _dequant(q, s_ptr, z_ptr, cols, col_mask, ks // G, k_mask, k0, G, stride_sn, HAS_ZERO, GROUP_TILE)
             acc += _fdot(x, tl.trans(w), DOT_F32)
     else:
         for k0 in range(0, K, BLOCK_K):
@@ -274,8 +276,9 @@ def _wo_linear_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, G,
             x_mask = row_mask[:, None] & j_mask[None, :]
             x_even = tl.load(x_ptr + rows[:, None] * stride_xm + 2 * js[None, :], mask=x_mask, other=0.0)
             x_odd = tl.load(x_ptr + rows[:, None] * stride_xm + 2 * js[None, :] + 1, mask=x_mask, other=0.0)
-            w_lo = _dequant(lo, s_ptr, z_ptr, cols, col_mask, (2 * js) // G, k0, G, stride_sn, HAS_ZERO, GROUP_TILE)
-            w_hi = _dequant(hi, s_ptr, z_ptr, cols, col_mask, (2 * js + 1) // G, k0, G, stride_sn, HAS_ZERO,
+            w_lo = _dequant(lo, s_ptr, z_ptr, cols, col_mask, (2 * js) // G, j_mask, k0, G, stride_sn, HAS_ZERO,
+                            GROUP_TILE)
+            w_hi = _dequant(hi, s_ptr, z_ptr, cols, col_mask, (2 * js + 1) // G, j_mask, k0, G, stride_sn, HAS_ZERO,
                             GROUP_TILE)
             acc += _fdot(x_even, tl.trans(w_lo), DOT_F32)
             acc += _fdot(x_odd, tl.trans(w_hi), DOT_F32)
