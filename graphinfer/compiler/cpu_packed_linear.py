@@ -2,21 +2,19 @@
 
 ATen's F.linear on CPU calls MKL on the plain [N, K] weight each step; here oneDNN's matmul runs on a weight
 reordered once into its blocked layout, as vLLM-CPU does (bf16 on AVX512-BF16 / AMX; on AVX2 alone bf16 weights
-are packed as fp32). A single fp32 row stays on F.linear on Intel CPUs, where MKL's GEMV already streams the weight
-at memory speed; elsewhere MKL takes a slower path (AMD EPYC, 2 cores: CPU peers batch-1 TPOT 62.0 ms in
-docs/bench/cpu_peers_smollm2_2026-11-28_ad03415_avx2_fp32.json, in git before 9a182e5, and 49.6 ms with this rule
-and AVX2 attention work in ..._ef6f033_avx2.json). The runner gets a copy of the fused graph whose leaf Linear
-modules are PackedLinear, and a packed LM head for its logits (models' compute_logits is their lm_head); the engine's
-own graph and model keep their nn.Linear (artifacts save them), so these weights are held twice (three times over
-for bf16 packed as fp32).
+are packed as fp32). Up to four rows (batch-1 decode) go to csrc/cpu/gemv.cpp on the weight as held instead
+(ops/cpu_gemv.py): at one row oneDNN's call costs ~30 us whatever the shape, 121 calls a SmolLM2 token, and
+neither it nor MKL's GEMV streams the weights as fast on the AVX2 AMD dev VM (docs/benchmarks.md, CPU peers). The
+runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear, and a packed LM head for its logits
+(models' compute_logits is their lm_head); the engine's own graph and model keep their nn.Linear (artifacts save
+them), so these weights are held twice (three times over for bf16 packed as fp32).
 """
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 from graphinfer.compiler.skinny_gemm import SkinnyLinear
 from graphinfer.compiler.trace import is_leaf_layer, with_modules
-from graphinfer.platforms.cpu import cpu_vendor
+from graphinfer.ops import cpu_gemv
 
 PACK_BATCH = 32  # oneDNN's batch hint for the layout (vLLM's); any row count runs on it
 
@@ -32,8 +30,8 @@ class PackedLinear(nn.Module):
         # fp32 and the rows widened, so the products are exact and the sums fp32, as in a bf16 GEMM; the output is
         # rounded back to bf16 (batch 64 at fp32's speed: 98.4 vs 99.5 tok/s, docs/bench/..._ef6f033_avx2.json)
         self.upcast = linear.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        # one fp32 row: MKL's GEMV on the plain weight, on Intel CPUs
-        self.gemv = linear.weight.dtype == torch.float32 and cpu_vendor() == "GenuineIntel"
+        # a few rows (batch-1 decode): csrc/cpu/gemv.cpp on the weight as held, where the library is built
+        self.gemv = cpu_gemv.available()
         self.register_buffer("packed_weight", None, persistent=False)
         self._pack()
 
@@ -44,8 +42,8 @@ class PackedLinear(nn.Module):
         self.packed_version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv and x.numel() == self.in_features:
-            return F.linear(x, self.weight, self.bias)
+        if self.gemv and x.numel() <= cpu_gemv.MAX_ROWS * self.in_features:
+            return cpu_gemv.gemv(x, self.weight, self.bias)
         if self.weight._version != self.packed_version:  # the weight was updated in place (a reload): repack
             self._pack()
         if self.upcast:

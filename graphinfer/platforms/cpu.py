@@ -76,11 +76,6 @@ def _cpuinfo_field(key: str) -> list[str]:
     return line.split(":", 1)[1].split() if ":" in line else []
 
 
-def cpu_vendor() -> str:
-    """e.g. "GenuineIntel", "AuthenticAMD" ("" where unknown)."""
-    return " ".join(_cpuinfo_field("vendor_id"))
-
-
 def has_native_bf16() -> bool:
     """Whether the CPU computes bf16 matmuls natively (AVX512-BF16 or AMX): else bf16 is emulated and slower than fp32."""
     if "AMX" in torch.backends.cpu.get_cpu_capability():  # e.g. "AVX2", "AVX512"; AMX where the build reports it
