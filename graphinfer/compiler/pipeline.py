@@ -27,6 +27,7 @@ from torch import fx, nn
 from graphinfer import envs
 from graphinfer.compiler import artifact, kernel_cache
 from graphinfer.compiler.compile import compile_model
+from graphinfer.compiler.bind_ops import bind_op_impls
 from graphinfer.compiler.cpu_packed_linear import pack_linears, packed_lm_head
 from graphinfer.compiler.fingerprint import model_fingerprint
 from graphinfer.compiler.skinny_gemm import SkinnyGemmTable, event_timer, lower_skinny_gemm
@@ -195,6 +196,8 @@ class CompilePipeline:
                                                               timer)
         if platform.prepacks_linear_weights(comp.kernels):
             executable = pack_linears(_fx(executable))
+        if platform.binds_op_impls(comp.kernels):
+            executable = bind_op_impls(_fx(executable), platform.op_impls(comp.kernels))
         if comp.npu_compiler:
             executable = self._torchair(c.graph, comp.npu_compiler)
         return executable

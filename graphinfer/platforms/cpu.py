@@ -229,6 +229,10 @@ class CpuPlatform(Platform):
         """With the default kernels ("eager"), where torch has oneDNN: vLLM-CPU's prepacked weights."""
         return self.resolve_kernels(kernels) == "eager" and torch.backends.mkldnn.is_available()
 
+    def binds_op_impls(self, kernels: str | None = None) -> bool:
+        """With the default kernels ("eager"): the graph runs op by op from Python."""
+        return self.resolve_kernels(kernels) == "eager"
+
     def graph_compiler(self, kernels: str | None = None) -> str | None:
         return "inductor" if self.resolve_kernels(kernels) == "inductor" else None
 

@@ -134,6 +134,11 @@ class Platform:
         compiler/cpu_packed_linear.py), a lowering step of the compile pipeline. Default: no."""
         return False
 
+    def binds_op_impls(self, kernels: str | None = None) -> bool:
+        """Whether the runner's graph calls op_impls(kernels)' functions directly, not through the graphinfer ops
+        (compiler/bind_ops.py): for graphs that run eagerly, where each op's trip into Python costs. Default: no."""
+        return False
+
     def graph_compiler(self, kernels: str | None = None) -> str | None:
         """The compiler the fused graph goes through on this platform before it runs ("inductor": cpu's
         compiler/inductor.py; the compile pipeline applies it), or None: the graph runs as is, eagerly or
