@@ -31,7 +31,7 @@ class PackedLinear(nn.Module):
         # rounded back to bf16 (batch 64 at fp32's speed: 98.4 vs 99.5 tok/s, docs/bench/..._ef6f033_avx2.json)
         self.upcast = linear.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
         # a few rows (batch-1 decode): csrc/cpu/gemv.cpp on the weight as held, where the library is built
-        self.gemv = cpu_gemv.available()
+        self.gemv = cpu_gemv.available() and linear.weight.is_contiguous()
         self.register_buffer("packed_weight", None, persistent=False)
         self._pack()
 
