@@ -77,7 +77,7 @@ void gemv_kernel(const float* x, const w_t* w, const float* bias, float* out, in
 }
 
 // x [T <= kMaxRows, K] fp32 or bf16; weight [N, K] fp32 or bf16, contiguous; bias [N] or none -> [T, N] in x's dtype.
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows, "gemv: x must be [T <= ", kMaxRows, ", K]");
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1) && weight.is_contiguous(),
               "gemv: weight must be a contiguous [N, K]");
