@@ -7,17 +7,23 @@ SmolLM2-135M's shapes (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536; 
 shape, --layers distinct random weights called one after the other as a decode step does, so each weight comes
 from memory, not cache. Each method's best of --repeats passes (methods interleaved per pass) gives us a call and
 GB/s of weight read; "step_ms" sums a whole step (30 layers + head). bf16 rows read a bf16 copy of the weights.
-SMOKE=1: 3 layers, 2 passes.
+"call_us": the fixed cost of a call, timed on a 64x64 weight at one row (timeit's best of 3), and of a graphinfer op
+whose cpu kernel is a Python function (add_rms_norm, one row of 576) called through the op, as the bound function
+(compiler/bind_ops.py) and as its C++ kernel alone. SMOKE=1: 3 layers, 2 passes.
 """
 import argparse
 import json
 import os
 import time
+import timeit
 
 import torch
 import torch.nn.functional as F
 
 from graphinfer.ops import cpu_gemv
+from graphinfer.ops.cpu_elementwise import add_rms_norm_cpu
+from graphinfer.ops.norm import add_rms_norm
+from graphinfer.platforms import get_platform
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -64,9 +70,27 @@ def main() -> None:
             print(f"rows {rows} {name:8s} " + "  ".join(f"{m} {s * 1e6:.0f} us" for m, s in best.items()))
         print(f"rows {rows} step ms: " + "  ".join(f"{m} {v:.2f}" for m, v in step.items()))
         results.append({"rows": rows, "step_ms": step})
+    call_us = call_costs(2000 if os.environ.get("SMOKE") == "1" else 20000)
+    print("us a call: " + "  ".join(f"{m} {v:.1f}" for m, v in call_us.items()))
     with open(a.output_json, "w") as f:
         json.dump({"layers": a.layers, "repeats": a.repeats, "threads": torch.get_num_threads(),
-                   "load_average": os.getloadavg(), "results": results}, f, indent=1)
+                   "load_average": os.getloadavg(), "results": results, "call_us": call_us}, f, indent=1)
+
+
+def call_costs(number: int) -> dict[str, float]:
+    w, x = torch.randn(64, 64), torch.randn(1, 64)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    h, r, g = torch.randn(1, 576), torch.randn(1, 576), torch.randn(576)
+    get_platform("cpu").activate("eager")  # add_rms_norm's cpu kernel: add_rms_norm_cpu
+    calls = {
+        "linear_64x64_graphinfer_gemv": lambda: cpu_gemv.gemv(x, w, None),
+        "linear_64x64_onednn_prepacked": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        "linear_64x64_mkl_f_linear": lambda: F.linear(x, w),
+        "add_rms_norm_through_the_op": lambda: add_rms_norm(h, r, g, 1e-6),
+        "add_rms_norm_bound_function": lambda: add_rms_norm_cpu(h, r, g, 1e-6),
+        "add_rms_norm_cpp_kernel_alone": lambda: torch.ops.graphinfer_cpu.add_rms_norm(h, r, g, 1e-6),
+    }
+    return {m: min(timeit.repeat(fn, number=number, repeat=3)) / number * 1e6 for m, fn in calls.items()}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "vec.h"
 
@@ -76,11 +77,14 @@ void gemv_kernel(const float* x, const w_t* w, const float* bias, float* out, in
   });
 }
 
-// x [T <= kMaxRows, K] fp32 or bf16; weight [N, K] fp32 or bf16, contiguous; bias [N] or none -> [T, N] in x's dtype.
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows, "gemv: x must be [T <= ", kMaxRows, ", K]");
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1) && weight.is_contiguous(),
-              "gemv: weight must be a contiguous [N, K]");
+// x [..., K] (T <= kMaxRows rows) fp32 or bf16; weight [N, K] fp32 or bf16, contiguous; bias [N] or none -> [..., N]
+// in x's dtype. Leading dims are handled here, not in Python: a reshape and a view there cost more than the kernel's
+// call (tools/cpu_gemv_bench.py, "call_us").
+at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() >= 1 && weight.dim() == 2 && weight.size(1) == x_in.size(-1) && weight.is_contiguous(),
+              "gemv: weight must be a contiguous [N, K] for x [..., K]");
+  const at::Tensor x = x_in.reshape({-1, x_in.size(-1)});
+  TORCH_CHECK(x.size(0) <= kMaxRows, "gemv: x must have T <= ", kMaxRows, " rows");
   TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
               "gemv: weight must be fp32 or bf16");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gemv: x must be fp32 or bf16");
@@ -91,7 +95,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::option
     TORCH_CHECK(bias->numel() == N, "gemv: bias must be [N]");
     bf = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor out = at::empty({T, N}, x.options().dtype(at::kFloat));
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x.options().dtype(at::kFloat));
   const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;
   if (weight.scalar_type() == at::kFloat) {
     gemv_kernel(xf.data_ptr<float>(), weight.data_ptr<float>(), b, out.data_ptr<float>(), T, K, N);

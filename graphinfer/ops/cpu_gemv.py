@@ -21,5 +21,4 @@ def available() -> bool:  # a library built before the kernel existed lacks it
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x [..., K] with at most MAX_ROWS rows, weight [N, K] contiguous (fp32 or bf16) -> [..., N] in x's dtype;
     fp32 products and sums (a bf16 weight is widened exactly)."""
-    out = torch.ops.graphinfer_cpu.gemv(x.reshape(-1, x.shape[-1]), weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.graphinfer_cpu.gemv(x, weight, bias)  # leading dims handled in C++: cheaper per call
