@@ -5,8 +5,8 @@ kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, els
 - "eager" (the default): the paged attention and cache write of ops/cpu_attention.py, the row-wise ops of
   ops/cpu_elementwise.py (rms_norm, add_rms_norm, rotary_embedding, silu_and_mul) and the quantized linears of
   ops/cpu_quant.py (C++ kernels of csrc/cpu/ where built), and xgrammar's C++ kernel for structured outputs' mask
-  (ops/cpu_bitmask.py), the graph run op by op with its float linears on oneDNN's prepacked weights
-  (compiler/cpu_packed_linear.py)
+  (ops/cpu_bitmask.py), the graph run op by op calling those functions directly (compiler/bind_ops.py), its float
+  linears on oneDNN's prepacked weights and up to four rows on csrc/cpu/gemv.cpp (compiler/cpu_packed_linear.py)
   (no compile: `serve ART` healthy in 3.6-5.6 s for SmolLM2 on the 2-core AVX2 dev VMs, docs/benchmarks.md);
 - "inductor": the fused graph compiled by TorchInductor (compiler/inductor.py) with those ops opaque (the
   quantized linears as extern calls inside the compiled pieces). Not the default: on the AVX2 dev machine it
