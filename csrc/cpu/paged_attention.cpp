@@ -264,9 +264,12 @@ inline void bf16_pair_values(const float*, int64_t, int64_t, const at::BFloat16*
 // Prefill tiles: a tile's query vectors (rows x heads) sit in the lanes of kTileCols vectors ("columns"), so its
 // scores are a small GEMM: each K value broadcast against a column of queries, with K rows read as they lie in the cache
 // (no transpose), and the softmax runs down the columns, kVec query vectors at a time.
-constexpr int64_t kTileCols = 3;    // query columns a tile holds (kTileCols * kVec query vectors)
-constexpr int64_t kTileTokens = 8;  // tokens per pass of tile_scores: kTileTokens x columns accumulators
-constexpr int64_t kPvVecs = 4;      // query vectors per pass of tile_values: kPvVecs x kChains accumulators
+// Register blocking for the vector registers there are (AVX-512 32, AVX2 16): tile_scores keeps kTileTokens x
+// kTileCols accumulators, the columns and a broadcast; tile_values kPvVecs x kChains accumulators, kChains V vectors
+// and a broadcast. 8 x 3 and 4 x 4 spill on AVX2 (162-token prefill: 534 -> 471 us a layer with 4 x 3 and 3 x 4).
+constexpr int64_t kTileCols = 3;                    // query columns a tile holds (kTileCols * kVec query vectors)
+constexpr int64_t kTileTokens = kVec >= 16 ? 8 : 4;  // tokens per pass of tile_scores
+constexpr int64_t kPvVecs = kVec >= 16 ? 4 : 3;      // query vectors per pass of tile_values
 
 // sT[t][c * kVec + i] = q_(c, i) . k_t for the kTileTokens tokens from t0 (those past n not stored): qT [D][ldq] holds
 // the queries transposed and scaled, k the block's rows (ldk apart; a row past n reads the last one).
@@ -291,21 +294,25 @@ inline void tile_scores(const float* qT, int64_t ldq, int64_t D, const float* k,
     for (int c = 0; c < Cols; ++c) acc[tt][c].store(sT + (t0 + tt) * lds + c * kVec);
 }
 
-// O[v0 + i][d0, d0 + kChains * kVec) += sum_t<n pT[t][v0 + i] * V[t][same], for kPvVecs query vectors.
-inline void tile_values(const float* pT, int64_t ldp, int64_t v0, const float* V, int64_t ldv, int64_t n, float* O,
-                        int64_t ldo, int64_t d0, int64_t nc) {
-  fVec a[kPvVecs][kChains];
-  for (int64_t i = 0; i < kPvVecs; ++i)
-    for (int64_t c = 0; c < kChains; ++c) a[i][c] = fVec::loadu(O + (v0 + i) * ldo + d0 + c * kVec);
+// O[v0 + i][d0, d0 + kChains * kVec) = O[..] * corr[v0 + i] + sum_t<n pT[t][v0 + i] * V[t][same], for Vecs query
+// vectors: the online softmax's rescale of the old sums rides on their load (no pass of its own over O).
+template <int Vecs>
+inline void tile_values(const float* pT, int64_t ldp, int64_t v0, const float* corr, const float* V, int64_t ldv,
+                        int64_t n, float* O, int64_t ldo, int64_t d0, int64_t nc) {
+  fVec a[Vecs][kChains];
+  for (int i = 0; i < Vecs; ++i) {
+    const fVec ci(corr[v0 + i]);
+    for (int64_t c = 0; c < kChains; ++c) a[i][c] = fVec::loadu(O + (v0 + i) * ldo + d0 + c * kVec) * ci;
+  }
   for (int64_t t = 0; t < n; ++t) {
     fVec vr[kChains];
     for (int64_t c = 0; c < kChains; ++c) vr[c] = fVec::loadu(V + t * ldv + d0 + c * kVec);
-    for (int64_t i = 0; i < kPvVecs; ++i) {
+    for (int i = 0; i < Vecs; ++i) {
       const fVec pv(pT[t * ldp + v0 + i]);
       for (int64_t c = 0; c < kChains; ++c) a[i][c] = at::vec::fmadd(pv, vr[c], a[i][c]);
     }
   }
-  for (int64_t i = 0; i < kPvVecs; ++i)
+  for (int i = 0; i < Vecs; ++i)
     for (int64_t c = 0; c < nc; ++c) a[i][c].store(O + (v0 + i) * ldo + d0 + c * kVec);
 }
 
@@ -545,15 +552,17 @@ void prefill_tile(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, in
       mnew.store(w.tm.data() + c);
       corr.store(w.corr.data() + c);
     }
-    for (int64_t v = 0; v < Nq; ++v) {
-      const fVec corr(w.corr[v]);
-      for (int64_t d = 0; d < Dp; d += kVec) (fVec::loadu(O + v * Dp + d) * corr).store(O + v * Dp + d);
-    }
     int64_t vld;
     const float* vr = x.rows(x.v + base, n, w.vf.data(), vld);
-    for (int64_t v0 = 0; v0 < Nq; v0 += kPvVecs)
-      for (int64_t d0 = 0; d0 < Dp; d0 += kChains * kVec)
-        tile_values(sT, Nc, v0, vr, vld, n, O, Dp, d0, std::min(kChains, (Dp - d0) / kVec));
+    for (int64_t v0 = 0; v0 < Nq; v0 += kPvVecs) {
+      for (int64_t d0 = 0; d0 < Dp; d0 += kChains * kVec) {
+        const int64_t nc = std::min(kChains, (Dp - d0) / kVec), left = Nq - v0;
+        if (left >= kPvVecs) tile_values<kPvVecs>(sT, Nc, v0, w.corr.data(), vr, vld, n, O, Dp, d0, nc);
+        else if (left == 1) tile_values<1>(sT, Nc, v0, w.corr.data(), vr, vld, n, O, Dp, d0, nc);
+        else if (left == 2) tile_values<2>(sT, Nc, v0, w.corr.data(), vr, vld, n, O, Dp, d0, nc);
+        else tile_values<3>(sT, Nc, v0, w.corr.data(), vr, vld, n, O, Dp, d0, nc);
+      }
+    }
   }
   for (int64_t v = 0; v < Nq; ++v) {
     scalar_t* dst = x.o + (r0 + v / G) * x.o_row + (h * G + v % G) * x.o_head;
