@@ -48,7 +48,7 @@ run: venv $(ARTIFACT)/manifest.json
 # module on one worker so that its module fixtures (servers, engines) start once.
 TEST_WORKERS ?= 2
 test: venv venv-ascend
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=20
 	$(MAKE) test-triton-ascend
 
 # The tests marked slow (whole models under the Triton interpreter, SmolLM2 at tp 3, Inductor in bf16, ...).
