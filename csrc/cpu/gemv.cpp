@@ -15,7 +15,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <vector>
 
 #include "vec.h"
 
@@ -95,7 +94,7 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& weight, const std::opt
     TORCH_CHECK(bias->numel() == N, "gemv: bias must be [N]");
     bf = bias->to(at::kFloat).contiguous();
   }
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  auto shape = x_in.sizes().vec();
   shape.back() = N;
   at::Tensor out = at::empty(shape, x.options().dtype(at::kFloat));
   const float* b = bf.defined() ? bf.data_ptr<float>() : nullptr;

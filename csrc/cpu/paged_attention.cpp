@@ -266,7 +266,8 @@ inline void bf16_pair_values(const float*, int64_t, int64_t, const at::BFloat16*
 // (no transpose), and the softmax runs down the columns, kVec query vectors at a time.
 // Register blocking for the vector registers there are (AVX-512 32, AVX2 16): tile_scores keeps kTileTokens x
 // kTileCols accumulators, the columns and a broadcast; tile_values kPvVecs x kChains accumulators, kChains V vectors
-// and a broadcast. 8 x 3 and 4 x 4 spill on AVX2 (162-token prefill: 534 -> 471 us a layer with 4 x 3 and 3 x 4).
+// and a broadcast. 8 x 3 and 4 x 4 spill on AVX2 (tools/cpu_attention_bench.py, 162-token prefill: 0.57 ms a layer
+// at 7312d77, 0.47 with 4 x 3 and 3 x 4; docs/bench/cpu_attention_2026-11-28_*_avx2_graphinfer.json).
 constexpr int64_t kTileCols = 3;                    // query columns a tile holds (kTileCols * kVec query vectors)
 constexpr int64_t kTileTokens = kVec >= 16 ? 8 : 4;  // tokens per pass of tile_scores
 constexpr int64_t kPvVecs = kVec >= 16 ? 4 : 3;      // query vectors per pass of tile_values
