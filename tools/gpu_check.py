@@ -15,6 +15,8 @@
    Qwen3-0.6B heads (16 q / 8 kv heads, head dim 128, block size 16): time and TFLOP/s against torch's
    scaled_dot_product_attention (flash backend where it applies) on the same tensors made contiguous.
    FLOPs count the causal part only (4 * head_dim * q_heads per visible (query, key) pair).
+   4b (--prefill-tune, alone): every flash tile config (BLOCK_M 64/128 x BLOCK_N 32/64/128 x 4/8 warps x 2-4
+   stages) on the same batches, the fastest per case against _flash_config's choice.
 5. QK-norm + RoPE (issue 15): the qk_norm_rope kernel against its reference op at Qwen3-0.6B and Qwen3-30B-A3B
    head shapes, T = 1, 64, 256, 4,096, fp32 and bf16, and its time against the three launches it replaces; then
    the cache-writing form, qk_norm_rope_cache (q, and the paged caches it writes, block size 16, a padded row),
@@ -39,6 +41,7 @@
 
     python tools/gpu_check.py --output-json OUT.json [--smollm2 PATH.gguf] [--quick]
     python tools/gpu_check.py --prefill-attention --output-json OUT.json [--quick]     (part 4 alone)
+    python tools/gpu_check.py --prefill-tune --output-json OUT.json [--quick]          (part 4b alone)
     python tools/gpu_check.py --qk-norm-rope --output-json OUT.json [--quick]          (part 5 alone)
     python tools/gpu_check.py --sampler --output-json OUT.json [--quick]               (part 6 alone)
     python tools/gpu_check.py --skinny-gemm --output-json OUT.json [--quick]           (part 7 alone)
@@ -328,6 +331,63 @@ def bench_prefill_attention(device, quick: bool) -> list[dict]:
               f"SDPA [{backend}] {s_ms * 1e3:8.1f} us {r['sdpa_tflops']:6.1f} TFLOP/s", flush=True)
     return rows
 
+
+
+PREFILL_TUNE_GRID = [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+
+
+def tune_prefill_attention(device, quick: bool, output_json: str) -> list[dict]:
+    """Part 4b: every flash tile config of PREFILL_TUNE_GRID (BLOCK_M, BLOCK_N, num_warps, num_stages) on part 4's
+    batches, each checked against the default config's output; the fastest per case against _flash_config's
+    choice. The JSON is rewritten after each case, so a time-boxed run keeps what it measured."""
+    import graphinfer.ops  # noqa: F401
+    from graphinfer.ops.triton.attention import _flash_config, paged_attention_impl
+
+    hq, hkv, d, block = (4, 2, 32, 16) if quick else (16, 8, 128, 16)
+    dtype = torch.bfloat16
+    grid = [(16, 16, 4, 2), (32, 32, 4, 2)] if quick else PREFILL_TUNE_GRID
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for label, reqs, _ in (QUICK_PREFILL_CASES if quick else PREFILL_CASES):
+        args, _, _ = _prefill_batch(reqs, hq, hkv, d, block, dtype, device, gen)
+        scale = d ** -0.5
+        n_rows = args[0].shape[0]
+        flops = causal_flops(reqs, hq, d)
+        ref = paged_attention_impl(*args, scale)
+        default = _flash_config(dtype, d, n_rows, hq)
+        timings = []
+        for cfg in grid:
+            m, n, w, st = cfg
+            call = lambda: paged_attention_impl(*args, scale, kernel="flash", block_m=m, block_n=n, num_warps=w,
+                                                num_stages=st)
+            try:
+                err = (call().float() - ref.float()).abs().max().item()
+            except Exception as e:  # a config the compiler refuses (shared memory, registers): recorded, skipped
+                timings.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                print(f"    {label:50s} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            if device.type == "cuda":
+                from triton.testing import do_bench
+
+                ms = do_bench(call, warmup=5, rep=30, return_mode="median")
+            else:
+                ms = bench_ms(call, device)
+            timings.append(dict(config=cfg, ms=ms, tflops=flops / (ms * 1e-3) / 1e12, max_abs_diff=err))
+        good = [t for t in timings if "ms" in t and t["max_abs_diff"] <= 3e-2]
+        best = min(good, key=lambda t: t["ms"]) if good else None
+        at_default = next((t for t in timings if tuple(t["config"]) == default and "ms" in t), None)
+        r = dict(case=label, query_rows=n_rows, default_config=default, default_ms=at_default and at_default["ms"],
+                 best_config=best and best["config"], best_ms=best and best["ms"], best_tflops=best and best["tflops"],
+                 ok=best is not None, configs=timings)
+        rows.append(r)
+        if best:
+            print(f"{'ok ' if r['ok'] else 'BAD'} prefill tune {label:50s} best {tuple(best['config'])} "
+                  f"{best['ms'] * 1e3:8.1f} us {best['tflops']:6.1f} TFLOP/s | default {default} "
+                  f"{(at_default or {}).get('ms', float('nan')) * 1e3:8.1f} us", flush=True)
+        with open(output_json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                           prefill_tune=rows), f, indent=2)
+    return rows
 
 MIXED_PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 33, 64, 120, 7, 250, 12, 90, 41, 3, 500)]
 
@@ -701,6 +761,8 @@ def main() -> int:
                     help="comma-separated parts to skip: kernels,modes,capture,prefill,qknorm,sampler,skinny,quant")
     ap.add_argument("--prefill-attention", action="store_true",
                     help="run only part 4, prefill attention vs SDPA (= --skip kernels,modes,capture)")
+    ap.add_argument("--prefill-tune", action="store_true",
+                    help="run only part 4b, every flash tile config on part 4's batches (writes as it goes)")
     ap.add_argument("--qk-norm-rope", action="store_true",
                     help="run only part 5, the qk_norm_rope kernel vs reference and vs the unfused chain")
     ap.add_argument("--sampler", action="store_true",
@@ -711,6 +773,9 @@ def main() -> int:
                     help="run only part 8, the quantization kernels vs cuBLAS / torch._int_mm / torch._scaled_mm")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.prefill_tune:
+        rows = tune_prefill_attention(device, args.quick, args.output_json)
+        return 0 if rows and all(r["ok"] for r in rows) else 1
     skip = set(filter(None, args.skip.split(",")))
     if args.prefill_attention:
         skip |= {"kernels", "modes", "capture"}

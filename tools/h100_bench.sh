@@ -74,9 +74,12 @@
 #               prefill attention / qk_norm_rope / sampler (gpu_check), the standard workload FULL_AND_PIECEWISE + async
 #               at max_num_seqs 64 and 256, the FULL_DECODE_ONLY decode step at batch 1/64/256, start-up from an
 #               artifact (Qwen3-0.6B; its server needs tools/gpu_wheels.sh's wheels carried as .whl), the skinny
-#               GEMM configs vs cuBLAS. Logs per part (round_PART.log), a summary on
-#               stdout; ROUND_TAR=FILE packs $OUT_DIR after each part (the device tool returns at most 8 files)
+#               GEMM configs vs cuBLAS, the prefill tile sweep (prefill_tune). ROUND_BUDGET (default 580 s since
+#               the script started) cuts the last parts' boxes so that the call ends inside its limit. Logs per part
+#               (round_PART.log), a summary on stdout; ROUND_TAR=FILE packs $OUT_DIR after each part (the device tool returns at most 8 files)
 #                                                                                           (~9 min, not in the default)
+#   prefill_tune  gpu_check part 4b: every flash tile config (BLOCK_M x BLOCK_N x warps x stages) on the prefill
+#               batches, the fastest per case against _flash_config's choice (~1-2 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -448,16 +451,26 @@ step_skinny_configs() {  # gpu_check part 7 alone (the skinny GEMM step without 
     "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} --skinny-gemm --output-json "$OUT_DIR/skinny_gemm.json"
 }
 
+step_prefill_tune() {  # every flash tile config on the prefill batches (gpu_check part 4b); JSON written per case
+    local quick=()
+    [ "${SMOKE:-0}" = 1 ] && quick=(--quick)
+    "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} --prefill-tune --output-json "$OUT_DIR/prefill_tune.json"
+}
+
 step_round() {
     export ROUND_PART=1 RUNS=${RUNS:-1} SKIP_SMOLLM2=${SKIP_SMOLLM2:-1}
+    local deadline=${ROUND_BUDGET:-580}  # s since the script started: each part's box is cut to what is left
     part() {  # part SECONDS STEP: the step in its own process group, killed at its time box; a summary on stdout
         local secs=$1 name=$2 start=$SECONDS rc=0
+        [ $((deadline - SECONDS)) -lt "$secs" ] && secs=$((deadline - SECONDS))
+        if [ "$secs" -lt 15 ]; then echo "=== round: $name: skipped (the round's ${deadline} s are spent)"; return; fi
         timeout -k 10 "$secs" "$PWD/tools/h100_bench.sh" "$name" > "$OUT_DIR/round_$name.log" 2>&1 || rc=$?
         echo "=== round: $name: exit $rc$([ $rc = 124 ] && echo ' (time box)') in $((SECONDS - start)) s / $secs s"
         grep -E "^(ok |BAD|SKIP|FAIL|ERROR)|passed|failed|error|Traceback|Error:|tok/s|TFLOP|ms |\| " \
             "$OUT_DIR/round_$name.log" | tail -n "${SUMMARY_LINES:-25}" || true
         if [ -n "${ROUND_TAR:-}" ]; then  # logs and JSON only: artifacts (GBs of weights) stay behind
-            tar -czf "$ROUND_TAR" -C "$OUT_DIR" --exclude='*-artifact' --exclude='startup-*' . 2>/dev/null || true
+            tar -czf "$ROUND_TAR.$name.tmp" -C "$OUT_DIR" --exclude='*-artifact' --exclude='startup-*' . 2>/dev/null \
+                && mv "$ROUND_TAR.$name.tmp" "$ROUND_TAR"  # whole or not at all, should the call's limit cut it
         fi
     }
     part "${T_TESTS:-170}" gpu_tests & local tests_pid=$!
@@ -467,6 +480,7 @@ step_round() {
     part "${T_HEADLINE:-110}" headline
     part "${T_DECODE:-50}" decode_step
     part "${T_STARTUP:-90}" startup
+    part "${T_TUNE:-70}" prefill_tune
     part "${T_SKINNY:-50}" skinny_configs
 }
 
