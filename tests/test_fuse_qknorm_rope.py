@@ -103,7 +103,8 @@ def test_qwen3_checkpoint_from_transformers(tmp_path):
     hf = AutoModelForCausalLM.from_config(tiny_hf_config("qwen3")).eval()
     init_random_weights(hf, seed=3)  # non-unit q/k norm gains: HF initialises them to ones
     hf.save_pretrained(tmp_path)
-    fused, unfused = LLM(str(tmp_path), passes="default"), LLM(str(tmp_path), passes="none")
+    kv = dict(kv_cache_memory_bytes=1 << 28)  # on a GPU, not 90 % of it: the GPU tests share one over xdist workers
+    fused, unfused = LLM(str(tmp_path), passes="default", **kv), LLM(str(tmp_path), passes="none", **kv)
     layers = hf.config.num_hidden_layers
     assert _matches(fused)["fuse_qknorm_rope"] == layers
     assert op_histogram(fused.llm_engine.graph)["graphinfer::qk_norm_rope_cache"] == layers
@@ -116,7 +117,7 @@ def test_qwen3_checkpoint_from_transformers(tmp_path):
     assert "torch.ops.graphinfer.qk_norm_rope_cache.default(" in open(f"{art}/graph.py").read()
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-              for llm in (fused, LLM(artifact=art))]
+              for llm in (fused, LLM(artifact=art, **kv))]
     assert tokens[0] == tokens[1]
 
 

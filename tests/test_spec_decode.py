@@ -288,20 +288,26 @@ def test_rejected_drafts_leave_no_blocks_behind(greedy_base):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["ngram", "draft"])
 @pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
-def test_cuda_graphs_with_speculative_decoding_match_eager(monkeypatch, mode):
-    """On a GPU (tools/h100_bench.sh check): real CUDA graphs, verify graphs of 1 + k tokens per request replayed,
-    and the Triton kernels (rejection_sample included): ngram k=3 gives the greedy tokens of NONE without it."""
+def test_cuda_graphs_with_speculative_decoding_match_eager(monkeypatch, mode, method):
+    """On a GPU (tools/h100_bench.sh check): real CUDA graphs and the Triton kernels (rejection_sample included):
+    ngram k=3 and a draft model (k=3) give the greedy tokens of NONE without speculation. The verify graphs (1 + k
+    tokens per request) replay only when every request has k drafts: a draft model proposes k every step, ngram on a
+    random model mostly fewer (on an H200 its 12 requests never had 3 drafts each in one step), so the replays are
+    asserted for the draft model."""
     prompts = _prompts()
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True) for _ in prompts]
     kw = dict(max_num_seqs=16, device="cuda", dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=1 << 28)
     base = LLM("tiny-qwen3", graph_mode="NONE", **kw)
     expected = _summary(base.generate(prompts, params, use_tqdm=False))
     base.shutdown()
-    llm = LLM("tiny-qwen3", graph_mode=mode, capture_sizes=[1, 2, 4, 8, 16], speculative_config=ngram(3, 1, 4), **kw)
+    spec = ngram(3, 1, 4) if method == "ngram" else {"model": "tiny-qwen3", "num_speculative_tokens": 3}
+    llm = LLM("tiny-qwen3", graph_mode=mode, capture_sizes=[1, 2, 4, 8, 16], speculative_config=spec, **kw)
     graphs = llm.llm_engine.model_runner.verify_graphs
     replays, replay = [], graphs.replay
     monkeypatch.setattr(graphs, "replay", lambda *a, **k: replays.append(len(a[0])) or replay(*a, **k))
     assert _summary(llm.generate(prompts, params, use_tqdm=False)) == expected
-    assert llm.llm_engine.spec_decode_stats()["num_accepted_tokens"] > 0 and replays
+    assert llm.llm_engine.spec_decode_stats()["num_accepted_tokens"] > 0
+    assert replays or method == "ngram"
     llm.shutdown()

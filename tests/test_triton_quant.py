@@ -215,10 +215,11 @@ def test_scaled_mm_fp8(out_dtype):
             want = ref.scaled_mm(a, a_scale, b, b_scale, bias_t, out_dtype)
             assert got.dtype == out_dtype and got.shape == (rows, n)
             # Hopper's fp8 MMA accumulates with ~13 mantissa bits (DeepSeek-V3 report, 2.3.3), not fp32: bound the
-            # error by that unit roundoff times sum |a_i b_i| (scaled), plus rounding the output (bf16)
+            # error by that unit roundoff times sum |a_i b_i| (scaled), plus rounding the output: both outputs round
+            # to bf16, so they may sit one bf16 ulp (<= 2^-7 relative) apart (2^-8 failed on an H200 at 1.31x)
             mag = (a.float().abs() @ b.float().abs().T) * a_scale * b_scale
             acc_eps = 2.0 ** -13 if DEVICE == "cuda" else 2.0 ** -22
-            out_eps = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -22
+            out_eps = 2.0 ** -7 if out_dtype == torch.bfloat16 else 2.0 ** -22
             bound = acc_eps * mag + out_eps * want.float().abs() + 1e-6
             err = (got.cpu().float() - want.float()).abs()
             assert (err <= bound).all(), f"max error {err.max():.3g}, worst error/bound {(err / bound).max():.3g}"
@@ -266,9 +267,10 @@ def test_wo_linear(dtype, bits, k, group):
         assert got.dtype == dtype and got.shape == (rows, n)
         if dtype == torch.bfloat16 and DEVICE != "cpu":
             # a GPU dots bf16 x with the dequantized weight rounded to bf16 (unit roundoff 2^-9 per product), and both
-            # outputs round to bf16: bound the error by that, not by a fixed tolerance a longer K outgrows
+            # outputs round to bf16, so they may sit one bf16 ulp (<= 2^-7 relative) apart: bound the error by that,
+            # not by a fixed tolerance a longer K outgrows (half an ulp, 2^-8, failed on an H200 at 1.03x)
             w = dequantize_weight(q, scales, zeros if use_zeros else None, bits)
-            bound = 2.0 ** -9 * (x.float().abs() @ w.abs().T) + 2.0 ** -8 * want.float().abs() + 1e-6
+            bound = 2.0 ** -9 * (x.float().abs() @ w.abs().T) + 2.0 ** -7 * want.float().abs() + 1e-6
             err = (got.cpu().float() - want.float()).abs()
             assert (err <= bound).all(), f"max error {err.max():.3g}, worst error/bound {(err / bound).max():.3g}"
         else:

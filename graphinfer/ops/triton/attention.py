@@ -37,13 +37,13 @@ Flash-attention kernel (prefill and mixed batches; the design of vLLM's kernel_u
   loop stops at the tile's last query position (fully masked KV tiles are never visited). Programs are
   issued heaviest (latest) tile first. Decode rows of a mixed batch are one-row queries of the same kernel.
 
-Tile sizes (BLOCK_M/BLOCK_N/num_warps/num_stages, _flash_config) are picked per dtype, head dim and
-token count for an H100 (16-bit, head dim <= 128: BLOCK_M 128 x BLOCK_N 64, 8 warps, 3 stages from ~4k
-query rows of 16 heads, else BLOCK_M 64 with 4 warps) and are UNTUNED: no GPU has run this kernel yet.
-Compiled offline for sm_90 (triton 3.6, ptxas -v) these configs use wgmma, pipeline the K/V gathers with
-cp.async and do not spill (e.g. 182 registers, 97 KiB shared memory for bf16 head dim 128, BLOCK_M 128);
-speed is unmeasured. Targets (issue 19): >= 300 TFLOP/s on 1 x 8,192 causal and >= 100 TFLOP/s on 4 x 256
-rows over 1,024, 16 x 512 and 1 x 2,048 (`python tools/gpu_check.py --prefill-attention`).
+Tile sizes (BLOCK_M/BLOCK_N/num_warps/num_stages, _flash_config) are picked per dtype, head dim, token and
+request count. 16-bit at head dim <= 128 is tuned on an H200 (36 configs swept, `tools/gpu_check.py
+--prefill-tune`): BLOCK_M 128 x BLOCK_N 64, 4 warps, 3 stages for long prompts, else 64 x 64, 4 warps, 2 stages.
+Other dtypes and head dims are untuned. On that H200 (2026-11-28, the configs before tuning) the kernel ran
+1 x 8,192 causal at 310 TFLOP/s (SDPA's flash backend 287), 4 x 256 rows over 1,024 at 176 (SDPA 191), 16 x 512
+at 148 (166), 1 x 2,048 at 226 (162): the issue-19 targets (>= 300, >= 100) are met
+(`python tools/gpu_check.py --prefill-attention`).
 
 Triton-Ascend: 1-D grids only; every ragged access masked (loads of whole tiles below the diagonal are
 unmasked because every index is in range); tl.dot operands are >= 16 in every dim (its interpreter refuses
@@ -66,6 +66,7 @@ _TARGET_PROGRAMS = 256  # decode: split the context until about two waves of an 
 _MAX_SPLITS = 32  # e.g. 3 KV heads (SmolLM2) at batch 1 -> 96 programs
 _FLASH_SEARCH_BLOCK = 128  # flash: query_start_loc entries a program scans per vector load to find its request
 _FLASH_MIN_PROGRAMS = 512  # flash: below this many BLOCK_M 128 programs (~4 per H100 SM), use BLOCK_M 64
+_FLASH_LONG_ROWS = 2048  # flash: and below this many rows per request (16 x 512 is faster at BLOCK_M 64 on an H200)
 _NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so an empty split or padded row never makes inf - inf
 
 
@@ -297,22 +298,25 @@ def _num_splits(n_reqs: int, n_kv_heads: int, max_context: int, block_n: int) ->
     return max(1, min(_MAX_SPLITS, max_tiles, _TARGET_PROGRAMS // max(1, n_reqs * n_kv_heads)))
 
 
-def _flash_config(dtype: torch.dtype, head_size: int, n_rows: int, n_q_heads: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes. UNTUNED: chosen for an H100, not yet measured.
+def _flash_config(dtype: torch.dtype, head_size: int, n_rows: int, n_q_heads: int,
+                  n_reqs: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes.
 
-    16-bit, head dim <= 128: BLOCK_M 128 x BLOCK_N 64, 8 warps, 3 stages (Triton's flash-attention tutorial
-    on Hopper), or BLOCK_M 64 with 4 warps where BLOCK_M 128 would give fewer than _FLASH_MIN_PROGRAMS
-    programs (short prompts and chunks: 4 x 256, 1 x 2,048). Head dim 256 halves the tiles. fp32 'ieee'
-    dots are FMA-based and bulkier in registers: BLOCK_M 32 (16 x 16 tiles at head dim 256). Offline sm_90
-    compiles of each of these (bf16 / fp32, head dims 64, 128, 256) do not spill registers.
+    16-bit, head dim <= 128: tuned on an H200 (`tools/gpu_check.py --prefill-tune`, 36 configs on Qwen3-0.6B's
+    heads, docs/bench/h200_2026-11-28_prefill_tune.json): long prompts (at least _FLASH_MIN_PROGRAMS BLOCK_M 128
+    programs and >= _FLASH_LONG_ROWS rows per request; 1 x 8,192) take BLOCK_M 128 x BLOCK_N 64 with 4 warps and
+    3 stages (759 us against 887 for the 8-warp config); everything else (4 x 256 over 1,024, 16 x 512, 1 x 2,048,
+    decode rows with a chunk) BLOCK_M 64 x BLOCK_N 64, 4 warps, 2 stages, within 8 % of each case's best.
+    UNTUNED (chosen for Hopper, compiled offline without spills, not measured): head dim 256 halves the tiles;
+    fp32 'ieee' dots are FMA-based and bulkier in registers: BLOCK_M 32 (16 x 16 tiles at head dim 256).
     """
     if dtype == torch.float32:
         return (32, 64, 8, 2) if head_size <= 128 else (16, 16, 4, 2)
     if head_size > 128:
         return 64, 32, 8, 2
-    if n_rows * n_q_heads < _FLASH_MIN_PROGRAMS * 128:
-        return 64, 64, 4, 3
-    return 128, 64, 8, 3
+    if n_rows * n_q_heads >= _FLASH_MIN_PROGRAMS * 128 and n_rows >= _FLASH_LONG_ROWS * n_reqs:
+        return 128, 64, 4, 3
+    return 64, 64, 4, 2
 
 
 def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
@@ -375,7 +379,7 @@ def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
                 SPLIT_BLOCK_N=decode_block_n, BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
         return out
 
-    cfg_m, cfg_n, cfg_warps, cfg_stages = _flash_config(key_cache.dtype, head_size, n_rows, n_q_heads)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _flash_config(key_cache.dtype, head_size, n_rows, n_q_heads, n_reqs)
     bm = max(next_power_of_2(block_m or cfg_m), next_power_of_2(group), 16)
     block_q = bm // group
     n_tiles = n_rows // block_q + n_reqs + 1  # >= sum over requests of cdiv(q_len, BLOCK_Q), + the padding rows
