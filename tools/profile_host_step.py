@@ -105,7 +105,8 @@ def ops_mode(args) -> None:
     torch.set_num_threads(1)  # host cost is single-threaded Python; spare the clock OpenMP's spinning
     tmp = tempfile.TemporaryDirectory()
     model = args.model if args.keep_dims else shrunk_checkpoint(args.model, tmp.name)
-    llm = LLM(model, max_num_seqs=args.batch, device="cpu", dtype=args.dtype, graph_mode="NONE",
+    # kernels="reference": the graph keeps its torch.ops.graphinfer calls (the default CPU kernels bind them away)
+    llm = LLM(model, max_num_seqs=args.batch, device="cpu", dtype=args.dtype, graph_mode="NONE", kernels="reference",
               max_model_len=1024, num_gpu_blocks_override=args.batch * 16)
     engine = llm.llm_engine
     runner = engine.model_runner
