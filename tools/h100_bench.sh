@@ -80,6 +80,9 @@
 #                                                                                           (~9 min, not in the default)
 #   prefill_tune  gpu_check part 4b: every flash tile config (BLOCK_M x BLOCK_N x warps x stages) on the prefill
 #               batches, the fastest per case against _flash_config's choice (~1-2 min, not in the default)
+#   piecewise_sizes  the standard workload at max_num_seqs 64, FULL_AND_PIECEWISE + async: piecewise graphs up to 128
+#               tokens (the default, 2 x max_num_seqs) vs up to 512 (steps admitting a prompt ran eagerly on the H200,
+#               16.5 ms each, 30 % of the run)                                           (~2 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -436,6 +439,15 @@ step_kernel_timings() {  # prefill attention vs SDPA, qk_norm_rope vs its chain,
 step_headline() {  # the standard workload's two targets: FULL_AND_PIECEWISE + async at max_num_seqs 64 and 256
     bench headline throughput "${COMMON[@]}" --graph-mode "${PIECEWISE_MODES##*,}" --async-scheduling \
         --sweep max-num-seqs=64,256 --output-json "$OUT_DIR/headline.json"
+}
+
+step_piecewise_sizes() {  # max_num_seqs 64: piecewise graphs up to 128 tokens (the default) vs up to 512
+    local mode=${PIECEWISE_MODES##*,} sizes
+    sizes=$("$PY" -c "from graphinfer.config import default_capture_sizes as d; print(','.join(map(str, d(512))))")
+    bench piecewise_sizes_128 throughput "${COMMON[@]}" --graph-mode "$mode" --async-scheduling --max-num-seqs 64 \
+        --output-json "$OUT_DIR/piecewise_sizes_128.json"
+    bench piecewise_sizes_512 throughput "${COMMON[@]}" --graph-mode "$mode" --async-scheduling --max-num-seqs 64 \
+        --capture-sizes "$sizes" --output-json "$OUT_DIR/piecewise_sizes_512.json"
 }
 
 step_decode_step() {  # the FULL_DECODE_ONLY decode step (target at batch 1: <= 1.0 ms)
