@@ -18,6 +18,8 @@
    FLOPs count the causal part only (4 * head_dim * q_heads per visible (query, key) pair).
    4b (--prefill-tune, alone): every flash tile config (BLOCK_M 64/128 x BLOCK_N 32/64/128 x 4/8 warps x 2-4
    stages) on the same batches, the fastest per case against _flash_config's choice.
+   4c (--decode-tune, alone): the split-K decode kernel's BLOCK_N x splits x warps x stages on decode batches (B = 1,
+   64, 256; context 512-4,096): device time and KV GB/s (at batch 256 it read 40 % of the copy bandwidth on an H200).
 5. QK-norm + RoPE (issue 15): the qk_norm_rope kernel against its reference op at Qwen3-0.6B and Qwen3-30B-A3B
    head shapes, T = 1, 64, 256, 4,096, fp32 and bf16, and its time against the three launches it replaces; then
    the cache-writing form, qk_norm_rope_cache (q, and the paged caches it writes, block size 16, a padded row),
@@ -43,6 +45,7 @@
     python tools/gpu_check.py --output-json OUT.json [--smollm2 PATH.gguf] [--quick]
     python tools/gpu_check.py --prefill-attention --output-json OUT.json [--quick]     (part 4 alone)
     python tools/gpu_check.py --prefill-tune --output-json OUT.json [--quick]          (part 4b alone)
+    python tools/gpu_check.py --decode-tune --output-json OUT.json [--quick]           (part 4c alone)
     python tools/gpu_check.py --qk-norm-rope --output-json OUT.json [--quick]          (part 5 alone)
     python tools/gpu_check.py --sampler --output-json OUT.json [--quick]               (part 6 alone)
     python tools/gpu_check.py --skinny-gemm --output-json OUT.json [--quick]           (part 7 alone)
@@ -389,6 +392,61 @@ def tune_prefill_attention(device, quick: bool, output_json: str) -> list[dict]:
         with open(output_json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                            prefill_tune=rows), f, indent=2)
+    return rows
+
+
+DECODE_TUNE_CASES = [(1, 512), (1, 4096), (64, 1024), (256, 512), (256, 2048)]  # (batch, context)
+DECODE_TUNE_GRID = [(n, s, w, st) for n in (32, 64, 128) for s in (0, 1, 4, 16) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def tune_decode_attention(device, quick: bool, output_json: str) -> list[dict]:
+    """Part 4c: the split-K decode kernel's configs (BLOCK_N, splits (0: the shape rule's), warps, stages) on pure
+    decode batches of Qwen3-0.6B heads, bf16, block size 16: device time and the KV bytes read per second, each
+    config's output against the default's. The JSON is rewritten after each case."""
+    import graphinfer.ops  # noqa: F401
+    from graphinfer.ops.triton.attention import paged_attention_impl
+
+    hq, hkv, d, block = (4, 2, 32, 16) if quick else (16, 8, 128, 16)
+    cases = [(2, 40), (3, 100)] if quick else DECODE_TUNE_CASES
+    grid = [(16, 0, 4, 2), (32, 2, 4, 2)] if quick else DECODE_TUNE_GRID
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for B, ctx in cases:
+        args, nbytes = _paged_case(B, ctx, 1, hq, hkv, d, block, torch.bfloat16, device, gen)
+        ref = paged_attention_impl(*args)
+        timings = []
+        for cfg in grid:
+            n, splits, w, st = cfg
+            call = lambda: paged_attention_impl(*args, kernel="decode", decode_block_n=n, num_splits=splits or None,
+                                                num_warps=w, num_stages=st)
+            try:
+                err = (call().float() - ref.float()).abs().max().item()
+            except Exception as e:  # a config the compiler refuses: recorded, skipped
+                timings.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                continue
+            if device.type == "cuda":
+                from triton.testing import do_bench
+
+                ms = do_bench(call, warmup=5, rep=30, return_mode="median")
+            else:
+                ms = bench_ms(call, device)
+            timings.append(dict(config=cfg, ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9, max_abs_diff=err))
+        good = [t for t in timings if "ms" in t and t["max_abs_diff"] <= 3e-2]
+        best = min(good, key=lambda t: t["ms"]) if good else None
+        default = next((t for t in timings if "ms" in t and t["config"][1] == 0 and t["config"][2] == 4
+                        and t["config"][0] == (64 if d <= 128 else 32) and t["config"][3] == 3), None)
+        r = dict(case=f"decode B={B} ctx={ctx}", batch=B, context=ctx, kv_bytes=nbytes, ok=best is not None,
+                 best_config=best and best["config"], best_ms=best and best["ms"], best_gbps=best and best["gbps"],
+                 default_ms=default and default["ms"], configs=timings)
+        rows.append(r)
+        if best:
+            print(f"ok  decode tune B={B:3d} ctx={ctx:5d} best (block_n, splits, warps, stages) "
+                  f"{tuple(best['config'])} "
+                  f"{best['ms'] * 1e3:8.1f} us {best['gbps']:7.1f} GB/s | default "
+                  f"{(default or {}).get('ms', float('nan')) * 1e3:8.1f} us", flush=True)
+        with open(output_json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                           decode_tune=rows), f, indent=2)
     return rows
 
 MIXED_PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 33, 64, 120, 7, 250, 12, 90, 41, 3, 500)]
@@ -772,6 +830,8 @@ def main() -> int:
                     help="run only part 4, prefill attention vs SDPA (= --skip kernels,modes,capture)")
     ap.add_argument("--prefill-tune", action="store_true",
                     help="run only part 4b, every flash tile config on part 4's batches (writes as it goes)")
+    ap.add_argument("--decode-tune", action="store_true",
+                    help="run only part 4c, the split-K decode kernel's configs on decode batches (writes as it goes)")
     ap.add_argument("--qk-norm-rope", action="store_true",
                     help="run only part 5, the qk_norm_rope kernel vs reference and vs the unfused chain")
     ap.add_argument("--sampler", action="store_true",
@@ -782,8 +842,9 @@ def main() -> int:
                     help="run only part 8, the quantization kernels vs cuBLAS / torch._int_mm / torch._scaled_mm")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.prefill_tune:
-        rows = tune_prefill_attention(device, args.quick, args.output_json)
+    if args.prefill_tune or args.decode_tune:
+        tune = tune_prefill_attention if args.prefill_tune else tune_decode_attention
+        rows = tune(device, args.quick, args.output_json)
         return 0 if rows and all(r["ok"] for r in rows) else 1
     skip = set(filter(None, args.skip.split(",")))
     if args.prefill_attention:

@@ -74,7 +74,7 @@
 #               prefill attention / qk_norm_rope / sampler (gpu_check), the standard workload FULL_AND_PIECEWISE + async
 #               at max_num_seqs 64 and 256, the FULL_DECODE_ONLY decode step at batch 1/64/256, start-up from an
 #               artifact (Qwen3-0.6B; its server needs tools/gpu_wheels.sh's wheels carried as .whl), the skinny
-#               GEMM configs vs cuBLAS, the prefill tile sweep (prefill_tune). ROUND_BUDGET (default 580 s since
+#               GEMM configs vs cuBLAS, the decode attention sweep (decode_tune). ROUND_BUDGET (default 580 s since
 #               the script started) cuts the last parts' boxes so that the call ends inside its limit. Logs per part
 #               (round_PART.log), a summary on stdout; ROUND_TAR=FILE packs $OUT_DIR after each part (the device tool returns at most 8 files)
 #                                                                                           (~9 min, not in the default)
@@ -83,6 +83,9 @@
 #   piecewise_sizes  the standard workload at max_num_seqs 64, FULL_AND_PIECEWISE + async: piecewise graphs up to 128
 #               tokens (the default, 2 x max_num_seqs) vs up to 512 (steps admitting a prompt ran eagerly on the H200,
 #               16.5 ms each, 30 % of the run)                                           (~2 min, not in the default)
+#   decode_tune  gpu_check part 4c: the split-K decode attention kernel's BLOCK_N x splits x warps x stages at B = 1 / 64 /
+#               256, context 512-4,096 (77 % of the batch-256 decode step on the H200, at 40 % of the copy bandwidth)
+#                                                                                          (~2 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
 #               check mode (fast launches, each key compared with Triton's own)    (~5 min, not in the default)
@@ -474,6 +477,12 @@ step_prefill_tune() {  # every flash tile config on the prefill batches (gpu_che
     "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} --prefill-tune --output-json "$OUT_DIR/prefill_tune.json"
 }
 
+step_decode_tune() {  # the split-K decode kernel's configs on decode batches (gpu_check part 4c); JSON per case
+    local quick=()
+    [ "${SMOKE:-0}" = 1 ] && quick=(--quick)
+    "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} --decode-tune --output-json "$OUT_DIR/decode_tune.json"
+}
+
 step_round() {
     export ROUND_PART=1 RUNS=${RUNS:-1} SKIP_SMOLLM2=${SKIP_SMOLLM2:-1}
     local deadline=${ROUND_BUDGET:-580}  # s since the script started: each part's box is cut to what is left
@@ -496,8 +505,8 @@ step_round() {
     part "${T_KERNELS:-80}" kernel_timings
     part "${T_HEADLINE:-110}" headline
     part "${T_DECODE:-50}" decode_step
-    part "${T_STARTUP:-90}" startup
-    part "${T_TUNE:-70}" prefill_tune
+    part "${T_STARTUP:-120}" startup
+    part "${T_TUNE:-70}" decode_tune
     part "${T_SKINNY:-50}" skinny_configs
 }
 

@@ -303,7 +303,7 @@ def _flash_config(dtype: torch.dtype, head_size: int, n_rows: int, n_q_heads: in
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes.
 
     16-bit, head dim <= 128: tuned on an H200 (`tools/gpu_check.py --prefill-tune`, 36 configs on Qwen3-0.6B's
-    heads, docs/bench/h200_2026-11-28_prefill_tune.json): long prompts (at least _FLASH_MIN_PROGRAMS BLOCK_M 128
+    heads, docs/bench/h200_prefill_tune_2026-11-28.json): long prompts (at least _FLASH_MIN_PROGRAMS BLOCK_M 128
     programs and >= _FLASH_LONG_ROWS rows per request; 1 x 8,192) take BLOCK_M 128 x BLOCK_N 64 with 4 warps and
     3 stages (759 us against 887 for the 8-warp config); everything else (4 x 256 over 1,024, 16 x 512, 1 x 2,048,
     decode rows with a chunk) BLOCK_M 64 x BLOCK_N 64, 4 warps, 2 stages, within 8 % of each case's best.
@@ -327,8 +327,9 @@ def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
     """paged_attention with the choices exposed (tests and benchmarks pin them; None = the default choice).
 
     kernel: "decode" (split-K; only for pure-decode batches, T == B) or "flash"; None picks decode for
-    T == B, else flash. num_splits / decode_block_n: the decode kernel's; block_m / block_n / num_warps /
-    num_stages: the flash kernel's (block_m is rounded up to the next power of 2 >= the GQA group).
+    T == B, else flash. num_splits / decode_block_n: the decode kernel's; block_m / block_n: the flash kernel's
+    (block_m is rounded up to the next power of 2 >= the GQA group); num_warps / num_stages: either kernel's (decode:
+    4 warps and Triton's default stages unless given).
     """
     n_rows, n_q_heads, head_size = query.shape
     n_reqs = seq_lens.shape[0]
@@ -372,7 +373,8 @@ def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
             query, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_ml,
             qk_scale, n_kv_heads, group, head_size, block_size, splits, **strides,
             SPLIT=split, DOT_F32=dot_f32,
-            BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=decode_block_n, BLOCK_D=block_d, num_warps=4)
+            BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=decode_block_n, BLOCK_D=block_d, num_warps=num_warps or 4,
+            **({"num_stages": num_stages} if num_stages else {}))
         if split:
             launch_kernel(_combine_kernel, (n_reqs * n_q_heads,),
                 part_acc, part_ml, out, seq_lens, n_q_heads, head_size, splits, out.stride(0), out.stride(1),
