@@ -70,15 +70,17 @@ def _philox(seed: int, c0, c1: int, c2: int):
 
 
 def _reference_draw(logits_row: np.ndarray, temperature: float, seed: int, offset: int) -> int:
-    """argmax_i logits_i / T - log(-log u_i), u_i = output i % 4 of Philox(seed, (i // 4, offset lo, offset hi, 0))."""
+    """argmax_i logits_i * (log2(e) / T) - log2(-log2 u_i) (= argmax logits_i / T - log(-log u_i), in base 2), u_i =
+    output i % 4 of Philox(seed, (i // 4, offset lo, offset hi, 0))."""
     V = logits_row.shape[0]
     i = np.arange(V)
     outs = _philox(seed % 2**64, i // 4, offset & 0xFFFFFFFF, (offset >> 32) & 0xFFFFFFFF)
     bits = np.choose(i % 4, outs).astype(np.uint32).view(np.int32).astype(np.int64)
     bits = np.where(bits < 0, -bits - 1, bits)
     u = np.clip(bits.astype(np.float32) * np.float32(4.6566127342e-10), np.float32(1e-10), np.float32(0.99999988))
-    g = -np.log(-np.log(u))
-    return int(np.argmax(logits_row.astype(np.float32) / np.float32(temperature) + g))
+    g = -np.log2(-np.log2(u))
+    scale = np.float32(1.4426950408889634) / np.float32(temperature)
+    return int(np.argmax(logits_row.astype(np.float32) * scale + g))
 
 
 def test_draw_matches_numpy_philox_reference():

@@ -3,7 +3,11 @@
 Per row r with temperature T[r]: T = 0 is greedy, argmax_i logits_i (ties to the lowest index, as
 torch.argmax); T > 0 draws argmax_i logits_i / T + g_i with g_i = -log(-log u_i), which picks token i with
 probability softmax(logits / T)_i (the Gumbel-max trick; the exponential race argmax(p_i / E_i) of the torch
-sampler is the same thing with E_i = -log u_i). The logits are read once, in their own dtype, and nothing
+sampler is the same thing with E_i = -log u_i). Computed in base 2, logits_i * (log2(e) / T) - log2(-log2 u_i):
+that is the same score times log2(e) plus a constant, so the same argmax, with one multiply by a per-row
+constant instead of a division and two log2 (the hardware's) instead of two natural logs: at B = 256 and a
+152K vocab the kernel is bound by this per-element arithmetic, not by reading the logits (155.6 us with
+division and natural logs on an H200, 33 us greedy). The logits are read once, in their own dtype, and nothing
 but one int64 per row is written (plus a [B, S] partial when the vocab is split, below).
 
 RNG, as vLLM / FlashInfer's seed + offset: u_i depends only on (seeds[r], offsets[r], i), both int64 device
@@ -35,9 +39,10 @@ _MAX_SPLITS = 256  # the reduce kernel holds a row's partials in one tile
 
 
 @triton.jit
-def _tile_scores(logits_row, start, n_cols, seed, off_lo, off_hi, temperature, r, c,
+def _tile_scores(logits_row, start, n_cols, seed, off_lo, off_hi, temperature, scale, r, c,
                  BLOCK_Q: tl.constexpr):
-    """(scores, element indices) of the [BLOCK_Q, 4] tile at `start` (a multiple of 4); -inf past the vocab."""
+    """(scores, element indices) of the [BLOCK_Q, 4] tile at `start` (a multiple of 4); -inf past the vocab.
+    scale: log2(e) / temperature (unused when greedy)."""
     idx = start + r[:, None] * 4 + c[None, :]
     x = tl.load(logits_row + idx, mask=idx < n_cols, other=float("-inf")).to(tl.float32)
     if temperature > 0.0:
@@ -48,7 +53,7 @@ def _tile_scores(logits_row, start, n_cols, seed, off_lo, off_hi, temperature, r
                         tl.where(c[None, :] == 2, r2[:, None], r3[:, None])))
         u = tl.uint_to_uniform_float(bits)
         u = tl.minimum(tl.maximum(u, 1.0e-10), 0.99999988)  # u = 0 or 1 would give an infinite g
-        x = x / temperature - tl.log(-tl.log(u))
+        x = x * scale - tl.log2(-tl.log2(u))
     return x, idx
 
 
@@ -59,6 +64,7 @@ def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, offset_ptr, out_val_ptr, out_
     row = pid // n_splits
     split = pid % n_splits
     temperature = tl.load(temp_ptr + row)
+    scale = 1.4426950408889634 / tl.maximum(temperature, 1.0e-30)  # log2(e) / T, once per program
     seed = tl.load(seed_ptr + row)
     offset = tl.load(offset_ptr + row)
     off_lo = offset.to(tl.int32)  # truncates: the low 32 bits
@@ -69,10 +75,10 @@ def _sample_kernel(logits_ptr, temp_ptr, seed_ptr, offset_ptr, out_val_ptr, out_
     lo = split * tiles_per_split * (4 * BLOCK_Q)
 
     # The first tile seeds the running best: a row of -inf logits then still returns its first index.
-    best, best_idx = _tile_scores(logits_row, lo, n_cols, seed, off_lo, off_hi, temperature, r, c, BLOCK_Q)
+    best, best_idx = _tile_scores(logits_row, lo, n_cols, seed, off_lo, off_hi, temperature, scale, r, c, BLOCK_Q)
     for t in range(1, tiles_per_split):
         s, idx = _tile_scores(logits_row, lo + t * (4 * BLOCK_Q), n_cols, seed, off_lo, off_hi, temperature,
-                              r, c, BLOCK_Q)
+                              scale, r, c, BLOCK_Q)
         take = s > best
         best = tl.where(take, s, best)
         best_idx = tl.where(take, idx, best_idx)
