@@ -341,6 +341,21 @@ def bench_prefill_attention(device, quick: bool) -> list[dict]:
 PREFILL_TUNE_GRID = [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 
 
+def _time_config(cfg: tuple, call, ref: torch.Tensor, device) -> dict:
+    """A tile sweep's entry: {config, ms, max_abs_diff} against the default's output ref, or {config, error} for
+    a config the compiler refuses (shared memory, registers)."""
+    try:
+        err = (call().float() - ref.float()).abs().max().item()
+    except Exception as e:  # noqa: BLE001 (recorded, and the sweep goes on)
+        print(f"    {cfg}: {type(e).__name__}", flush=True)
+        return dict(config=cfg, error=f"{type(e).__name__}: {str(e)[:200]}")
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return dict(config=cfg, ms=do_bench(call, warmup=5, rep=30, return_mode="median"), max_abs_diff=err)
+    return dict(config=cfg, ms=bench_ms(call, device), max_abs_diff=err)
+
+
 def tune_prefill_attention(device, quick: bool, output_json: str) -> list[dict]:
     """Part 4b: every flash tile config of PREFILL_TUNE_GRID (BLOCK_M, BLOCK_N, num_warps, num_stages) on part 4's
     batches, each checked against the default config's output; the fastest per case against _flash_config's
@@ -360,24 +375,12 @@ def tune_prefill_attention(device, quick: bool, output_json: str) -> list[dict]:
         flops = causal_flops(reqs, hq, d)
         ref = paged_attention_impl(*args, scale)
         default = _flash_config(dtype, d, n_rows, hq, len(reqs))
-        timings = []
-        for cfg in grid:
-            m, n, w, st = cfg
-            call = lambda: paged_attention_impl(*args, scale, kernel="flash", block_m=m, block_n=n, num_warps=w,
-                                                num_stages=st)
-            try:
-                err = (call().float() - ref.float()).abs().max().item()
-            except Exception as e:  # a config the compiler refuses (shared memory, registers): recorded, skipped
-                timings.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e)[:200]}"))
-                print(f"    {label:50s} {cfg}: {type(e).__name__}", flush=True)
-                continue
-            if device.type == "cuda":
-                from triton.testing import do_bench
-
-                ms = do_bench(call, warmup=5, rep=30, return_mode="median")
-            else:
-                ms = bench_ms(call, device)
-            timings.append(dict(config=cfg, ms=ms, tflops=flops / (ms * 1e-3) / 1e12, max_abs_diff=err))
+        timings = [_time_config((m, n, w, st), lambda: paged_attention_impl(
+            *args, scale, kernel="flash", block_m=m, block_n=n, num_warps=w, num_stages=st), ref, device)
+            for m, n, w, st in grid]
+        for t in timings:
+            if "ms" in t:
+                t["tflops"] = flops / (t["ms"] * 1e-3) / 1e12
         good = [t for t in timings if "ms" in t and t["max_abs_diff"] <= 3e-2]
         best = min(good, key=lambda t: t["ms"]) if good else None
         at_default = next((t for t in timings if tuple(t["config"]) == default and "ms" in t), None)
@@ -414,23 +417,12 @@ def tune_decode_attention(device, quick: bool, output_json: str) -> list[dict]:
     for B, ctx in cases:
         args, nbytes = _paged_case(B, ctx, 1, hq, hkv, d, block, torch.bfloat16, device, gen)
         ref = paged_attention_impl(*args)
-        timings = []
-        for cfg in grid:
-            n, splits, w, st = cfg
-            call = lambda: paged_attention_impl(*args, kernel="decode", decode_block_n=n, num_splits=splits or None,
-                                                num_warps=w, num_stages=st)
-            try:
-                err = (call().float() - ref.float()).abs().max().item()
-            except Exception as e:  # a config the compiler refuses: recorded, skipped
-                timings.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e)[:200]}"))
-                continue
-            if device.type == "cuda":
-                from triton.testing import do_bench
-
-                ms = do_bench(call, warmup=5, rep=30, return_mode="median")
-            else:
-                ms = bench_ms(call, device)
-            timings.append(dict(config=cfg, ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9, max_abs_diff=err))
+        timings = [_time_config((n, sp, w, st), lambda: paged_attention_impl(
+            *args, kernel="decode", decode_block_n=n, num_splits=sp or None, num_warps=w, num_stages=st), ref, device)
+            for n, sp, w, st in grid]
+        for t in timings:
+            if "ms" in t:
+                t["gbps"] = nbytes / (t["ms"] * 1e-3) / 1e9
         good = [t for t in timings if "ms" in t and t["max_abs_diff"] <= 3e-2]
         best = min(good, key=lambda t: t["ms"]) if good else None
         default = next((t for t in timings if "ms" in t and t["config"][1] == 0 and t["config"][2] == 4
