@@ -77,10 +77,8 @@ def test_gguf_slices_dequantize_only_their_rows_and_blocks(smollm2_path, monkeyp
     tensors = {name: t for name, t in gguf_tensors(reader) if name in wanted}
     full = {name: t.read() for name, t in tensors.items()}
     seen = []
-    import graphinfer.quantization.gguf as gguf_quant  # where the loader dequantizes these block types
-
-    dequantize = gguf_quant.dequantize_rows
-    monkeypatch.setattr(gguf_quant, "dequantize_rows", lambda data, qtype: seen.append(data.shape) or dequantize(data, qtype))
+    dequantize = gguf_loader.dequantize
+    monkeypatch.setattr(gguf_loader, "dequantize", lambda data, qtype: seen.append(data.shape) or dequantize(data, qtype))
     for name, t in tensors.items():
         w = full[name]
         for dim, parts in ((0, 3), (1, 3)):

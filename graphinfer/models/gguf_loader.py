@@ -134,20 +134,14 @@ class GGUFTensor(CheckpointTensor):
         self.t, self.name, self.n_head = t, name, n_head  # n_head: llama's q / k rows to unpermute
         self.shape = tuple(reversed(t.shape.tolist()))
 
-    def _dequantize(self, data) -> torch.Tensor:
-        """fp32 (F16 / F32: the file's dtype) rows: the block types graphinfer converts in torch (bit-equal to gguf's
-        numpy, ~4x faster on SmolLM2), the others by the gguf package."""
-        from graphinfer.quantization.gguf import dequantize_rows  # it builds on this module
-
-        if data.dtype == np.uint8 and (out := dequantize_rows(data, self.t.tensor_type)) is not None:
-            return out
+    def _dequantize(self, data) -> np.ndarray:
         try:
             out = dequantize(data, self.t.tensor_type)
         except NotImplementedError:
             raise UnsupportedArchitectureError(
                 f"GGUF tensor {self.t.name!r} has type {self.t.tensor_type.name}, which the installed gguf package "
                 f"cannot dequantize; use a GGUF quantized to e.g. Q8_0, Q4_K or F16.") from None
-        return torch.from_numpy(out if out.flags.writeable else out.copy())  # F32: a view of the read-only mmap
+        return out if out.flags.writeable else out.copy()  # F32 comes back as a view of the read-only mmap
 
     def read(self, dim=None, start=0, length=None) -> torch.Tensor:
         data, shape = self.t.data, list(self.shape)  # data: [rows, bytes of a row] for quantized types
@@ -165,9 +159,9 @@ class GGUFTensor(CheckpointTensor):
             if start % block == 0 and length % block == 0:
                 data = data[:, start // block * type_size:(start + length) // block * type_size]
             else:  # not on block boundaries: the whole rows, then the columns
-                w = self._dequantize(data).reshape(self.shape).narrow(1, start, length)
+                w = torch.from_numpy(self._dequantize(data)).reshape(self.shape).narrow(1, start, length)
         if w is None:
-            w = self._dequantize(data).reshape(shape)
+            w = torch.from_numpy(self._dequantize(data)).reshape(shape)
         return _unpermute(w, heads) if heads else w
 
 

@@ -30,7 +30,6 @@ from gguf.quants import Q4_K as _GGUF_Q4_K
 
 from graphinfer.errors import UnsupportedQuantizationError
 from graphinfer.models.gguf_loader import _open, _unpermute, gguf_tensors
-from graphinfer.ops.quant import dequantize_weight
 from graphinfer.quantization.scheme import QuantScheme
 
 Q = GGMLQuantizationType
@@ -89,19 +88,6 @@ def _q6_k(blocks: np.ndarray, rows: int):
 
 _CONVERT = {Q.Q4_0: lambda b, r: _q4_0_1(b, r, False), Q.Q4_1: lambda b, r: _q4_0_1(b, r, True),
             Q.Q4_K: _q4_k, Q.Q8_0: _q8_0, Q.Q6_K: _q6_k}
-
-
-def dequantize_rows(data: np.ndarray, qtype) -> torch.Tensor | None:
-    """Rows of GGUF blocks (uint8 [rows, bytes of a row]) -> fp32 [rows, K], bit for bit gguf.quants.dequantize's
-    (the module docstring) at a fraction of its time: the conversion above, then dequantize_weight. None for a type
-    that is not converted here (the float loader then asks gguf)."""
-    qtype = Q(qtype)
-    if qtype not in _CONVERT:
-        return None
-    rows = data.shape[0]
-    codes, scale, zero = _CONVERT[qtype](np.asarray(data).reshape(rows, -1, GGML_QUANT_SIZES[qtype][1]), rows)
-    t = lambda v: torch.from_numpy(np.ascontiguousarray(v)).reshape(rows, -1)  # noqa: E731
-    return dequantize_weight(t(codes), t(scale), None if zero is None else t(zero), SCHEMES[qtype].bits)
 
 
 def gguf_tensor_to_quantized(t, n_head: int | None = None) -> tuple[QuantScheme, dict[str, torch.Tensor]]:
