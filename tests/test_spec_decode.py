@@ -294,8 +294,8 @@ def test_cuda_graphs_with_speculative_decoding_match_eager(monkeypatch, mode, me
     """On a GPU (tools/h100_bench.sh check): real CUDA graphs and the Triton kernels (rejection_sample included):
     ngram k=3 and a draft model (k=3) give the greedy tokens of NONE without speculation. The verify graphs (1 + k
     tokens per request) replay only when every request has k drafts: a draft model proposes k every step, ngram on a
-    random model mostly fewer (on an H200 its 12 requests never had 3 drafts each in one step), so the replays are
-    asserted for the draft model."""
+    random model mostly fewer (on an H200 no ngram verify step replayed; on CPU the same 12 requests never have 3
+    drafts each in one step), so the replays are asserted for the draft model."""
     prompts = _prompts()
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True) for _ in prompts]
     kw = dict(max_num_seqs=16, device="cuda", dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=1 << 28)

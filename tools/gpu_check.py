@@ -337,7 +337,6 @@ def bench_prefill_attention(device, quick: bool) -> list[dict]:
     return rows
 
 
-
 PREFILL_TUNE_GRID = [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 
 
@@ -356,10 +355,24 @@ def _time_config(cfg: tuple, call, ref: torch.Tensor, device) -> dict:
     return dict(config=cfg, ms=bench_ms(call, device), max_abs_diff=err)
 
 
+def _tune_row(timings: list[dict], default_ms: float | None, **case) -> dict:
+    """A sweep case's summary: the fastest config whose output matches the default's (within 3e-2), against the
+    default's time."""
+    good = [t for t in timings if "ms" in t and t["max_abs_diff"] <= 3e-2]
+    best = min(good, key=lambda t: t["ms"]) if good else None
+    return dict(**case, ok=best is not None, best=best, default_ms=default_ms, configs=timings)
+
+
+def _write_tune(output_json: str, key: str, rows: list[dict], device) -> None:
+    """Rewritten after each case, so a time-boxed run keeps what it measured."""
+    with open(output_json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", key: rows}, f, indent=2)
+
+
 def tune_prefill_attention(device, quick: bool, output_json: str) -> list[dict]:
     """Part 4b: every flash tile config of PREFILL_TUNE_GRID (BLOCK_M, BLOCK_N, num_warps, num_stages) on part 4's
     batches, each checked against the default config's output; the fastest per case against _flash_config's
-    choice. The JSON is rewritten after each case, so a time-boxed run keeps what it measured."""
+    choice."""
     import graphinfer.ops  # noqa: F401
     from graphinfer.ops.triton.attention import _flash_config, paged_attention_impl
 
@@ -381,20 +394,14 @@ def tune_prefill_attention(device, quick: bool, output_json: str) -> list[dict]:
         for t in timings:
             if "ms" in t:
                 t["tflops"] = flops / (t["ms"] * 1e-3) / 1e12
-        good = [t for t in timings if "ms" in t and t["max_abs_diff"] <= 3e-2]
-        best = min(good, key=lambda t: t["ms"]) if good else None
-        at_default = next((t for t in timings if tuple(t["config"]) == default and "ms" in t), None)
-        r = dict(case=label, query_rows=n_rows, default_config=default, default_ms=at_default and at_default["ms"],
-                 best_config=best and best["config"], best_ms=best and best["ms"], best_tflops=best and best["tflops"],
-                 ok=best is not None, configs=timings)
+        at_default = next((t for t in timings if tuple(t["config"]) == default and "ms" in t), {})
+        r = _tune_row(timings, at_default.get("ms"), case=label, query_rows=n_rows, default_config=default)
         rows.append(r)
-        if best:
-            print(f"{'ok ' if r['ok'] else 'BAD'} prefill tune {label:50s} best {tuple(best['config'])} "
-                  f"{best['ms'] * 1e3:8.1f} us {best['tflops']:6.1f} TFLOP/s | default {default} "
-                  f"{(at_default or {}).get('ms', float('nan')) * 1e3:8.1f} us", flush=True)
-        with open(output_json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                           prefill_tune=rows), f, indent=2)
+        if best := r["best"]:
+            print(f"ok  prefill tune {label:50s} best {tuple(best['config'])} {best['ms'] * 1e3:8.1f} us "
+                  f"{best['tflops']:6.1f} TFLOP/s | default {default} "
+                  f"{at_default.get('ms', float('nan')) * 1e3:8.1f} us", flush=True)
+        _write_tune(output_json, "prefill_tune", rows, device)
     return rows
 
 
@@ -405,7 +412,7 @@ DECODE_TUNE_GRID = [(n, s, w, st) for n in (32, 64, 128) for s in (0, 1, 4, 16) 
 def tune_decode_attention(device, quick: bool, output_json: str) -> list[dict]:
     """Part 4c: the split-K decode kernel's configs (BLOCK_N, splits (0: the shape rule's), warps, stages) on pure
     decode batches of Qwen3-0.6B heads, bf16, block size 16: device time and the KV bytes read per second, each
-    config's output against the default's. The JSON is rewritten after each case."""
+    config's output against the default's, and the default's own time."""
     import graphinfer.ops  # noqa: F401
     from graphinfer.ops.triton.attention import paged_attention_impl
 
@@ -423,23 +430,17 @@ def tune_decode_attention(device, quick: bool, output_json: str) -> list[dict]:
         for t in timings:
             if "ms" in t:
                 t["gbps"] = nbytes / (t["ms"] * 1e-3) / 1e9
-        good = [t for t in timings if "ms" in t and t["max_abs_diff"] <= 3e-2]
-        best = min(good, key=lambda t: t["ms"]) if good else None
-        default = next((t for t in timings if "ms" in t and t["config"][1] == 0 and t["config"][2] == 4
-                        and t["config"][0] == (64 if d <= 128 else 32) and t["config"][3] == 3), None)
-        r = dict(case=f"decode B={B} ctx={ctx}", batch=B, context=ctx, kv_bytes=nbytes, ok=best is not None,
-                 best_config=best and best["config"], best_ms=best and best["ms"], best_gbps=best and best["gbps"],
-                 default_ms=default and default["ms"], configs=timings)
+        default = _time_config("default", lambda: paged_attention_impl(*args), ref, device)
+        r = _tune_row(timings, default.get("ms"), case=f"decode B={B} ctx={ctx}", batch=B, context=ctx,
+                      kv_bytes=nbytes)
         rows.append(r)
-        if best:
+        if best := r["best"]:
             print(f"ok  decode tune B={B:3d} ctx={ctx:5d} best (block_n, splits, warps, stages) "
-                  f"{tuple(best['config'])} "
-                  f"{best['ms'] * 1e3:8.1f} us {best['gbps']:7.1f} GB/s | default "
-                  f"{(default or {}).get('ms', float('nan')) * 1e3:8.1f} us", flush=True)
-        with open(output_json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                           decode_tune=rows), f, indent=2)
+                  f"{tuple(best['config'])} {best['ms'] * 1e3:8.1f} us {best['gbps']:7.1f} GB/s | default "
+                  f"{default.get('ms', float('nan')) * 1e3:8.1f} us", flush=True)
+        _write_tune(output_json, "decode_tune", rows, device)
     return rows
+
 
 MIXED_PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 33, 64, 120, 7, 250, 12, 90, 41, 3, 500)]
 

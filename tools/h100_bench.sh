@@ -76,15 +76,17 @@
 #               artifact (Qwen3-0.6B; its server needs tools/gpu_wheels.sh's wheels carried as .whl), the skinny
 #               GEMM configs vs cuBLAS, the decode attention sweep (decode_tune). ROUND_BUDGET (default 580 s since
 #               the script started) cuts the last parts' boxes so that the call ends inside its limit. Logs per part
-#               (round_PART.log), a summary on stdout; ROUND_TAR=FILE packs $OUT_DIR after each part (the device tool returns at most 8 files)
+#               (round_PART.log), a summary on stdout; ROUND_TAR=FILE packs $OUT_DIR after each part (the device
+#               tool returns at most 8 files)
 #                                                                                           (~9 min, not in the default)
 #   prefill_tune  gpu_check part 4b: every flash tile config (BLOCK_M x BLOCK_N x warps x stages) on the prefill
 #               batches, the fastest per case against _flash_config's choice (~1-2 min, not in the default)
 #   piecewise_sizes  the standard workload at max_num_seqs 64, FULL_AND_PIECEWISE + async: piecewise graphs up to 128
 #               tokens (the default, 2 x max_num_seqs) vs up to 512 (steps admitting a prompt ran eagerly on the H200,
 #               16.5 ms each, 30 % of the run)                                           (~2 min, not in the default)
-#   decode_tune  gpu_check part 4c: the split-K decode attention kernel's BLOCK_N x splits x warps x stages at B = 1 / 64 /
-#               256, context 512-4,096 (77 % of the batch-256 decode step on the H200, at 40 % of the copy bandwidth)
+#   decode_tune  gpu_check part 4c: the split-K decode attention kernel's BLOCK_N x splits x warps x stages at
+#               B = 1 / 64 / 256, context 512-4,096 (77 % of the batch-256 decode step on the H200, at 40 % of the
+#               copy bandwidth)
 #                                                                                          (~2 min, not in the default)
 #   launch      eager (NONE) decode step latency at batch 1/64/256 with the fast Triton launch on and off
 #               (GRAPHINFER_TRITON_FAST_LAUNCH=1 / 0), then tools/gpu_check.py's kernel checks with it in
@@ -471,17 +473,13 @@ step_skinny_configs() {  # gpu_check part 7 alone (the skinny GEMM step without 
     "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} --skinny-gemm --output-json "$OUT_DIR/skinny_gemm.json"
 }
 
-step_prefill_tune() {  # every flash tile config on the prefill batches (gpu_check part 4b); JSON written per case
+tune() {  # tune prefill|decode: gpu_check part 4b / 4c, a tile sweep of an attention kernel; JSON written per case
     local quick=()
     [ "${SMOKE:-0}" = 1 ] && quick=(--quick)
-    "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} --prefill-tune --output-json "$OUT_DIR/prefill_tune.json"
+    "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} "--$1-tune" --output-json "$OUT_DIR/$1_tune.json"
 }
-
-step_decode_tune() {  # the split-K decode kernel's configs on decode batches (gpu_check part 4c); JSON per case
-    local quick=()
-    [ "${SMOKE:-0}" = 1 ] && quick=(--quick)
-    "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} --decode-tune --output-json "$OUT_DIR/decode_tune.json"
-}
+step_prefill_tune() { tune prefill; }
+step_decode_tune() { tune decode; }
 
 step_round() {
     export ROUND_PART=1 RUNS=${RUNS:-1} SKIP_SMOLLM2=${SKIP_SMOLLM2:-1}

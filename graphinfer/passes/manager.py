@@ -17,10 +17,10 @@ class PassManager:
     graph before and after every pass (the steps may depend on each other through the KV cache, e.g. a
     prefill then a decode). Each pass is compared with the graph before it, and the final graph with the
     unfused one (`reports.end_to_end`); see graphinfer.passes.check for the errors and the tolerances
-    (atol / rtol None: the outputs' dtype's defaults). A pass that reports no matches and leaves the graph's code as it
-    was is not run again (6 of the 10 default passes on a dense model: 5 forward pairs instead of 11 at every engine
-    start from a checkpoint): its check compares the outputs before it with themselves. The manager reports; whoever runs it decides what a
-    failed check stops (`passes verify` exits non-zero, `compile` writes no artifact).
+    (atol / rtol None: the outputs' dtype's defaults). A pass that reports no matches and leaves the graph's code
+    as it was is not run again (6 of the 10 default passes on a dense model: 5 forward pairs instead of 11 at every
+    engine start from a checkpoint): its check compares the outputs before it with themselves. The manager reports;
+    whoever runs it decides what a failed check stops (`passes verify` exits non-zero, `compile` writes no artifact).
 
     dump_dir: write the graph as traced and after each pass there (NN-<pass>.py: the code, .txt: the nodes),
     and the graph a pass left broken (NN-<pass>.failed.txt)."""

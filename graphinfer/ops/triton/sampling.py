@@ -5,10 +5,11 @@ torch.argmax); T > 0 draws argmax_i logits_i / T + g_i with g_i = -log(-log u_i)
 probability softmax(logits / T)_i (the Gumbel-max trick; the exponential race argmax(p_i / E_i) of the torch
 sampler is the same thing with E_i = -log u_i). Computed in base 2, logits_i * (log2(e) / T) - log2(-log2 u_i):
 that is the same score times log2(e) plus a constant, so the same argmax, with one multiply by a per-row
-constant instead of a division and two log2 (the hardware's) instead of two natural logs: at B = 256 and a
-152K vocab the kernel is bound by this per-element arithmetic, not by reading the logits (155.6 us with
-division and natural logs on an H200, 33 us greedy). The logits are read once, in their own dtype, and nothing
-but one int64 per row is written (plus a [B, S] partial when the vocab is split, below).
+constant instead of a division and two log2 instead of two natural logs. At B = 256 and a 152K vocab the
+per-element arithmetic, not reading the logits, bounds the kernel (on an H200, before this change: 155.6 us with
+temperature, 33 us greedy); the change's effect there is not measured yet (`tools/h100_bench.sh kernel_timings`).
+The logits are read once, in their own dtype, and nothing but one int64 per row is written (plus a [B, S] partial
+when the vocab is split, below).
 
 RNG, as vLLM / FlashInfer's seed + offset: u_i depends only on (seeds[r], offsets[r], i), both int64 device
 tensors the kernel loads (no host sync, safe to capture in a device graph). Element i takes output i % 4 of
