@@ -80,10 +80,7 @@ def test_dp2_ep2_matches_one_engine(mode, moe, monkeypatch):
                     break
                 engine.step()
             assert not engine.has_unfinished_requests() and engine.outstanding == [0, 0]
-            deadline = time.monotonic() + 30  # its load report follows the acknowledgement (slow on a loaded VM)
-            while engine.scheduler_stats()["engines"][1]["running"] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert engine.scheduler_stats()["engines"][1]["running"] == 0
+            assert engine.scheduler_stats()["engines"][1]["running"] == 0  # the acknowledgement carried its load
     assert _tokens(both) == ref["all"] and _tokens(one) == ref["one"]
     computed = sum(len(o.prompt_token_ids) - o.num_cached_tokens + len(o.outputs[0].token_ids) - 1
                    for o in both + one)

@@ -116,8 +116,9 @@ class DPEngine:
                         self._outputs.put(out)
                 elif kind == "ready":
                     r.ready.set()
-                elif kind == "aborted":
-                    self._outputs.put(body[0])  # the request id: step() forgets it there
+                elif kind == "aborted":  # the request id (step() forgets it there) and the load without it
+                    request_id, r.stats = body
+                    self._outputs.put(request_id)
                 elif kind == "reply":
                     r.replies.put(body[0])
                 elif kind == "error":
@@ -284,7 +285,8 @@ def serve_replica(engine: LLMEngine, send, inbox: queue.Queue) -> None:
                 engine.add_sequence(seq)
             elif msg[0] == "abort":
                 engine.abort_request(msg[1])
-                send("aborted", msg[1])
+                # the load goes with it: in lockstep the next report waits for a round the front end may not run
+                send("aborted", msg[1], engine.scheduler_stats())
         busy = engine.has_unfinished_requests() or bool(msgs)  # msgs: an abort changes the load too
         outs = engine.step()  # lockstep: one round, a padding-only step when only other replicas have work
         if engine.lockstep.stopped:
