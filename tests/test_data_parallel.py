@@ -74,6 +74,10 @@ def test_dp2_ep2_matches_one_engine(mode, moe, monkeypatch):
             seq = engine.make_sequence(PROMPTS[0], SamplingParams(n=2, max_tokens=50, ignore_eos=True))
             engine.add_sequence(seq, dp_rank=1)
             engine.step()
+            # Replica 0's rounds end slowly, so the acknowledgement arrives within the round after the abort: the front
+            # end then stops stepping, and a load report that waited for the replica's next round never came (CI).
+            local_step = engine.local.step
+            monkeypatch.setattr(engine.local, "step", lambda: (local_step(), time.sleep(0.3))[0])
             engine.abort_request(seq.request_id)
             for _ in range(200):
                 if not engine.has_unfinished_requests():
