@@ -355,11 +355,19 @@ def _time_config(cfg: tuple, call, ref: torch.Tensor, device) -> dict:
     return dict(config=cfg, ms=bench_ms(call, device), max_abs_diff=err)
 
 
-def _tune_row(timings: list[dict], default_ms: float | None, **case) -> dict:
-    """A sweep case's summary: the fastest config whose output matches the default's (within 3e-2), against the
-    default's time."""
+def _tune_row(kind: str, timings: list[dict], default_ms: float | None, rate: tuple[str, str, float], default: str,
+              **case) -> dict:
+    """A sweep case's summary, printed: the fastest config whose output matches the default's (within 3e-2),
+    against the default's time. rate: (key, unit, work): each timed config gets key = work per second."""
+    key, unit, work = rate
+    for t in timings:
+        if "ms" in t:
+            t[key] = work / (t["ms"] * 1e-3)
     good = [t for t in timings if "ms" in t and t["max_abs_diff"] <= 3e-2]
     best = min(good, key=lambda t: t["ms"]) if good else None
+    if best:
+        print(f"ok  {kind} tune {case['case']:50s} best {tuple(best['config'])} {best['ms'] * 1e3:8.1f} us "
+              f"{best[key]:7.1f} {unit} | default {default} {(default_ms or float('nan')) * 1e3:8.1f} us", flush=True)
     return dict(**case, ok=best is not None, best=best, default_ms=default_ms, configs=timings)
 
 
@@ -391,16 +399,9 @@ def tune_prefill_attention(device, quick: bool, output_json: str) -> list[dict]:
         timings = [_time_config((m, n, w, st), lambda: paged_attention_impl(
             *args, scale, kernel="flash", block_m=m, block_n=n, num_warps=w, num_stages=st), ref, device)
             for m, n, w, st in grid]
-        for t in timings:
-            if "ms" in t:
-                t["tflops"] = flops / (t["ms"] * 1e-3) / 1e12
         at_default = next((t for t in timings if tuple(t["config"]) == default and "ms" in t), {})
-        r = _tune_row(timings, at_default.get("ms"), case=label, query_rows=n_rows, default_config=default)
-        rows.append(r)
-        if best := r["best"]:
-            print(f"ok  prefill tune {label:50s} best {tuple(best['config'])} {best['ms'] * 1e3:8.1f} us "
-                  f"{best['tflops']:6.1f} TFLOP/s | default {default} "
-                  f"{at_default.get('ms', float('nan')) * 1e3:8.1f} us", flush=True)
+        rows.append(_tune_row("prefill", timings, at_default.get("ms"), ("tflops", "TFLOP/s", flops / 1e12),
+                              str(default), case=label, query_rows=n_rows, default_config=default))
         _write_tune(output_json, "prefill_tune", rows, device)
     return rows
 
@@ -427,17 +428,10 @@ def tune_decode_attention(device, quick: bool, output_json: str) -> list[dict]:
         timings = [_time_config((n, sp, w, st), lambda: paged_attention_impl(
             *args, kernel="decode", decode_block_n=n, num_splits=sp or None, num_warps=w, num_stages=st), ref, device)
             for n, sp, w, st in grid]
-        for t in timings:
-            if "ms" in t:
-                t["gbps"] = nbytes / (t["ms"] * 1e-3) / 1e9
         default = _time_config("default", lambda: paged_attention_impl(*args), ref, device)
-        r = _tune_row(timings, default.get("ms"), case=f"decode B={B} ctx={ctx}", batch=B, context=ctx,
-                      kv_bytes=nbytes)
-        rows.append(r)
-        if best := r["best"]:
-            print(f"ok  decode tune B={B:3d} ctx={ctx:5d} best (block_n, splits, warps, stages) "
-                  f"{tuple(best['config'])} {best['ms'] * 1e3:8.1f} us {best['gbps']:7.1f} GB/s | default "
-                  f"{default.get('ms', float('nan')) * 1e3:8.1f} us", flush=True)
+        rows.append(_tune_row("decode", timings, default.get("ms"), ("gbps", "GB/s", nbytes / 1e9), "(shape rule)",
+                              case=f"B={B} ctx={ctx} (block_n, splits, warps, stages)", batch=B, context=ctx,
+                              kv_bytes=nbytes))
         _write_tune(output_json, "decode_tune", rows, device)
     return rows
 
