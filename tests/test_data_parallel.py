@@ -77,7 +77,13 @@ def test_dp2_ep2_matches_one_engine(mode, moe, monkeypatch):
             # Replica 0's rounds end slowly, so the acknowledgement arrives within the round after the abort: the front
             # end then stops stepping, and a load report that waited for the replica's next round never came (CI).
             local_step = engine.local.step
-            monkeypatch.setattr(engine.local, "step", lambda: (local_step(), time.sleep(0.3))[0])
+
+            def slow_step():
+                outs = local_step()
+                time.sleep(0.3)
+                return outs
+
+            monkeypatch.setattr(engine.local, "step", slow_step)
             engine.abort_request(seq.request_id)
             for _ in range(200):
                 if not engine.has_unfinished_requests():
