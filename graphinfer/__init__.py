@@ -19,7 +19,7 @@ STARTUP_CPUS = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffin
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "LLM": "graphinfer.runtime.llm", "LLMEngine": "graphinfer.runtime.llm_engine",
+    "LLM": "graphinfer.runtime.entrypoints.llm", "LLMEngine": "graphinfer.runtime.entrypoints.llm_engine",
     "SamplingParams": "graphinfer.sampling_params", "RequestOutput": "graphinfer.outputs",
     "CompletionOutput": "graphinfer.outputs", "Logprob": "graphinfer.outputs",
 }

@@ -124,7 +124,7 @@ def _generate(args) -> None:
         from graphinfer.compiler.report import pass_table
 
         origin = f"artifact {args.artifact}" if args.artifact else f"passes={args.passes}"
-        print(f"\n## Pass report ({origin})\n\n{pass_table(llm.llm_engine.pass_reports)}")
+        print(f"\n## Pass report ({origin})\n\n{pass_table(llm.llm_engine.worker.compiled.pass_reports)}")
 
 
 def _bench_generate(args) -> None:
@@ -148,22 +148,36 @@ def _compile(args) -> None:
 
     from graphinfer.compiler import kernel_cache
     from graphinfer.compiler.artifact import WEIGHTS, rank_file
+    from graphinfer.compiler.artifact_export import export_artifact
     from graphinfer.compiler.report import pass_table
+    from graphinfer.models.loader import load_tokenizer
+    from graphinfer.platforms import platform_for_device
     from graphinfer.platforms.cpu import CpuPlatform
-    from graphinfer.runtime.llm_engine import LLMEngine
+    from graphinfer.runtime.executor.abstract import make_executor
+    from graphinfer.runtime.executor.parallel_layout import check_parallel_config
 
     kwargs = {**engine_args.kwargs_from_args(args, COMPILE_ARGS), "model": args.model}
     kwargs["data_parallel_size"] = 1  # an artifact is one replica's
-    config = engine_args.create_engine_config(kwargs, compile_only=True)  # a placeholder KV cache
+    kwargs["num_gpu_blocks_override"] = 1  # a placeholder KV cache: compile serves nothing
+    config = engine_args.create_engine_config(kwargs)
     device = torch.device(config.model_config.device)
     if device.type != "cpu" or CpuPlatform.resolve_kernels(None) == "inductor":  # compiled kernels go into the artifact
         kernel_cache.collect(args.output, device)
     else:  # the reference ops compile nothing
         kernel_cache.clear(args.output)
-    engine = LLMEngine(config)  # on a GPU every bucket is captured once (warm-up)
-    print(pass_table(engine.pass_reports.rejudge(args.atol, args.rtol)))
-    manifest = engine.save_artifact(args.output, atol=args.atol, rtol=args.rtol,
-                                    allow_check_failure=args.allow_check_failure)
+    platform = platform_for_device(device.type)
+    backend = platform.activate(config.compile_config.kernels)
+    if config.parallel_config.world_size > 1:
+        check_parallel_config(config)
+    executor = make_executor(config, platform, backend)  # Workers only: on a GPU every bucket is captured (warm-up)
+    try:
+        worker = executor.driver_worker
+        print(pass_table(worker.compiled.pass_reports.rejudge(args.atol, args.rtol)))
+        manifest = export_artifact(args.output, worker.compiled, config, load_tokenizer(config.model_config.model), worker.device,
+                                   atol=args.atol, rtol=args.rtol, allow_check_failure=args.allow_check_failure,
+                                   write_ranks=lambda d: executor.collective_rpc("save_rank_files", d))
+    finally:
+        executor.shutdown()
     if manifest["check"]["overridden"]:
         print("\nwarning: the numeric check failed; written anyway (--allow-check-failure, recorded in the manifest)",
               file=sys.stderr)
@@ -557,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         if getattr(args, "node_rank", 0) > 0:  # another node's ranks: workers only, node 0 does the rest
-            from graphinfer.runtime.worker import run_node
+            from graphinfer.runtime.executor.worker_proc import run_node
 
             return run_node(_parallel_config(args))
         return args.func(args) or 0

@@ -314,9 +314,6 @@ class EngineConfig:
     compile_config: CompileConfig = field(default_factory=CompileConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     artifact: str | None = setting(None, "start from a `graphinfer compile` output directory")
-    # `graphinfer compile`: a 1-block placeholder KV cache; graphs are captured only where that warms compiled
-    # kernels into the artifact's kernel cache (GPU platforms), never on cpu
-    compile_only: bool = False
     speculative_config: SpeculativeConfig | None = setting(
         None, 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 3}\'', parse=_json_object)

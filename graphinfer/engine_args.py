@@ -24,8 +24,7 @@ SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler
 
 # EngineConfig fields that are neither LLM keyword arguments nor CLI flags, and why.
 NOT_ARGUMENTS = {
-    "compile_only": "set by `graphinfer compile` itself (a 1-block placeholder KV cache), never by a user",
-    "data_parallel_rank": "set by the data-parallel front end for each replica it starts (runtime/dp_engine.py)",
+    "data_parallel_rank": "set by the data-parallel front end for each replica it starts (runtime/engine/dp_core.py)",
     "timeout_s": "the distributed watchdog's limit; ParallelConfig(timeout_s=) for tests and tools, no user setting",
 }
 
@@ -109,7 +108,7 @@ def with_artifact_defaults(kwargs: dict) -> dict:
 
 def create_engine_config(kwargs: dict, **internal) -> EngineConfig:
     """Flat engine arguments (LLM's keyword arguments, the CLI's flags) -> EngineConfig. internal: the fields of
-    NOT_ARGUMENTS that graphinfer itself sets (compile_only=True for `graphinfer compile`)."""
+    NOT_ARGUMENTS that graphinfer itself sets."""
     check_names(kwargs)
     assert set(internal) <= set(NOT_ARGUMENTS), internal
     kwargs = with_artifact_defaults(kwargs)

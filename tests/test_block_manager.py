@@ -1,6 +1,6 @@
 """BlockManager on its own: the chained prefix hash, the LRU of freed blocks, reference counts and trim."""
-from graphinfer.runtime.block_manager import BlockManager
-from graphinfer.runtime.sequence import Sequence
+from graphinfer.runtime.engine.block_manager import BlockManager
+from graphinfer.runtime.engine.sequence import Sequence
 from graphinfer.sampling_params import SamplingParams
 
 BS = 4

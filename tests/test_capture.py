@@ -34,7 +34,7 @@ def test_capture_sizes_default_to_vllm_list():
 
 @pytest.mark.parametrize("capture_lm_head,async_scheduling", [(True, False), (False, False), (True, True)])
 def test_full_decode_only_matches_none_with_padding_and_eager_fallback(monkeypatch, capture_lm_head, async_scheduling):
-    import graphinfer.runtime.llm_engine as llm_engine
+    import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 
     kw = dict(device="cpu", max_num_seqs=16, num_gpu_blocks_override=64, block_size=4, dtype="float32")
     expected = _tokens(LLM("tiny-qwen3", **kw), _params())
@@ -53,7 +53,7 @@ def test_full_decode_only_matches_none_with_padding_and_eager_fallback(monkeypat
 
 
 def test_seeded_sampling_matches_under_replay(monkeypatch):
-    import graphinfer.runtime.llm_engine as llm_engine
+    import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=6, ignore_eos=True) for i in range(4)]
     kw = dict(device="cpu", max_num_seqs=8, num_gpu_blocks_override=64, dtype="float32")
@@ -66,7 +66,7 @@ def test_seeded_sampling_matches_under_replay(monkeypatch):
 def test_padded_rows_write_no_kv(monkeypatch):
     """A 4-row decode, then a 3-row one replaying the 4-row graph: the padded row must not reuse the
     previous step's slot, context length or block table (stale slots may belong to another request by now)."""
-    import graphinfer.runtime.llm_engine as llm_engine
+    import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
     llm = LLM("tiny-llama", device="cpu", graph_mode="FULL_DECODE_ONLY", capture_sizes=[4], max_num_seqs=4,

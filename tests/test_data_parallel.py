@@ -17,7 +17,7 @@ import pytest
 from capture_standin import OpTapePlatform
 from server_utils import Server, metric, metric_samples
 
-import graphinfer.runtime.llm_engine as llm_engine
+import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
 from graphinfer.sampling_params import RequestOutputKind
 
@@ -129,7 +129,7 @@ def test_dense_dp2_server_spreads_clients_and_ends_when_a_replica_dies(tmp_path)
             assert all(a.choices[0].text == ref.outputs[0].text for a in answers)
         # replica 1 dies: the front end learns it from its connection and the server exits non-zero
         replica = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-                   if "graphinfer.runtime.dp_engine" in " ".join(p.cmdline())]
+                   if "graphinfer.runtime.engine.dp_core" in " ".join(p.cmdline())]
         assert len(replica) == 1
         replica[0].send_signal(signal.SIGKILL)
         started = time.monotonic()

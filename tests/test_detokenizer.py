@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from graphinfer.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
+from graphinfer.runtime.entrypoints.detokenizer import IncrementalDetokenizer, find_stop_string
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

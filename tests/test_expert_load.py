@@ -12,7 +12,7 @@ from graphinfer import LLM, SamplingParams, ops
 from graphinfer.bench import moe_balance
 from graphinfer.cli import main
 from graphinfer.errors import InvalidConfigError
-from graphinfer.runtime.expert_load import imbalance, summarize, tokens_per_rank
+from graphinfer.runtime.worker.expert_load import imbalance, summarize, tokens_per_rank
 
 KW = dict(device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=64, max_num_seqs=8,
           max_num_batched_tokens=32)
@@ -58,7 +58,7 @@ def test_none_counts_every_real_token_top_k_times(monkeypatch):
 
 
 def test_captured_graphs_with_padding_count_only_real_tokens(monkeypatch):
-    import graphinfer.runtime.llm_engine as llm_engine
+    import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 
     expected = LLM("tiny-qwen3-moe", **KW)
     expected_tokens = _generate(expected)

@@ -15,7 +15,7 @@ from torch import fx
 
 import graphinfer.ops  # noqa: F401  (registers the graphinfer:: ops)
 from graphinfer import LLM, SamplingParams
-from graphinfer.runtime.device_graphs import DecodeGraphs
+from graphinfer.runtime.worker.device_graphs import DecodeGraphs
 from graphinfer.compiler.torchair_backend import compile_with_torchair
 from graphinfer.errors import InvalidConfigError
 from graphinfer.ops.npu import NPU_OPS, NpuOps, mc2_fits
@@ -256,7 +256,7 @@ def test_broken_torch_npu_autoload_and_graphinfer_imports(tmp_path):
     done = _run("""
         import os, sys
         import graphinfer, graphinfer.ops, graphinfer.ops.npu, graphinfer.compiler.torchair_backend
-        import graphinfer.runtime.llm_engine
+        import graphinfer.runtime.entrypoints.llm_engine
         from graphinfer.errors import InvalidConfigError
         from graphinfer.platforms import available_platforms, current_platform, get_platform
         from graphinfer.platforms.npu import NpuPlatform
@@ -382,7 +382,7 @@ def _tokens(llm):
 
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-moe"])
 def test_models_through_the_adapters_match_reference(model, monkeypatch):
-    import graphinfer.runtime.llm_engine as llm_engine
+    import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 
     kw = dict(max_num_seqs=8, num_gpu_blocks_override=32, block_size=16, dtype="float32")
     expected = _tokens(LLM(model, **kw))

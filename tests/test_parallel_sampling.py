@@ -13,9 +13,9 @@ import pytest
 from graphinfer import SamplingParams
 from graphinfer.config import CacheConfig, SchedulerConfig
 from graphinfer.errors import InvalidSamplingParamsError
-from graphinfer.runtime.parallel_sampling import make_children
-from graphinfer.runtime.scheduler import Scheduler
-from graphinfer.runtime.sequence import Sequence
+from graphinfer.runtime.entrypoints.parallel_sampling import make_children
+from graphinfer.runtime.engine.scheduler import Scheduler
+from graphinfer.runtime.engine.sequence import Sequence
 
 MODEL = "smol"
 PROMPT = "Once upon a time, in a small village by the sea,"

@@ -195,7 +195,7 @@ def test_compile_refuses_a_failing_artifact_unless_overridden(wrong_plugin, tmp_
 
 
 def test_llm_warns_when_its_passes_fail_the_check(wrong_plugin, caplog):
-    with caplog.at_level(logging.WARNING, logger="graphinfer.runtime.llm_engine"):
+    with caplog.at_level(logging.WARNING, logger="graphinfer.runtime.entrypoints.llm_engine"):
         llm = LLM("tiny-qwen3", passes="default,swap_qk_norm", num_gpu_blocks_override=64)
     assert not llm.llm_engine.pass_reports.passed
     assert "swap_qk_norm: max abs error" in caplog.text

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-import graphinfer.runtime.llm_engine as llm_engine
+import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
 from graphinfer.compiler.compile import check_inputs
 from graphinfer.compiler.pipeline import fit_graph_budget

@@ -86,7 +86,7 @@ def test_online_scheme_compiles_fuses_and_computes_with_its_rounded_weights(sche
 
 def test_quantized_graph_modes_match_none():
     """NONE vs the capture stand-in's decode buckets on a w8a8 model: graph capture never changes results."""
-    import graphinfer.runtime.llm_engine as llm_engine
+    import graphinfer.runtime.entrypoints.llm_engine as llm_engine
     from capture_standin import OpTapePlatform
 
     kw = dict(dtype="float32", quantization="w8a8", max_num_seqs=4)

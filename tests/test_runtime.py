@@ -4,8 +4,8 @@ import torch
 
 from graphinfer import LLM, SamplingParams
 from graphinfer.config import CacheConfig, SchedulerConfig
-from graphinfer.runtime.scheduler import Scheduler
-from graphinfer.runtime.sequence import Sequence
+from graphinfer.runtime.engine.scheduler import Scheduler
+from graphinfer.runtime.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from graphinfer.errors import InvalidConfigError
-from graphinfer.runtime.sampler import Sampler
+from graphinfer.runtime.worker.sampler import Sampler
 from graphinfer.sampling_params import SamplingParams
 
 V = 64

@@ -14,7 +14,7 @@ import pytest
 
 from graphinfer import LLM, SamplingParams
 from graphinfer.cli import build_parser
-from graphinfer.server.async_engine import AsyncLLMEngine
+from graphinfer.runtime.entrypoints.async_llm import AsyncLLMEngine
 from graphinfer.server.defaults import SERVE_BATCHED_TOKENS, resolve_serve_engine_args, serve_batched_tokens
 
 BUDGET, LONG = 64, 900

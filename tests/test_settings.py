@@ -221,7 +221,7 @@ class _FakeGpu:
 
 
 def test_kv_cache_budget_is_vllms_fraction_of_total_memory():
-    from graphinfer.runtime.model_runner import kv_cache_budget
+    from graphinfer.runtime.worker.model_runner import kv_cache_budget
 
     G = 1 << 30
     # 0.9 of 80 GiB = 72 GiB, less 2 GiB held, 3 GiB of step activations, 1 GiB of graphs: 66 GiB, no hidden factor
@@ -235,7 +235,7 @@ def test_kv_cache_budget_is_vllms_fraction_of_total_memory():
 def test_num_kv_blocks_on_a_gpu_uses_the_profiled_peaks():
     """The runner's sizing with a fake device: the blocks are what kv_cache_budget leaves, and a budget too small for
     one request names the profiled numbers and the knobs."""
-    from graphinfer.runtime.model_runner import ModelRunner
+    from graphinfer.runtime.worker.model_runner import ModelRunner
 
     G = 1 << 30
     runner = object.__new__(ModelRunner)

@@ -9,8 +9,8 @@ import torch
 from graphinfer import LLM, SamplingParams
 from graphinfer.config import SpeculativeConfig
 from graphinfer.errors import InvalidConfigError
-from graphinfer.runtime.sampler import Sampler
-from graphinfer.runtime.sequence import Sequence
+from graphinfer.runtime.worker.sampler import Sampler
+from graphinfer.runtime.engine.sequence import Sequence
 from graphinfer.runtime.spec_decode import NgramProposer
 from graphinfer.runtime.spec_decode.verify import verify
 
@@ -200,7 +200,7 @@ def test_verify_graphs_replay_under_the_capture_stand_in(monkeypatch, greedy_bas
     decode graphs; uniform verification steps replay them (padded buckets included) with the tokens of NONE."""
     from capture_standin import OpTapePlatform
 
-    import graphinfer.runtime.llm_engine as llm_engine
+    import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 
     prompts, params, expected = greedy_base
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())

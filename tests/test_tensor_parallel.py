@@ -13,7 +13,7 @@ import torch
 from capture_standin import OpTapePlatform
 from test_expert_load import count_tokens
 
-import graphinfer.runtime.llm_engine as llm_engine
+import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import InvalidConfigError

@@ -18,7 +18,7 @@ import pytest
 from openai.lib.streaming._deltas import accumulate_delta
 
 from graphinfer.errors import GraphinferError, InvalidConfigError, InvalidRequestError
-from graphinfer.runtime.chat_template import chat_prompt_text
+from graphinfer.runtime.entrypoints.chat_template import chat_prompt_text
 from graphinfer.server.defaults import TOOL_CALL_PARSERS
 from graphinfer.server.protocol import ChatCompletionRequest
 from graphinfer.server.tool_calling import AUTO_NEEDS_PARSER, ToolCalling, tool_choice_json_schema

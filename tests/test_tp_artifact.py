@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import graphinfer.runtime.llm_engine as llm_engine
+import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 import graphinfer.compiler.pipeline as pipeline
 from graphinfer import LLM, SamplingParams
 from graphinfer.cli import _parallel_config, build_parser, main

@@ -16,7 +16,7 @@ from cpu_env import cpu_subprocess_env
 SCRIPT = """
 import sys
 sys.path.insert(0, {tests_dir!r})
-import graphinfer.runtime.llm_engine as llm_engine
+import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
 from capture_standin import OpTapePlatform
 

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads it when @triton.jit decorates: set before import
 
 from graphinfer.ops.triton.sampling import _launch_params, sample  # noqa: E402
-from graphinfer.runtime.sampler import Sampler  # noqa: E402
+from graphinfer.runtime.worker.sampler import Sampler  # noqa: E402
 from graphinfer.sampling_params import SamplingParams  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

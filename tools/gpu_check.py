@@ -605,8 +605,8 @@ def check_sampler(batch_sizes, vocab: int, device) -> list[dict]:
     included; an all-greedy batch takes the argmax shortcut either way, so there compare the kernel's own time
     with it) and the kernel alone (device time in a CUDA graph)."""
     from graphinfer.ops.triton.sampling import sample
-    from graphinfer.runtime.sampler import Sampler
-    from graphinfer.runtime.sequence import Sequence
+    from graphinfer.runtime.worker.sampler import Sampler
+    from graphinfer.runtime.engine.sequence import Sequence
     from graphinfer.sampling_params import SamplingParams
 
     rows_out = []

@@ -369,7 +369,7 @@ step_startup() {  # issue 18: compile each model, then serve it from the artifac
     "$PY" -m pytest -q -m gpu tests/test_startup.py 2>&1 | tee "$OUT_DIR/pytest_startup.log" \
         || echo "=== pytest failed (see pytest_startup.log)"
     # what `serve ART` imports before its engine starts (4-6.6 s of the H200's artifact start-up), slowest first
-    "$PY" -X importtime -c "import graphinfer.cli, graphinfer.server.serve, graphinfer.runtime.llm_engine, triton" \
+    "$PY" -X importtime -c "import graphinfer.cli, graphinfer.server.serve, graphinfer.runtime.entrypoints.llm_engine, triton" \
         2> "$OUT_DIR/startup_importtime.log" || true
     echo "=== startup: slowest imports (cumulative us), from startup_importtime.log"
     sort -t'|' -k2 -n "$OUT_DIR/startup_importtime.log" | tail -n 12 || true

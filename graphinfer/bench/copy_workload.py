@@ -44,7 +44,7 @@ def copy_prompts(tokenizer, num_prompts: int, passage_tokens: int, seed: int, vo
             prompts.append(passage + passage + passage[:8])
             max_tokens.append(passage_tokens)
         return prompts, max_tokens
-    from graphinfer.runtime.chat_template import chat_prompt_ids
+    from graphinfer.runtime.entrypoints.chat_template import chat_prompt_ids
 
     sents = sentences()
     lens = [len(tokenizer(s, add_special_tokens=False).input_ids) for s in sents]

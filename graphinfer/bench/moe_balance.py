@@ -10,7 +10,7 @@ the average work. This is the input EPLB (vLLM-Ascend's expert load balancer) re
 from graphinfer.bench import common
 from graphinfer.bench.throughput import _vocab_size, standard_workload, timed_generate
 from graphinfer.errors import InvalidConfigError
-from graphinfer.runtime.expert_load import tokens_per_rank
+from graphinfer.runtime.worker.expert_load import tokens_per_rank
 
 
 def table(summary: dict) -> str:

@@ -19,11 +19,11 @@ from graphinfer.passes import PassCheckError
 
 def export_artifact(out_dir: str, c: CompiledModel, config: EngineConfig, tokenizer, device: torch.device, *,
                     atol: float | None = None, rtol: float | None = None, allow_check_failure: bool = False,
-                    other_ranks: Callable[[str], None] | None = None) -> dict:
+                    write_ranks: Callable[[str], None] | None = None) -> dict:
     """Write c as an artifact into out_dir; returns its manifest. Refused (PassCheckError) when a pass, or the
     pipeline end to end, fails its numeric check at atol / rtol (None: the dtype's defaults), unless
-    allow_check_failure, which the manifest then records. other_ranks(out_dir): tells the other tensor-parallel
-    ranks to write their shards (write_rank_files), which they do meanwhile."""
+    allow_check_failure, which the manifest then records. write_ranks(out_dir): has every tensor-parallel rank write
+    its shard (write_rank_files on each, together; default: this rank's alone)."""
     if not isinstance(c.graph, fx.GraphModule):
         raise InvalidConfigError("This engine runs a loaded artifact; compile from the model to write a new one.")
     reports = c.pass_reports.rejudge(atol, rtol)
@@ -39,9 +39,7 @@ def export_artifact(out_dir: str, c: CompiledModel, config: EngineConfig, tokeni
         check.update(atol=e2e.atol, rtol=e2e.rtol)
     mc = config.model_config
     artifact.prepare_dir(out_dir, c.graph, c.model)
-    if other_ranks is not None:
-        other_ranks(out_dir)
-    write_rank_files(out_dir, c)
+    (write_ranks or (lambda d: write_rank_files(d, c)))(out_dir)
     return artifact.save_artifact(
         out_dir, c.graph, reports, fingerprint=model_fingerprint(mc.model, c.hf_config, mc.seed),
         device=device, dtype=mc.torch_dtype, graph_mode=config.compile_config.graph_mode,
@@ -54,8 +52,8 @@ def export_artifact(out_dir: str, c: CompiledModel, config: EngineConfig, tokeni
 
 
 def write_rank_files(out_dir: str, c: CompiledModel) -> None:
-    """Write this rank's weights (and what passes added) into out_dir (rank 0 from export_artifact, the others when
-    it tells them), then wait for every rank's. That wait is what orders the other ranks' writes before rank 0
+    """Write this rank's weights (and what passes added) into out_dir (every rank at once: export_artifact's
+    write_ranks), then wait for every rank's. That wait is what orders the other ranks' writes before rank 0
     hashes their files: a collective that gathers each rank's failure, if any (a rank that failed joins it too, so
     none waits forever), and the digest of its graph code, which must be rank 0's: graph.py is written once, for
     all."""

@@ -42,7 +42,7 @@ def compile_model(model: nn.Module, passes: list[Pass], check: bool = True, *, a
     (None: the dtype's defaults); dump_dir: see PassManager.
 
     Traces over a small scratch KV cache (the numeric checks write into it); whoever runs the graph then
-    allocates the real cache and calls compiler.trace.rebind_buffers(gm, model)."""
+    allocates the real cache and calls compiler.trace.rebind_buffers(model, gm)."""
     allocate_kv_cache(model, _CHECK_BLOCKS, _CHECK_BLOCK_SIZE)
     gm = trace_model(model)
     manager = PassManager(passes, check_inputs(model) if check else None, atol=atol, rtol=rtol, dump_dir=dump_dir)

@@ -43,14 +43,19 @@ def with_modules(gm: fx.GraphModule, swaps: dict[str, nn.Module]) -> fx.GraphMod
     return copy
 
 
-def rebind_buffers(gm: fx.GraphModule, model: nn.Module) -> None:
-    """Point gm's buffer reads at model's current buffers of the same path (e.g. a re-allocated KV cache):
-    a GraphModule keeps its own module tree, holding the tensors that existed when it was traced."""
+def rebind_buffers(model: nn.Module, *roots) -> None:
+    """Point the buffer reads of every fx graph in `roots` (GraphModules, their submodules included: a split graph's
+    pieces; None and non-module callables are skipped) at model's current buffers of the same path (e.g. a
+    re-allocated KV cache): a GraphModule keeps its own module tree, holding the tensors that existed when it was
+    traced or copied."""
     buffers = dict(model.named_buffers(remove_duplicate=False))  # a tensor shared by layers, at each path
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target in buffers:
-            parent, _, name = node.target.rpartition(".")
-            setattr(gm.get_submodule(parent), name, buffers[node.target])
+    graphs = {id(m): m for root in roots if isinstance(root, nn.Module)
+              for m in root.modules() if isinstance(m, fx.GraphModule)}
+    for gm in graphs.values():
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and node.target in buffers:
+                parent, _, name = node.target.rpartition(".")
+                setattr(gm.get_submodule(parent), name, buffers[node.target])
 
 
 def op_histogram(gm: fx.GraphModule) -> dict[str, int]:

@@ -11,7 +11,7 @@ from graphinfer import envs
 from graphinfer.errors import InvalidConfigError
 from graphinfer.platforms.cpu import CpuPlatform
 from graphinfer.platforms.cuda import CudaPlatform
-from graphinfer.platforms.interface import Platform
+from graphinfer.platforms.interface import KernelBackend, Platform
 from graphinfer.platforms.npu import NpuPlatform
 
 BUILTIN_PLATFORMS: dict[str, type[Platform]] = {"cuda": CudaPlatform, "npu": NpuPlatform, "cpu": CpuPlatform}
@@ -55,4 +55,4 @@ def platform_for_device(device_type: str) -> Platform:
                              f"use one of: {', '.join(c.device_type for c in available_platforms().values())}.")
 
 
-__all__ = ["Platform", "available_platforms", "current_platform", "get_platform", "platform_for_device"]
+__all__ = ["KernelBackend", "Platform", "available_platforms", "current_platform", "get_platform", "platform_for_device"]

@@ -196,7 +196,7 @@ class CpuPlatform(Platform):
 
         return sample
 
-    def activate(self, kernels: str | None = None) -> None:
+    def activate(self, kernels: str | None = None):
         if not os.environ.get("OMP_NUM_THREADS"):  # one thread per physical core (SMT siblings only contend)
             from graphinfer.distributed.parallel_state import ranks_per_node
 
@@ -205,7 +205,7 @@ class CpuPlatform(Platform):
             torch.set_num_threads(max(1, physical_cores() // ranks_per_node()))
         if envs.GRAPHINFER_CPU_RETAIN_FREED_MEMORY != "0":
             retain_freed_memory()
-        super().activate(kernels)
+        return super().activate(kernels)
 
     def populate_in_background(self, t: torch.Tensor) -> PagePopulator | None:
         """The KV cache is calloc'd: its pages would be mapped (and zeroed) by the kernel as requests first write

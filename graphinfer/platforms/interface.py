@@ -8,8 +8,23 @@ CPU tensors and the platform's kernels on its device tensors.
 import contextlib
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """What a platform runs with one kernel choice (CompileConfig.kernels), as Platform.activate returns it: the
+    compile pipeline, the graph dispatcher and the sampler ask it, not the platform with a kernels string."""
+    name: str | None  # the kernel choice (None: the platform's default; "reference": the PyTorch reference ops)
+    op_impls: dict[str, Callable] = field(default_factory=dict)  # registered under the platform's dispatch key
+    sample_kernel: Callable | None = None  # the fused sampling kernel; None: the Sampler's torch path
+    default_graph_mode: str = "NONE"
+    skinny_gemm: bool = False  # the Triton skinny GEMM may serve decode linears (compiler/skinny_gemm.py measures)
+    prepacked_linears: bool = False  # float linears on weights prepacked for the platform's GEMM library
+    binds_op_impls: bool = False  # the runner's graph calls op_impls' functions directly (compiler/bind_ops.py)
+    graph_compiler: str | None = None  # "inductor": the fused graph goes through compiler/inductor.py first
 
 
 class Platform:
@@ -24,7 +39,6 @@ class Platform:
     def __init__(self):
         self._impl_lib: torch.library.Library | None = None
         self.kernels: dict[str, str] = {}  # op name -> which implementation is registered (for reports)
-        self.sample_kernel: Callable | None = None  # what the Sampler samples with (set by activate); None: torch
 
     @classmethod
     def is_available(cls) -> bool:
@@ -145,8 +159,10 @@ class Platform:
         captured. A name, not a function: platforms sit below the compiler and import none of it."""
         return None
 
-    def activate(self, kernels: str | None = None) -> None:
-        """Register op_impls(kernels) under dispatch_key (replacing an earlier activation's choice)."""
+    def activate(self, kernels: str | None = None) -> KernelBackend:
+        """Register op_impls(kernels) under dispatch_key (replacing an earlier activation's choice); returns what
+        this kernel choice runs with. The capability methods above are what a platform (or plugin) overrides;
+        everything past activation reads the returned backend."""
         import graphinfer.ops  # noqa: F401  (the op schemas must exist before impls attach to them)
 
         impls = self.op_impls(kernels)
@@ -158,7 +174,9 @@ class Platform:
             for name, fn in impls.items():
                 self._impl_lib.impl(name, fn)
         self.kernels = {name: getattr(fn, "__module__", "?") for name, fn in impls.items()}
-        self.sample_kernel = self.sampler_kernel(kernels)
+        return KernelBackend(kernels, impls, self.sampler_kernel(kernels), self.default_graph_mode(kernels),
+                             self.supports_skinny_gemm(kernels), self.prepacks_linear_weights(kernels),
+                             self.binds_op_impls(kernels), self.graph_compiler(kernels))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

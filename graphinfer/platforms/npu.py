@@ -154,9 +154,9 @@ class NpuPlatform(Platform):
             self._ops = NpuOps(self._torch_npu)
         return self._ops
 
-    def activate(self, kernels: str | None = None) -> None:
+    def activate(self, kernels: str | None = None):
         self.torch_npu  # noqa: B018  (the npu device must exist before anything uses it)
-        super().activate(kernels)
+        return super().activate(kernels)
 
     # ----- device graphs -----
     def graph_class(self) -> type:

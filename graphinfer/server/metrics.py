@@ -2,6 +2,8 @@
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from graphinfer.errors import GraphinferError
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
 
@@ -45,13 +47,14 @@ class Metrics:
                                      "data-parallel replica so far", per_engine, registry=r)
 
     def watch_expert_load(self, engine) -> None:
-        """Export a MoE engine's expert load (runtime/expert_load.py) at each scrape; nothing for a dense model."""
-        if engine.model_runner.moe_layers:
+        """Export a MoE engine's expert load (runtime/worker/expert_load.py) at each scrape; nothing for a dense
+        model. engine: the EngineClient (entrypoints/llm_engine.py)."""
+        if engine.info.num_moe_layers:
             self.registry.register(ExpertLoadCollector(engine, self._labels["model_name"]))
 
     def watch_spec_decode(self, engine) -> None:
         """Export speculative decoding's counters (vLLM's spec_decode_* names) at each scrape, with it on."""
-        if getattr(engine, "spec_stats", None) is not None:
+        if engine.info.spec_decode:
             self.registry.register(SpecDecodeCollector(engine, self._labels["model_name"]))
 
     def http(self, endpoint: str, status: int) -> None:
@@ -61,9 +64,9 @@ class Metrics:
         self.request_success.labels(finished_reason=reason, **self._labels).inc()
 
     def update_engine(self, engine) -> None:
-        """Scheduler and cache gauges (summed over data-parallel replicas); called on the engine thread after each
-        step."""
-        stats = engine.scheduler_stats()
+        """Scheduler and cache gauges (summed over data-parallel replicas, KV usage their mean); called on the engine
+        thread after each step."""
+        stats = engine.stats()
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
         self.kv_usage.set(stats["kv_usage"])
@@ -92,8 +95,11 @@ class SpecDecodeCollector:
         return [CounterMetricFamily(f"graphinfer:spec_decode_{name}", "") for name in (*self._HELP, "num_accepted_tokens_per_pos")]
 
     def collect(self):
-        stats = self.engine.spec_decode_stats()
-        if not stats:  # shut down
+        try:
+            stats = self.engine.spec_decode_stats()
+        except (AttributeError, GraphinferError):  # the engine is shutting down
+            return
+        if not stats:
             return
         for name, help_ in self._HELP.items():
             yield _counter(name, help_, self.model_name, stats[name])
@@ -126,7 +132,7 @@ class ExpertLoadCollector:
     def collect(self):
         try:
             summary = self.engine.expert_load_summary()
-        except (AttributeError, RuntimeError):  # the engine is shutting down: its buffers are gone
+        except (AttributeError, RuntimeError, GraphinferError):  # the engine is shutting down: its buffers are gone
             return
         m = self.model_name
         tokens = CounterMetricFamily(self._NAMES[0], "Tokens routed to each expert of each MoE layer (each of a "

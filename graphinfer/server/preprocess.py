@@ -11,8 +11,8 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 
 from graphinfer.errors import InvalidRequestError, PromptTooLongError
-from graphinfer.runtime.chat_template import chat_prompt_text
-from graphinfer.runtime.sequence import Sequence
+from graphinfer.runtime.entrypoints.chat_template import chat_prompt_text
+from graphinfer.runtime.entrypoints.input_processor import Request
 from graphinfer.sampling_params import SamplingParams
 
 # Unicode normalization (NFC / NFKC) composes at most 4 code points into one (e.g. U+1FAF from
@@ -80,7 +80,7 @@ class Preprocessor:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ----- on a worker thread -----
-    def completion(self, prompts: list, params: SamplingParams, request_id: str, echo: bool = False) -> list[Sequence]:
+    def completion(self, prompts: list, params: SamplingParams, request_id: str, echo: bool = False) -> list[Request]:
         self.async_engine.check_batch_size(len(prompts), params.num_candidates)
         ids = [self._tokenize(p) if isinstance(p, str) else p for p in prompts]
         seqs = self._sequences(ids, prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))])
@@ -91,7 +91,7 @@ class Preprocessor:
         return seqs
 
     def chat(self, messages: list[dict], add_generation_prompt: bool, params: SamplingParams,
-             request_id: str, tools: list[dict] | None = None) -> list[Sequence]:
+             request_id: str, tools: list[dict] | None = None) -> list[Request]:
         self.async_engine.check_batch_size(1, params.num_candidates)
         text = chat_prompt_text(self.tokenizer, messages, add_generation_prompt, tools=tools)
         ids = self._tokenize(text, add_special_tokens=False)
@@ -130,10 +130,10 @@ class Preprocessor:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def _sequences(self, ids: list[list[int]], texts: list, params: SamplingParams,
-                   request_ids: list[str]) -> list[Sequence]:
+                   request_ids: list[str]) -> list[Request]:
         seqs = []
         for prompt_ids, text, rid in zip(ids, texts, request_ids):
-            seq = self.engine.make_sequence(prompt_ids, params, rid)  # prompt within max_model_len, token ids, ...
+            seq = self.engine.make_request(prompt_ids, params, rid)  # prompt within max_model_len, token ids, ...
             n = seq.num_prompt_tokens
             if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
                 raise InvalidRequestError(

@@ -28,7 +28,7 @@ import uvicorn
 from graphinfer.errors import GraphinferError
 from graphinfer.server.api_server import build_app
 from graphinfer.runtime.startup_timer import seconds_since_process_start
-from graphinfer.server.async_engine import AsyncLLMEngine
+from graphinfer.runtime.entrypoints.async_llm import AsyncLLMEngine
 from graphinfer.server.defaults import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
                                         resolve_serve_engine_args)
 
@@ -187,7 +187,8 @@ def serve(target: str, host: str, port: int, api_key: str | None, served_model_n
           max_waiting_requests: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, enable_auto_tool_choice: bool = False,
           tool_call_parser: str | None = None, **engine_args) -> None:
-    from graphinfer import LLM
+    from graphinfer.engine_args import create_engine_config
+    from graphinfer.runtime.entrypoints.llm_engine import LLMEngine
     from graphinfer.server.tool_parsers import ToolParserManager
 
     if enable_auto_tool_choice and tool_call_parser is None:  # as vLLM
@@ -200,10 +201,13 @@ def serve(target: str, host: str, port: int, api_key: str | None, served_model_n
     if max_request_body_bytes < 1:
         raise GraphinferError(f"--max-request-body-bytes {max_request_body_bytes} must be >= 1.")
     sock = bind_socket(host, port)  # before the model loads: a busy port fails now, in one line
+    engine = None
     try:
         engine_args = resolve_serve_engine_args(engine_args)
-        llm = LLM(artifact=target, **engine_args) if is_artifact(target) else LLM(target, **engine_args)
-        engine = llm.llm_engine
+        engine_args.update({"artifact": target} if is_artifact(target) else {"model": target})
+        # the engine core (scheduler, model) in a process of its own: HTTP, detokenization and the step loop do not
+        # share one interpreter lock (vLLM v1's AsyncLLM + EngineCore)
+        engine = LLMEngine(create_engine_config(engine_args), core_process=True)
         name = served_model_name or _model_name(engine.config.model_config.model)
         async_engine = AsyncLLMEngine(engine, max_waiting_requests)
         app = build_app(async_engine, name, api_key, max_request_body_bytes, enable_auto_tool_choice, tool_call_parser)
@@ -224,13 +228,16 @@ def serve(target: str, host: str, port: int, api_key: str | None, served_model_n
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if engine is not None:
+            engine.shutdown()
+            kv_blocks_in_use = engine.stats()["kv_blocks_in_use"]
     if server.engine_error is not None:
         raise GraphinferError(f"the engine stopped ({server.engine_error}); the server answered 503 and exited. "
                               f"The log above says why.")
     if server.drained is not None:
         finished, ended = server.drained
         print(f"graphinfer: stopped after {time.monotonic() - t0:.1f} s: {finished} request(s) finished while "
-              f"draining, {ended} ended at the shutdown timeout; KV-cache blocks in use: {async_engine.kv_blocks_in_use}",
+              f"draining, {ended} ended at the shutdown timeout; KV-cache blocks in use: {kv_blocks_in_use}",
               flush=True)
 
 

@@ -18,15 +18,15 @@ logger = logging.getLogger(__name__)
 
 
 def make_proposer(spec: SpeculativeConfig | None, target):
-    """(proposer, its SpecDecodingStats) for the target LLMEngine's speculative_config, or (None, None) without one
-    and in `compile` (where only the verify graphs, warmed on a GPU, matter)."""
-    if spec is None or target.config.compile_only:
+    """(proposer, its SpecDecodingStats) for the target EngineCore's speculative_config, or (None, None) without
+    one."""
+    if spec is None:
         return None, None
     if target.config.scheduler_config.async_scheduling:
         logger.info("speculative decoding: steps run synchronously (the drafts need the last step's tokens)")
     if spec.method == "ngram":
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    else:  # it builds an LLMEngine of its own
+    else:  # it builds a Worker of its own
         from graphinfer.runtime.spec_decode.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer(spec, target)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphinfer.runtime.sampler import Sampler, SamplerOutput
+from graphinfer.runtime.worker.sampler import Sampler, SamplerOutput
 
 
 @dataclass
@@ -21,13 +21,14 @@ class _Position:
     output_token_ids: list[int]
     num_output_tokens: int
     generator: torch.Generator | None
+    all_stop_token_ids: frozenset
 
 
 def _positions(seq, k: int) -> list:
     if not k:
         return [seq]
     return [_Position(seq.sampling_params, seq.prompt_token_ids, seq.output_token_ids + seq.spec_token_ids[:j],
-                      seq.num_output_tokens + j, seq.generator) for j in range(k + 1)]
+                      seq.num_output_tokens + j, seq.generator, seq.all_stop_token_ids) for j in range(k + 1)]
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: list, spec_lens: list[int], to_device) -> SamplerOutput:

@@ -1,9 +1,10 @@
 """Structured outputs (vLLM's vllm/v1/structured_output/): the output constrained to a JSON schema, a regex, a choice,
 a grammar or a structural tag by masking the logits with the grammar's allowed tokens at every step.
 
-Flow: LLMEngine.make_sequence compiles the request's constraint (grammar_init: cached per constraint, a matcher per
-request, seq.grammar), so a constraint that cannot compile is refused there with InvalidStructuredOutputError (the
-server: a 400). Each step, once the forward is launched, mask_logits fills the grammar rows' bitmasks on the host
+Flow: the front end compiles the request's constraint (compile: cached per constraint, entrypoints/input_processor.py),
+so a constraint that cannot compile is refused there with InvalidStructuredOutputError (the server: a 400); the engine
+core gives each request a matcher of its own over that grammar (matcher: seq.grammar; from another process the grammar
+arrives as xgrammar's serialization, serialize_grammar). Each step, once the forward is launched, mask_logits fills the grammar rows' bitmasks on the host
 (xgrammar, into pinned memory), copies them without blocking and applies graphinfer::apply_token_bitmask to the
 logits before the sampler reads them (rows without a grammar get all bits set; a step without grammar rows costs
 nothing). Each appended token is accepted by its request's matcher (accept_token). Once the grammar is complete it
@@ -55,16 +56,21 @@ class StructuredOutputManager:
         self._stats = StructuredOutputStats()
         self._timings: deque = deque()  # (start, end) device events of copies + applies not yet read
 
-    # ----- requests (the server calls this on its preprocessing threads) -----
-    def grammar_init(self, params: StructuredOutputsParams):
-        """A fresh matcher for the request's constraint (the compiled grammar comes from the cache when it can)."""
+    # ----- requests -----
+    def compile(self, params: StructuredOutputsParams):
+        """The request's constraint compiled (from the cache when it can; the server calls this on its preprocessing
+        threads)."""
         if params.whitespace_pattern is not None:
             raise InvalidStructuredOutputError(
                 "structured outputs: whitespace_pattern (guided_whitespace_pattern) is not supported by the xgrammar "
                 "backend; leave it out (JSON may then hold any whitespace) or set disable_any_whitespace=true for "
                 "compact JSON.")
         kind, spec = structured_output_key(params)
-        return self._get_backend().grammar(kind, spec, any_whitespace=not params.disable_any_whitespace)
+        return self._get_backend().compile(kind, spec, any_whitespace=not params.disable_any_whitespace)
+
+    def matcher(self, grammar):
+        """A fresh matcher (seq.grammar) over a compiled grammar, or over serialize_grammar's form of one."""
+        return self._get_backend().matcher(grammar)
 
     def _get_backend(self):
         if self.backend is None:
@@ -144,3 +150,8 @@ class StructuredOutputManager:
             self._stats.compiles, self._stats.cache_hits = backend.num_compiles, backend.num_cache_hits
             self._stats.compile_s = backend.compile_s
         return StructuredOutputStats(**asdict(self._stats))
+
+
+def serialize_grammar(compiled) -> str:
+    """A compiled grammar as xgrammar's JSON (for another process's engine core; its tokenizer info is not in it)."""
+    return compiled if isinstance(compiled, str) else compiled.serialize_json()

@@ -85,8 +85,12 @@ class XgrammarBackend:
         future.set_result(compiled)
         return compiled
 
-    def grammar(self, kind: str, spec: str, any_whitespace: bool = True) -> XgrammarGrammar:
-        return XgrammarGrammar(self.compile(kind, spec, any_whitespace))
+    def matcher(self, grammar: "xgr.CompiledGrammar | str") -> XgrammarGrammar:
+        """A request's matcher over a compiled grammar, or over its serialization (serialize_json) from another
+        process, read against this backend's tokenizer info."""
+        if isinstance(grammar, str):
+            grammar = xgr.CompiledGrammar.deserialize_json(grammar, self.tokenizer_info)
+        return XgrammarGrammar(grammar)
 
     def _compile(self, kind: str, spec: str, any_whitespace: bool) -> "xgr.CompiledGrammar":
         c = self.compiler

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, fx, nn
 from tqdm.auto import tqdm
 
-from graphinfer.runtime.device_graphs import CaptureStats, measured_capture, release_graphs, staged
+from graphinfer.runtime.worker.device_graphs import CaptureStats, measured_capture, release_graphs, staged
 from graphinfer.compiler.split import SplitGraph, is_metadata_read
 from graphinfer.models.layers import AttentionMetadata
 from graphinfer.platforms import Platform

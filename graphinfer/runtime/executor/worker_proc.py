@@ -1,9 +1,9 @@
-"""A tensor-parallel rank other than 0: `python -m graphinfer.runtime.worker`, launch spec on stdin (see
-distributed/launch.py), or a node > 0's main process (run_node).
+"""A tensor-parallel rank other than 0: `python -m graphinfer.runtime.executor.worker_proc`, launch spec on stdin
+(see distributed/launch.py), or a node > 0's main process (run_node).
 
-It joins the group, builds the same engine as rank 0 in the same order (weights: its shard; passes and their
-checks; KV cache; capture: the collectives in them pair up), then runs each step rank 0 sends: the same
-forward on its shard, no scheduling and no sampling.
+It joins the group, builds its Worker in the same order as rank 0 (weights: its shard; passes and their checks; KV
+cache; capture: the collectives in them pair up), then runs each step rank 0 sends: the same forward on its shard,
+no scheduling and no sampling.
 """
 import logging
 import pickle
@@ -18,48 +18,53 @@ from graphinfer.distributed import launch
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import GraphinferError
 from graphinfer.platforms import platform_for_device
-from graphinfer.runtime.executor import CONFIG_KEY, WORKER_MODULE, join_group
-from graphinfer.runtime.step_channel import StepChannel, StepMessage
+from graphinfer.runtime.executor.multiproc_executor import CONFIG_KEY, WORKER_MODULE, join_group
+from graphinfer.runtime.executor.step_channel import StepChannel
+from graphinfer.runtime.executor.step_encoding import CallMessage, Shutdown
+from graphinfer.runtime.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
 def run_rank(config: EngineConfig, rank: int, master_port: int, platform_cls=None) -> int:
     """Be rank `rank` until rank 0 shuts the group down (0) or goes away (1)."""
-    from graphinfer.runtime.llm_engine import LLMEngine
-
     pc = config.parallel_config
     platform = platform_cls() if platform_cls is not None else \
         platform_for_device(str(config.model_config.device).split(":")[0])
+    worker = None
     try:
         join_group(rank, pc, master_port, platform)
         if rank >= pc.ranks_per_node:  # on another node than rank 0: heartbeats tell it this rank lives
             launch.start_heartbeat(pc.master_addr, master_port, rank)
-        engine = LLMEngine(config, platform=platform)
-        serve_steps(engine)
+        worker = Worker(config, platform, platform.activate(config.compile_config.kernels))
+        serve_steps(worker)
     except GraphinferError as e:  # the group broke, or a refusal every rank made (e.g. a damaged artifact)
         logger.error("%s; exiting", e)
         return 1
+    finally:
+        if worker is not None:
+            worker.release()
+        ps.destroy()
     return 0
 
 
-def serve_steps(engine) -> None:
+def serve_steps(worker: Worker) -> None:
     """Run what rank 0 sends until it says shut down."""
-    channel, runner = StepChannel(), engine.model_runner
+    channel, runner = StepChannel(), worker.model_runner
     prev = None  # the last shared sampled ids (async scheduling fills pending input ids from them)
     while True:
         ps.set_phase("the wait for rank 0's next message")
-        if (msg := channel.recv()) is None:
-            break
-        if not isinstance(msg, StepMessage):  # ("call", method, args)
-            getattr(engine, msg[1])(*msg[2])
+        msg = channel.recv()
+        if isinstance(msg, Shutdown):
+            return
+        if isinstance(msg, CallMessage):
+            getattr(worker, msg.method)(*msg.args)
             continue
         ps.set_phase(f"step {msg.step}")
         runner.step_logits(msg.inputs, prev)
         if msg.share_sampled:
-            prev = torch.empty(len(msg.inputs.logits_indices), dtype=torch.int64, device=engine.device)
+            prev = torch.empty(len(msg.inputs.logits_indices), dtype=torch.int64, device=worker.device)
             ps.broadcast_from_rank0(prev)
-    engine.shutdown()
 
 
 def run_node(pc: ParallelConfig) -> int:

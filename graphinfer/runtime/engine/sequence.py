@@ -1,4 +1,5 @@
-"""A request's state as it moves through the scheduler: tokens, progress, KV blocks, outputs."""
+"""A request's state in the engine core as it moves through the scheduler: tokens, progress, KV blocks, grammar.
+What the user sees of it (text, logprob dicts, stop strings) is the front end's (entrypoints/output_processor.py)."""
 import enum
 
 import torch
@@ -13,41 +14,35 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, max_tokens: int):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 max_tokens: int, eos_token_ids: set[int] = frozenset()):
         self.request_id = request_id
-        self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output, the tokens whose KV gets computed
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # resolved against max_model_len
+        self.eos_token_ids = eos_token_ids  # the model's
+        # what min_tokens masks (vLLM's SamplingParams.all_stop_token_ids): the request's stop ids and the model's EOS
+        self.all_stop_token_ids = frozenset(sampling_params.stop_token_ids) | frozenset(eos_token_ids)
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache, or is being written by a launched step
         self.num_cached_tokens = 0  # prompt tokens served by prefix-cache hits at the first schedule
-        # Async scheduling: tokens sampled on the device but not yet seen on the host (they count in num_tokens,
-        # so the next step can be scheduled; their ids reach the next forward on the device).
+        # Tokens sampled by launched steps but not yet seen on the host (vLLM's output placeholders): they count in
+        # num_tokens, so the next step can be scheduled before they land (async scheduling); their ids reach the next
+        # forward on the device.
         self.num_pending = 0
         self.pending_row = 0  # the row of the in-flight step's sampled tokens that holds the pending one
         # Speculative decoding: draft tokens proposed for the next step, verified there (their KV is written in the
-        # lookahead slots; only the accepted ones' counts in num_computed_tokens afterwards)
+        # lookahead slots; the rejected ones' are taken back out of num_computed_tokens afterwards)
         self.spec_token_ids: list[int] = []
         self.num_draft_tokens = self.num_accepted_tokens = 0  # verified so far (RequestOutput.metrics)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full, computed blocks
-        self.generator: torch.Generator | None = None  # set by the engine (on its device) for a seeded request
+        self.generator: torch.Generator | None = None  # on the engine's device, for a seeded request
         self.grammar = None  # structured outputs: the request's grammar matcher (runtime/structured_output/)
-        self.detokenizer = None  # set by the engine when a tokenizer exists
-        self.output_text = ""
-        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        # Parallel sampling (runtime/parallel_sampling.py): a request with best_of > 1 as make_sequence returns it
-        # runs as these child sequences; a child knows its ParentRequest and its CompletionOutput.index.
-        self.children: list[Sequence] = []
-        self.parent = None
-        self.index = 0
+        self.stop_reason: int | None = None  # the stop token id that ended it
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,11 @@
-"""AsyncLLMEngine: one background thread owns the LLMEngine (scheduler, KV cache, model); the asyncio side
-submits requests and aborts through a locked inbox and receives each request's outputs on its own queue.
+"""AsyncLLMEngine (vLLM's AsyncLLM): the server's engine client. One background thread drives the LLMEngine (the
+front end: detokenization, stop strings, logprobs), whose engine core (scheduler, KV cache, model) runs in a process
+of its own (engine/core_proc.py) or, for tests, in this one; the asyncio side submits requests and aborts through a
+locked inbox and receives each request's outputs on its own queue.
 
-Requests are validated and tokenized on the caller's side (make_sequences, which the server runs on a worker
-thread), so a bad one is rejected before it is queued, and the HTTP event loop never waits for a model step.
-On shutdown, end_all() ends every request still in flight with an error its consumer reports.
+Requests are validated and tokenized on the caller's side (make_requests, which the server runs on a worker thread),
+so a bad one is rejected before it is queued, and the HTTP event loop never waits for a model step. On shutdown,
+end_all() ends every request still in flight with an error its consumer reports.
 """
 import asyncio
 import logging
@@ -12,8 +14,8 @@ import time
 
 from graphinfer.errors import GraphinferError, InvalidRequestError
 from graphinfer.outputs import RequestOutput
-from graphinfer.runtime.llm_engine import LLMEngine
-from graphinfer.runtime.sequence import Sequence
+from graphinfer.runtime.entrypoints.input_processor import Request
+from graphinfer.runtime.entrypoints.llm_engine import LLMEngine
 from graphinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -109,13 +111,13 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"{what} in one request exceed the server's limit of {self.request_limit} "
                                       f"requests in flight; send at most {self.request_limit}.")
 
-    def make_sequences(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> list[Sequence]:
+    def make_requests(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> list[Request]:
         """Validate and tokenize every prompt (typed errors); touches no engine state, so any thread may call it."""
         self.check_batch_size(len(prompts))
-        return [self.engine.make_sequence(p, params, rid) for p, rid in zip(prompts, request_ids)]
+        return [self.engine.make_request(p, params, rid) for p, rid in zip(prompts, request_ids)]
 
-    def submit(self, seqs: list[Sequence]) -> list["RequestStream"]:
-        """Queue validated sequences (all or none); call on the event loop. Each returned stream yields that
+    def submit(self, seqs: list[Request]) -> list["RequestStream"]:
+        """Queue validated requests (all or none); call on the event loop. Each returned stream yields that
         request's outputs; the last has finished=True."""
         if not self.healthy:
             raise EngineDeadError(f"The engine loop has stopped: {self.error!r}")
@@ -133,17 +135,19 @@ class AsyncLLMEngine:
                 self._streams[seq.request_id] = stream
                 self._new.append(seq)
             self._wake.notify()
+        self.engine.wake()
         return streams
 
     def add_requests(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> list["RequestStream"]:
-        """make_sequences + submit, on the event loop."""
-        return self.submit(self.make_sequences(prompts, params, request_ids))
+        """make_requests + submit, on the event loop."""
+        return self.submit(self.make_requests(prompts, params, request_ids))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             if self._streams.pop(request_id, None) is not None:
                 self._aborts.append(request_id)
                 self._wake.notify()
+                self.engine.wake()
 
     def end_all(self, message: str) -> int:
         """Take no more requests, and end every one in flight: its consumer gets ServerShuttingDownError(message)
@@ -159,14 +163,15 @@ class AsyncLLMEngine:
 
     @property
     def kv_blocks_in_use(self) -> int:
-        bm = self.engine.scheduler.block_manager  # replica 0's (the others free theirs as they stop)
-        return bm.num_blocks - bm.num_free_blocks
+        """Over every data-parallel replica, as the engine core last reported."""
+        return self.engine.stats()["kv_blocks_in_use"]
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:
             self._stopped = True
             self._aborts.extend(self._streams)
             self._wake.notify()
+        self.engine.wake()
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -179,12 +184,10 @@ class AsyncLLMEngine:
                     new, self._new = self._new, []
                     aborts, self._aborts = self._aborts, []
                     stopped = self._stopped
-                for seq in new:
-                    if seq.request_id in aborts:
-                        continue
-                    engine.add_sequence(seq)
-                for request_id in aborts:
-                    engine.abort_request(request_id)
+                for req in new:
+                    if req.request_id not in aborts:
+                        engine.add(req)
+                engine.abort_requests(aborts)
                 if stopped:
                     return
                 outputs = engine.step() if engine.has_unfinished_requests() else []

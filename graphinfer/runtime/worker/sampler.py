@@ -45,8 +45,7 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits")  # vLLM's names; its processed_*
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: int | set[int] | None, seed: int = 0, device="cpu", kernel=None,
-                 logprobs_mode: str = "raw_logprobs"):
+    def __init__(self, seed: int = 0, device="cpu", kernel=None, logprobs_mode: str = "raw_logprobs"):
         """kernel: the platform's fused sampling kernel (Platform.sample_kernel), or None for torch alone.
         logprobs_mode: what the logprobs fields report, vLLM's raw_logprobs (log_softmax of the logits) or
         raw_logits (the logits themselves, e.g. to judge ties at the compute dtype's precision)."""
@@ -54,8 +53,6 @@ class Sampler:
             raise InvalidConfigError(f"logprobs_mode {logprobs_mode!r} is not supported: use one of "
                                      f"{', '.join(LOGPROBS_MODES)} (vLLM's processed_* modes are not implemented)")
         self.logprobs_mode = logprobs_mode
-        # Several ids end generation for some models (Llama 3: <|end_of_text|>, <|eot_id|>).
-        self.eos_token_ids = {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids or ())
         self.device = torch.device(device)
         self.kernel = kernel
         # Rows without their own seed share this generator (torch race) or draw a per-step seed from this host
@@ -131,7 +128,7 @@ class Sampler:
                 offsets.append(i)
             else:
                 seeds.append(seed - 2**64 if seed >= 2**63 else seed)  # the same 64 bits as an int64
-                offsets.append(rows[i].num_output_tokens)  # counts a token still on its way to the host
+                offsets.append(tokens_before(rows[i]))
         dev = scores.device
         keys = torch.tensor([seeds, offsets], dtype=torch.int64, device=dev)
         return self.kernel(scores, torch.tensor(temps, dtype=torch.float32, device=dev), keys[0], keys[1])
@@ -157,9 +154,8 @@ class Sampler:
         r_idx, t_idx = [], []
         for i, (row, p) in enumerate(zip(rows, params)):
             if _min_tokens_in_force(row, p):
-                stops = set(p.stop_token_ids) | self.eos_token_ids
-                r_idx += [i] * len(stops)
-                t_idx += sorted(stops)
+                r_idx += [i] * len(row.all_stop_token_ids)
+                t_idx += sorted(row.all_stop_token_ids)
         if r_idx:
             x[torch.tensor(r_idx, device=x.device), torch.tensor(t_idx, device=x.device)] = float("-inf")
 
@@ -187,11 +183,17 @@ class Sampler:
             x -= torch.tensor(pres, device=dev)[:, None] * (counts > 0)
 
 
+def tokens_before(row) -> int:
+    """Output tokens before the one a row samples: its scheduled placeholder for this token (engine/scheduler.py)
+    counts in num_output_tokens, as do tokens still on their way to the host from earlier steps."""
+    return row.num_output_tokens - 1
+
+
 def _min_tokens_in_force(row, p) -> bool:
-    """Whether the row's stop tokens are masked (min_tokens not yet reached, counting a token still on its way to the
-    host). Not for a structured-output row: its grammar decides where the output ends (once complete it allows only
-    the stop tokens, so masking them too would leave nothing to sample)."""
-    return row.num_output_tokens < p.min_tokens and p.structured_outputs is None
+    """Whether the row's stop tokens (the request's and the model's EOS: row.all_stop_token_ids) are masked
+    (min_tokens not yet reached). Not for a structured-output row: its grammar decides where the output ends (once
+    complete it allows only the stop tokens, so masking them too would leave nothing to sample)."""
+    return tokens_before(row) < p.min_tokens and p.structured_outputs is None
 
 
 def _argmax_only(row, p) -> bool:

@@ -1,7 +1,7 @@
 """Parallel sampling (SamplingParams n > 1, best_of > 1), as vLLM v1's ParentRequest: a request fans out into best_of
 child sequences of its prompt, and their outputs are gathered back under the request's id.
 
-To the scheduler the children are ordinary sequences. Their prompt KV is computed once: the scheduler offers the full
+To the engine core the children are ordinary requests. Their prompt KV is computed once: the scheduler offers the full
 blocks of what it schedules to the prefix cache at once (as vLLM v1 does), so the siblings admitted after the first
 child, in the same step, hit its prompt blocks and compute only the last, partial one. A seeded request's child i
 samples with seed + i (vLLM's rule): the children differ, and child i equals an n=1 request with that seed.
@@ -14,7 +14,6 @@ order. best_of > n: once every candidate has finished, the n with the highest cu
 from dataclasses import replace
 
 from graphinfer.outputs import RequestOutput
-from graphinfer.runtime.sequence import Sequence
 from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -31,23 +30,18 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
                    logprobs=0 if params.logprobs is None else params.logprobs)
 
 
-def make_children(seq: Sequence) -> list[Sequence]:
-    """seq's best_of child sequences (ids "{i}_{request id}", as vLLM's); the engine gives them generators and
-    detokenizers."""
-    params = seq.sampling_params
-    children = [Sequence(f"{i}_{seq.request_id}", seq.prompt, seq.prompt_token_ids, child_params(params, i),
-                         seq.max_tokens) for i in range(params.num_candidates)]
-    for i, child in enumerate(children):
-        child.index = i
-    return children
+def child_request_id(request_id: str, index: int) -> str:
+    """Child `index`'s id (vLLM's "{i}_{request id}")."""
+    return f"{index}_{request_id}"
 
 
 class ParentRequest:
-    """A request running as child sequences (seq.children): turns their outputs into the request's."""
+    """A request running as child requests (their RequestStates, entrypoints/output_processor.py): turns their outputs
+    into the request's."""
 
-    def __init__(self, seq: Sequence):
-        params = seq.sampling_params
-        self.request_id, self.prompt, self.children = seq.request_id, seq.prompt, seq.children
+    def __init__(self, request, children: list):
+        params = request.sampling_params
+        self.request_id, self.prompt, self.children = request.request_id, request.prompt, children
         self.n, self.ranked = params.n, params.num_candidates > params.n
         self.logprobs_asked = params.logprobs is not None
         self.streaming = params.output_kind != RequestOutputKind.FINAL_ONLY and not self.ranked
@@ -60,7 +54,7 @@ class ParentRequest:
     def finished(self) -> bool:
         return not self.unfinished
 
-    def output(self, child: Sequence, out: RequestOutput) -> RequestOutput | None:
+    def output(self, child, out: RequestOutput) -> RequestOutput | None:
         """child's output (under child's id) as the request's; None while a FINAL_ONLY request still runs."""
         if out.finished:
             self.unfinished -= 1

@@ -9,7 +9,7 @@ Hits are confirmed by comparing tokens, so a hash collision can never serve wron
 """
 from collections import OrderedDict
 
-from graphinfer.runtime.sequence import Sequence
+from graphinfer.runtime.engine.sequence import Sequence
 
 
 class Block:

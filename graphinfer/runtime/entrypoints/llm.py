@@ -7,9 +7,8 @@ from tqdm.auto import tqdm
 from graphinfer.engine_args import create_engine_config
 from graphinfer.errors import GraphinferError, InvalidConfigError
 from graphinfer.outputs import RequestOutput
-from graphinfer.runtime.chat_template import chat_prompt_ids
-from graphinfer.runtime.dp_engine import DPEngine
-from graphinfer.runtime.llm_engine import LLMEngine
+from graphinfer.runtime.entrypoints.chat_template import chat_prompt_ids
+from graphinfer.runtime.entrypoints.llm_engine import LLMEngine
 from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -33,7 +32,7 @@ class LLM:
     most 512).
     kernels: the platform's op implementations (None: its default; "reference": PyTorch).
     npu_compiler="torchair": torchair compiles the fused graph and captures ACL graphs (npu, graph_mode NONE).
-    async_scheduling: prepare and launch each step while the previous one runs (see LLMEngine).
+    async_scheduling: prepare and launch each step while the previous one runs (see engine/core.py).
     tensor_parallel_size: shard the model over that many ranks (devices; on cpu, processes sharing the cores) with
     torch.distributed (gloo on cpu, NCCL on cuda, HCCL on npu); graphinfer starts the other ranks of this node.
     Default: the artifact's (an artifact runs only at the size it was compiled for), else 1.
@@ -42,7 +41,7 @@ class LLM:
     Default: the artifact's, else False.
     data_parallel_size: that many engine replicas (each tensor_parallel_size ranks, its own scheduler and KV
     cache; replica 0 in this process), each request on the replica with the fewest outstanding tokens
-    (runtime/dp_engine.py). MoE + expert parallel replicas step in lockstep. One node only.
+    (runtime/engine/dp_core.py). MoE + expert parallel replicas step in lockstep. One node only.
     Across nodes (nnodes > 1, node_rank, master_addr, master_port: vLLM's / torchrun's names) this process is
     node 0; the other nodes run `graphinfer serve|generate ... --node-rank N` with the same arguments.
     speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} or
@@ -60,9 +59,7 @@ class LLM:
         nowhere else); another name raises UnknownEngineArgumentError (a TypeError) naming the close matches."""
         if model is not None:
             kwargs["model"] = model
-        config = create_engine_config(kwargs)
-        engine_cls = DPEngine if config.parallel_config.data_parallel_size > 1 else LLMEngine
-        self.llm_engine = engine_cls(config)
+        self.llm_engine = LLMEngine(create_engine_config(kwargs))
 
     def shutdown(self) -> None:
         """Release the engine's device memory now (graphs and their pool, KV cache, static buffers, weights).
@@ -82,7 +79,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or
         vLLM-style dicts ({"prompt": ...} / {"prompt_token_ids": [...]}). Outputs come in prompt order."""
-        if self.llm_engine.model_runner is None:
+        if not self.llm_engine.is_running:
             raise GraphinferError("This LLM was shut down (shutdown(), or its `with` block ended): create a new one.")
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -93,7 +90,7 @@ class LLM:
                 raise InvalidConfigError(f"Got {len(prompts)} prompts but {len(params)} SamplingParams; "
                                          f"pass one SamplingParams or one per prompt.")
         params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]  # only the ends are read
-        return self._run([self.llm_engine.make_sequence(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
+        return self._run([self.llm_engine.make_request(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
@@ -107,24 +104,24 @@ class LLM:
                                                         tools)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, seqs, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         # Every prompt was validated before any was queued: a bad one leaves nothing behind.
         engine = self.llm_engine
         engine.wait_for_kv_cache_pages()
-        for seq in seqs:
-            engine.add_sequence(seq)
         finished: dict[str, RequestOutput] = {}
         try:
-            with tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm) as bar:
+            for req in requests:
+                engine.add(req)
+            with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
                 while engine.has_unfinished_requests():
                     for out in engine.step():
                         if out.finished:
                             finished[out.request_id] = out
                             bar.update(1)
         finally:  # an exception or Ctrl-C mid-run must not leak KV blocks
-            for seq in seqs:
-                engine.abort_request(seq.request_id)
-        return [finished[seq.request_id] for seq in seqs]
+            if engine.is_running:
+                engine.abort_requests([req.request_id for req in requests])
+        return [finished[req.request_id] for req in requests]
 
 
 def _as_prompt_list(prompts) -> list:

@@ -1,0 +1,129 @@
+"""Tensor parallel, seen from a replica's TP rank 0 (vLLM's MultiprocExecutor, cut to what graphinfer needs).
+
+TP rank 0 runs the scheduler and the sampler; every rank runs the same compiled graph on its shard. The executor
+starts the replica's other ranks on this node (executor/worker_proc.py), joins the world with them, builds
+rank 0's Worker (every rank builds its own in the same order, so the collectives in their start-ups pair up), sends
+each step's inputs over the StepChannel before rank 0 runs it, watches the ranks (a dead one is reported within
+seconds to the engine and whoever listens: the server answers 503 and exits), and stops them at shutdown.
+"""
+import atexit
+import logging
+import os
+import pickle
+
+import torch
+
+from graphinfer.config import EngineConfig, ParallelConfig
+from graphinfer.distributed import launch
+from graphinfer.distributed import parallel_state as ps
+from graphinfer.platforms import KernelBackend, Platform
+from graphinfer.runtime.engine.scheduler import SchedulerOutput
+from graphinfer.runtime.executor.abstract import Executor
+from graphinfer.runtime.executor.step_channel import StepChannel
+from graphinfer.runtime.startup_timer import StartupTimer
+from graphinfer.runtime.worker.inputs import DPStep
+from graphinfer.runtime.worker.worker import ModelOutput, Worker
+
+logger = logging.getLogger(__name__)
+
+WORKER_MODULE = "graphinfer.runtime.executor.worker_proc"
+
+
+CONFIG_KEY = "graphinfer/engine_config"  # rank 0's EngineConfig, pickled, for the other nodes (worker.run_node)
+
+
+def join_group(rank: int, pc: ParallelConfig, master_port: int, platform: Platform,
+               publish: dict[str, bytes] | None = None) -> None:
+    """Make this process global rank `rank` (of tp x dp): its device (cuda:<local rank>), the process groups, and
+    on cpu its share of the node's cores (ranks of one node split them)."""
+    local = rank % pc.ranks_per_node
+    if platform.device_module is not None:
+        platform.device_module.set_device(local)
+    ps.init_distributed(rank, pc.world_size, pc.ranks_per_node, platform.dist_backend, pc.master_addr,
+                        master_port, pc.timeout_s, publish, expert_parallel=pc.enable_expert_parallel,
+                        tp=pc.tensor_parallel_size, mc2_group=platform.mc2_group)
+    if platform.device_type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        from graphinfer.platforms.cpu import physical_cores
+
+        torch.set_num_threads(max(1, physical_cores() // pc.ranks_per_node))
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, platform: Platform, backend: KernelBackend, timer: StartupTimer):
+        pc = config.parallel_config
+        self.port = pc.master_port or launch.free_port()
+        self.backend = platform.dist_backend
+        self.dead: str | None = None  # why the group broke, once a rank died
+        self.death_listeners: list = []  # callbacks(message), e.g. the server's
+        self.channel: StepChannel | None = None
+        self._stopped = False
+        spec = {"config": config, "platform_cls": type(platform), "master_port": self.port}
+        leader, here = pc.leader_rank, min(pc.tensor_parallel_size, pc.ranks_per_node)  # this replica's ranks here
+        self.ranks = launch.start_ranks(WORKER_MODULE, list(range(leader + 1, leader + here)), spec)
+        logger.info("tensor parallel: %d ranks on %d node(s); started ranks %s here", pc.tensor_parallel_size,
+                    pc.nnodes, [r.rank for r in self.ranks])
+        try:
+            join_group(leader, pc, self.port, platform, {CONFIG_KEY: pickle.dumps(config)} if leader == 0 else None)
+            self.channel = StepChannel() if ps.tp_size() > 1 else None
+            self.monitor = launch.RankMonitor(self.ranks, list(range(leader + here, leader + pc.tensor_parallel_size)),
+                                              pc.master_addr, self.port, self._on_death)
+            atexit.register(self.shutdown)  # an engine never shut down still stops its ranks at exit
+            self.driver_worker = Worker(config, platform, backend, timer)
+        except BaseException as e:  # stop the other ranks; say why the group broke, if a rank died
+            self.shutdown()
+            if self.dead is not None and isinstance(e, ps.DistributedError):
+                raise ps.DistributedError(f"{self.dead} while the engine started: {e}") from None
+            raise
+
+    def execute_model(self, sched: SchedulerOutput | None, prev_tokens: torch.Tensor | None = None,
+                      share_sampled: bool = False, dp_step: DPStep | None = None, mask_logits=None) -> ModelOutput:
+        h = self.driver_worker.model_runner.prepare_inputs(sched, dp_step)
+        if self.channel is None:
+            return self.driver_worker.execute(h, prev_tokens, mask_logits)
+        share = share_sampled and len(h.logits_indices) > 0
+        self.channel.send_step(h, share)  # the other ranks run the same step on the same inputs
+        ps.set_phase(f"step {self.channel.steps}")
+        try:
+            out = self.driver_worker.execute(h, prev_tokens, mask_logits)
+            if share:
+                ps.broadcast_from_rank0(out.sampled.sampled_token_ids)
+        except BaseException as e:  # the other ranks may wait in a collective of this step: no further step
+            self.channel.broken = f"step {self.channel.steps} failed on rank 0 ({type(e).__name__}: {e})"
+            raise
+        return out
+
+    def collective_rpc(self, method: str, *args):
+        if self.channel is not None:
+            self.channel.call(method, *args)
+        return getattr(self.driver_worker, method)(*args)
+
+    def on_death(self, callback) -> None:
+        self.death_listeners.append(callback)
+
+    def _on_death(self, message: str) -> None:
+        self.dead = message
+        logger.error("%s: the engine cannot run without it, stopping", message)
+        if self.backend != "gloo":  # gloo fails at once when a peer's sockets close; NCCL / HCCL wait: abort them
+            ps.abort()
+        for listener in self.death_listeners:
+            listener(message)
+
+    def shutdown(self) -> None:
+        """Tell the other ranks to stop (unless one died: then the rest end as their channel breaks), wait for
+        them, release rank 0's worker, and leave the group. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        atexit.unregister(self.shutdown)
+        if (monitor := getattr(self, "monitor", None)) is not None:
+            monitor.stop()
+        clean = self.dead is None and (self.channel is None or self.channel.broken is None)  # else: terminate them
+        if clean and self.channel is not None:
+            try:
+                self.channel.shutdown()
+            except ps.DistributedError as e:
+                logger.warning("tensor parallel shutdown: %s", e)
+        launch.stop_ranks(self.ranks, timeout=10 if clean else 0)
+        if (worker := getattr(self, "driver_worker", None)) is not None:
+            worker.release(tensors=True)
+        ps.destroy()
