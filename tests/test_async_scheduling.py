@@ -25,9 +25,9 @@ def _run(async_scheduling: bool, prompts, params, **kw):
     llm = LLM("tiny-llama", async_scheduling=async_scheduling, **{**ENGINE, **kw})
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.llm_engine
-    assert engine.scheduler.block_manager.num_free_blocks == engine.model_runner.num_blocks
-    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
-    return [o.outputs[0] for o in outs], engine.scheduler.num_preemptions
+    assert engine.local_core.scheduler.block_manager.num_free_blocks == engine.worker.model_runner.num_blocks
+    assert not engine.output_processor.requests and not engine.local_core.scheduler.running and not engine.local_core.scheduler.waiting
+    return [o.outputs[0] for o in outs], engine.local_core.scheduler.num_preemptions
 
 
 def _summary(outs):
@@ -97,13 +97,13 @@ def test_abort_with_a_step_in_flight_leaks_nothing():
     ids = [engine.add_request(None, p, params) for p in prompts]
     for _ in range(4):
         engine.step()
-    assert engine._in_flight is not None and engine.scheduler.running[0].num_pending == 1
+    assert engine.local_core._in_flight is not None and engine.local_core.scheduler.running[0].num_pending == 1
     engine.abort_request(ids[0])
     finished = {}
     while engine.has_unfinished_requests():
         finished.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
     assert ids[0] not in finished and all(len(finished[i]) == 20 for i in ids[1:])
-    assert engine.scheduler.block_manager.num_free_blocks == engine.model_runner.num_blocks
+    assert engine.local_core.scheduler.block_manager.num_free_blocks == engine.worker.model_runner.num_blocks
     sync = LLM("tiny-llama", **{**ENGINE, "num_gpu_blocks_override": 64}).generate(prompts[1:], params, use_tqdm=False)
     assert [finished[i] for i in ids[1:]] == [o.outputs[0].token_ids for o in sync]
 

@@ -7,7 +7,7 @@ BS = 4
 
 
 def seq(tokens, rid="r") -> Sequence:
-    return Sequence(rid, None, tokens, SamplingParams(), max_tokens=8)
+    return Sequence(rid, tokens, SamplingParams(), max_tokens=8)
 
 
 def run_prompt(bm: BlockManager, s: Sequence) -> list[int]:

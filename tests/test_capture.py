@@ -42,8 +42,8 @@ def test_full_decode_only_matches_none_with_padding_and_eager_fallback(monkeypat
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
     llm = LLM("tiny-qwen3", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4, 8],
               capture_lm_head=capture_lm_head, async_scheduling=async_scheduling, **kw)
-    graphs = llm.llm_engine.model_runner.decode_graphs
-    assert sorted(graphs.graphs) == [1, 2, 4, 8] and llm.llm_engine.capture_stats.sizes == [1, 2, 4, 8]
+    graphs = llm.llm_engine.worker.model_runner.dispatcher.decode_graphs
+    assert sorted(graphs.graphs) == [1, 2, 4, 8] and llm.llm_engine.worker.dispatcher.capture_stats.sizes == [1, 2, 4, 8]
     replays = []
     replay = graphs.replay
     monkeypatch.setattr(graphs, "replay", lambda *a, **k: replays.append(len(a[0])) or replay(*a, **k))
@@ -71,16 +71,16 @@ def test_padded_rows_write_no_kv(monkeypatch):
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
     llm = LLM("tiny-llama", device="cpu", graph_mode="FULL_DECODE_ONLY", capture_sizes=[4], max_num_seqs=4,
               num_gpu_blocks_override=32, block_size=4, dtype="float32")
-    engine, graphs = llm.llm_engine, llm.llm_engine.model_runner.decode_graphs
+    engine, graphs = llm.llm_engine, llm.llm_engine.worker.model_runner.dispatcher.decode_graphs
     for i, p in enumerate(PROMPTS[:4]):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=2 if i == 0 else 4))
     engine.step()  # the four prefills (eager)
     engine.step()  # a 4-row decode; request 0 finishes
     assert int((graphs.seq_lens > 0).sum()) == 4
-    kv_before = engine.model_runner.kv_cache.clone()
+    kv_before = engine.worker.model_runner.kv_cache.clone()
     engine.step()  # a 3-row decode, padded to 4
     assert graphs.slot_mapping[3] == -1 and graphs.seq_lens[3] == 0 and not graphs.block_tables[3].any()
-    changed = (engine.model_runner.kv_cache != kv_before).flatten(3).any(-1)  # [layers, 2, blocks, block_size]
+    changed = (engine.worker.model_runner.kv_cache != kv_before).flatten(3).any(-1)  # [layers, 2, blocks, block_size]
     assert int(changed[0, 0].sum()) == 3
 
 

@@ -61,8 +61,8 @@ def test_round_trip_gives_in_memory_tokens_without_tracing(qwen2_artifact, monke
     loaded = LLM(artifact=art)  # model and dtype come from the manifest
     assert loaded.llm_engine.config.model_config.model == os.path.abspath(path)
     assert _tokens(loaded, PROMPTS) == _tokens(in_memory, PROMPTS)
-    assert [r.name for r in loaded.llm_engine.pass_reports][:1] == ["fuse_qkv"]
-    assert not hasattr(loaded.llm_engine.model.model.layers[0].self_attn, "q_proj")  # never built
+    assert [r.name for r in loaded.llm_engine.worker.compiled.pass_reports][:1] == ["fuse_qkv"]
+    assert not hasattr(loaded.llm_engine.worker.model.model.layers[0].self_attn, "q_proj")  # never built
 
 
 def test_artifact_weights_are_final_and_load_without_the_checkpoint(qwen2_artifact, tmp_path, monkeypatch):
@@ -83,11 +83,11 @@ def test_artifact_weights_are_final_and_load_without_the_checkpoint(qwen2_artifa
     for name in ("load_model", "load_config", "load_hf_config", "load_tokenizer"):
         monkeypatch.setattr(loader, name, no_checkpoint)
     import graphinfer.compiler.pipeline as pipeline
-    import graphinfer.runtime.startup as startup_mod
+    import graphinfer.runtime.engine.core as core_mod
 
     for name in ("load_model", "load_config"):
         monkeypatch.setattr(pipeline, name, no_checkpoint)
-    monkeypatch.setattr(startup_mod, "load_tokenizer", no_checkpoint)
+    monkeypatch.setattr(core_mod, "load_tokenizer", no_checkpoint)
     assert _tokens(LLM(artifact=moved), PROMPTS) == _tokens(in_memory, PROMPTS)
 
 
@@ -115,7 +115,7 @@ def test_artifact_graph_mode_and_capture_sizes_are_the_defaults(tiny_checkpoint,
     path = tiny_checkpoint("qwen2")[0]
     LLM(path, capture_sizes=[1, 2]).llm_engine.save_artifact(str(tmp_path / "art"))
     engine = LLM(artifact=str(tmp_path / "art")).llm_engine
-    assert engine.capture_sizes == [1, 2] and engine.config.compile_config.graph_mode == "NONE"
+    assert engine.worker.dispatcher.capture_sizes == [1, 2] and engine.config.compile_config.graph_mode == "NONE"
 
 
 def _copy(art, tmp_path):

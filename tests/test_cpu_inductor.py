@@ -24,14 +24,14 @@ def inductor_cache(tmp_path_factory):
 @pytest.mark.slow  # 45 s: SmolLM2 through Inductor; the default suite checks Inductor on tiny models (below)
 def test_smollm2_fp32_matches_hf(hf_smollm2):
     llm = LLM(dtype="float32", max_model_len=512, kernels="inductor")
-    assert llm.llm_engine.platform.kernels == {"reshape_and_cache": "graphinfer.ops.cpu_attention",
+    assert llm.llm_engine.local_core.platform.kernels == {"reshape_and_cache": "graphinfer.ops.cpu_attention",
                                                "paged_attention": "graphinfer.ops.cpu_attention",
                                                "qk_norm_rope_cache": "graphinfer.ops.cpu_attention",
                                                "wo_linear": "graphinfer.ops.cpu_quant",
                                                "dynamic_quant": "graphinfer.ops.cpu_quant",
                                                "scaled_mm": "graphinfer.ops.cpu_quant",
                                                "apply_token_bitmask": "graphinfer.ops.cpu_bitmask"}
-    pieces = [m for n, m in llm.llm_engine.model_runner.graph.named_children() if isinstance(m, _BoundPiece)]
+    pieces = [m for n, m in llm.llm_engine.worker.model_runner.graph.named_children() if isinstance(m, _BoundPiece)]
     assert len(pieces) == 31  # between 30 attention calls; the 30 between cache write and attention are empty
     assert len({id(p.compiled) for p in pieces}) == 3  # embed + layer 0's qkv, the 29 identical layers, the final norm
     outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
@@ -46,7 +46,7 @@ def test_smollm2_fp32_eager_matches_hf(hf_smollm2):
     from graphinfer.compiler.cpu_packed_linear import PackedLinear
 
     llm = LLM(dtype="float32", max_model_len=512, kernels="eager")
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.worker.model_runner
     assert isinstance(runner.graph.get_submodule("model.layers.0.mlp.down_proj"), PackedLinear)
     assert isinstance(runner.compute_logits, PackedLinear) and runner.compute_logits.weight is runner.model.lm_head.weight
     outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
@@ -57,12 +57,12 @@ def test_smollm2_fp32_eager_matches_hf(hf_smollm2):
 
 def test_pointwise_ops_inlined_attention_opaque():
     llm = LLM("tiny-llama", device="cpu", kernels="reference", num_gpu_blocks_override=8)
-    gm = inline_pointwise_ops(llm.llm_engine.graph)
+    gm = inline_pointwise_ops(llm.llm_engine.worker.graph)
     names = [node_target_name(n) for n in gm.graph.nodes if n.op == "call_function"]
     assert not any(f"graphinfer::{op}" in names for op in INLINED_OPS)
     assert "graphinfer::paged_attention" in names and "graphinfer::reshape_and_cache" in names
-    assert any(f"graphinfer::{op}" in map(node_target_name, llm.llm_engine.graph.graph.nodes) for op in INLINED_OPS)
-    assert "piece_0" in dict(compile_for_cpu(llm.llm_engine.graph).named_children())
+    assert any(f"graphinfer::{op}" in map(node_target_name, llm.llm_engine.worker.graph.graph.nodes) for op in INLINED_OPS)
+    assert "piece_0" in dict(compile_for_cpu(llm.llm_engine.worker.graph).named_children())
 
 
 # One bf16 ulp of tiny-qwen3's logits (|logit| < 32): where the reference's top-2 log-probs are this close, a
@@ -87,7 +87,7 @@ def test_bf16_matches_reference_through_chunks_prefix_hits_and_preemption():
         rest = llm.generate(prompts[1:], params[1:], use_tqdm=False)
         runs[kernels] = [o.outputs[0] for o in first + rest]
         assert all(o.num_cached_tokens >= 16 for o in rest)
-        assert llm.llm_engine.scheduler.num_preemptions > 0
+        assert llm.llm_engine.local_core.scheduler.num_preemptions > 0
     ref = [o.token_ids for o in runs["reference"]], [o.logprobs for o in runs["reference"]]
     for kernels in ("eager", "inductor"):
         cmp = compare_tie_aware(*ref, [o.token_ids for o in runs[kernels]], tie=BF16_TIE)

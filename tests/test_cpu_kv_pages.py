@@ -54,7 +54,7 @@ def test_generate_waits_for_the_cache_pages(monkeypatch, populate):
     on and LLM.generate waits for it, so the whole cache is mapped once it has run; 0: no thread."""
     monkeypatch.setenv("GRAPHINFER_CPU_POPULATE_KV_CACHE", populate)
     llm = LLM("tiny-llama", device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.worker.model_runner
     assert (runner.kv_pages is not None) == (populate == "1")
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                        use_tqdm=False)
@@ -80,7 +80,7 @@ def test_shutdown_stops_the_page_thread(monkeypatch):
 
     monkeypatch.setattr(cpu.CpuPlatform, "populate_in_background", start)
     llm = LLM("tiny-llama", device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
-    thread = llm.llm_engine.model_runner.kv_pages
+    thread = llm.llm_engine.worker.model_runner.kv_pages
     assert thread.is_alive()
     llm.shutdown()
     assert thread.stopping.is_set() and not thread.is_alive() and thread.t is None

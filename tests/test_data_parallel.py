@@ -53,44 +53,45 @@ def test_dp2_ep2_matches_one_engine(mode, moe, monkeypatch):
         kw.update(graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8], async_scheduling=True)
     with LLM(path, data_parallel_size=2, enable_expert_parallel=True, **kw) as llm:
         engine = llm.llm_engine
-        assert engine.local.dp_lockstep and engine.expert_parallel_size == 2
+        dp = engine.engine_core  # the data-parallel front end (engine/dp_core.py)
+        assert dp.local.dp_lockstep and engine.expert_load_summary()["ep_size"] == 2
         both = llm.generate(PROMPTS, _params(), use_tqdm=False)
-        assert engine.requests_routed[0] > 0 and engine.requests_routed[1] > 0
-        routed = list(engine.requests_routed)
+        assert dp.requests_routed[0] > 0 and dp.requests_routed[1] > 0
+        routed = list(dp.requests_routed)
         one = llm.generate(PROMPTS[-1:], _params()[-1:], use_tqdm=False)  # one replica works, the other pads
-        assert sum(engine.requests_routed) - sum(routed) == 1
+        assert sum(dp.requests_routed) - sum(routed) == 1
         load = engine.expert_load()
         if mode == "NONE":
             # parallel sampling on replica 1: the request runs there whole, its children gathered into one output
-            two = engine.make_sequence(PROMPTS[-1], SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True,
+            two = engine.make_request(PROMPTS[-1], SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True,
                                                                     output_kind=RequestOutputKind.FINAL_ONLY))
-            engine.add_sequence(two, dp_rank=1)
+            engine.add(two, dp_rank=1)
             outs = []
             while engine.has_unfinished_requests():
                 outs += engine.step()
             assert len(outs) == 1 and outs[0].finished
             assert [c.token_ids for c in outs[0].outputs] == [ref["one"][0][:4]] * 2
             # a request aborted on replica 1 (n=2: both children) stays outstanding until that replica freed it
-            seq = engine.make_sequence(PROMPTS[0], SamplingParams(n=2, max_tokens=50, ignore_eos=True))
-            engine.add_sequence(seq, dp_rank=1)
+            seq = engine.make_request(PROMPTS[0], SamplingParams(n=2, max_tokens=50, ignore_eos=True))
+            engine.add(seq, dp_rank=1)
             engine.step()
             # Replica 0's rounds end slowly, so the acknowledgement arrives within the round after the abort: the front
             # end then stops stepping, and a load report that waited for the replica's next round never came (CI).
-            local_step = engine.local.step
+            local_step = dp.local.step
 
             def slow_step():
                 outs = local_step()
                 time.sleep(0.3)
                 return outs
 
-            monkeypatch.setattr(engine.local, "step", slow_step)
+            monkeypatch.setattr(dp.local, "step", slow_step)
             engine.abort_request(seq.request_id)
             for _ in range(200):
                 if not engine.has_unfinished_requests():
                     break
                 engine.step()
-            assert not engine.has_unfinished_requests() and engine.outstanding == [0, 0]
-            assert engine.scheduler_stats()["engines"][1]["running"] == 0  # the acknowledgement carried its load
+            assert not engine.has_unfinished_requests() and dp.outstanding == [0, 0]
+            assert engine.stats()["engines"][1]["running"] == 0  # the acknowledgement carried its load
     assert _tokens(both) == ref["all"] and _tokens(one) == ref["one"]
     computed = sum(len(o.prompt_token_ids) - o.num_cached_tokens + len(o.outputs[0].token_ids) - 1
                    for o in both + one)
@@ -127,9 +128,22 @@ def test_dense_dp2_server_spreads_clients_and_ends_when_a_replica_dies(tmp_path)
         assert metric(samples, "graphinfer:generation_tokens_total") == 48
         if ref.outputs[0].text:  # a preset has no tokenizer: its texts are empty, the token counts say it all
             assert all(a.choices[0].text == ref.outputs[0].text for a in answers)
-        # replica 1 dies: the front end learns it from its connection and the server exits non-zero
-        replica = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-                   if "graphinfer.runtime.engine.dp_core" in " ".join(p.cmdline())]
+        # KV usage covers every replica: two streams running, one on each, both replicas' blocks in use
+        streams = [client.completions.create(model="tiny-qwen3", prompt=prompt, max_tokens=100, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True}) for _ in range(2)]
+        for stream in streams:
+            next(iter(stream))
+        samples = metric_samples(httpx.get(f"{server.url}/metrics").text)
+        per_engine = [metric(samples, "graphinfer:engine_kv_cache_usage_perc", engine=str(d)) for d in range(2)]
+        assert all(u > 0 for u in per_engine), per_engine
+        assert metric(samples, "graphinfer:kv_cache_usage_perc") == pytest.approx(sum(per_engine) / 2)
+        for stream in streams:
+            assert sum(len(c.choices[0].text) >= 0 for c in stream) > 0
+        # replica 1 dies: the front end learns it from its connection and the server exits non-zero. The server's
+        # engine core (the data-parallel front end with replica 0) is a core process; replica 1 is its child.
+        cores = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                 if "graphinfer.runtime.engine.core_proc" in " ".join(p.cmdline())]
+        replica = [p for p in cores if p.parent().pid != server.proc.pid]
         assert len(replica) == 1
         replica[0].send_signal(signal.SIGKILL)
         started = time.monotonic()

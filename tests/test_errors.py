@@ -69,7 +69,7 @@ def test_prompt_longer_than_max_model_len(tiny_llm):
     with pytest.raises(PromptTooLongError, match="max_model_len is 64.*Shorten the prompt or raise max_model_len"):
         tiny_llm.generate([[1, 2, 3], list(range(64))], use_tqdm=False)
     engine = tiny_llm.llm_engine
-    assert not engine.scheduler.waiting and not engine.requests  # the valid prompt was not queued either
+    assert not engine.local_core.scheduler.waiting and not engine.output_processor.requests  # the valid prompt was not queued either
     with pytest.raises(PromptTooLongError, match="empty"):
         tiny_llm.generate([[]], use_tqdm=False)
 

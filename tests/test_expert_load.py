@@ -45,10 +45,10 @@ def test_count_op_skips_padded_rows():
 def test_none_counts_every_real_token_top_k_times(monkeypatch):
     llm = LLM("tiny-qwen3-moe", **KW)
     engine = llm.llm_engine
-    assert [r.matches for r in engine.pass_reports if r.name == "fuse_moe"] == [2]  # the count does not stop it
+    assert [r.matches for r in engine.worker.compiled.pass_reports if r.name == "fuse_moe"] == [2]  # the count does not stop it
     load = engine.expert_load()
     assert sorted(load) == [0, 1] and all(c == [0] * 8 for c in load.values())  # warm-up and checks: reset
-    seen = count_tokens(engine.model_runner, monkeypatch)
+    seen = count_tokens(engine.worker.model_runner, monkeypatch)
     _generate(llm)
     load = engine.expert_load()
     assert all(sum(c) == sum(seen) * TOP_K for c in load.values()) and sum(seen) > 0
@@ -65,9 +65,9 @@ def test_captured_graphs_with_padding_count_only_real_tokens(monkeypatch):
     expected_load = expected.llm_engine.expert_load()
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
     llm = LLM("tiny-qwen3-moe", graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 16, 32], **KW)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.worker.model_runner
     padded = []  # (kind, real rows, bucket) of each replay
-    for graphs, method in ((runner.decode_graphs, "replay"), (runner.piecewise_graphs, "run")):
+    for graphs, method in ((runner.dispatcher.decode_graphs, "replay"), (runner.dispatcher.piecewise_graphs, "run")):
         original = getattr(graphs, method)
         monkeypatch.setattr(graphs, method, lambda *a, _o=original, _g=graphs, _m=method, **k: padded.append(
             (_m, len(a[0]), _g.bucket(len(a[0])))) or _o(*a, **k))

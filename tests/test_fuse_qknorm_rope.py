@@ -107,7 +107,7 @@ def test_qwen3_checkpoint_from_transformers(tmp_path):
     fused, unfused = LLM(str(tmp_path), passes="default", **kv), LLM(str(tmp_path), passes="none", **kv)
     layers = hf.config.num_hidden_layers
     assert _matches(fused)["fuse_qknorm_rope"] == layers
-    assert op_histogram(fused.llm_engine.graph)["graphinfer::qk_norm_rope_cache"] == layers
+    assert op_histogram(fused.llm_engine.worker.graph)["graphinfer::qk_norm_rope_cache"] == layers
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 30, 3)]
     _assert_fused_equals_unfused(fused, unfused, prompts)

@@ -27,7 +27,7 @@ def test_logits_match_hf_through_prefill_and_decode(arch, tiny_checkpoint, engin
     path, hf = tiny_checkpoint(arch)
     llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, max_model_len=256, **engine_kernels)
     assert_cpu_default_bound(llm, engine_kernels)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.worker.model_runner
     runner.sampler = rec = _RecordingSampler(runner.sampler)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 23, 11, 40)]
@@ -43,7 +43,7 @@ def test_logits_match_hf_through_prefill_and_decode(arch, tiny_checkpoint, engin
             ref_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
             assert out.outputs[0].token_ids == ref_ids[0, len(prompt):].tolist()
     assert worst <= 1e-4, f"max |logit - HF| = {worst}"
-    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == runner.num_blocks
+    assert llm.llm_engine.local_core.scheduler.block_manager.num_free_blocks == runner.num_blocks
 
 
 @pytest.mark.parametrize("arch,dtype", [("qwen3", torch.bfloat16), ("qwen3", torch.float16),
@@ -54,9 +54,9 @@ def test_half_precision_prefill_logits_close_to_hf(arch, dtype, tiny_checkpoint,
     hf.load_state_dict(hf32.state_dict())
     llm = LLM(path, dtype=str(dtype).split(".")[1], **engine_kernels)
     assert_cpu_default_bound(llm, engine_kernels)
-    assert llm.llm_engine.model.lm_head.weight.dtype == dtype
-    assert all(p.dtype == dtype for p in llm.llm_engine.model.parameters())  # stacked experts included
-    runner = llm.llm_engine.model_runner
+    assert llm.llm_engine.worker.model.lm_head.weight.dtype == dtype
+    assert all(p.dtype == dtype for p in llm.llm_engine.worker.model.parameters())  # stacked experts included
+    runner = llm.llm_engine.worker.model_runner
     runner.sampler = rec = _RecordingSampler(runner.sampler)
     prompt = list(range(3, 40))
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)

@@ -128,7 +128,7 @@ def test_logits_and_tokens_match_hf_unfused_and_fused(arch, tiny_checkpoint, eng
         llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, max_model_len=256, passes=passes,
                   **engine_kernels)
         assert_cpu_default_bound(llm, engine_kernels)
-        runner = llm.llm_engine.model_runner
+        runner = llm.llm_engine.worker.model_runner
         runner.sampler = rec = _RecordingSampler(runner.sampler)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref_tokens
@@ -141,9 +141,9 @@ def test_logits_and_tokens_match_hf_unfused_and_fused(arch, tiny_checkpoint, eng
                     ref_logits[key] = hf(torch.tensor([token_ids])).logits[0, -1]
                 worst = max(worst, (logits - ref_logits[key]).abs().max().item())
         assert worst <= 1e-4, f"passes={passes}: max |logit - HF| = {worst}"
-        hist = op_histogram(llm.llm_engine.graph)
+        hist = op_histogram(llm.llm_engine.worker.graph)
         if passes == "default":
-            reports = {r.name: r for r in llm.llm_engine.pass_reports}
+            reports = {r.name: r for r in llm.llm_engine.worker.compiled.pass_reports}
             assert reports["fuse_moe"].matches == _moe_layers(hf) and reports["fuse_moe"].declined == []
             assert all(r.max_abs_error <= 1e-5 for r in reports.values())
             assert hist["graphinfer::fused_moe"] == _moe_layers(hf) and "graphinfer::moe_dispatch" not in hist

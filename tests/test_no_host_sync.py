@@ -238,8 +238,8 @@ for model in {models!r}:
     llm = LLM(model, block_size=4, num_gpu_blocks_override=96, max_num_seqs=8, max_num_batched_tokens=16,
               graph_mode="NONE", **{llm_kw})
     if {activate!r}:  # the same fx graph, its ops bound to these kernels (skips interpreted pass self-checks)
-        llm.llm_engine.platform.activate({activate!r})
-    runner = llm.llm_engine.model_runner
+        llm.llm_engine.local_core.platform.activate({activate!r})
+    runner = llm.llm_engine.worker.model_runner
     forward, seen = runner.graph, set()
 
     def guarded(input_ids, positions, md):
@@ -274,7 +274,7 @@ def test_guard_catches_the_reference_ops_in_a_model():
 
     llm = LLM("tiny-qwen3", block_size=4, num_gpu_blocks_override=32, max_num_seqs=2, graph_mode="NONE",
               dtype="float32", device="cpu", kernels="reference")
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.worker.model_runner
     forward = runner.graph
 
     def guarded(*args):

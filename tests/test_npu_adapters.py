@@ -402,7 +402,7 @@ def test_models_through_the_adapters_match_reference(model, monkeypatch):
         llm = LLM(model, kernels="torch_npu", capture_sizes=[1, 2, 4, 8, 32, 64], **kw)
         assert llm.llm_engine.config.compile_config.graph_mode == "FULL_AND_PIECEWISE"
         assert _tokens(llm) == expected
-        assert sorted(llm.llm_engine.model_runner.piecewise_graphs.captured_sizes) == [1, 2, 4, 8, 32, 64]
+        assert sorted(llm.llm_engine.worker.model_runner.dispatcher.piecewise_graphs.captured_sizes) == [1, 2, 4, 8, 32, 64]
     finally:
         platform._impl_lib._destroy()  # the CPU key gets the reference ops back
 

@@ -13,7 +13,7 @@ import pytest
 from graphinfer import SamplingParams
 from graphinfer.config import CacheConfig, SchedulerConfig
 from graphinfer.errors import InvalidSamplingParamsError
-from graphinfer.runtime.entrypoints.parallel_sampling import make_children
+from graphinfer.runtime.entrypoints.parallel_sampling import child_params, child_request_id
 from graphinfer.runtime.engine.scheduler import Scheduler
 from graphinfer.runtime.engine.sequence import Sequence
 
@@ -154,13 +154,13 @@ def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(sm
 
 def test_children_share_the_prompt_blocks_and_abort_together(smollm2_llm):
     engine = smollm2_llm.llm_engine
-    bm, bs = engine.scheduler.block_manager, engine.scheduler.block_manager.block_size
+    bm, bs = engine.local_core.scheduler.block_manager, engine.local_core.scheduler.block_manager.block_size
     ids = engine.tokenize("[kv sharing] A keeper climbs the stairs, lights the lamp and waits for the ships " * 2)
     assert len(ids) > 2 * bs and len(ids) % bs, len(ids)  # shared full blocks, and a partial last block
     in_use = bm.num_blocks - bm.num_free_blocks
     rid = engine.add_request(None, ids, SamplingParams(n=3, seed=1, **SAMPLE))
     engine.step()  # one step admits and prefills all three children
-    children = [engine.requests[f"{i}_{rid}"] for i in range(3)]
+    children = [engine.local_core.scheduler.requests[f"{i}_{rid}"] for i in range(3)]
     assert all(c.num_computed_tokens == len(ids) for c in children)
     shared = (len(ids) - 1) // bs * bs
     assert [c.num_cached_tokens for c in children] == [0, shared, shared]
@@ -169,7 +169,7 @@ def test_children_share_the_prompt_blocks_and_abort_together(smollm2_llm):
     computed = sum(len(ids) - c.num_cached_tokens for c in children)
     assert computed < 1.5 * len(ids), computed  # ~1x the prompt, not 3x
     engine.abort_request(rid)  # the request's id aborts every child
-    assert not engine.requests and not engine.parents and not engine.scheduler.running
+    assert not engine.output_processor.requests and not engine.output_processor.parents and not engine.local_core.scheduler.running
     assert bm.num_blocks - bm.num_free_blocks == in_use
 
 
@@ -177,17 +177,17 @@ def test_failed_step_withdraws_the_blocks_offered_to_the_prefix_cache(smollm2_ll
     engine = smollm2_llm.llm_engine
     prompt = "[failed step] The night was long and the sea was grey, the keeper wrote. " * 2
     params = SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True)
-    runner, execute = engine.model_runner, engine.model_runner.execute_model
+    runner, execute = engine.worker.model_runner, engine.worker.model_runner.execute
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    runner.execute_model = boom
+    runner.execute = boom
     try:
         with pytest.raises(KeyboardInterrupt):
             smollm2_llm.generate(prompt, params, use_tqdm=False)
     finally:
-        runner.execute_model = execute
+        runner.execute = execute
     out = smollm2_llm.generate(prompt, params, use_tqdm=False)[0]
     # nothing was served from blocks whose KV was never written (the sibling shares the ones written now)
     assert out.metrics["num_cached_tokens"][0] == 0 and out.metrics["num_cached_tokens"][1] >= 32
@@ -198,10 +198,10 @@ def test_failed_step_withdraws_the_blocks_offered_to_the_prefix_cache(smollm2_ll
 def test_scheduler_shares_prompt_blocks_in_one_step_only_with_prefix_caching():
     for caching in (True, False):
         sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
-                          CacheConfig(block_size=4, enable_prefix_caching=caching), 64)
-        parent = Sequence("r", None, list(range(10)), SamplingParams(n=3, seed=0), 8)
-        for child in make_children(parent):
-            sched.add(child)
+                          CacheConfig(block_size=4, enable_prefix_caching=caching), 64, max_model_len=64)
+        params = SamplingParams(n=3, seed=0)
+        for i in range(3):
+            sched.add_request(Sequence(child_request_id("r", i), list(range(10)), child_params(params, i), 8))
         out = sched.schedule()
-        assert [n for _, n in out.scheduled] == ([10, 2, 2] if caching else [10, 10, 10])
+        assert [s.num_tokens for s in out.scheduled] == ([10, 2, 2] if caching else [10, 10, 10])
         assert sched.block_manager.num_blocks - sched.block_manager.num_free_blocks == (3 + 1 + 1 if caching else 9)

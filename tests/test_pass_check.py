@@ -197,7 +197,7 @@ def test_compile_refuses_a_failing_artifact_unless_overridden(wrong_plugin, tmp_
 def test_llm_warns_when_its_passes_fail_the_check(wrong_plugin, caplog):
     with caplog.at_level(logging.WARNING, logger="graphinfer.runtime.entrypoints.llm_engine"):
         llm = LLM("tiny-qwen3", passes="default,swap_qk_norm", num_gpu_blocks_override=64)
-    assert not llm.llm_engine.pass_reports.passed
+    assert not llm.llm_engine.worker.compiled.pass_reports.passed
     assert "swap_qk_norm: max abs error" in caplog.text
 
 
@@ -238,7 +238,7 @@ def test_presets_generate_from_their_context(preset):
     assert all(t[0] != p[-1] for t, p in zip(tokens, PROMPTS)), tokens  # not an echo of the last token
     # A pass that breaks attention changes the greedy tokens (and fails the check).
     broken = LLM(preset, passes=[_ZeroAttention()], num_gpu_blocks_override=64)
-    assert not broken.llm_engine.pass_reports.passed
+    assert not broken.llm_engine.worker.compiled.pass_reports.passed
     assert [o.outputs[0].token_ids for o in broken.generate(PROMPTS, GREEDY, use_tqdm=False)] != tokens
 
 

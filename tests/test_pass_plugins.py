@@ -80,7 +80,7 @@ def test_broken_plugins_leave_everything_else_working(plugins, recwarn):
     assert plugins.log.read_text() == "" and not [w for w in recwarn if w.category is PluginWarning]
     assert "gi_broken_import" not in sys.modules and "gi_raises" not in sys.modules
     llm = LLM("tiny-qwen3", num_gpu_blocks_override=32)
-    assert [r.name for r in llm.llm_engine.pass_reports] == list(DEFAULT_PASSES) and llm.llm_engine.pass_reports.passed
+    assert [r.name for r in llm.llm_engine.worker.compiled.pass_reports] == list(DEFAULT_PASSES) and llm.llm_engine.worker.compiled.pass_reports.passed
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids) == 4
     # Asking for the good plugin imports it alone.
     assert [p.name for p in resolve_passes("default,noop_plugin")][-1] == "noop_plugin"
@@ -177,13 +177,13 @@ def test_artifact_with_a_plugin_round_trips(fused_mlp_artifact, plugin_on_path):
     assert "torch.ops.mlp_plugin.fused_mlp.default" in open(os.path.join(art, "graph.py")).read()
     assert "plugins: fused_mlp (graphinfer-fused-mlp 0.1.0)" in open(os.path.join(art, "report.txt")).read()
     loaded = LLM(artifact=art, num_gpu_blocks_override=32)
-    module = loaded.llm_engine.model.model.layers[1].mlp.down_proj_t
+    module = loaded.llm_engine.worker.model.model.layers[1].mlp.down_proj_t
     assert type(module).__module__ == "graphinfer_fused_mlp.passes" and module.w_t.shape == (128, 64)
     assert [o.outputs[0].token_ids for o in loaded.generate(PROMPTS, GREEDY, use_tqdm=False)] == tokens
     assert tokens == [o.outputs[0].token_ids for o in
                       LLM("tiny-llama", passes="none", num_gpu_blocks_override=32).generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert [r.name for r in loaded.llm_engine.pass_reports][-1] == "fused_mlp"
-    assert loaded.llm_engine.pass_reports.end_to_end.passed
+    assert [r.name for r in loaded.llm_engine.worker.compiled.pass_reports][-1] == "fused_mlp"
+    assert loaded.llm_engine.worker.compiled.pass_reports.end_to_end.passed
 
 
 def test_artifact_with_a_plugin_at_another_version_is_refused(fused_mlp_artifact, plugin_on_path, tmp_path):

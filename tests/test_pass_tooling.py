@@ -64,7 +64,7 @@ def test_plugin_pass_is_discovered_listed_and_runs(plugin_path):
     from graphinfer import LLM
 
     llm = LLM("tiny-llama", passes="silu_to_sigmoid_mul,fuse_qkv,cleanup")
-    assert [r.name for r in llm.llm_engine.pass_reports] == ["silu_to_sigmoid_mul", "fuse_qkv", "cleanup"]
+    assert [r.name for r in llm.llm_engine.worker.compiled.pass_reports] == ["silu_to_sigmoid_mul", "fuse_qkv", "cleanup"]
     assert len(llm.generate([[1, 2, 3]], use_tqdm=False)[0].outputs[0].token_ids) == 16
 
 

@@ -242,7 +242,7 @@ def test_pipelines_take_names_defaults_instances_and_classes():
     with pytest.raises(InvalidConfigError, match=r"Unknown pass\(es\) \['nope'\]"):
         resolve_passes("default,nope")
     llm = LLM("tiny-llama", passes=["fuse_qkv", FuseAddRMSNormPass(), CleanupPass], num_gpu_blocks_override=32)
-    reports = llm.llm_engine.pass_reports
+    reports = llm.llm_engine.worker.compiled.pass_reports
     assert [r.name for r in reports] == ["fuse_qkv", "fuse_add_rmsnorm", "cleanup"]
     assert all(r.matches > 0 and r.check is not None and r.check.passed for r in reports), reports.failures()
     assert reports.end_to_end is not None and reports.end_to_end.passed  # checked, not vacuously passed

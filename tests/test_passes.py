@@ -23,7 +23,7 @@ class _RecordingSampler:
 
 
 def _run(llm, prompts, max_tokens=12):
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.worker.model_runner
     runner.sampler = rec = _RecordingSampler(runner.sampler)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
@@ -33,7 +33,7 @@ def _run(llm, prompts, max_tokens=12):
 
 
 def _matches(llm) -> dict[str, int]:
-    return {r.name: r.matches for r in llm.llm_engine.pass_reports}
+    return {r.name: r.matches for r in llm.llm_engine.worker.compiled.pass_reports}
 
 
 def _assert_fused_equals_unfused(fused, unfused, prompts):
@@ -42,17 +42,17 @@ def _assert_fused_equals_unfused(fused, unfused, prompts):
     assert tokens_f == tokens_u
     err = max((a - b).abs().max().item() for a, b in zip(logits_f, logits_u))
     assert err <= 1e-5, f"max |fused - unfused logit| = {err}"
-    for r in fused.llm_engine.pass_reports:
+    for r in fused.llm_engine.worker.compiled.pass_reports:
         assert r.max_abs_error is not None and r.max_abs_error <= 1e-5, r
 
 
 def test_smollm2_fusions(smollm2_llm):
     matches = _matches(smollm2_llm)  # the session LLM runs the default pipeline
     assert matches["fuse_qkv"] == 30 and matches["fuse_gate_up"] == 30 and matches["fuse_add_rmsnorm"] >= 59
-    hist = op_histogram(smollm2_llm.llm_engine.graph)
+    hist = op_histogram(smollm2_llm.llm_engine.worker.graph)
     assert hist["graphinfer::add_rms_norm"] == 60 and hist["graphinfer::silu_and_mul"] == 30 and "silu" not in hist
     unfused = LLM(dtype="float32", max_model_len=1024, passes="none")
-    assert unfused.llm_engine.pass_reports == []
+    assert unfused.llm_engine.worker.compiled.pass_reports == []
     prompts = ["The capital of France is", "Write a poem about the sea.", "1, 2, 3, 4,"]
     _assert_fused_equals_unfused(smollm2_llm, unfused, prompts)
 
@@ -64,7 +64,7 @@ def test_tiny_model_fusions(arch, tiny_checkpoint):
     fused, unfused = LLM(path, passes="default"), LLM(path, passes="none")
     matches = _matches(fused)
     assert (matches["fuse_qkv"], matches["fuse_gate_up"], matches["fuse_add_rmsnorm"]) == (layers, layers, 2 * layers)
-    qkv = fused.llm_engine.graph.get_submodule("model.layers.0.self_attn.qkv_proj")
+    qkv = fused.llm_engine.worker.graph.get_submodule("model.layers.0.self_attn.qkv_proj")
     assert (qkv.bias is not None) == (arch == "qwen2")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 30, 3)]

@@ -12,7 +12,7 @@ import torch
 import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
 from graphinfer.compiler.compile import check_inputs
-from graphinfer.compiler.pipeline import fit_graph_budget
+from graphinfer.runtime.worker.graph_dispatcher import fit_graph_budget
 from graphinfer.compiler.split import split_graph
 from graphinfer.compiler.trace import node_target_name
 from graphinfer.errors import InvalidConfigError
@@ -40,9 +40,9 @@ def _greedy(n=len(PROMPTS)):
 
 def _record_steps(llm) -> dict:
     """Counts what ran each step: piecewise replays (by real token count, with their query lengths), eager steps."""
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.worker.model_runner
     seen = {"piecewise": [], "eager": 0}
-    run, graph = runner.piecewise_graphs.run, runner.graph
+    run, graph = runner.dispatcher.piecewise_graphs.run, runner.graph
 
     def piecewise(input_ids, positions, slots, tables, qsl, seq_lens, fill_pending=None):
         seen["piecewise"].append((len(input_ids), torch.diff(qsl).tolist()))
@@ -52,7 +52,7 @@ def _record_steps(llm) -> dict:
         seen["eager"] += 1
         return graph(*args)
 
-    runner.piecewise_graphs.run, runner.graph = piecewise, eager
+    runner.dispatcher.piecewise_graphs.run, runner.graph = piecewise, eager
     return seen
 
 
@@ -60,7 +60,7 @@ def _record_steps(llm) -> dict:
 
 def test_split_has_one_attention_per_layer_and_none_inside_pieces():
     llm = LLM("tiny-qwen3", device="cpu", max_num_seqs=4, num_gpu_blocks_override=8)  # NONE on cpu: the fused graph, uncaptured
-    gm, model = llm.llm_engine.graph, llm.llm_engine.model
+    gm, model = llm.llm_engine.worker.graph, llm.llm_engine.worker.model
     split = split_graph(gm)
     layers = model.config.num_hidden_layers
     top = [node_target_name(n) for n in split.module.graph.nodes if n.op == "call_function"]
@@ -75,7 +75,7 @@ def test_split_has_one_attention_per_layer_and_none_inside_pieces():
 
 def test_split_finds_identical_pieces_and_refuses_request_shaped_inputs(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")  # 3 layers: pieces 1 and 2 differ only in the weights they read
-    gm = LLM(path, device="cpu", max_num_seqs=4, num_gpu_blocks_override=8).llm_engine.graph
+    gm = LLM(path, device="cpu", max_num_seqs=4, num_gpu_blocks_override=8).llm_engine.worker.graph
     info = split_graph(gm).info
     assert info.num_pieces == 4 and [1, 2] in info.identical_groups and [0] in info.identical_groups
     assert "pieces 1..2 (2)" in info.summary()
@@ -101,7 +101,7 @@ def test_piecewise_modes_match_none_through_padding_and_chunked_prefill(model, m
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
     for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
         llm = LLM(model, graph_mode=mode, capture_sizes=SIZES, **kw)
-        assert llm.llm_engine.model_runner.piecewise_graphs.captured_sizes == SIZES
+        assert llm.llm_engine.worker.dispatcher.piecewise_graphs.captured_sizes == SIZES
         seen = _record_steps(llm)
         assert _tokens(llm, PROMPTS, _greedy()) == expected, mode
         counts = [t for t, _ in seen["piecewise"]]
@@ -112,7 +112,7 @@ def test_piecewise_modes_match_none_through_padding_and_chunked_prefill(model, m
         if mode == "PIECEWISE":
             assert decodes  # uniform decode steps through the pieces too ...
         else:
-            assert not decodes and llm.llm_engine.model_runner.decode_graphs is not None  # ... or the full graphs
+            assert not decodes and llm.llm_engine.worker.model_runner.dispatcher.decode_graphs is not None  # ... or the full graphs
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -124,7 +124,7 @@ def test_piecewise_through_prefix_hits_and_preemption(monkeypatch, async_schedul
     params = [SamplingParams(temperature=0, max_tokens=10 + i, ignore_eos=True) for i in range(8)]
     reference = LLM("tiny-qwen3", **kw)
     expected = _tokens(reference, prompts[:1], params[:1]) + _tokens(reference, prompts[1:], params[1:])
-    assert reference.llm_engine.scheduler.num_preemptions > 0  # 30 blocks cannot hold 8 requests of ~8 blocks
+    assert reference.llm_engine.local_core.scheduler.num_preemptions > 0  # 30 blocks cannot hold 8 requests of ~8 blocks
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
     for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
         llm = LLM("tiny-qwen3", graph_mode=mode, capture_sizes=[4, 8, 32], **kw)
@@ -132,21 +132,21 @@ def test_piecewise_through_prefix_hits_and_preemption(monkeypatch, async_schedul
         rest = llm.generate(prompts[1:], params[1:], use_tqdm=False)
         assert [o.outputs[0].token_ids for o in first + rest] == expected, mode
         assert all(o.num_cached_tokens >= 16 for o in rest)  # the shared prefix came from the cache
-        assert llm.llm_engine.scheduler.num_preemptions > 0
+        assert llm.llm_engine.local_core.scheduler.num_preemptions > 0
 
 
 def test_padded_tokens_write_no_kv(tape):
     llm = LLM("tiny-llama", device="cpu", graph_mode="PIECEWISE", capture_sizes=[8], max_num_seqs=4, num_gpu_blocks_override=32,
               block_size=4, dtype="float32")
     engine = llm.llm_engine
-    graphs = engine.model_runner.piecewise_graphs
+    graphs = engine.worker.model_runner.dispatcher.piecewise_graphs
     engine.add_request("a", list(range(1, 8)), SamplingParams(temperature=0, max_tokens=3))
     engine.step()  # 7 tokens, padded to 8
-    kv_before = engine.model_runner.kv_cache.clone()
+    kv_before = engine.worker.model_runner.kv_cache.clone()
     engine.add_request("b", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=2))
     engine.step()  # a's decode + b's 4-token prompt: 5 tokens, padded to 8
     assert graphs.slot_mapping[5:].tolist() == [-1] * 3 and graphs.positions[5:].tolist() == [0] * 3
-    changed = (engine.model_runner.kv_cache != kv_before).flatten(4).any(-1)  # [layers, 2, blocks, block_size]
+    changed = (engine.worker.model_runner.kv_cache != kv_before).flatten(4).any(-1)  # [layers, 2, blocks, block_size]
     assert int(changed[0, 0].sum()) == 5  # the 5 real tokens' slots, nothing else
 
 
@@ -157,14 +157,14 @@ def test_smollm2_piecewise_matches_none(smollm2_llm, tape):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i) for i in range(len(prompts))]
     none = smollm2_llm  # the shared engine where it runs on CPU (tape's stand-in is for the cpu platform) ...
-    if none.llm_engine.device.type != "cpu":  # ... a CPU one of its own on a GPU machine
+    if none.llm_engine.local_core.device.type != "cpu":  # ... a CPU one of its own on a GPU machine
         none = LLM(device="cpu", dtype="float32", max_model_len=1024, seed=0, graph_mode="NONE")
     expected = _tokens(none, prompts, params)
     assert len({tuple(t) for t in expected}) == len(prompts)  # prompts whose outputs differ
     llm = LLM(device="cpu", dtype="float32", max_model_len=1024, seed=0, graph_mode="FULL_AND_PIECEWISE", capture_sizes=[2, 16])
     seen = _record_steps(llm)
     assert _tokens(llm, prompts, params) == expected
-    assert seen["piecewise"] and llm.llm_engine.split.info.identical_groups[-1] != [0]
+    assert seen["piecewise"] and llm.llm_engine.worker.compiled.split.info.identical_groups[-1] != [0]
 
 
 # ----- artifacts -----
@@ -178,7 +178,7 @@ def test_artifact_records_the_split_and_serves_piecewise(tape, tmp_path):
     assert "Piecewise split" in (tmp_path / "art" / "report.txt").read_text()
     expected = _tokens(llm, PROMPTS, _greedy())
     served = LLM(artifact=str(tmp_path / "art"), **kw)  # graph.py re-traced and split the same way
-    assert served.llm_engine.split.info == llm.llm_engine.split.info
+    assert served.llm_engine.worker.compiled.split.info == llm.llm_engine.worker.compiled.split.info
     assert _tokens(served, PROMPTS, _greedy()) == expected
 
 
@@ -196,6 +196,6 @@ def test_engine_applies_the_platform_graph_budget(tape):
     tape.max_capture_graphs = 3 + 2 * 3  # three decode graphs, then room for two sizes of three pieces
     llm = LLM("tiny-llama", device="cpu", graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 16], max_num_seqs=4,
               num_gpu_blocks_override=32, dtype="float32")
-    runner = llm.llm_engine.model_runner
-    assert sorted(runner.decode_graphs.graphs) == [1, 2, 4]
-    assert runner.piecewise_graphs.captured_sizes == [1, 16]
+    runner = llm.llm_engine.worker.model_runner
+    assert sorted(runner.dispatcher.decode_graphs.graphs) == [1, 2, 4]
+    assert runner.dispatcher.piecewise_graphs.captured_sizes == [1, 16]

@@ -31,7 +31,7 @@ def _rounded_float_engine(scheme: str, **kw):
     """tiny-qwen3 in float whose projections (fused as the compiled graph has them; every scheme is per output row,
     so quantizing the fused weight equals fusing the quantized ones) hold their weights rounded through the scheme."""
     llm = LLM("tiny-qwen3", dtype="float32", seed=0, **kw)
-    for name, m in llm.llm_engine.graph.named_modules():
+    for name, m in llm.llm_engine.worker.graph.named_modules():
         if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"):
             s = fit_group(ONLINE_SCHEMES[scheme], m.in_features)
             t = quantize_weight(m.weight, s)
@@ -63,15 +63,15 @@ def test_online_scheme_compiles_fuses_and_computes_with_its_rounded_weights(sche
     llm = LLM("tiny-qwen3", dtype="float32", seed=0, quantization=scheme, **engine_kernels)
     assert_cpu_default_bound(llm, engine_kernels)
     if engine_kernels:
-        assert llm.llm_engine.platform.kernels.get("wo_linear") == "graphinfer.ops.cpu_quant"
-    reports = {r.name: r for r in llm.llm_engine.pass_reports}
+        assert llm.llm_engine.local_core.platform.kernels.get("wo_linear") == "graphinfer.ops.cpu_quant"
+    reports = {r.name: r for r in llm.llm_engine.worker.compiled.pass_reports}
     assert all(r.passed for r in reports.values()), [(r.name, r.max_abs_error) for r in reports.values()]
     assert reports["lower_quant_linears"].matches == 8  # 2 layers x (qkv, o, gate_up, down), fused first
     if ONLINE_SCHEMES[scheme].weight_only:
         assert reports["fuse_rmsnorm_quant"].matches == reports["fuse_silu_mul_quant"].matches == 0
     else:  # each layer's two norms and its SwiGLU quantize their outputs in the same op
         assert reports["fuse_rmsnorm_quant"].matches == 4 and reports["fuse_silu_mul_quant"].matches == 2
-    layers = [m for m in llm.llm_engine.graph.modules() if isinstance(m, QuantizedLinear)]  # fused ones included
+    layers = [m for m in llm.llm_engine.worker.graph.modules() if isinstance(m, QuantizedLinear)]  # fused ones included
     assert len(layers) == 8 and all(m.scheme.bits == ONLINE_SCHEMES[scheme].bits for m in layers)
     ref_lp, lp = _first_logprobs(ref), _first_logprobs(llm)
     if ONLINE_SCHEMES[scheme].weight_only:
@@ -114,7 +114,7 @@ def test_artifact_round_trip_keeps_the_packed_weights(scheme, tmp_path):
     assert any(name.endswith("qkv_proj") for name in layers)  # fused projections keep their scheme
     served = LLM(artifact=str(tmp_path / "art"))
     assert served.llm_engine.config.model_config.quantization == scheme
-    packed = served.llm_engine.model.model.layers[0].self_attn.o_proj
+    packed = served.llm_engine.worker.model.model.layers[0].self_attn.o_proj
     assert isinstance(packed, QuantizedLinear) and packed.weight.dtype in (torch.int8, torch.uint8)
     assert [o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
@@ -137,7 +137,7 @@ def test_tensor_parallel_quantizes_each_shard():
     kw = dict(dtype="float32", quantization="w8a8")
     ref = _first_logprobs(LLM("tiny-qwen3", **kw))
     with LLM("tiny-qwen3", tensor_parallel_size=2, **kw) as llm:
-        assert all(r.passed for r in llm.llm_engine.pass_reports)
+        assert all(r.passed for r in llm.llm_engine.worker.compiled.pass_reports)
         kls = [_kl(a, b) for a, b in zip(ref, _first_logprobs(llm))]
     assert max(kls) < 0.1, kls
 
@@ -171,7 +171,7 @@ def test_compressed_tensors_checkpoint_loads_and_generates(case, tmp_path):
     groups, expected, arch, _ = CASES[case]
     write_checkpoint(str(tmp_path), groups, arch, torch.float32)
     llm = LLM(str(tmp_path), dtype="float32")
-    layers = [m for m in llm.llm_engine.graph.modules() if isinstance(m, QuantizedLinear)]
+    layers = [m for m in llm.llm_engine.worker.graph.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 8 and {m.scheme for m in layers} == {expected}
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
     for prompt, lp in zip(PROMPTS, _first_logprobs(llm)):

@@ -3,9 +3,6 @@ import pytest
 import torch
 
 from graphinfer import LLM, SamplingParams
-from graphinfer.config import CacheConfig, SchedulerConfig
-from graphinfer.runtime.engine.scheduler import Scheduler
-from graphinfer.runtime.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -21,8 +18,8 @@ def _tokens(outs):
 
 def _assert_no_leak(llm):
     engine = llm.llm_engine
-    assert engine.scheduler.block_manager.num_free_blocks == engine.model_runner.num_blocks
-    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.requests
+    assert engine.local_core.scheduler.block_manager.num_free_blocks == engine.worker.model_runner.num_blocks
+    assert not engine.local_core.scheduler.running and not engine.local_core.scheduler.waiting and not engine.output_processor.requests
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +50,7 @@ def test_preemption_with_tiny_pool_gives_same_tokens(llama_path):
     reference = LLM(llama_path, block_size=4).generate(prompts, params, use_tqdm=False)
     tiny = LLM(llama_path, block_size=4, num_gpu_blocks_override=30)  # 120 token slots for ~400 tokens of work
     outs = tiny.generate(prompts, params, use_tqdm=False)
-    assert tiny.llm_engine.scheduler.num_preemptions > 0
+    assert tiny.llm_engine.local_core.scheduler.num_preemptions > 0
     assert _tokens(outs) == _tokens(reference)
     _assert_no_leak(tiny)
 
@@ -84,7 +81,7 @@ def test_abort_and_errors_mid_run_free_blocks(llama_path):
     engine = llm.llm_engine
     ids = [engine.add_request(None, p, GREEDY) for p in _prompts([50, 60])]
     engine.step()
-    assert engine.scheduler.block_manager.num_free_blocks < engine.model_runner.num_blocks
+    assert engine.local_core.scheduler.block_manager.num_free_blocks < engine.worker.model_runner.num_blocks
     for i in ids:
         engine.abort_request(i)
     _assert_no_leak(llm)
@@ -92,11 +89,11 @@ def test_abort_and_errors_mid_run_free_blocks(llama_path):
     def boom(*args, **kw):
         raise KeyboardInterrupt
 
-    llm.llm_engine.model_runner.execute_model, original = boom, llm.llm_engine.model_runner.execute_model
+    llm.llm_engine.worker.model_runner.execute, original = boom, llm.llm_engine.worker.model_runner.execute
     with pytest.raises(KeyboardInterrupt):
         llm.generate(_prompts([20, 30]), GREEDY, use_tqdm=False)
     _assert_no_leak(llm)
-    llm.llm_engine.model_runner.execute_model = original
+    llm.llm_engine.worker.model_runner.execute = original
     assert len(llm.generate(_prompts([20]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 20
 
 
@@ -104,50 +101,6 @@ def test_max_model_len_ends_generation_with_length(llama_path):
     llm = LLM(llama_path, max_model_len=40)
     out = llm.generate(_prompts([30]), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
-
-
-# ----- scheduler unit tests (no model) -----
-
-def _seq(i, n, max_tokens=8):
-    return Sequence(str(i), None, list(range(i * 1000, i * 1000 + n)), SamplingParams(max_tokens=max_tokens), max_tokens)
-
-
-def _step(sched):
-    """What the engine does after a step, minus the model: advance progress, pretend-sample token 7."""
-    out = sched.schedule()
-    for seq, n in out.scheduled:
-        seq.num_computed_tokens += n
-        sched.block_manager.cache_full_blocks(seq)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.append_token(7)
-    return out
-
-
-def test_decodes_and_prefill_chunks_share_a_step_within_the_budget():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), CacheConfig(block_size=4), 64)
-    sched.add(_seq(0, 3))
-    _step(sched)  # seq 0 prefilled
-    sched.add(_seq(1, 25))
-    out = _step(sched)
-    assert [(s.request_id, n) for s, n in out.scheduled] == [("0", 1), ("1", 9)]  # a decode + a prefill chunk
-    out = _step(sched)
-    assert [(s.request_id, n) for s, n in out.scheduled] == [("0", 1), ("1", 9)]
-    out = _step(sched)
-    assert [(s.request_id, n) for s, n in out.scheduled] == [("0", 1), ("1", 7)]  # the rest of the prompt
-    assert all(n <= 10 for n in (out.num_tokens,))
-
-
-def test_max_num_seqs_and_preemption_order():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100), CacheConfig(block_size=4), 5)
-    for i in range(3):
-        sched.add(_seq(i, 8))
-    out = _step(sched)
-    assert [s.request_id for s, _ in out.scheduled] == ["0", "1"]  # max_num_seqs caps admission
-    out = _step(sched)  # both need a third block; only one is free: the newest (1) is preempted
-    assert [s.request_id for s in out.preempted] == ["1"]
-    assert [s.request_id for s, _ in out.scheduled] == ["0"]
-    assert [s.request_id for s in sched.waiting] == ["1", "2"]
-    assert sched.waiting[0].num_computed_tokens == 0 and not sched.waiting[0].block_table
 
 
 def test_output_kind_final_only_reports_once_and_generate_leaves_params_alone(llama_path):

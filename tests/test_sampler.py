@@ -13,20 +13,26 @@ EOS = 7
 
 @dataclass
 class Row:
+    """What the sampler reads of a scheduled sequence (engine/sequence.py)."""
     sampling_params: SamplingParams
     prompt_token_ids: list = field(default_factory=list)
     output_token_ids: list = field(default_factory=list)
     generator: torch.Generator | None = None
+    eos_token_ids: frozenset = frozenset({EOS})
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+    def num_output_tokens(self) -> int:  # the token being sampled holds a placeholder once scheduled
+        return len(self.output_token_ids) + 1
+
+    @property
+    def all_stop_token_ids(self) -> frozenset:
+        return frozenset(self.sampling_params.stop_token_ids) | self.eos_token_ids
 
 
-def row(prompt=(), output=(), **kw):
+def row(prompt=(), output=(), eos=(EOS,), **kw):
     p = SamplingParams(**kw)
     g = None if p.seed is None else torch.Generator().manual_seed(p.seed)
-    return Row(p, list(prompt), list(output), g)
+    return Row(p, list(prompt), list(output), g, frozenset(eos))
 
 
 def rand_logits(b, v=V, seed=0, scale=3.0):
@@ -40,7 +46,7 @@ def probs_logits(probs, b):
 def test_greedy_is_argmax_in_mixed_batch():
     logits = rand_logits(6)
     rows = [row(temperature=0.0) if i % 2 == 0 else row(temperature=1.0) for i in range(6)]
-    out = Sampler(EOS)(logits, rows)
+    out = Sampler()(logits, rows)
     assert out.sampled_token_ids.dtype == torch.int64
     assert torch.equal(out.sampled_token_ids[::2], logits.argmax(-1)[::2])
 
@@ -50,20 +56,20 @@ def test_greedy_fast_path_is_the_fp32_argmax(dtype):
     """All-greedy batches skip the fp32 copy: the same tokens as the full path, ties (first maximum) included."""
     logits = rand_logits(8, seed=3).to(dtype)
     logits[1, 5] = logits[1, 9] = logits[1].max() + 1  # an exact tie: the first index wins
-    out = Sampler(EOS)(logits, [row(temperature=0.0) for _ in range(8)])
+    out = Sampler()(logits, [row(temperature=0.0) for _ in range(8)])
     assert out.sampled_logprobs is None and out.topk_token_ids is None
     assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1)) and int(out.sampled_token_ids[1]) == 5
     # A min_tokens mask in force, or logprobs, take the full path (eos masked; logprobs reported).
     logits[0, EOS] = logits[0].max() + 1
-    masked = Sampler(EOS)(logits, [row(temperature=0.0, min_tokens=2)] + [row(temperature=0.0)] * 7)
+    masked = Sampler()(logits, [row(temperature=0.0, min_tokens=2)] + [row(temperature=0.0)] * 7)
     assert int(masked.sampled_token_ids[0]) != EOS and torch.equal(masked.sampled_token_ids[1:], out.sampled_token_ids[1:])
-    assert Sampler(EOS)(logits, [row(temperature=0.0, logprobs=1)] * 8).sampled_logprobs is not None
+    assert Sampler()(logits, [row(temperature=0.0, logprobs=1)] * 8).sampled_logprobs is not None
 
 
 def test_input_dtype_and_logits_untouched():
     logits = rand_logits(3).to(torch.bfloat16)
     before = logits.clone()
-    out = Sampler(EOS)(logits, [row(temperature=0.0, repetition_penalty=2.0, prompt=range(10), logprobs=0)
+    out = Sampler()(logits, [row(temperature=0.0, repetition_penalty=2.0, prompt=range(10), logprobs=0)
                                 for _ in range(3)])
     assert torch.equal(logits, before)
     assert out.sampled_logprobs.dtype == torch.float32
@@ -72,8 +78,8 @@ def test_input_dtype_and_logits_untouched():
 @pytest.mark.parametrize("temperature", [0.05, 0.5, 1.0, 2.0, 10.0])
 def test_top_k_1_equals_greedy(temperature):
     logits = rand_logits(32, seed=1)
-    greedy = Sampler(EOS)(logits, [row(temperature=0.0) for _ in range(32)]).sampled_token_ids
-    topk1 = Sampler(EOS)(logits, [row(temperature=temperature, top_k=1) for _ in range(32)]).sampled_token_ids
+    greedy = Sampler()(logits, [row(temperature=0.0) for _ in range(32)]).sampled_token_ids
+    topk1 = Sampler()(logits, [row(temperature=temperature, top_k=1) for _ in range(32)]).sampled_token_ids
     assert torch.equal(greedy, topk1)
 
 
@@ -87,26 +93,26 @@ def run_steps(sampler, rows, steps, logits_seed=3):
 
 
 def test_seed_reproducible_and_independent_of_batch():
-    alone = run_steps(Sampler(EOS, seed=0), [row(seed=42)], 20)[0]
+    alone = run_steps(Sampler(seed=0), [row(seed=42)], 20)[0]
     # Same row in a batch with unseeded and other-seeded neighbours, different sampler seed: same tokens.
     # Logits depend on the row position, so put the seeded row first (same logits row as alone).
     batch = [row(seed=42), row(), row(seed=7), row(temperature=0.0), row(top_p=0.9)]
-    together = run_steps(Sampler(EOS, seed=123), batch, 20)[0]
+    together = run_steps(Sampler(seed=123), batch, 20)[0]
     assert torch.equal(alone, together)
-    again = run_steps(Sampler(EOS, seed=0), [row(seed=42)], 20)[0]
+    again = run_steps(Sampler(seed=0), [row(seed=42)], 20)[0]
     assert torch.equal(alone, again)
 
 
 def test_different_seeds_differ():
-    a = run_steps(Sampler(EOS), [row(seed=1)], 20)[0]
-    b = run_steps(Sampler(EOS), [row(seed=2)], 20)[0]
+    a = run_steps(Sampler(), [row(seed=1)], 20)[0]
+    b = run_steps(Sampler(), [row(seed=2)], 20)[0]
     assert not torch.equal(a, b)
 
 
 def test_unseeded_rows_follow_sampler_seed():
-    a = run_steps(Sampler(EOS, seed=5), [row(), row()], 10)
-    b = run_steps(Sampler(EOS, seed=5), [row(), row()], 10)
-    c = run_steps(Sampler(EOS, seed=6), [row(), row()], 10)
+    a = run_steps(Sampler(seed=5), [row(), row()], 10)
+    b = run_steps(Sampler(seed=5), [row(), row()], 10)
+    c = run_steps(Sampler(seed=6), [row(), row()], 10)
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -120,7 +126,7 @@ def test_logprobs_ranks_and_topk_are_raw():
         row(temperature=1.0, logprobs=0),
         row(temperature=2.0, min_p=0.05),
     ]
-    out = Sampler(EOS)(logits, rows)
+    out = Sampler()(logits, rows)
     ref = torch.log_softmax(logits, -1)
     tok = out.sampled_token_ids
     torch.testing.assert_close(out.sampled_logprobs, ref.gather(1, tok[:, None])[:, 0])
@@ -137,14 +143,14 @@ def test_raw_logits_mode_reports_the_logits():
     logits = rand_logits(3, seed=5).to(torch.bfloat16)
     rows = [row(temperature=0.0, logprobs=2), row(temperature=0.8, repetition_penalty=1.5, prompt=range(9),
                                                    logprobs=0), row(temperature=0.0)]
-    out = Sampler(EOS, logprobs_mode="raw_logits")(logits, rows)
+    out = Sampler(logprobs_mode="raw_logits")(logits, rows)
     raw = logits.float()  # before penalties and temperature, as raw_logprobs
     tok = out.sampled_token_ids
     assert torch.equal(out.sampled_logprobs, raw.gather(1, tok[:, None])[:, 0])
     assert torch.equal(out.topk_logprobs, torch.topk(raw, 2, dim=-1).values)
     assert torch.equal(out.sampled_ranks, torch.tensor([int((raw[i] > raw[i, tok[i]]).sum()) + 1 for i in range(3)]))
     with pytest.raises(InvalidConfigError, match="processed_logits.*raw_logprobs, raw_logits"):
-        Sampler(EOS, logprobs_mode="processed_logits")
+        Sampler(logprobs_mode="processed_logits")
 
 
 def test_tie_aware_comparison_at_the_logits_precision():
@@ -164,12 +170,12 @@ def test_tie_aware_comparison_at_the_logits_precision():
 
 
 def test_no_topk_when_nobody_asks():
-    out = Sampler(EOS)(rand_logits(2), [row(), row(temperature=0.0)])
+    out = Sampler()(rand_logits(2), [row(), row(temperature=0.0)])
     assert out.topk_token_ids is None and out.topk_logprobs is None and out.sampled_logprobs is None
 
 
 def sample_many(logits_row, n, **kw):
-    return Sampler(EOS, seed=11)(logits_row.expand(n, -1).contiguous(), [row(**kw) for _ in range(n)]).sampled_token_ids
+    return Sampler(seed=11)(logits_row.expand(n, -1).contiguous(), [row(**kw) for _ in range(n)]).sampled_token_ids
 
 
 def test_top_k_restricts_support():
@@ -211,7 +217,7 @@ def test_penalties_constructed_cases():
     def greedy(top_two, **kw):
         logits = base.clone()
         logits[0], logits[1] = top_two
-        return int(Sampler(EOS)(logits[None], [row(temperature=0.0, **kw)]).sampled_token_ids[0])
+        return int(Sampler()(logits[None], [row(temperature=0.0, **kw)]).sampled_token_ids[0])
 
     assert greedy((3.0, 2.9)) == 0
     assert greedy((3.0, 2.9), prompt=[0], repetition_penalty=1.2) == 1  # 3/1.2 = 2.5
@@ -241,7 +247,7 @@ def test_penalties_match_reference_on_random_batches():
             prompt = torch.randint(0, V, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g).tolist()
             output = torch.randint(0, 16, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g).tolist()
             rows.append(row(prompt, output, temperature=0.0, **kw))
-        out = Sampler(EOS)(logits, rows)
+        out = Sampler()(logits, rows)
         ref = torch.stack([ref_penalised(logits[i], rows[i]) for i in range(B)]).argmax(-1)
         assert torch.equal(out.sampled_token_ids, ref)
 
@@ -251,7 +257,7 @@ def test_min_tokens_masks_eos_and_stop_ids():
     logits[0, EOS], logits[0, 3], logits[0, 9] = 10.0, 9.0, 8.0
 
     def greedy(output, **kw):
-        return int(Sampler(EOS)(logits, [row(output=output, temperature=0.0, **kw)]).sampled_token_ids[0])
+        return int(Sampler()(logits, [row(output=output, temperature=0.0, **kw)]).sampled_token_ids[0])
 
     assert greedy([1, 2], min_tokens=3, stop_token_ids=[3]) == 9
     assert greedy([1, 2], min_tokens=3, stop_token_ids=[3], ignore_eos=True) == 9  # vLLM masks eos regardless
@@ -262,7 +268,7 @@ def test_min_tokens_masks_eos_and_stop_ids():
                        min_tokens=2, stop_token_ids=[3], temperature=1.0)
     assert not set(toks.tolist()) & {EOS, 3}
     # Models with several end ids (Llama 3's <|end_of_text|> and <|eot_id|>) get all of them masked.
-    two_eos = Sampler({EOS, 3})(logits, [row(output=[1], temperature=0.0, min_tokens=3)]).sampled_token_ids
+    two_eos = Sampler()(logits, [row(output=[1], temperature=0.0, min_tokens=3, eos=(EOS, 3))]).sampled_token_ids
     assert int(two_eos[0]) == 9
 
 

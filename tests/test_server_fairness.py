@@ -25,14 +25,14 @@ def test_long_prompt_mid_stream_costs_the_stream_one_step_per_chunk(async_schedu
     llm = LLM("tiny-llama", max_model_len=1024, max_num_batched_tokens=BUDGET, async_scheduling=async_scheduling)
     engine = llm.llm_engine
     steps = []  # per engine step: {request id: tokens scheduled}
-    schedule = engine.scheduler.schedule
+    schedule = engine.local_core.scheduler.schedule
 
     def recorded():
         out = schedule()
         steps.append({seq.request_id: n for seq, n in out.scheduled})
         return out
 
-    engine.scheduler.schedule = recorded
+    engine.local_core.scheduler.schedule = recorded
     aengine = AsyncLLMEngine(engine)
     greedy = dict(temperature=0, ignore_eos=True)
 

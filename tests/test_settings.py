@@ -11,7 +11,6 @@ import torch
 from graphinfer import LLM, envs
 from graphinfer import engine_args as ea
 from graphinfer.cli import BENCH_DEFAULTS, build_parser
-from graphinfer.compiler.trace import rebind_buffers
 from graphinfer.config import CacheConfig, EngineConfig, derived_max_capture_size
 from graphinfer.errors import InvalidConfigError, KVCacheTooSmallError
 
@@ -70,7 +69,7 @@ def test_no_engine_default_is_written_twice():
     """cli.py and llm.py hold no literal default of an engine setting (a flag's default= or a parameter's) equal to
     the field's; server/defaults.py none either. None (not given / derive) is allowed."""
     names = set(ea.engine_args())
-    for path in ("cli.py", "runtime/llm.py", "server/defaults.py", "server/serve.py"):
+    for path in ("cli.py", "runtime/entrypoints/llm.py", "server/defaults.py", "server/serve.py"):
         tree = ast.parse((PACKAGE / path).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
@@ -101,8 +100,8 @@ def test_llm_kwargs_unknown_name_names_the_close_match():
         LLM("tiny-llama", max_num_seq=4)
     with pytest.raises(TypeError, match="gpu_memory_utilisation.*'gpu_memory_utilization'"):
         LLM("tiny-llama", gpu_memory_utilisation=0.5)
-    with pytest.raises(InvalidConfigError, match="compile_only"):  # set by graphinfer itself, not an argument
-        ea.create_engine_config({"compile_only": True})
+    with pytest.raises(InvalidConfigError, match="data_parallel_rank"):  # set by graphinfer itself, not an argument
+        ea.create_engine_config({"data_parallel_rank": 1})
 
 
 def test_flat_kwargs_build_the_sections():
@@ -253,23 +252,19 @@ def test_num_kv_blocks_on_a_gpu_uses_the_profiled_peaks():
 
 def test_profile_peaks_runs_a_full_step_shape(monkeypatch):
     """_profile_peaks' dummy steps (here on cpu, the peak read from a stub): requests of at most max_model_len tokens
-    over a 1-block stand-in cache; the engine's real cache is untouched afterwards and greedy output unchanged."""
+    through the forward that runs (the lowered executable, not the fused graph), writing no KV: greedy output is
+    unchanged afterwards."""
     from graphinfer import SamplingParams
 
     llm = LLM("tiny-llama", dtype="float32", num_gpu_blocks_override=16, max_num_seqs=4)
     greedy = SamplingParams(temperature=0, max_tokens=6)
     before = llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.worker.model_runner
+    assert runner.graph is llm.llm_engine.worker.compiled.executable
     shapes = []
     real = runner._dummy_step
     monkeypatch.setattr(runner, "_dummy_step", lambda t, m, r: (shapes.append((t, m, r)), real(t, m, r)))
     runner.profile = dict(step_tokens=100, logits_rows=4, graph_tokens=8, max_model_len=48)
-    caches = [(layer.k_cache, layer.v_cache) for layer in runner.attn_layers]
     assert runner._profile_peaks() == (0, 0)  # cpu: the platform keeps no allocator statistics
     assert shapes == [(100, 48, 4), (8, 48, 4)]
-    for layer, (k, v) in zip(runner.attn_layers, caches):
-        layer.k_cache, layer.v_cache = k, v  # what allocate_kv_cache and the engine's rebind do next at start-up
-    for graph in {id(g): g for g in (runner.graph, llm.llm_engine.graph)}.values():
-        if isinstance(graph, torch.fx.GraphModule):
-            rebind_buffers(graph, runner.model)
     assert llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids == before

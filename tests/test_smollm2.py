@@ -123,4 +123,4 @@ def test_prefix_cache_hits_on_real_weights(smollm2_llm, hf_smollm2):
     assert common > 64 and second.num_cached_tokens == (common // 16) * 16
     tokens = second.outputs[0].token_ids
     assert len(tokens) == 12 and tokens == _hf_argmax(hf_smollm2, second.prompt_token_ids, tokens)
-    assert engine.scheduler.block_manager.num_free_blocks == engine.model_runner.num_blocks
+    assert engine.local_core.scheduler.block_manager.num_free_blocks == engine.worker.model_runner.num_blocks

@@ -62,8 +62,8 @@ def _run(prompts, params, **kw):
     llm = LLM("tiny-llama", **{**ENGINE, **kw})
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.llm_engine
-    assert engine.scheduler.block_manager.num_free_blocks == engine.model_runner.num_blocks  # nothing leaked
-    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.local_core.scheduler.block_manager.num_free_blocks == engine.worker.model_runner.num_blocks  # nothing leaked
+    assert not engine.output_processor.requests and not engine.local_core.scheduler.running and not engine.local_core.scheduler.waiting
     return outs, engine
 
 
@@ -77,7 +77,7 @@ def greedy_base():
     lens = random.Random(1)
     params = [SamplingParams(temperature=0, max_tokens=lens.randrange(1, 40)) for _ in prompts]
     outs, engine = _run(prompts, params)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.local_core.scheduler.num_preemptions > 0
     return prompts, params, outs
 
 
@@ -96,7 +96,7 @@ def test_ngram_greedy_equals_no_spec(greedy_base, k):
     stats["num_accepted_tokens_per_pos"].append(0)  # a copy: the caller's dict never aliases the live counters
     assert len(engine.spec_decode_stats()["num_accepted_tokens_per_pos"]) == k
     assert stats["num_draft_tokens"] <= k * stats["num_drafts"]
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.local_core.scheduler.num_preemptions > 0
 
 
 def test_ngram_with_async_flag_and_stops(greedy_base):
@@ -126,10 +126,11 @@ def test_logprobs_and_penalties_with_spec(greedy_base):
 
 
 def _seq(tokens, drafts, params):
-    seq = Sequence("r", None, [1], params, max_tokens=100)
+    seq = Sequence("r", [1], params, max_tokens=100)
     seq.token_ids += tokens
     seq.output_token_ids += tokens
     seq.spec_token_ids = list(drafts)
+    seq.num_pending = 1  # scheduled: the verify step's tokens hold a placeholder
     return seq
 
 
@@ -151,7 +152,7 @@ def test_verification_follows_the_target_distribution(drafts):
     n = 20000
     rows = [_seq([], drafts, SamplingParams(temperature=1.0)) for _ in range(n)]
     logits = p.log().repeat(n, 1)  # rows (request, position): request i's positions at 3i..3i+2
-    out = verify(Sampler(None, seed=0), logits, rows, [2] * n, torch.from_numpy)
+    out = verify(Sampler(seed=0), logits, rows, [2] * n, torch.from_numpy)
     emitted = out.output_token_ids
     first = torch.bincount(emitted[:, 0], minlength=8).float()
     assert _chisquare_ok(first, p[0])
@@ -172,8 +173,8 @@ def test_draft_model_greedy_equals_no_spec(greedy_base, k):
     assert _summary(outs) == _summary(expected)
     stats = engine.spec_decode_stats()
     assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] <= k * stats["num_drafts"]
-    draft = engine.proposer.engine
-    assert draft.scheduler.block_manager.num_free_blocks + sum(len(m.block_table) for m in engine.proposer.mirrors.values()) \
+    draft = engine.local_core.proposer.engine
+    assert draft.scheduler.block_manager.num_free_blocks + sum(len(m.block_table) for m in engine.local_core.proposer.mirrors.values()) \
         == draft.model_runner.num_blocks
 
 
@@ -207,11 +208,11 @@ def test_verify_graphs_replay_under_the_capture_stand_in(monkeypatch, greedy_bas
     spec = ngram(2) if method == "ngram" else {"model": "tiny-llama", "num_speculative_tokens": 2}
     llm = LLM("tiny-llama", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 2, 4], speculative_config=spec,
               **{**ENGINE, "num_gpu_blocks_override": 64})
-    runner = llm.llm_engine.model_runner
-    assert runner.verify_graphs.query_len == 3 and sorted(runner.verify_graphs.graphs) == [1, 2, 4]
+    runner = llm.llm_engine.worker.model_runner
+    assert runner.dispatcher.verify_graphs.query_len == 3 and sorted(runner.dispatcher.verify_graphs.graphs) == [1, 2, 4]
     replays = []
-    replay = runner.verify_graphs.replay
-    monkeypatch.setattr(runner.verify_graphs, "replay", lambda *a, **k: replays.append(len(a[0])) or replay(*a, **k))
+    replay = runner.dispatcher.verify_graphs.replay
+    monkeypatch.setattr(runner.dispatcher.verify_graphs, "replay", lambda *a, **k: replays.append(len(a[0])) or replay(*a, **k))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert _summary(outs) == _summary(expected)
     assert replays and set(replays) <= {3, 6, 9, 12}
@@ -274,12 +275,12 @@ def test_rejected_drafts_leave_no_blocks_behind(greedy_base):
     llm = LLM("tiny-llama", **{**ENGINE, "block_size": 2, "num_gpu_blocks_override": 96},
               speculative_config={"model": "tiny-qwen3", "num_speculative_tokens": 3})
     engine = llm.llm_engine
-    bm = engine.scheduler.block_manager
+    bm = engine.local_core.scheduler.block_manager
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p["prompt_token_ids"], sp)
     while engine.has_unfinished_requests():
         engine.step()
-        for seq in engine.scheduler.running:
+        for seq in engine.local_core.scheduler.running:
             assert len(seq.block_table) == bm.blocks_needed(seq.num_computed_tokens)
     stats = engine.spec_decode_stats()
     assert stats["num_accepted_tokens"] < stats["num_draft_tokens"]  # some drafts were rejected
@@ -304,7 +305,7 @@ def test_cuda_graphs_with_speculative_decoding_match_eager(monkeypatch, mode, me
     base.shutdown()
     spec = ngram(3, 1, 4) if method == "ngram" else {"model": "tiny-qwen3", "num_speculative_tokens": 3}
     llm = LLM("tiny-qwen3", graph_mode=mode, capture_sizes=[1, 2, 4, 8, 16], speculative_config=spec, **kw)
-    graphs = llm.llm_engine.model_runner.verify_graphs
+    graphs = llm.llm_engine.worker.model_runner.dispatcher.verify_graphs
     replays, replay = [], graphs.replay
     monkeypatch.setattr(graphs, "replay", lambda *a, **k: replays.append(len(a[0])) or replay(*a, **k))
     assert _summary(llm.generate(prompts, params, use_tqdm=False)) == expected

@@ -67,11 +67,11 @@ def test_startup_phases_are_recorded(smollm2_artifact):
 
 def _weakrefs(llm: LLM) -> dict:
     engine = llm.llm_engine
-    model = engine.model
-    return {"engine": weakref.ref(engine), "kv cache": weakref.ref(engine.model_runner.kv_cache),
+    model = engine.worker.model
+    return {"engine": weakref.ref(engine), "kv cache": weakref.ref(engine.worker.model_runner.kv_cache),
             "embedding": weakref.ref(model.model.embed_tokens.weight),
-            "fused qkv": weakref.ref(engine.graph.get_submodule("model.layers.0.self_attn.qkv_proj").weight),
-            "graph": weakref.ref(engine.graph)}
+            "fused qkv": weakref.ref(engine.worker.graph.get_submodule("model.layers.0.self_attn.qkv_proj").weight),
+            "graph": weakref.ref(engine.worker.graph)}
 
 
 def test_engines_give_their_memory_back():
@@ -83,7 +83,7 @@ def test_engines_give_their_memory_back():
     llm = LLM("tiny-qwen3", **kw)  # 1: shutdown(), while `llm` itself is still referenced
     refs = _weakrefs(llm)
     tokens.append(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
-    blocks.append(llm.llm_engine.model_runner.num_blocks)
+    blocks.append(llm.llm_engine.worker.model_runner.num_blocks)
     llm.shutdown()
     assert [k for k, r in refs.items() if k != "engine" and r() is not None] == []
     with pytest.raises(GraphinferError, match="shut down"):
@@ -92,13 +92,13 @@ def test_engines_give_their_memory_back():
     with LLM("tiny-qwen3", **kw) as llm2:  # 2: the with block
         refs = _weakrefs(llm2)
         tokens.append(llm2.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
-        blocks.append(llm2.llm_engine.model_runner.num_blocks)
+        blocks.append(llm2.llm_engine.worker.model_runner.num_blocks)
     assert [k for k, r in refs.items() if k != "engine" and r() is not None] == []
 
     llm3 = LLM("tiny-qwen3", **kw)  # 3: the last reference dropped, with the cycle collector off
     refs = _weakrefs(llm3)
     tokens.append(llm3.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
-    blocks.append(llm3.llm_engine.model_runner.num_blocks)
+    blocks.append(llm3.llm_engine.worker.model_runner.num_blocks)
     gc.disable()
     try:
         del llm3
@@ -123,7 +123,7 @@ def test_kv_cache_too_small_for_one_request_fails_at_start_up():
         LLM("tiny-llama", kv_cache_memory_bytes=blocks_bytes("tiny-llama") * 63, dtype="float32")
     llm = LLM("tiny-llama", kv_cache_memory_bytes=blocks_bytes("tiny-llama") * 63, max_model_len=1008,
               dtype="float32")  # 63 blocks
-    assert llm.llm_engine.model_runner.num_blocks == 63
+    assert llm.llm_engine.worker.model_runner.num_blocks == 63
 
 
 def test_compile_cli_prints_no_kv_cache_size(tmp_path):
@@ -159,7 +159,7 @@ def test_cuda_engines_give_their_memory_back():
     for _ in range(3):
         with LLM("tiny-qwen3", device="cuda", gpu_memory_utilization=0.4, max_capture_size=8) as llm:
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-            blocks.append(llm.llm_engine.model_runner.num_blocks)
+            blocks.append(llm.llm_engine.worker.model_runner.num_blocks)
         assert torch.cuda.memory_allocated() - base < 1 << 20  # weights, KV cache and graphs gone (MiBs to GiBs)
     assert blocks == [blocks[0]] * 3 and blocks[0] > 1000
     total = torch.cuda.mem_get_info()[1]

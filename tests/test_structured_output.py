@@ -88,7 +88,7 @@ def test_no_tokenizer_and_bad_constraints_are_typed_errors(smollm2_llm):
                             (StructuredOutputsParams(json="{not json"), "JSON schema cannot be compiled"),
                             (StructuredOutputsParams(regex="a", whitespace_pattern=" "), "whitespace_pattern")]:
         with pytest.raises(InvalidStructuredOutputError, match=re.escape(message)):
-            engine.make_sequence("Hi", SamplingParams(structured_outputs=params))
+            engine.make_request("Hi", SamplingParams(structured_outputs=params))
 
 
 def _check(kind: str, text: str) -> None:
@@ -131,11 +131,11 @@ def test_greedy_async_equals_sync(smollm2_llm):
               SamplingParams(temperature=0, max_tokens=20)]  # a row without a grammar in the same steps
     prompts = ["Rate a city as JSON:", "A product code:", "The capital of France is"]
     sync = smollm2_llm.generate(prompts, params, use_tqdm=False)
-    engine.async_scheduling = True  # the same engine down its async path (_step_async): masks after the launch
+    engine.local_core.async_scheduling = True  # the same engine down its async path (_step_async): masks after the launch
     try:
         asynchronous = smollm2_llm.generate(prompts, params, use_tqdm=False)
     finally:
-        engine.async_scheduling = False
+        engine.local_core.async_scheduling = False
     assert [o.outputs[0].token_ids for o in asynchronous] == [o.outputs[0].token_ids for o in sync]
     _check("json", sync[0].outputs[0].text)
     assert "\n" not in sync[0].outputs[0].text and sync[0].outputs[0].text.startswith('{"city":')  # compact
@@ -150,7 +150,7 @@ def test_structured_requests_get_no_drafts(smollm2_llm):
     from graphinfer.runtime.spec_decode.metrics import SpecDecodingStats
 
     engine = smollm2_llm.llm_engine
-    engine.proposer, engine.spec_stats = NgramProposer(3, 1, 4), SpecDecodingStats(3)
+    engine.local_core.proposer, engine.local_core.spec_stats = NgramProposer(3, 1, 4), SpecDecodingStats(3)
     try:
         prompt = "Repeat: red green blue red green blue red green blue red green blue"
         outs = smollm2_llm.generate([prompt, prompt], [
@@ -158,7 +158,7 @@ def test_structured_requests_get_no_drafts(smollm2_llm):
             SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=REGEX))],
             use_tqdm=False)
     finally:
-        engine.proposer = engine.spec_stats = None
+        engine.local_core.proposer = engine.local_core.spec_stats = None
     assert outs[0].metrics["spec_decode_num_draft_tokens"] > 0
     assert outs[1].metrics["spec_decode_num_draft_tokens"] == 0
     _check("regex", outs[1].outputs[0].text)

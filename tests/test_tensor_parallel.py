@@ -32,15 +32,15 @@ def _params():
 def _run(llm: LLM) -> dict:
     """The workload twice (prefix-cache hits the second time), then again with async scheduling."""
     engine = llm.llm_engine
-    preempted = engine.scheduler.num_preemptions
+    preempted = engine.local_core.scheduler.num_preemptions
     first = llm.generate(PROMPTS, _params(), use_tqdm=False)
     second = llm.generate(PROMPTS, _params(), use_tqdm=False)
-    engine.async_scheduling = True
+    engine.local_core.async_scheduling = True
     async_ = llm.generate(PROMPTS, _params(), use_tqdm=False)
-    engine.async_scheduling = False
+    engine.local_core.async_scheduling = False
     return {"tokens": [[o.outputs[0].token_ids for o in run] for run in (first, second, async_)],
             "cached": sum(o.num_cached_tokens for o in second),
-            "preemptions": engine.scheduler.num_preemptions - preempted}
+            "preemptions": engine.local_core.scheduler.num_preemptions - preempted}
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +91,16 @@ def test_tp2_matches_tp1(arch, ep, mode, checkpoints, reference, monkeypatch):
         kw.update(graph_mode=mode, capture_sizes=[1, 2, 4, 8, 32])
     replays = []
     with LLM(checkpoints(arch), tensor_parallel_size=2, enable_expert_parallel=ep, **kw) as llm:
-        runner = llm.llm_engine.model_runner
+        runner = llm.llm_engine.worker.model_runner
         if mode != "NONE":
-            for graphs, method in ((runner.decode_graphs, "replay"), (runner.piecewise_graphs, "run")):
+            for graphs, method in ((runner.dispatcher.decode_graphs, "replay"), (runner.dispatcher.piecewise_graphs, "run")):
                 original = getattr(graphs, method)
                 monkeypatch.setattr(graphs, method, lambda *a, _o=original, _m=method, **k: replays.append(_m) or _o(*a, **k))
         seen = count_tokens(runner, monkeypatch)
         got = _run(llm)
         attn = runner.attn_layers[0]
-        reports, config = llm.llm_engine.pass_reports, llm.llm_engine.hf_config
-        experts = [tuple(m.w2_weight.shape) for m in llm.llm_engine.model.modules() if isinstance(m, MoEExperts)]
+        reports, config = llm.llm_engine.worker.compiled.pass_reports, llm.llm_engine.hf_config
+        experts = [tuple(m.w2_weight.shape) for m in llm.llm_engine.worker.model.modules() if isinstance(m, MoEExperts)]
         load = llm.llm_engine.expert_load()
     assert got["tokens"] == ref["tokens"] and got["cached"] == ref["cached"]
     assert got["tokens"][0] == got["tokens"][2]  # async scheduling changed nothing either
@@ -172,13 +172,13 @@ def test_a_failed_step_on_rank_0_stops_the_group_instead_of_hanging(monkeypatch)
     """Rank 0 raises inside a step (after the others got it): the ranks are out of step, so the next step is
     refused with DistributedError, and shutdown ends the other rank (it may wait in a collective) at once."""
     llm = LLM("tiny-llama", tensor_parallel_size=2, **KW)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.worker.model_runner
     monkeypatch.setattr(runner, "sampler", lambda *a: (_ for _ in ()).throw(RuntimeError("sampler broke")))
     with pytest.raises(RuntimeError, match="sampler broke"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ps.DistributedError, match=r"out of step: step \d+ failed on rank 0 \(RuntimeError: sampler broke\)"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
-    ranks = llm.llm_engine.executor.ranks
+    ranks = llm.llm_engine.local_core.executor.ranks
     llm.shutdown()
     assert all(r.process.poll() is not None for r in ranks) and not ps.is_initialized()
 
@@ -195,7 +195,7 @@ def test_tp2_speculative_decoding_matches_tp1(checkpoints, monkeypatch):
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     with LLM(checkpoints("qwen3"), tensor_parallel_size=2, graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 32],
              speculative_config=spec, **KW) as llm:
-        verify = llm.llm_engine.model_runner.verify_graphs
+        verify = llm.llm_engine.worker.model_runner.dispatcher.verify_graphs
         replays = []
         original = verify.replay
         monkeypatch.setattr(verify, "replay", lambda *a, **k: replays.append(len(a[0])) or original(*a, **k))

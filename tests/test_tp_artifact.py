@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import graphinfer.runtime.entrypoints.llm_engine as llm_engine
+import graphinfer.runtime.executor.multiproc_executor as multiproc_executor
 import graphinfer.compiler.pipeline as pipeline
 from graphinfer import LLM, SamplingParams
 from graphinfer.cli import _parallel_config, build_parser, main
@@ -66,7 +66,7 @@ def test_compile_writes_one_graph_and_a_shard_per_rank(tp2_artifact, tp1):
         assert f"rank {rank} weights: {os.path.join(art, shard)}" in stdout
     # each file is its rank's slice of the final (fused) weights: o_proj / down_proj split by input columns,
     # gate_up_proj by output rows within each of its halves
-    whole = final_weights(tp1.llm_engine.graph, tp1.llm_engine.model)
+    whole = final_weights(tp1.llm_engine.worker.graph, tp1.llm_engine.worker.model)
     shards = [load_file(os.path.join(art, s)) for s in SHARDS]
     assert shards[0].keys() == whole.keys() == shards[1].keys()
     for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"):
@@ -99,7 +99,7 @@ def test_artifact_runs_at_its_tp_with_tp1_tokens(tp2_artifact, tp1, monkeypatch)
     with LLM(artifact=art, device="cpu", num_gpu_blocks_override=64) as llm:  # tp and dtype: the artifact's
         engine = llm.llm_engine
         assert engine.config.parallel_config.tensor_parallel_size == 2
-        assert engine.model.model.layers[0].self_attn.o_proj.weight.shape[1] == 32  # rank 0's half
+        assert engine.worker.model.model.layers[0].self_attn.o_proj.weight.shape[1] == 32  # rank 0's half
         assert _tokens(llm) == compiled_here == _tokens(tp1)
 
 
@@ -107,7 +107,7 @@ def test_other_tp_is_refused_before_any_rank_starts(tp2_artifact, tp1_artifact, 
     def no_ranks(*a, **k):
         raise AssertionError("ranks started for an artifact of another tensor-parallel size")
 
-    monkeypatch.setattr(llm_engine, "MultiprocExecutor", no_ranks)
+    monkeypatch.setattr(multiproc_executor, "MultiprocExecutor", no_ranks)
     art, _ = tp2_artifact
     with pytest.raises(ArtifactMismatchError, match=r"compiled for tensor_parallel_size=2, but this engine runs "
                                                     r"tensor_parallel_size=1\. Run it with --tensor-parallel-size 2 .*"

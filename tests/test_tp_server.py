@@ -81,7 +81,9 @@ def test_two_nodes_on_loopback_serve_the_openai_client(tiny_chat_model, tmp_path
 def test_a_killed_worker_ends_the_server(tmp_path):
     server = Server(["tiny-llama", *ENGINE, "-tp", "2"], tmp_path / "serve.log").launch().wait_ready(120)
     try:
-        [worker] = [p for p in psutil.Process(server.proc.pid).children() if "graphinfer.runtime.worker" in " ".join(p.cmdline())]
+        # the server's engine core runs in a process of its own, which starts the tensor-parallel rank
+        [worker] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                    if "graphinfer.runtime.executor.worker_proc" in " ".join(p.cmdline())]
         with httpx.Client(base_url=server.url, timeout=30) as http:
             stream = http.stream("POST", "/v1/completions", json={"model": "tiny-llama", "prompt": [1, 2, 3],
                                                                    "max_tokens": 200, "stream": True, "ignore_eos": True})

@@ -292,8 +292,8 @@ for model in {models!r}:
     for _ in range(3):
         engine.step()
     seen = []
-    graph = engine.model_runner.graph
-    engine.model_runner.graph = lambda *a: seen.append(a) or graph(*a)
+    graph = engine.worker.model_runner.graph
+    engine.worker.model_runner.graph = lambda *a: seen.append(a) or graph(*a)
     engine.step()
     inputs = seen[-1]
     lib = torch.library.Library("graphinfer", "IMPL", "CPU")

@@ -34,7 +34,7 @@ refs_llm = LLM("tiny-qwen3", **kw)
 llm_engine.platform_for_device = lambda device_type: OpTapePlatform()
 for model in {models!r}:
     llm = LLM(model, kernels="triton", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 3], **kw)
-    runner, kinds = llm.llm_engine.model_runner, set()
+    runner, kinds = llm.llm_engine.worker.model_runner, set()
     full_graphs = runner._full_graphs
 
     def spy(h):
@@ -62,7 +62,7 @@ spec_ref = [o.outputs[0].token_ids for o in refs_llm.generate(spec_prompts, spec
 spec = {{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}
 llm = LLM("tiny-qwen3", kernels="triton", graph_mode="FULL_DECODE_ONLY", capture_sizes=[1, 3], speculative_config=spec,
           **kw)
-verify, replays = llm.llm_engine.model_runner.verify_graphs, []
+verify, replays = llm.llm_engine.worker.model_runner.dispatcher.verify_graphs, []
 replay = verify.replay
 verify.replay = lambda *a, **k: replays.append(1) or replay(*a, **k)
 tri = [o.outputs[0].token_ids for o in llm.generate(spec_prompts, spec_params, use_tqdm=False)]
@@ -109,14 +109,14 @@ kw = dict(max_num_seqs=4, num_gpu_blocks_override=64, block_size=4, dtype="float
           device="cpu")
 os.environ["GRAPHINFER_SKINNY_GEMM"] = "0"
 ref_llm = LLM("tiny-qwen3", **kw)
-assert ref_llm.llm_engine.skinny_gemm is None
+assert ref_llm.llm_engine.worker.compiled.skinny_gemm is None
 ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params, use_tqdm=False)]
 os.environ["GRAPHINFER_SKINNY_GEMM"] = "force"
 llm = LLM("tiny-qwen3", **kw)  # the cpu ops, the linears on the interpreted kernel
 engine = llm.llm_engine
-skinny = sum(isinstance(m, SkinnyLinear) for m in engine.model_runner.graph.modules())
+skinny = sum(isinstance(m, SkinnyLinear) for m in engine.worker.model_runner.graph.modules())
 tri = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-print("NONE", ref == tri, skinny, engine.skinny_gemm.mode, ref, tri)
+print("NONE", ref == tri, skinny, engine.worker.compiled.skinny_gemm.mode, ref, tri)
 """
 
 

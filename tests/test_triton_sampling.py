@@ -152,13 +152,16 @@ def test_mixed_greedy_and_random_rows_and_ragged_tail():
 
 # ----- the Sampler's fast path -----
 class _Row:
+    """What the sampler reads of a scheduled sequence (its placeholder for the token sampled counts in
+    num_output_tokens)."""
     def __init__(self, output=(), **kw):
         self.sampling_params = SamplingParams(**kw)
         self.prompt_token_ids, self.output_token_ids, self.generator = [], list(output), None
+        self.all_stop_token_ids = frozenset({0})
 
     @property
     def num_output_tokens(self):
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + 1
 
 
 def test_sampler_kernel_paths_share_the_seeded_stream():
@@ -170,7 +173,7 @@ def test_sampler_kernel_paths_share_the_seeded_stream():
         calls.append(args[0].dtype)
         return sample(*args)
 
-    sampler = Sampler(eos_token_ids=0, seed=1, device=DEVICE, kernel=kernel)
+    sampler = Sampler(seed=1, device=DEVICE, kernel=kernel)
     seeded = _Row(output=[5, 6, 7], temperature=0.9, seed=123)
     alone = sampler(logits[:1].bfloat16(), [seeded]).sampled_token_ids
     assert calls == [torch.bfloat16]  # the fast path: the kernel reads the logits in their own dtype

@@ -453,7 +453,7 @@ def greedy_tokens(model: str, graph_mode: str, dtype: str, logprobs: int | None 
               for i in range(len(MIXED_PROMPTS))]
     outs = [o.outputs[0] for o in llm.generate(MIXED_PROMPTS, params, use_tqdm=False)]
     engine = llm.llm_engine
-    stats = [s for s in (engine.capture_stats, engine.piecewise_capture_stats) if s is not None]
+    stats = [s for s in (engine.worker.dispatcher.capture_stats, engine.worker.dispatcher.piecewise_capture_stats) if s is not None]
     del llm, engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -501,7 +501,7 @@ def capture_cost(path: str, dtype: str) -> list[dict]:
             t = time.perf_counter()
             llm = LLM(path, dtype=dtype, graph_mode=graph_mode, max_num_seqs=max_num_seqs, max_model_len=4096)
             engine = llm.llm_engine
-            for kind, s in (("decode", engine.capture_stats), ("piecewise", engine.piecewise_capture_stats)):
+            for kind, s in (("decode", engine.worker.dispatcher.capture_stats), ("piecewise", engine.worker.dispatcher.piecewise_capture_stats)):
                 if s is None:
                     continue
                 rows.append(dict(model=path, dtype=dtype, graph_mode=graph_mode, max_num_seqs=max_num_seqs, kind=kind,
@@ -614,9 +614,11 @@ def check_sampler(batch_sizes, vocab: int, device) -> list[dict]:
     for B in batch_sizes:
         logits = (torch.randn(B, vocab, generator=gen) * 3).to(torch.bfloat16).to(device)
         for label, temperature in (("T=0.6", 0.6), ("greedy", 0.0)):
-            rows = [Sequence(str(i), None, [1], SamplingParams(temperature=temperature), 16) for i in range(B)]
-            torch_sampler = Sampler(None, device=device)
-            fused_sampler = Sampler(None, device=device, kernel=sample)
+            rows = [Sequence(str(i), [1], SamplingParams(temperature=temperature), 16) for i in range(B)]
+            for row in rows:
+                row.num_pending = 1  # scheduled: the token sampled holds a placeholder
+            torch_sampler = Sampler(device=device)
+            fused_sampler = Sampler(device=device, kernel=sample)
             temps = torch.full((B,), temperature, dtype=torch.float32, device=device)
             seeds = torch.full((B,), 1234, dtype=torch.int64, device=device)
             offsets = torch.arange(B, device=device)

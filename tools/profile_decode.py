@@ -85,27 +85,27 @@ def profile_batch(llm, batch: int, prompt_len: int, warmup: int, steps: int, tra
     from graphinfer.bench import common
 
     engine = llm.llm_engine
-    device = engine.platform.device_type
+    device = engine.local_core.platform.device_type
     rng = random.Random(batch)
     vocab = engine.hf_config.vocab_size
     # Generous max_tokens: the first prompts decode while later ones still prefill (chunked), and no request may
     # finish inside the profiled window (aborted afterwards).
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=warmup + steps + 256)
-    seqs = [engine.make_sequence([rng.randrange(vocab) for _ in range(prompt_len)], params) for _ in range(batch)]
+    seqs = [engine.make_request([rng.randrange(vocab) for _ in range(prompt_len)], params) for _ in range(batch)]
     for seq in seqs:
-        engine.add_sequence(seq)
-    sync = None if engine.async_scheduling else engine.platform.synchronize  # see common.run_steps
+        engine.add(seq)
+    sync = None if engine.local_core.async_scheduling else engine.local_core.platform.synchronize  # see common.run_steps
     log = common.StepLog()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     try:
         # Warm up until `warmup` steps in a row are full decode steps of B rows (every prompt done).
         common.run_steps(engine, log, sync=sync, until=lambda _: len(log.steps) >= warmup and all(
             s.kind == "decode" and s.rows == batch for s in log.steps[-warmup:]))
-        engine.platform.synchronize()
+        engine.local_core.platform.synchronize()
         with profile(activities=activities) as prof:
             n = len(log.steps)
             common.run_steps(engine, log, until=lambda _: len(log.steps) >= n + steps, sync=sync)
-            engine.platform.synchronize()
+            engine.local_core.platform.synchronize()
         context = statistics.fmean(seq.num_tokens for seq in seqs)  # at the end of the profiled steps
     finally:
         for seq in seqs:

@@ -109,11 +109,11 @@ def ops_mode(args) -> None:
     llm = LLM(model, max_num_seqs=args.batch, device="cpu", dtype=args.dtype, graph_mode="NONE", kernels="reference",
               max_model_len=1024, num_gpu_blocks_override=args.batch * 16)
     engine = llm.llm_engine
-    runner = engine.model_runner
+    runner = engine.worker.model_runner
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), list(range(1, 60 + i % 50)), params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.requests.values()):
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.local_core.scheduler.requests.values()):
         engine.step()
     seen = []
     graph = runner.graph
@@ -285,19 +285,19 @@ def main() -> None:
                             output_kind=RequestOutputKind.FINAL_ONLY)  # as LLM.generate
     for i in range(args.batch):
         engine.add_request(str(i), list(range(1, 60 + i % 50)), params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.requests.values()):
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.local_core.scheduler.requests.values()):
         engine.step()
     for _ in range(3):
         engine.step()
-    engine.platform.synchronize()
+    engine.local_core.platform.synchronize()
     prof = cProfile.Profile()
     start = time.perf_counter()
     prof.enable()
     for _ in range(args.steps):
         engine.step()
-    engine.platform.synchronize()
+    engine.local_core.platform.synchronize()
     prof.disable()
-    print(f"{args.model} batch {args.batch} {args.graph_mode} on {engine.device}: "
+    print(f"{args.model} batch {args.batch} {args.graph_mode} on {engine.local_core.device}: "
           f"{(time.perf_counter() - start) / args.steps * 1e3:.2f} ms per decode step (under cProfile)")
     pstats.Stats(prof).sort_stats("cumulative").print_stats(args.top)
     if args.torch_profile:

@@ -40,7 +40,7 @@ def _timed_step(engine) -> float:
 
 def step_costs(llm: LLM, budgets: list[int], context: int, repeats: int, prompt_len: int) -> list[dict]:
     engine = llm.llm_engine
-    config = engine.scheduler.config  # the scheduler reads its budget every step
+    config = engine.local_core.scheduler.config  # the scheduler reads its budget every step
     rng = random.Random(0)
     vocab = engine.hf_config.vocab_size
     stream = _stream(engine, rng)
@@ -67,7 +67,7 @@ def step_costs(llm: LLM, budgets: list[int], context: int, repeats: int, prompt_
 
 def scenario(llm: LLM, budgets: list[int], prompt_len: int) -> list[dict]:
     engine = llm.llm_engine
-    config = engine.scheduler.config
+    config = engine.local_core.scheduler.config
     rng = random.Random(0)
     rows = []
     for budget in budgets:

@@ -24,7 +24,7 @@ from graphinfer.models.layers import AttentionMetadata
 def score(llm, token_ids: list[int]) -> torch.Tensor:
     """fp32 logits [len(token_ids), V] of one sequence through the engine's compiled graph (one prefill written
     into KV blocks 0..n of the idle engine: run with prefix caching off, so no cached block is overwritten)."""
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.worker.model_runner
     device, bs, n = runner.device, runner.block_size, len(token_ids)
     blocks = -(-n // bs)
     if blocks > runner.num_blocks:
@@ -40,9 +40,9 @@ def score(llm, token_ids: list[int]) -> torch.Tensor:
 def weight_bytes(llm) -> int:
     """Bytes of the tensors the graph reads (each once: a tied head is the embedding's)."""
     engine = llm.llm_engine
-    graph = engine.graph if isinstance(engine.graph, torch.nn.Module) else engine.model
+    graph = engine.worker.graph if isinstance(engine.worker.graph, torch.nn.Module) else engine.worker.model
     seen = {(t.data_ptr(), t.numel()): t.numel() * t.element_size()
-            for t in list(graph.parameters()) + list(engine.model.parameters())}
+            for t in list(graph.parameters()) + list(engine.worker.model.parameters())}
     return sum(seen.values())
 
 

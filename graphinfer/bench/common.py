@@ -118,8 +118,14 @@ class StepLog:
 
 
 def spec_decode_snapshot(engine) -> dict:
-    """engine.spec_decode_stats() (a copy; {} without speculative decoding or for a data-parallel front end)."""
-    return getattr(engine, "spec_decode_stats", dict)()
+    """engine.spec_decode_stats() (a copy; {} without speculative decoding)."""
+    return engine.spec_decode_stats()
+
+
+def capture_seconds(engine) -> float | None:
+    """Seconds rank 0's worker spent capturing device graphs (None: it captured none)."""
+    d = engine.worker.dispatcher
+    return sum(s.seconds for s in (d.capture_stats, d.piecewise_capture_stats) if s) or None
 
 
 def spec_decode_delta(engine, before: dict) -> dict:
@@ -138,19 +144,19 @@ def run_steps(engine, log: StepLog, until=None, sync=None) -> list:
     (With async scheduling a step ends by waiting for the previous step's tokens, so its time is that of
     the device work it overlapped; pass no `sync` then.)
     Each step also records the host time this process spent inside collective calls (tensor parallel; 0 at tp 1).
-    A data-parallel engine (runtime/dp_engine.DPEngine) is seen through replica 0's scheduler: the steps in which
+    A data-parallel engine (runtime/engine/dp_core.py) is seen through replica 0's scheduler: the steps in which
     it scheduled nothing while other replicas had work go to log.idle, not log.steps.
     `until(outputs)` may stop the loop early. Returns the finished RequestOutputs."""
     from graphinfer.distributed.parallel_state import comm_counters
 
-    sched = engine.scheduler  # data parallel: replica 0's
-    data_parallel = getattr(engine, "dp_size", 1) > 1
+    sched = engine.local_core.scheduler  # data parallel: replica 0's
+    data_parallel = engine.config.parallel_config.data_parallel_size > 1
     current: list = []
 
     def schedule():
         out = sched.__class__.schedule(sched)
         # a decode row computes one token, plus its drafts with speculative decoding
-        rows = [(seq.num_computed_tokens, n, seq.num_prompt_tokens, len(seq.spec_token_ids)) for seq, n in out.scheduled]
+        rows = [(s.start, s.num_tokens, s.seq.num_prompt_tokens, len(s.seq.spec_token_ids)) for s in out.scheduled]
         prefill = any(start < prompt or n > 1 + k for start, n, prompt, k in rows)
         kind = "prefill" if prefill else "decode" if rows else "idle"
         current.append(StepRecord(kind, 0.0, len(rows), out.num_tokens,

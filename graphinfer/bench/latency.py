@@ -40,9 +40,9 @@ def measure_batch(llm, batch: int, prompt_len: int, warmup_steps: int, num_steps
         prompts = copy_prompts(engine.tokenizer, batch, max(prompt_len, max_tokens), seed + batch, vocab)[0]
     else:
         prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
-    seqs = [engine.make_sequence(p, params) for p in prompts]
+    seqs = [engine.make_request(p, params) for p in prompts]
     for seq in seqs:
-        engine.add_sequence(seq)
+        engine.add(seq)
     log = common.StepLog()
     need = warmup_steps + num_steps
     emitted = []  # tokens of the batch after each step
@@ -54,7 +54,7 @@ def measure_batch(llm, batch: int, prompt_len: int, warmup_steps: int, num_steps
             spec_at.append(common.spec_decode_snapshot(engine))
         return len(log.of("decode")) >= need
     try:
-        common.run_steps(engine, log, until=until, sync=engine.platform.synchronize)
+        common.run_steps(engine, log, until=until, sync=engine.local_core.platform.synchronize)
     finally:
         for seq in seqs:
             engine.abort_request(seq.request_id)
@@ -109,8 +109,9 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", batch_sizes=(1
             print(f"{name}: unavailable ({e})")
             continue
         engine = llm.llm_engine
-        entry = {"capture_s": sum(s.seconds for s in (engine.capture_stats, engine.piecewise_capture_stats) if s) or None,
-                 "skinny_gemm": engine.skinny_gemm.to_json() if engine.skinny_gemm else None, "batches": [],
+        skinny = engine.worker.compiled.skinny_gemm
+        entry = {"capture_s": common.capture_seconds(engine), "skinny_gemm": skinny.to_json() if skinny else None,
+                 "batches": [],
                  "graph_mode": mode, "speculative_config": spec}
         for b in batch_sizes:
             m = measure_batch(llm, b, prompt_len, warmup_steps, num_steps, temperature, seed, dataset, max_k)

@@ -43,10 +43,10 @@ def run(model: str, *, ep_size: int = 1, dtype: str = "auto", device: str = "aut
               max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
     try:
         engine = llm.llm_engine
-        if not engine.model_runner.moe_layers:
+        if not engine.worker.model_runner.moe_layers:
             raise InvalidConfigError(f"{model!r} has no MoE layers, so there is no expert load to measure; use a MoE "
                                      f"model (e.g. tiny-qwen3-moe, a Qwen3-MoE checkpoint).")
-        tokens_per_rank([0] * next(iter(engine.model_runner.moe_layers.values())).num_experts, ep_size)  # fits?
+        tokens_per_rank([0] * next(iter(engine.worker.model_runner.moe_layers.values())).num_experts, ep_size)  # fits?
         engine.reset_expert_load()
         stats, _ = timed_generate(llm, workload, temperature)
         summary = engine.expert_load_summary(ep_size)

@@ -62,9 +62,10 @@ class ModelShape:
 
     @classmethod
     def from_engine(cls, engine) -> "ModelShape":
-        graph = engine.graph if isinstance(engine.graph, nn.Module) and engine.graph is not engine.model else None
-        mods = (engine.model, graph) if graph is not None else (engine.model,)
-        return cls.from_model(*mods, kv_dtype=engine.model_runner.kv_cache.dtype)
+        worker = engine.worker
+        graph = worker.graph if isinstance(worker.graph, nn.Module) and worker.graph is not worker.model else None
+        mods = (worker.model, graph) if graph is not None else (worker.model,)
+        return cls.from_model(*mods, kv_dtype=worker.model_runner.kv_cache.dtype)
 
     def to_dict(self) -> dict:
         return asdict(self)

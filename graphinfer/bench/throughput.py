@@ -98,31 +98,31 @@ def timed_generate(llm, workload: Workload, temperature: float,
     from graphinfer.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
-    dp = getattr(engine, "dp_size", 1)
-    sync = engine.platform.synchronize
+    dp = engine.config.parallel_config.data_parallel_size
+    sync = engine.local_core.platform.synchronize
     log = common.StepLog()
-    before = engine.scheduler_stats()  # summed over the replicas (data parallel), each under "engines"
+    before = engine.stats()  # summed over the replicas (data parallel), each under "engines"
     constraint = structured.structured_params(structured_output)
     so_before = structured.snapshot(engine) if constraint is not None else None
     sync()
     start = time.perf_counter()
-    seqs = [engine.make_sequence(p, SamplingParams(temperature=temperature, ignore_eos=workload.ignore_eos,
+    seqs = [engine.make_request(p, SamplingParams(temperature=temperature, ignore_eos=workload.ignore_eos,
                                                    max_tokens=m, output_kind=RequestOutputKind.FINAL_ONLY,
                                                    structured_outputs=constraint))  # as LLM.generate
             for p, m in zip(workload.prompts, workload.max_tokens)]
     for seq in seqs:
-        engine.add_sequence(seq)
+        engine.add(seq)
     if dp > 1:
-        log.replicas = [engine.replica_of(seq.request_id) for seq in seqs]
+        log.replicas = [engine.engine_core.replica_of(seq.request_id) for seq in seqs]
     try:
         # Async scheduling overlaps a step's host work with the previous step's device work: no per-step sync.
-        finished = common.run_steps(engine, log, sync=None if engine.async_scheduling else sync)
+        finished = common.run_steps(engine, log, sync=None if engine.local_core.async_scheduling else sync)
     finally:  # as LLM.generate: an interrupted run must not leak KV blocks
         for seq in seqs:
             engine.abort_request(seq.request_id)
     sync()
     total = time.perf_counter() - start
-    after = engine.scheduler_stats()  # a replica reports its load with its outputs: current once all are in
+    after = engine.stats()  # a replica reports its load with its outputs: current once all are in
     out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
     stats = {"total_s": total, "output_tokens": out_tokens, "output_tok_s": out_tokens / total,
              **({} if workload.ignore_eos else {"output_lens": _output_lens(seqs, finished)}),
@@ -194,9 +194,9 @@ def collective_measure(engine) -> str:
     if lockstep:
         what += ("; data parallel + expert parallel: the replicas' per-step all-reduce (lockstep) and the MoE "
                  "layers' token exchanges included")
-    if engine.platform.dist_backend == "gloo":
+    if engine.local_core.platform.dist_backend == "gloo":
         return what + "; gloo collectives are synchronous: this is their whole time, waits for the other ranks included"
-    return (what + f"; {engine.platform.dist_backend} collectives return once enqueued, so this is launch time only "
+    return (what + f"; {engine.local_core.platform.dist_backend} collectives return once enqueued, so this is launch time only "
             f"(none while a captured graph replays), plus the step message's gloo broadcast, which is synchronous")
 
 
@@ -209,8 +209,8 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
     try:
         engine = llm.llm_engine
         row = {"init_s": time.perf_counter() - t,
-               "capture_s": sum(s.seconds for s in (engine.capture_stats, engine.piecewise_capture_stats) if s) or None,
-               "num_kv_blocks": engine.model_runner.num_blocks,  # data parallel: replica 0's (each has its own)
+               "capture_s": common.capture_seconds(engine),
+               "num_kv_blocks": engine.worker.model_runner.num_blocks,  # data parallel: replica 0's (each has its own)
                # rank 0's; on cpu every rank of a node takes the same share of its cores (runtime/executor.join_group)
                "threads_per_rank": torch.get_num_threads()}
         warm = warmup_workload(min(len(workload.prompts), engine.config.scheduler_config.max_num_seqs), min_len,
@@ -226,14 +226,14 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
         shape = ModelShape.from_engine(engine)  # at tp > 1: rank 0's shard
         row.update(stats, **log.collective_summary(), collective_measure=collective_measure(engine),
                    tokens_per_step=stats["output_tokens"] / max(1, stats["num_steps"]),
-                   async_scheduling=getattr(engine, "async_scheduling", engine_kwargs.get("async_scheduling")),
+                   async_scheduling=engine.local_core.async_scheduling,
                    roofline=roofline_report(engine, shape, workload, log, stats, bandwidth),
                    model_shape=shape.to_dict())
         if engine.config.speculative_config is not None:  # the timed run's drafts (warm-up excluded)
             row["spec_decode"] = common.spec_decode_delta(engine, spec_before)
-        if engine.model_runner.moe_layers:  # tokens per expert per MoE layer, and their imbalance
-            row["expert_parallel_size"] = engine.expert_parallel_size
+        if engine.worker.model_runner.moe_layers:  # tokens per expert per MoE layer, and their imbalance
             row["expert_load"] = engine.expert_load_summary()  # data parallel: summed over the replicas
+            row["expert_parallel_size"] = row["expert_load"]["ep_size"]
         return row
     finally:  # the next configuration starts on free memory, and a tp > 1 engine's other ranks exit here
         llm.shutdown()

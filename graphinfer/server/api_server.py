@@ -181,11 +181,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     app = FastAPI(title="graphinfer", version=graphinfer.__version__, lifespan=lifespan)
     metrics = Metrics(served_model_name)
     engine.on_step = metrics.update_engine
-    metrics.watch_expert_load(engine.engine)
-    metrics.watch_spec_decode(engine.engine)
+    metrics.watch_expert_load(engine)
+    metrics.watch_spec_decode(engine)
     app.state.engine, app.state.metrics, app.state.preprocessor = engine, metrics, pre
     app.state.gate = GateState()
-    max_model_len = engine.engine.max_model_len
+    max_model_len = engine.max_model_len
 
     app.add_middleware(Gate, state=app.state.gate, api_key=api_key, metrics=metrics,
                        max_body_bytes=max_request_body_bytes)

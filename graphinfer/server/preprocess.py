@@ -67,9 +67,8 @@ class Preprocessor:
     """Turns validated request bodies into engine sequences, on worker threads."""
 
     def __init__(self, async_engine, workers: int = 4):
-        self.async_engine = async_engine
-        engine = async_engine.engine
-        self.engine, self.tokenizer, self.max_model_len = engine, engine.tokenizer, engine.max_model_len
+        self.async_engine = self.engine = async_engine  # the EngineClient
+        self.tokenizer, self.max_model_len = async_engine.tokenizer, async_engine.max_model_len
         self.chars_per_token = max_chars_per_token(self.tokenizer) if self.tokenizer is not None else None
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="graphinfer-preprocess")
 

@@ -108,6 +108,9 @@ class EngineCore:
         """Everything past the workers: scheduler, structured outputs, the proposer, lockstep."""
         config = self.config
         worker = self.executor.driver_worker
+        kv = worker.model_runner.kv_cache
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", worker.num_blocks, config.cache_config.block_size,
+                    kv.numel() * kv.element_size() / 2**20)
         self.device, self.max_model_len = worker.device, worker.max_model_len
         self.hf_config = worker.hf_config
         self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)
@@ -272,12 +275,13 @@ class EngineCore:
     def shutdown(self) -> None:
         """Release every device buffer this engine holds: captured graphs and their pool, static buffers, the KV
         cache and the weights, then hand the freed memory back to the device. The engine cannot run afterwards."""
-        if self._release():
+        if self._release(free_weights=True):
             gc.collect()
             self.platform.empty_cache()
 
-    def _release(self) -> bool:
-        """Stop the other ranks and free the workers' buffers and weights. False if already done."""
+    def _release(self, free_weights: bool = False) -> bool:
+        """Stop the other ranks and free the workers' graphs and KV caches (free_weights: their weights too). False if
+        already done."""
         executor, self.executor = getattr(self, "executor", None), None
         if executor is None:
             return False
@@ -287,7 +291,7 @@ class EngineCore:
         if (scheduler := getattr(self, "scheduler", None)) is not None:
             scheduler.finish_requests(list(scheduler.requests))
         self._in_flight = None
-        executor.shutdown()
+        executor.shutdown(free_weights)
         return True
 
     def __del__(self):

@@ -74,8 +74,13 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
+    """The server's EngineClient (entrypoints/engine_client.py) over an LLMEngine: the server and its metrics use this
+    object alone."""
+
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024):
         self.engine = engine
+        self.config, self.tokenizer, self.max_model_len = engine.config, engine.tokenizer, engine.max_model_len
+        self.hf_config, self.info, self.startup = engine.hf_config, engine.info, engine.startup
         self.max_waiting_requests = max_waiting_requests
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -85,7 +90,7 @@ class AsyncLLMEngine:
         self._stopped = False
         self._closed = False  # end_all() ran: no new requests
         self.error: BaseException | None = None
-        self.on_step = None  # callback(engine) after each step, for metrics (runs on the engine thread)
+        self.on_step = None  # callback(this client) after each step, for metrics (runs on the engine thread)
         self.on_dead: list = []  # callbacks(error) once the engine can no longer run (the server then exits)
         # a tensor-parallel rank or a data-parallel replica that dies ends the engine
         engine.on_death(lambda message: self.fail(EngineDeadError(message)))
@@ -111,6 +116,32 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"{what} in one request exceed the server's limit of {self.request_limit} "
                                       f"requests in flight; send at most {self.request_limit}.")
 
+    # ----- EngineClient -----
+    def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        return self.engine.make_request(prompt, params, request_id)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.engine.tokenize(prompt)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def expert_load_summary(self, ep_size: int | None = None) -> dict:
+        return self.engine.expert_load_summary(ep_size)
+
+    def reset_expert_load(self) -> None:
+        self.engine.reset_expert_load()
+
+    def spec_decode_stats(self) -> dict:
+        return self.engine.spec_decode_stats()
+
+    def on_death(self, callback) -> None:
+        self.on_dead.append(lambda error: callback(str(error)))
+
+    def abort_request(self, request_id: str) -> None:
+        self.abort(request_id)
+
+    # ----- requests -----
     def make_requests(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> list[Request]:
         """Validate and tokenize every prompt (typed errors); touches no engine state, so any thread may call it."""
         self.check_batch_size(len(prompts))
@@ -192,7 +223,7 @@ class AsyncLLMEngine:
                     return
                 outputs = engine.step() if engine.has_unfinished_requests() else []
                 if self.on_step is not None:
-                    self.on_step(engine)
+                    self.on_step(self)
                 for out in outputs:
                     with self._lock:
                         stream = self._streams.get(out.request_id)

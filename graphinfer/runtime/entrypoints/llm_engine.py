@@ -15,7 +15,7 @@ from graphinfer.config import EngineConfig
 from graphinfer.errors import InvalidRequestError
 from graphinfer.models.loader import load_tokenizer
 from graphinfer.outputs import RequestOutput
-from graphinfer.platforms import Platform
+from graphinfer.platforms import Platform, platform_for_device
 from graphinfer.runtime.engine.core import EngineCore
 from graphinfer.runtime.engine.core_client import CoreProcClient
 from graphinfer.runtime.engine.dp_core import DPEngineCore
@@ -33,10 +33,8 @@ class LLMEngine:
         """core_process: run the engine core in a process of its own (the server's); else in this one. platform: the
         one to run on (None: the device's)."""
         self.config = config
+        platform = platform or platform_for_device(str(config.model_config.device).split(":")[0])
         if core_process:
-            from graphinfer.platforms import platform_for_device
-
-            platform = platform or platform_for_device(str(config.model_config.device).split(":")[0])
             self.engine_core = CoreProcClient(config, type(platform), "the engine core",
                                               data_parallel=config.parallel_config.data_parallel_size > 1)
             try:

@@ -35,9 +35,10 @@ class Executor:
     def on_death(self, callback) -> None:
         """callback(message) once a rank this engine needs dies."""
 
-    def shutdown(self) -> None:
-        """Stop the other ranks and free rank 0's worker: graphs, KV cache and weights. Idempotent."""
-        self.driver_worker.release(tensors=True)
+    def shutdown(self, free_weights: bool = True) -> None:
+        """Stop the other ranks and free rank 0's worker: graphs, KV cache and (free_weights) its weights, also those
+        of modules something else still refers to. Idempotent."""
+        self.driver_worker.release(tensors=free_weights)
 
 
 class UniprocExecutor(Executor):

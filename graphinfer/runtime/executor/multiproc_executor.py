@@ -108,7 +108,7 @@ class MultiprocExecutor(Executor):
         for listener in self.death_listeners:
             listener(message)
 
-    def shutdown(self) -> None:
+    def shutdown(self, free_weights: bool = True) -> None:
         """Tell the other ranks to stop (unless one died: then the rest end as their channel breaks), wait for
         them, release rank 0's worker, and leave the group. Idempotent."""
         if self._stopped:
@@ -125,5 +125,5 @@ class MultiprocExecutor(Executor):
                 logger.warning("tensor parallel shutdown: %s", e)
         launch.stop_ranks(self.ranks, timeout=10 if clean else 0)
         if (worker := getattr(self, "driver_worker", None)) is not None:
-            worker.release(tensors=True)
+            worker.release(tensors=free_weights)
         ps.destroy()

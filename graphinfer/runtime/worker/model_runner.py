@@ -70,8 +70,6 @@ class ModelRunner:
         self.num_blocks = ps.min_across_ranks(self.num_blocks)  # tensor parallel: every rank's cache alike
         self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size)
         rebind_buffers(self.model, compiled.graph, self.graph, compiled.split.module if compiled.split else None)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
-                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
         self.kv_pages = platform.populate_in_background(self.kv_cache)  # cpu: a thread commits the cache's pages
         self.sampler = Sampler(seed=config.model_config.seed, device=device, kernel=backend.sample_kernel,
                                logprobs_mode=config.model_config.logprobs_mode)

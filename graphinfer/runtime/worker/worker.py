@@ -119,14 +119,13 @@ class Worker:
 
     def release(self, tensors: bool = False) -> None:
         """Free the graphs, their pool, the static buffers and the KV cache; tensors: the weights too (also those of
-        modules something else still refers to). Idempotent."""
-        runner, compiled = getattr(self, "model_runner", None), getattr(self, "compiled", None)
+        modules something else still refers to). The compiled graph and model stay readable (their weights go with
+        the last reference to them). Idempotent."""
+        runner, self.model_runner = getattr(self, "model_runner", None), None
         if runner is not None:
             runner.release()
-        if compiled is not None:
-            compiled.release(tensors)
-        self.model_runner = self.compiled = None
-
+        if getattr(self, "compiled", None) is not None:
+            self.compiled.release(tensors)
 
 
 def max_model_len_of(hf_config, requested: int | None, sc: SchedulerConfig) -> int:
