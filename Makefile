@@ -6,13 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test test-slow test-triton-ascend venv venv-ascend clean
 
-# The cpu platform's C++ kernels (csrc/cpu/), compiled for this machine with its own g++ (graphinfer/ops/cpu_ext.py).
-CPU_KERNELS := graphinfer/ops/_cpu_kernels.so
+# The cpu platform's C++ kernels (csrc/cpu/), compiled for this machine with its own g++ (graphinfer/ops/cpu/ext.py).
+CPU_KERNELS := graphinfer/ops/cpu/_cpu_kernels.so
 
 venv: $(STAMP) $(CPU_KERNELS)
 
-$(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h) graphinfer/ops/cpu_ext.py
-	$(BIN)/python -m graphinfer.ops.cpu_ext
+$(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h) graphinfer/ops/cpu/ext.py
+	$(BIN)/python -m graphinfer.ops.cpu.ext
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -60,5 +60,6 @@ test-triton-ascend: venv-ascend
 		tests/test_triton_prefill_attention.py tests/test_triton_sampling.py tests/test_triton_skinny_gemm.py \
 		tests/test_triton_quant.py tests/test_rejection_sampler.py
 
+# graphinfer/ops/_cpu_kernels.so*: the library's place before ops/cpu/ (an older checkout's build)
 clean:
-	rm -rf $(VENV) $(ASCEND_VENV) $(CPU_KERNELS) $(CPU_KERNELS).torch
+	rm -rf $(VENV) $(ASCEND_VENV) $(CPU_KERNELS) $(CPU_KERNELS).torch graphinfer/ops/_cpu_kernels.so*

@@ -190,8 +190,8 @@ def assert_cpu_default_bound(llm, engine_kernels) -> None:
     reference), and the runner's graph calls them without going through the ops."""
     if engine_kernels:
         kernels = llm.llm_engine.platform.kernels
-        assert kernels.get("paged_attention") == "graphinfer.ops.cpu_attention", kernels
-        assert kernels.get("add_rms_norm") == kernels.get("rotary_embedding") == "graphinfer.ops.cpu_elementwise", kernels
+        assert kernels.get("paged_attention") == "graphinfer.ops.cpu.attention", kernels
+        assert kernels.get("add_rms_norm") == kernels.get("rotary_embedding") == "graphinfer.ops.cpu.elementwise", kernels
         graph = llm.llm_engine.model_runner.graph  # its op nodes call those functions directly (compiler/bind_ops.py)
         assert not [n for n in graph.graph.nodes if getattr(n.target, "namespace", None) == "graphinfer"
                     and n.target._schema.name.partition("::")[2] in kernels]

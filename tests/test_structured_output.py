@@ -20,7 +20,7 @@ import graphinfer.ops  # noqa: F401
 from graphinfer import SamplingParams
 from graphinfer.errors import InvalidStructuredOutputError
 from graphinfer.ops.bitmask import apply_token_bitmask
-from graphinfer.ops.cpu_bitmask import apply_token_bitmask_cpu
+from graphinfer.ops.cpu.bitmask import apply_token_bitmask_cpu
 from graphinfer.ops.triton.bitmask import apply_token_bitmask as triton_kernel
 from graphinfer.runtime.structured_output import StructuredOutputManager
 from graphinfer.sampling_params import StructuredOutputsParams

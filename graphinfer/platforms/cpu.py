@@ -2,10 +2,10 @@
 (FULL_DECODE_ONLY is refused here).
 
 kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, else "eager"):
-- "eager" (the default): the paged attention and cache write of ops/cpu_attention.py, the row-wise ops of
-  ops/cpu_elementwise.py (rms_norm, add_rms_norm, rotary_embedding, silu_and_mul) and the quantized linears of
-  ops/cpu_quant.py (C++ kernels of csrc/cpu/ where built), and xgrammar's C++ kernel for structured outputs' mask
-  (ops/cpu_bitmask.py), the graph run op by op calling those functions directly (compiler/bind_ops.py), its float
+- "eager" (the default): the paged attention and cache write of ops/cpu/attention.py, the row-wise ops of
+  ops/cpu/elementwise.py (rms_norm, add_rms_norm, rotary_embedding, silu_and_mul) and the quantized linears of
+  ops/cpu/quant.py (C++ kernels of csrc/cpu/ where built), and xgrammar's C++ kernel for structured outputs' mask
+  (ops/cpu/bitmask.py), the graph run op by op calling those functions directly (compiler/bind_ops.py), its float
   linears on oneDNN's prepacked weights and up to four rows on csrc/cpu/gemv.cpp (compiler/cpu_packed_linear.py)
   (no compile: `serve ART` healthy in 3.6-5.6 s for SmolLM2 on the 2-core AVX2 dev VMs, docs/benchmarks.md);
 - "inductor": the fused graph compiled by TorchInductor (compiler/inductor.py) with those ops opaque (the
@@ -174,10 +174,10 @@ class CpuPlatform(Platform):
         if kernels == "reference":
             return {}
         if kernels in ("inductor", "eager"):
-            from graphinfer.ops.cpu_attention import CPU_OPS
-            from graphinfer.ops.cpu_bitmask import CPU_BITMASK_OPS
-            from graphinfer.ops.cpu_elementwise import CPU_ELEMENTWISE_OPS
-            from graphinfer.ops.cpu_quant import CPU_QUANT_OPS
+            from graphinfer.ops.cpu.attention import CPU_OPS
+            from graphinfer.ops.cpu.bitmask import CPU_BITMASK_OPS
+            from graphinfer.ops.cpu.elementwise import CPU_ELEMENTWISE_OPS
+            from graphinfer.ops.cpu.quant import CPU_QUANT_OPS
 
             return {**CPU_OPS, **CPU_ELEMENTWISE_OPS, **CPU_QUANT_OPS, **CPU_BITMASK_OPS}
         if os.environ.get("TRITON_INTERPRET") != "1":

@@ -1,9 +1,9 @@
 """The cpu platform's C++ kernels (csrc/cpu/): built by `make` with the machine's own compiler, loaded if present.
 
-`python -m graphinfer.ops.cpu_ext` compiles them into graphinfer/ops/_cpu_kernels.so for this machine's CPU
+`python -m graphinfer.ops.cpu.ext` compiles them into graphinfer/ops/cpu/_cpu_kernels.so for this machine's CPU
 (-march=native) and this torch; a sidecar file records the torch version, and a library built for another
 torch is not loaded (rebuild with `make venv` or the command above). Without the library, the cpu ops fall
-back to their pure-PyTorch forms (graphinfer/ops/cpu_attention.py), which give the same results, slower.
+back to their pure-PyTorch forms (graphinfer/ops/cpu/*.py), which give the same results, slower.
 """
 import logging
 import os
@@ -16,7 +16,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).resolve().parents[2] / "csrc" / "cpu").glob("*.cpp"))
+SOURCES = sorted((Path(__file__).resolve().parents[3] / "csrc" / "cpu").glob("*.cpp"))
 LIBRARY = Path(__file__).with_name("_cpu_kernels.so")
 _TORCH_STAMP = LIBRARY.with_name(LIBRARY.name + ".torch")
 _loaded: bool | None = None
@@ -58,10 +58,10 @@ def available() -> bool:
         _loaded = False
         if not LIBRARY.exists():
             logger.info("cpu C++ kernels not built (%s): using the PyTorch fallbacks; build with "
-                        "`python -m graphinfer.ops.cpu_ext`", LIBRARY.name)
+                        "`python -m graphinfer.ops.cpu.ext`", LIBRARY.name)
         elif not _TORCH_STAMP.exists() or _TORCH_STAMP.read_text() != torch.__version__:
             logger.warning("%s was built for another torch than %s: using the PyTorch fallbacks; rebuild with "
-                           "`python -m graphinfer.ops.cpu_ext`", LIBRARY.name, torch.__version__)
+                           "`python -m graphinfer.ops.cpu.ext`", LIBRARY.name, torch.__version__)
         else:
             torch.ops.load_library(str(LIBRARY))
             _loaded = True
