@@ -9,9 +9,14 @@ from graphinfer.ops.cpu import elementwise as ew
 from graphinfer.ops.activation import silu_and_mul
 from graphinfer.ops.norm import add_rms_norm, rms_norm
 from graphinfer.ops.rotary import rotary_embedding
+from conftest import need_cpu_kernels
 
-pytestmark = pytest.mark.skipif(not ew._built(), reason="cpu C++ kernels not built: python -m graphinfer.ops.cpu.ext")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _library():
+    need_cpu_kernels(ew._built())
 
 
 def _same(got, want):

@@ -6,8 +6,12 @@ from torch import nn
 
 from graphinfer.compiler.cpu_packed_linear import PackedLinear
 from graphinfer.ops.cpu import gemv as cpu_gemv
+from conftest import need_cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="cpu C++ kernels not built: python -m graphinfer.ops.cpu.ext")
+
+@pytest.fixture(autouse=True)
+def _library():
+    need_cpu_kernels(cpu_gemv.available())
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])

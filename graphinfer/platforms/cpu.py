@@ -16,6 +16,10 @@ kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, els
 - "triton": the Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1): slow, but it checks the
   kernels inside a whole model on a machine without a GPU.
 
+With "eager" or "inductor", activation loads the C++ library of csrc/cpu/ (ops/cpu/ext.py). Where it is missing, stale
+or fails to load, the ops run their PyTorch fallbacks (~2x slower on the peer workload): one warning says so and how
+to build it; GRAPHINFER_REQUIRE_CPU_KERNELS=1 makes it a CpuKernelsMissingError instead (`make test` sets it).
+
 Activation also sets torch's threads (one per physical core, a tensor-parallel rank's share) and has glibc keep freed
 memory (retain_freed_memory; GRAPHINFER_CPU_RETAIN_FREED_MEMORY=0 keeps glibc's defaults). The KV cache's pages are
 committed by a thread from start-up on (populate_in_background; GRAPHINFER_CPU_POPULATE_KV_CACHE=0 maps them as
@@ -24,16 +28,42 @@ first written).
 import ctypes
 import ctypes.util
 import functools
+import logging
 import os
 import threading
 
 import torch
 
 from graphinfer import envs
-from graphinfer.errors import InvalidConfigError
+from graphinfer.errors import CpuKernelsMissingError, InvalidConfigError
 from graphinfer.platforms.interface import Platform
 
+logger = logging.getLogger(__name__)
+
 CPU_KERNELS = ("inductor", "eager", "reference", "triton")
+NATIVE_KERNELS = ("inductor", "eager")  # the kernels whose ops run the C++ library where it is loaded
+BUILD_HINT = "`make venv` or `python -m graphinfer.ops.cpu.ext`"
+
+
+def check_native_kernels() -> None:
+    """Load the C++ library; where it cannot be, warn once (the PyTorch fallbacks run, slower) or, with
+    GRAPHINFER_REQUIRE_CPU_KERNELS=1, raise CpuKernelsMissingError."""
+    from graphinfer.ops.cpu import ext
+
+    problem = ext.problem()
+    if problem is None:
+        return
+    message = (f"cpu C++ kernels {ext.LIBRARY} {problem}: the cpu ops run the PyTorch fallbacks, ~2x slower on the "
+               f"peer workload; build them with {BUILD_HINT}")
+    if envs.GRAPHINFER_REQUIRE_CPU_KERNELS == "1":
+        raise CpuKernelsMissingError(f"{message} (GRAPHINFER_REQUIRE_CPU_KERNELS=1 refuses the fallbacks; "
+                                     f"kernels='reference' runs the PyTorch ops by choice).")
+    _warn_once(message)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:  # each activation of an engine, tests' many included, would repeat it
+    logger.warning(message)
 
 
 def allowed_cpus() -> set[int]:
@@ -205,6 +235,8 @@ class CpuPlatform(Platform):
             torch.set_num_threads(max(1, physical_cores() // ranks_per_node()))
         if envs.GRAPHINFER_CPU_RETAIN_FREED_MEMORY != "0":
             retain_freed_memory()
+        if self.resolve_kernels(kernels) in NATIVE_KERNELS:
+            check_native_kernels()
         super().activate(kernels)
 
     def populate_in_background(self, t: torch.Tensor) -> PagePopulator | None:
