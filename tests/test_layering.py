@@ -11,11 +11,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "graphinfer"
 LAYERS = [
     {"graphinfer", "errors", "envs"},  # the package root: __version__, LLM & co. exported lazily (importlib, by name);
     # errors; envs, where every GRAPHINFER_* variable is read
-    {"config", "engine_args", "sampling_params", "outputs"},  # plain dataclasses a user builds; engine_args: LLM(**kwargs)
-    # and the CLI flags, generated from EngineConfig's fields
+    {"config", "sampling_params", "outputs"},  # plain dataclasses a user builds
+    {"engine_args"},  # LLM(**kwargs) and the CLI flags, generated from EngineConfig's fields
     {"ops", "distributed"},  # the op vocabulary, collectives included (communication_op registers graphinfer:: ops)
     {"platforms"},  # which implementation each op gets, device graphs, streams: plugins that name, never import, a compiler
-    {"models", "quantization"},  # plain PyTorch models; quantized layers are layers the loader installs
+    {"models"},  # plain PyTorch models, their parallel layers, and the pieces of reading a checkpoint into them
+    {"quantization"},  # quantized layers, built on the models' parallel layers and checkpoint readers
+    {"model_loader"},  # load_model: a model with its weights, quantized layers installed where asked
     {"passes"},  # graph rewrites over the op vocabulary
     {"compiler"},  # trace -> passes -> lowering -> split (compiler/pipeline.py), artifacts
     {"runtime"},  # engine, scheduler, KV cache, model runner, device-graph capture and replay
@@ -29,6 +31,8 @@ ALLOWED_LAZY_UPWARD = {
     # both sit above config (they use its dataclasses' neighbours), so config asks them only when it is built.
     ("graphinfer.config", "platforms"),
     ("graphinfer.config", "quantization"),
+    # EngineConfig.from_kwargs: flat keyword arguments -> the config, through the arguments engine_args makes from it
+    ("graphinfer.config", "engine_args"),
     # an artifact's manifest supplies the settings it was compiled with as the defaults of LLM(artifact=...) / serve
     ("graphinfer.engine_args", "compiler"),
 }

@@ -19,7 +19,7 @@ from graphinfer.compiler.artifact import final_weights, graph_source
 from graphinfer.compiler.compile import compile_model
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import ArtifactMismatchError
-from graphinfer.models.loader import load_model
+from graphinfer.model_loader import load_model
 from graphinfer.passes import resolve_passes
 
 KW = dict(device="cpu", dtype="float32", num_gpu_blocks_override=64)

@@ -36,7 +36,8 @@ from graphinfer.compiler.trace import rebind_buffers, trace_model
 from graphinfer.config import FULL_GRAPH_MODES, PIECEWISE_GRAPH_MODES, EngineConfig, default_capture_sizes
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import ArtifactMismatchError, InvalidConfigError
-from graphinfer.models.loader import load_config, load_model, release_tensors
+from graphinfer.model_loader import load_model
+from graphinfer.models.loader import load_config, release_tensors
 from graphinfer.models.presets import PRESET_NAMES
 from graphinfer.passes import PassReports, resolve_passes
 from graphinfer.passes.utils import release_fused_sources
