@@ -6,13 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test test-slow test-triton-ascend venv venv-ascend clean
 
-# The cpu platform's C++ kernels (csrc/cpu/), compiled for this machine with its own g++ (graphinfer/ops/cpu_ext.py).
-CPU_KERNELS := graphinfer/ops/_cpu_kernels.so
+# The cpu platform's C++ kernels (csrc/cpu/), compiled for this machine with its own g++ (graphinfer/ops/cpu/ext.py).
+CPU_KERNELS := graphinfer/ops/cpu/_cpu_kernels.so
 
 venv: $(STAMP) $(CPU_KERNELS)
 
-$(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h) graphinfer/ops/cpu_ext.py
-	$(BIN)/python -m graphinfer.ops.cpu_ext
+$(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h) graphinfer/ops/cpu/ext.py
+	$(BIN)/python -m graphinfer.ops.cpu.ext
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -46,19 +46,22 @@ run: venv $(ARTIFACT)/manifest.json
 # Triton kernels run under TRITON_INTERPRET=1: upstream Triton here, then Triton-Ascend 3.2's interpreter.
 # Two xdist workers (one per core of the 2-core dev machine, one torch thread each: tests/conftest.py), each test
 # module on one worker so that its module fixtures (servers, engines) start once.
+# GRAPHINFER_REQUIRE_CPU_KERNELS=1: without the C++ kernels `venv` built, the suite fails rather than skips their tests
+# and falls back to the PyTorch ops.
 TEST_WORKERS ?= 2
 test: venv venv-ascend
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=20
+	GRAPHINFER_REQUIRE_CPU_KERNELS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=20
 	$(MAKE) test-triton-ascend
 
 # The tests marked slow (whole models under the Triton interpreter, SmolLM2 at tp 3, Inductor in bf16, ...).
 test-slow: venv
-	$(BIN)/python -m pytest -q -m slow
+	GRAPHINFER_REQUIRE_CPU_KERNELS=1 $(BIN)/python -m pytest -q -m slow
 
 test-triton-ascend: venv-ascend
 	TRITON_INTERPRET=1 PYTHONPATH=. $(ASCEND_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_fused_moe.py tests/test_triton_qk_norm_rope.py \
 		tests/test_triton_prefill_attention.py tests/test_triton_sampling.py tests/test_triton_skinny_gemm.py \
 		tests/test_triton_quant.py tests/test_rejection_sampler.py
 
+# .torch: the stamp before it recorded the sources; graphinfer/ops/_cpu_kernels.so*: the library's place before ops/cpu/
 clean:
-	rm -rf $(VENV) $(ASCEND_VENV) $(CPU_KERNELS) $(CPU_KERNELS).torch
+	rm -rf $(VENV) $(ASCEND_VENV) $(CPU_KERNELS) $(CPU_KERNELS).stamp $(CPU_KERNELS).torch graphinfer/ops/_cpu_kernels.so*

@@ -153,7 +153,7 @@ def _compile(args) -> None:
     from graphinfer.models.loader import load_tokenizer
     from graphinfer.platforms import platform_for_device
     from graphinfer.platforms.cpu import CpuPlatform
-    from graphinfer.runtime.executor.abstract import make_executor
+    from graphinfer.runtime.executor.factory import make_executor
     from graphinfer.runtime.executor.parallel_layout import check_parallel_config
 
     kwargs = {**engine_args.kwargs_from_args(args, COMPILE_ARGS), "model": args.model}

@@ -44,6 +44,10 @@ _VARS = [
     EnvVar("GRAPHINFER_PLATFORM", None,
            "The platform device=\"auto\" picks (cpu, cuda, npu or a plugin's name); unset: detection (plugins, cuda, "
            "npu, cpu). An explicit device (--device / LLM(device=)) wins."),
+    EnvVar("GRAPHINFER_REQUIRE_CPU_KERNELS", "0",
+           "1: the cpu platform's eager / inductor kernels refuse to start (CpuKernelsMissingError) where their C++ "
+           "library is missing, stale or fails to load; `make test` sets it, and the C++ kernel tests then fail "
+           "rather than skip. 0: one warning, and the PyTorch fallbacks (~2x slower on the peer workload)."),
     EnvVar("GRAPHINFER_SKINNY_GEMM", "auto",
            "Decode linears on the skinny GEMM Triton kernel: auto (where start-up measures it >= 5% faster than "
            "cuBLAS, GPU platforms), 0 / off (never), force (every shape, unmeasured; tests)."),

@@ -49,3 +49,8 @@ class UnsupportedQuantizationError(UnsupportedArchitectureError):
 class InvalidStructuredOutputError(InvalidRequestError):
     """A request's structured outputs (JSON schema, regex, choice, grammar, structural tag) cannot be compiled into a
     grammar, or the model cannot take one (no tokenizer); the message names the problem."""
+
+
+class CpuKernelsMissingError(GraphinferError, RuntimeError):
+    """The cpu platform's default kernels need their C++ library (graphinfer/ops/cpu/_cpu_kernels.so), and it is
+    missing, stale or failed to load while GRAPHINFER_REQUIRE_CPU_KERNELS=1 refuses the PyTorch fallbacks."""

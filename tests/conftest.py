@@ -190,8 +190,22 @@ def assert_cpu_default_bound(llm, engine_kernels) -> None:
     reference), and the runner's graph calls them without going through the ops."""
     if engine_kernels:
         kernels = llm.llm_engine.local_core.platform.kernels
-        assert kernels.get("paged_attention") == "graphinfer.ops.cpu_attention", kernels
-        assert kernels.get("add_rms_norm") == kernels.get("rotary_embedding") == "graphinfer.ops.cpu_elementwise", kernels
+        assert kernels.get("paged_attention") == "graphinfer.ops.cpu.attention", kernels
+        assert kernels.get("add_rms_norm") == kernels.get("rotary_embedding") == "graphinfer.ops.cpu.elementwise", kernels
         graph = llm.llm_engine.worker.model_runner.graph  # its op nodes call those functions directly (compiler/bind_ops.py)
         assert not [n for n in graph.graph.nodes if getattr(n.target, "namespace", None) == "graphinfer"
                     and n.target._schema.name.partition("::")[2] in kernels]
+
+
+def need_cpu_kernels(loaded: bool) -> None:
+    """For a test of the cpu platform's C++ kernels: nothing where they are loaded; else skip it, or fail it under
+    GRAPHINFER_REQUIRE_CPU_KERNELS=1 (`make test` sets it: a suite that skipped them would pass without them)."""
+    if loaded:
+        return
+    from graphinfer import envs
+    from graphinfer.ops.cpu import ext
+
+    reason = f"cpu C++ kernels {ext.problem() or 'built without this kernel'}: python -m graphinfer.ops.cpu.ext"
+    if envs.GRAPHINFER_REQUIRE_CPU_KERNELS == "1":
+        pytest.fail(f"{reason} (GRAPHINFER_REQUIRE_CPU_KERNELS=1)", pytrace=False)
+    pytest.skip(reason)

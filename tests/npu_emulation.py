@@ -697,7 +697,7 @@ def make_torch_npu(soc_version: int = 223):
         return (vals.float() * expert_scales.unsqueeze(-1)).sum(1).to(expand_x.dtype)
 
 
-    # ----- quantization (graphinfer/ops/npu_quant.py) -----
+    # ----- quantization (graphinfer/ops/npu/quant.py) -----
     # [OP] torch_npu-npu_dynamic_quant / aclnnDynamicQuant, -npu_quantize, -npu_quant_matmul,
     # -npu_weight_quant_batchmatmul, -npu_convert_weight_to_int4pack, aclnnAddRmsNormDynamicQuant,
     # aclnnAddRmsNormQuant (+ op-plugin AddRmsNormQuantKernelOpApi.cpp: scales2 must be None); [VA] w8a8 /

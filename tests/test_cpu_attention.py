@@ -1,10 +1,11 @@
-"""The cpu platform's paged-attention / cache-write ops (graphinfer/ops/cpu_attention.py) against the reference ops."""
+"""The cpu platform's paged-attention / cache-write ops (graphinfer/ops/cpu/attention.py) against the reference ops."""
 import pytest
 import torch
 
 import graphinfer.ops as ref_ops
-from graphinfer.ops import cpu_attention, cpu_ext
-from graphinfer.ops.cpu_attention import _decode_groups, paged_attention_cpu, reshape_and_cache_cpu
+from graphinfer.ops.cpu import attention as cpu_attention, ext
+from graphinfer.ops.cpu.attention import _decode_groups, paged_attention_cpu, reshape_and_cache_cpu
+from conftest import need_cpu_kernels
 from test_triton_kernels import DECODE_LENS, MIXED_L, MIXED_Q, TOL, _paged_batch
 
 # decodes of widely different lengths (several decode groups, one padded row), a fresh prefill, chunks over a
@@ -16,9 +17,9 @@ RAGGED_L = [3, 70, 9, 0, 40, 23, 41, 14, 5, 5]
 @pytest.fixture(autouse=True, params=["native", "torch"])
 def decode_impl(request, monkeypatch):
     """Every test runs with the C++ decode kernel (csrc/cpu/, built by make) and with the PyTorch fallback."""
-    if request.param == "native" and not cpu_ext.available():
-        pytest.skip("cpu C++ kernels not built: python -m graphinfer.ops.cpu_ext")
-    monkeypatch.setattr(cpu_ext, "available", lambda: request.param == "native")
+    if request.param == "native":
+        need_cpu_kernels(ext.available())
+    monkeypatch.setattr(ext, "available", lambda: request.param == "native")
     return request.param
 
 

@@ -1,17 +1,22 @@
-"""The cpu platform's row-wise C++ ops (graphinfer/ops/cpu_elementwise.py, csrc/cpu/elementwise.cpp) against the
+"""The cpu platform's row-wise C++ ops (graphinfer/ops/cpu/elementwise.py, csrc/cpu/elementwise.cpp) against the
 PyTorch references, within one rounding of the output dtype (the kernels round where the reference materialises
 an intermediate; the rms_norm sum's order, FMA and exp differ by ulps of fp32, which can flip a bf16/fp16 rounding);
 inputs the kernels do not take (strided rows) go to the reference."""
 import pytest
 import torch
 
-from graphinfer.ops import cpu_elementwise as ew
+from graphinfer.ops.cpu import elementwise as ew
 from graphinfer.ops.activation import silu_and_mul
 from graphinfer.ops.norm import add_rms_norm, rms_norm
 from graphinfer.ops.rotary import rotary_embedding
+from conftest import need_cpu_kernels
 
-pytestmark = pytest.mark.skipif(not ew._built(), reason="cpu C++ kernels not built: python -m graphinfer.ops.cpu_ext")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _library():
+    need_cpu_kernels(ew._built())
 
 
 def _same(got, want):

@@ -1,13 +1,17 @@
-"""The cpu platform's few-row dense linear (graphinfer/ops/cpu_gemv.py, csrc/cpu/gemv.cpp) against the exact product
+"""The cpu platform's few-row dense linear (graphinfer/ops/cpu/gemv.py, csrc/cpu/gemv.cpp) against the exact product
 (float64), and PackedLinear's routing of few-row calls to it."""
 import pytest
 import torch
 from torch import nn
 
 from graphinfer.compiler.cpu_packed_linear import PackedLinear
-from graphinfer.ops import cpu_gemv
+from graphinfer.ops.cpu import gemv as cpu_gemv
+from conftest import need_cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="cpu C++ kernels not built: python -m graphinfer.ops.cpu_ext")
+
+@pytest.fixture(autouse=True)
+def _library():
+    need_cpu_kernels(cpu_gemv.available())
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])

@@ -1,4 +1,4 @@
-"""The cpu platform's compiled path (kernels="inductor": compiler/inductor.py + ops/cpu_attention.py) against
+"""The cpu platform's compiled path (kernels="inductor": compiler/inductor.py + ops/cpu/attention.py) against
 HF transformers on the real SmolLM2 (fp32) and against the reference path (bf16) through mixed batches.
 
 Every engine here compiles into one Inductor cache (a tmp dir for this module), so only the first compile of
@@ -24,13 +24,13 @@ def inductor_cache(tmp_path_factory):
 @pytest.mark.slow  # 45 s: SmolLM2 through Inductor; the default suite checks Inductor on tiny models (below)
 def test_smollm2_fp32_matches_hf(hf_smollm2):
     llm = LLM(dtype="float32", max_model_len=512, kernels="inductor")
-    assert llm.llm_engine.local_core.platform.kernels == {"reshape_and_cache": "graphinfer.ops.cpu_attention",
-                                               "paged_attention": "graphinfer.ops.cpu_attention",
-                                               "qk_norm_rope_cache": "graphinfer.ops.cpu_attention",
-                                               "wo_linear": "graphinfer.ops.cpu_quant",
-                                               "dynamic_quant": "graphinfer.ops.cpu_quant",
-                                               "scaled_mm": "graphinfer.ops.cpu_quant",
-                                               "apply_token_bitmask": "graphinfer.ops.cpu_bitmask"}
+    assert llm.llm_engine.local_core.platform.kernels == {"reshape_and_cache": "graphinfer.ops.cpu.attention",
+                                               "paged_attention": "graphinfer.ops.cpu.attention",
+                                               "qk_norm_rope_cache": "graphinfer.ops.cpu.attention",
+                                               "wo_linear": "graphinfer.ops.cpu.quant",
+                                               "dynamic_quant": "graphinfer.ops.cpu.quant",
+                                               "scaled_mm": "graphinfer.ops.cpu.quant",
+                                               "apply_token_bitmask": "graphinfer.ops.cpu.bitmask"}
     pieces = [m for n, m in llm.llm_engine.worker.model_runner.graph.named_children() if isinstance(m, _BoundPiece)]
     assert len(pieces) == 31  # between 30 attention calls; the 30 between cache write and attention are empty
     assert len({id(p.compiled) for p in pieces}) == 3  # embed + layer 0's qkv, the 29 identical layers, the final norm

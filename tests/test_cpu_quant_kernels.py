@@ -1,12 +1,14 @@
-"""The cpu platform's quantized linears (graphinfer/ops/cpu_quant.py: the C++ kernels of csrc/cpu/quant_linear.cpp and
+"""The cpu platform's quantized linears (graphinfer/ops/cpu/quant.py: the C++ kernels of csrc/cpu/quant_linear.cpp and
 quant_int8.cpp) against the reference ops of graphinfer/ops/quant.py, and their binding into the cpu platform's op
-table. Skipped where the library is not built (python -m graphinfer.ops.cpu_ext)."""
+table. Skipped where the library is not built (python -m graphinfer.ops.cpu.ext); failed there under
+GRAPHINFER_REQUIRE_CPU_KERNELS=1."""
 import pytest
 import torch
 
-from graphinfer.ops import cpu_ext, cpu_quant
+from graphinfer.ops.cpu import ext, quant as cpu_quant
 from graphinfer.ops.quant import dequantize_weight, dynamic_quant, pack_int4, scaled_mm, wo_linear
 from graphinfer.platforms import get_platform
+from conftest import need_cpu_kernels
 
 TOKENS = (1, 2, 5, 17, 64)  # 1..8: the register kernels (5: a partial token tile), 17: two tiles + 1, 64: the GEMM tiles
 # (N, K, group): N never a multiple of the row tiles; groups 16 / 32 / 64 / 128 and per-channel (None), K = 100 per
@@ -16,8 +18,7 @@ SHAPES = [(37, 64, 16), (50, 96, 32), (150, 128, 64), (19, 256, 128), (23, 576, 
 
 
 def native():
-    if not cpu_quant.native_available():
-        pytest.skip("cpu C++ quant kernels not built: python -m graphinfer.ops.cpu_ext")
+    need_cpu_kernels(cpu_quant.native_available())
     return torch.ops.graphinfer_cpu_quant.wo_linear.default
 
 
@@ -93,7 +94,7 @@ def test_wo_linear_layouts():
 
 def test_fallback_without_library(monkeypatch):
     """Without the library the binding is the reference itself."""
-    monkeypatch.setattr(cpu_ext, "available", lambda: False)
+    monkeypatch.setattr(ext, "available", lambda: False)
     qweight, scales, z, b = _weights(8, 64, 32, 4, True, True)
     x = torch.randn(3, 64)
     assert torch.equal(cpu_quant.wo_linear_cpu(x, qweight, scales, z, 4, b),
@@ -113,7 +114,7 @@ def test_cpu_platform_binds_the_kernel(kernels):
     x = torch.randn(1, 576)
     try:
         platform.activate(kernels)
-        assert platform.kernels["wo_linear"] == "graphinfer.ops.cpu_quant"
+        assert platform.kernels["wo_linear"] == "graphinfer.ops.cpu.quant"
         assert torch.equal(torch.ops.graphinfer.wo_linear(x, qweight, scales, z, 4, None), op(x, qweight, scales, z, 4, None))
         q, s = torch.ops.graphinfer.dynamic_quant(x, "int8")
         assert torch.equal(q, torch.ops.graphinfer_cpu_quant.dynamic_quant_int8(x, None)[0])

@@ -182,7 +182,7 @@ def _mc2_ranks(rank: int, port: int) -> None:
     checked once, then mc2_fits is forced so the MC2 path runs."""
     from npu_emulation import make_torch_npu
 
-    from graphinfer.ops import npu
+    from graphinfer.ops.npu import ops as npu
 
     ps.init_distributed(rank, 2, 2, "gloo", "127.0.0.1", port, 60, expert_parallel=True, mc2_group=True)
     real_fits = npu.mc2_fits

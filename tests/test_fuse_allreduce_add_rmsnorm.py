@@ -15,7 +15,7 @@ from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.inductor import inline_pointwise_ops
 from graphinfer.compiler.trace import GraphinferTracer, op_histogram
 from graphinfer.distributed import parallel_state as ps
-from graphinfer.models.loader import load_model
+from graphinfer.model_loader import load_model
 from graphinfer.passes import PassManager, resolve_passes
 from graphinfer.passes.fuse_allreduce_add_rmsnorm import FuseAllReduceAddRMSNormPass
 

@@ -11,8 +11,8 @@ import graphinfer.ops  # noqa: F401  (registers the ops)
 from graphinfer import LLM, SamplingParams
 from graphinfer.compiler.compile import check_inputs, compile_model
 from graphinfer.compiler.trace import GraphinferTracer, node_target_name, op_histogram, trace_model
+from graphinfer.model_loader import load_model
 from graphinfer.models.layers import AttentionMetadata, PagedAttention
-from graphinfer.models.loader import load_model
 from graphinfer.passes import PassManager, resolve_passes
 from graphinfer.passes.fuse_qknorm_rope import FuseQKNormRopePass
 

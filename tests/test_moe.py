@@ -13,7 +13,7 @@ from torch import fx, nn
 import graphinfer.ops  # noqa: F401  (registers the ops)
 from graphinfer import LLM, SamplingParams
 from graphinfer.compiler.trace import GraphinferTracer, op_histogram
-from graphinfer.models.loader import load_model
+from graphinfer.model_loader import load_model
 from graphinfer.ops import moe
 from graphinfer.passes import PassManager
 from graphinfer.compiler import pass_tools as tools

@@ -18,7 +18,7 @@ from graphinfer import LLM, SamplingParams
 from graphinfer.runtime.worker.device_graphs import DecodeGraphs
 from graphinfer.compiler.torchair_backend import compile_with_torchair
 from graphinfer.errors import InvalidConfigError
-from graphinfer.ops.npu import NPU_OPS, NpuOps, mc2_fits
+from graphinfer.ops.npu.ops import NPU_OPS, NpuOps, mc2_fits
 from graphinfer.platforms.cpu import CpuPlatform
 from graphinfer.platforms.npu import NpuPlatform, parse_kernels
 from npu_emulation import make_torch_npu
@@ -255,7 +255,7 @@ def test_broken_torch_npu_autoload_and_graphinfer_imports(tmp_path):
     assert broken.returncode != 0 and "Failed to load the backend extension: torch_npu" in broken.stderr
     done = _run("""
         import os, sys
-        import graphinfer, graphinfer.ops, graphinfer.ops.npu, graphinfer.compiler.torchair_backend
+        import graphinfer, graphinfer.ops, graphinfer.ops.npu.ops, graphinfer.compiler.torchair_backend
         import graphinfer.runtime.entrypoints.llm_engine
         from graphinfer.errors import InvalidConfigError
         from graphinfer.platforms import available_platforms, current_platform, get_platform
@@ -288,7 +288,7 @@ def test_selected_npu_platform_imports_torch_npu(tmp_path):
         p = current_platform()
         assert p.name == "npu" and "torch_npu" not in sys.modules
         p.activate("torch_npu")
-        assert "torch_npu" in sys.modules and p.kernels["paged_attention"] == "graphinfer.ops.npu"
+        assert "torch_npu" in sys.modules and p.kernels["paged_attention"] == "graphinfer.ops.npu.ops"
         print("ok")
         """, path, TORCH_DEVICE_BACKEND_AUTOLOAD="0", GRAPHINFER_PLATFORM="npu")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
@@ -418,7 +418,7 @@ def test_torchair_errors():
     with pytest.raises(InvalidConfigError, match="use one of npugraph_ex, reduce-overhead"):
         compile_with_torchair(gm, "max-autotune")
     with pytest.raises(InvalidConfigError, match="FIA"):
-        compile_with_torchair(gm, kernels={"paged_attention": "graphinfer.ops.npu"})
+        compile_with_torchair(gm, kernels={"paged_attention": "graphinfer.ops.npu.ops"})
     with pytest.raises(InvalidConfigError, match="needs torch_npu"):  # not installed here
         compile_with_torchair(gm)
 

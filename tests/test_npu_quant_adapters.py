@@ -1,4 +1,4 @@
-"""The torch_npu quantization adapters (graphinfer/ops/npu_quant.py) against the reference ops, run against
+"""The torch_npu quantization adapters (graphinfer/ops/npu/quant.py) against the reference ops, run against
 tests/npu_emulation.py (an emulation of torch_npu that follows the documented semantics and the assumptions listed
 there; no NPU is needed or used here).
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import graphinfer.ops  # noqa: F401  (registers the graphinfer:: ops)
-from graphinfer.ops.npu import NPU_OPS, NpuOps
-from graphinfer.ops.npu_quant import QUANT_NPU_OPS
+from graphinfer.ops.npu.ops import NPU_OPS, NpuOps
+from graphinfer.ops.npu.quant import QUANT_NPU_OPS
 from graphinfer.ops.quant import pack_int4
 from npu_emulation import make_torch_npu
 

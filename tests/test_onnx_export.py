@@ -11,7 +11,7 @@ from torch import fx, nn
 import graphinfer.ops  # noqa: F401  (registers torch.ops.graphinfer.*)
 from graphinfer.compiler.onnx_export import export_onnx
 from graphinfer.compiler.trace import GraphinferTracer, node_target_name, trace_model
-from graphinfer.models.loader import load_model
+from graphinfer.model_loader import load_model
 
 
 def _is_multi_output(n: fx.Node) -> bool:

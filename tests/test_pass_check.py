@@ -16,7 +16,7 @@ from graphinfer import LLM, SamplingParams
 from graphinfer.cli import main
 from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.trace import GraphinferTracer
-from graphinfer.models.loader import load_model
+from graphinfer.model_loader import load_model
 from graphinfer.compiler import pass_tools as tools
 from graphinfer.passes import Pass, PassManager, resolve_passes
 from graphinfer.passes.check import compare, default_tolerances

@@ -15,7 +15,7 @@ from graphinfer import LLM
 from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.trace import GraphinferTracer, trace_model
 from graphinfer.errors import InvalidConfigError
-from graphinfer.models.loader import load_model
+from graphinfer.model_loader import load_model
 from graphinfer.passes import DEFAULT_PASSES, Pass, PassError, PassManager, resolve_passes
 from graphinfer.compiler import pass_tools as tools
 from graphinfer.passes.cleanup import CleanupPass

@@ -58,12 +58,12 @@ def _kl(ref: dict, other: dict) -> float:
 @pytest.mark.parametrize("scheme,engine_kernels", [*((s, "suite") for s in CPU_SCHEMES), ("w8a8", "cpu-default"),
                                                    ("int4_wo", "cpu-default")], indirect=["engine_kernels"])
 def test_online_scheme_compiles_fuses_and_computes_with_its_rounded_weights(scheme, engine_kernels):
-    """engine_kernels "cpu-default": the quantized linears on the cpu platform's C++ kernels (ops/cpu_quant.py)."""
+    """engine_kernels "cpu-default": the quantized linears on the cpu platform's C++ kernels (ops/cpu/quant.py)."""
     ref = _rounded_float_engine(scheme, **engine_kernels)
     llm = LLM("tiny-qwen3", dtype="float32", seed=0, quantization=scheme, **engine_kernels)
     assert_cpu_default_bound(llm, engine_kernels)
     if engine_kernels:
-        assert llm.llm_engine.local_core.platform.kernels.get("wo_linear") == "graphinfer.ops.cpu_quant"
+        assert llm.llm_engine.local_core.platform.kernels.get("wo_linear") == "graphinfer.ops.cpu.quant"
     reports = {r.name: r for r in llm.llm_engine.worker.compiled.pass_reports}
     assert all(r.passed for r in reports.values()), [(r.name, r.max_abs_error) for r in reports.values()]
     assert reports["lower_quant_linears"].matches == 8  # 2 layers x (qkv, o, gate_up, down), fused first

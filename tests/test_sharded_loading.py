@@ -7,8 +7,8 @@ from gguf import GGUFReader
 import graphinfer.models.gguf_loader as gguf_loader
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import ModelNotFoundError
+from graphinfer.model_loader import load_model
 from graphinfer.models.gguf_loader import gguf_tensors
-from graphinfer.models.loader import load_model
 
 
 def _params(path: str, rank: int, tp: int) -> dict[str, torch.Tensor]:

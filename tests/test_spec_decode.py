@@ -11,7 +11,7 @@ from graphinfer.config import SpeculativeConfig
 from graphinfer.errors import InvalidConfigError
 from graphinfer.runtime.worker.sampler import Sampler
 from graphinfer.runtime.engine.sequence import Sequence
-from graphinfer.runtime.spec_decode import NgramProposer
+from graphinfer.runtime.spec_decode.ngram_proposer import NgramProposer
 from graphinfer.runtime.spec_decode.verify import verify
 
 # Tight: 16 blocks of 8 and a 48-token budget force chunked prefill and preemptions (as test_async_scheduling).

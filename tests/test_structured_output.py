@@ -20,7 +20,7 @@ import graphinfer.ops  # noqa: F401
 from graphinfer import SamplingParams
 from graphinfer.errors import InvalidStructuredOutputError
 from graphinfer.ops.bitmask import apply_token_bitmask
-from graphinfer.ops.cpu_bitmask import apply_token_bitmask_cpu
+from graphinfer.ops.cpu.bitmask import apply_token_bitmask_cpu
 from graphinfer.ops.triton.bitmask import apply_token_bitmask as triton_kernel
 from graphinfer.runtime.structured_output import StructuredOutputManager
 from graphinfer.sampling_params import StructuredOutputsParams
@@ -146,7 +146,7 @@ def test_greedy_async_equals_sync(smollm2_llm):
 def test_structured_requests_get_no_drafts(smollm2_llm):
     """Speculative decoding (the ngram proposer, k = 3, put on the session engine for this test): the plain request
     of the batch gets drafts, the structured one none (its mask is known for the next token only)."""
-    from graphinfer.runtime.spec_decode import NgramProposer
+    from graphinfer.runtime.spec_decode.ngram_proposer import NgramProposer
     from graphinfer.runtime.spec_decode.metrics import SpecDecodingStats
 
     engine = smollm2_llm.llm_engine

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import graphinfer.runtime.executor.multiproc_executor as multiproc_executor
+import graphinfer.runtime.executor.factory as executor_factory
 import graphinfer.compiler.pipeline as pipeline
 from graphinfer import LLM, SamplingParams
 from graphinfer.cli import _parallel_config, build_parser, main
@@ -19,7 +19,7 @@ from graphinfer.compiler.artifact import final_weights, graph_source
 from graphinfer.compiler.compile import compile_model
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import ArtifactMismatchError
-from graphinfer.models.loader import load_model
+from graphinfer.model_loader import load_model
 from graphinfer.passes import resolve_passes
 
 KW = dict(device="cpu", dtype="float32", num_gpu_blocks_override=64)
@@ -107,7 +107,7 @@ def test_other_tp_is_refused_before_any_rank_starts(tp2_artifact, tp1_artifact, 
     def no_ranks(*a, **k):
         raise AssertionError("ranks started for an artifact of another tensor-parallel size")
 
-    monkeypatch.setattr(multiproc_executor, "MultiprocExecutor", no_ranks)
+    monkeypatch.setattr(executor_factory, "MultiprocExecutor", no_ranks)
     art, _ = tp2_artifact
     with pytest.raises(ArtifactMismatchError, match=r"compiled for tensor_parallel_size=2, but this engine runs "
                                                     r"tensor_parallel_size=1\. Run it with --tensor-parallel-size 2 .*"

@@ -5,7 +5,7 @@ kernel against ATen's flash path and against vLLM-CPU's `cpu_attention_with_kv_c
 - decode: 64 rows over contexts of 96-288 tokens (seed 0), 30 layers of caches in shuffled blocks, so each layer's
   K/V come from memory as in a decode step; ms a layer, best of --reps passes over the 30 layers.
 - prefill: one prompt of n tokens (no cached prefix), us a layer, best of 5; graphinfer's kernel against its flash
-  path (`ops/cpu_attention._prefill`: gather + ATen flash), which sets `NATIVE_PREFILL_CONTEXT`.
+  path (`ops/cpu/attention._prefill`: gather + ATen flash), which sets `NATIVE_PREFILL_CONTEXT`.
 
     .venv/bin/python tools/cpu_attention_bench.py --output-json bench-out/cpu_attention_graphinfer.json
     .venv-vllm/bin/python tools/cpu_attention_bench.py --engine vllm --output-json bench-out/cpu_attention_vllm.json
@@ -40,10 +40,10 @@ class Graphinfer:
     block = 16
 
     def __init__(self):
-        from graphinfer.ops import cpu_attention, cpu_ext
+        from graphinfer.ops.cpu import attention as cpu_attention, ext
 
-        if not cpu_ext.available():
-            raise SystemExit("graphinfer's cpu kernels are not built: python -m graphinfer.ops.cpu_ext")
+        if not ext.available():
+            raise SystemExit("graphinfer's cpu kernels are not built: python -m graphinfer.ops.cpu.ext")
         self.ca = cpu_attention
 
     def cache(self, blocks: int, dtype):

@@ -20,8 +20,8 @@ import timeit
 import torch
 import torch.nn.functional as F
 
-from graphinfer.ops import cpu_gemv
-from graphinfer.ops.cpu_elementwise import add_rms_norm_cpu
+from graphinfer.ops.cpu import gemv as cpu_gemv
+from graphinfer.ops.cpu.elementwise import add_rms_norm_cpu
 from graphinfer.ops.norm import add_rms_norm
 from graphinfer.platforms import get_platform
 
@@ -38,7 +38,7 @@ def main() -> None:
     if os.environ.get("SMOKE") == "1":
         a.layers, a.repeats = 3, 2
     if not cpu_gemv.available():
-        raise SystemExit("the cpu C++ kernels are not built: python -m graphinfer.ops.cpu_ext")
+        raise SystemExit("the cpu C++ kernels are not built: python -m graphinfer.ops.cpu.ext")
     torch.manual_seed(0)
     results = []
     for rows in map(int, a.rows.split(",")):

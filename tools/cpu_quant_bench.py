@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from graphinfer.ops import cpu_ext
+from graphinfer.ops.cpu import ext
 from graphinfer.ops.quant import pack_int4
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]  # [N, K]: q/o, k/v, gate/up, down, LM head
@@ -114,8 +114,8 @@ def main() -> None:
                    help="passes over the whole table: each cell reports its best batch median")
     p.add_argument("--output-json", default="")
     a = p.parse_args()
-    if not cpu_ext.available() or not hasattr(torch.ops.graphinfer_cpu_quant, "wo_linear"):
-        raise SystemExit("the cpu C++ kernels are not built: python -m graphinfer.ops.cpu_ext")
+    if not ext.available() or not hasattr(torch.ops.graphinfer_cpu_quant, "wo_linear"):
+        raise SystemExit("the cpu C++ kernels are not built: python -m graphinfer.ops.cpu.ext")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]

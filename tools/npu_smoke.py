@@ -117,7 +117,7 @@ def to_npu(x, dtype):
 
 
 def check_ops(dtype):
-    from graphinfer.ops.npu import NpuOps
+    from graphinfer.ops.npu.ops import NpuOps
     from graphinfer.ops.triton import TRITON_OPS
 
     impls = {"torch_npu": NpuOps().table(), "triton": TRITON_OPS}

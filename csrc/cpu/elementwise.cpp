@@ -7,7 +7,7 @@
 // (the order of the rms_norm sum, exp), which now and then flips a bf16/fp16 rounding. Rows are read and written
 // as float vectors (vec.h): a scalar loop over bf16 converts element by element.
 // Inputs must be contiguous rows (rotary's query and key: contiguous within a token, any row stride, as the
-// slices of a fused qkv output are); graphinfer/ops/cpu_elementwise.py checks and falls back to the reference.
+// slices of a fused qkv output are); graphinfer/ops/cpu/elementwise.py checks and falls back to the reference.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

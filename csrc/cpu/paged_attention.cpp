@@ -2,8 +2,8 @@
 // attends over its own context, reading K and V in place from the paged cache (no gather copy, no padding to the
 // longest context).
 //
-// Built by `make` (graphinfer/ops/cpu_ext.py) into graphinfer/ops/_cpu_kernels.so and loaded with
-// torch.ops.load_library; graphinfer/ops/cpu_attention.py falls back to gather + ATen flash when it is absent.
+// Built by `make` (graphinfer/ops/cpu/ext.py) into graphinfer/ops/cpu/_cpu_kernels.so and loaded with
+// torch.ops.load_library; graphinfer/ops/cpu/attention.py falls back to gather + ATen flash when it is absent.
 //
 // Layouts as in graphinfer/ops/attention.py: query [T, Hq, D] (stride 1 over D), caches [num_blocks,
 // block_size, Hkv, D] contiguous, block_tables [B, W] int32, query_start_loc [B + 1] int32, seq_lens [B] int32.

@@ -7,7 +7,7 @@
 // - scaled_mm_int8: the exact int32 GEMM of at::_int_mm (oneDNN, VNNI where the CPU has it; the reference computes
 //   it in fp64), then one fused pass out = float(acc) * a_scale * b_scale + bias in out_dtype, the reference's
 //   order of fp32 operations.
-// Part of graphinfer/ops/_cpu_kernels.so (graphinfer/ops/cpu_ext.py); bound by graphinfer/ops/cpu_quant.py.
+// Part of graphinfer/ops/cpu/_cpu_kernels.so (graphinfer/ops/cpu/ext.py); bound by graphinfer/ops/cpu/quant.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

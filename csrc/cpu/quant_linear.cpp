@@ -1,8 +1,8 @@
 // The cpu platform's weight-only quantized linear: graphinfer::wo_linear (graphinfer/ops/quant.py) on the packed
 // weight, never dequantized as a whole.
 //
-// Built by `make` (graphinfer/ops/cpu_ext.py) into graphinfer/ops/_cpu_kernels.so beside paged_attention.cpp, in its
-// own op namespace graphinfer_cpu_quant; graphinfer/ops/cpu_quant.py binds it (and falls back to the reference).
+// Built by `make` (graphinfer/ops/cpu/ext.py) into graphinfer/ops/cpu/_cpu_kernels.so beside paged_attention.cpp, in its
+// own op namespace graphinfer_cpu_quant; graphinfer/ops/cpu/quant.py binds it (and falls back to the reference).
 //
 // Packed forms as in ops/quant.py: x [T, K] (fp32 / bf16), qweight uint8 [N, K / 2] (bits 4: codes 0..15, even k in
 // the low nibble) or int8 [N, K] (bits 8), scales [N, G] fp32, zeros [N, G] fp32 or none, w = q * scale + zero per

@@ -1,5 +1,5 @@
 // Float vectors over fp32 / bf16 / fp16 memory (fp64 converted element by element: math in fp32) for the cpu
-// platform's kernels: ATen's own Vectorized<float> (AVX512, AVX2 or scalar, as graphinfer/ops/cpu_ext.py sets
+// platform's kernels: ATen's own Vectorized<float> (AVX512, AVX2 or scalar, as graphinfer/ops/cpu/ext.py sets
 // CPU_CAPABILITY from torch's reading of this CPU) with its
 // bf16/fp16 <-> fp32 conversions (round to nearest even, as a tensor's .to() rounds) and its exp (Sleef, 1 ulp,
 // what ATen's own silu uses). Plain C++ loops over c10::BFloat16 do not vectorise: each element converts alone.

@@ -3,7 +3,7 @@
 ATen's F.linear on CPU calls MKL on the plain [N, K] weight each step; here oneDNN's matmul runs on a weight
 reordered once into its blocked layout, as vLLM-CPU does (bf16 on AVX512-BF16 / AMX; on AVX2 alone bf16 weights
 are packed as fp32). Up to four rows (batch-1 decode) go to csrc/cpu/gemv.cpp on the weight as held instead
-(ops/cpu_gemv.py): at one row oneDNN's call costs ~30 us whatever the shape, 121 calls a SmolLM2 token, and
+(ops/cpu/gemv.py): at one row oneDNN's call costs ~30 us whatever the shape, 121 calls a SmolLM2 token, and
 neither it nor MKL's GEMV streams the weights as fast on the AVX2 AMD dev VM (docs/benchmarks.md, CPU peers). The
 runner gets a copy of the fused graph whose leaf Linear modules are PackedLinear, and a packed LM head for its logits
 (models' compute_logits is their lm_head); the engine's own graph and model keep their nn.Linear (artifacts save
@@ -14,7 +14,7 @@ from torch import fx, nn
 
 from graphinfer.compiler.skinny_gemm import SkinnyLinear
 from graphinfer.compiler.trace import is_leaf_layer, with_modules
-from graphinfer.ops import cpu_gemv
+from graphinfer.ops.cpu import gemv as cpu_gemv
 
 PACK_BATCH = 32  # oneDNN's batch hint for the layout (vLLM's); any row count runs on it
 

@@ -3,7 +3,7 @@
 The pointwise graphinfer:: ops (norms, add+norm, rotary, silu_and_mul) are inlined as their Python
 references, so Inductor sees plain aten ops it fuses into a few C++ loops per layer; attention and the KV
 cache write stay opaque custom ops run between the compiled pieces (the cpu platform's implementations,
-ops/cpu_attention.py); linears stay aten mm/addmm on oneDNN/MKL. The token count is the one dynamic size
+ops/cpu/attention.py); linears stay aten mm/addmm on oneDNN/MKL. The token count is the one dynamic size
 (plus the T = 1 variant dynamo specialises).
 
 Inductor's compiled code is cached on disk (its FX graph cache): `use_inductor_cache(dir)` points that cache at

@@ -18,7 +18,8 @@ from graphinfer.compiler.report import histogram_table, pass_table
 from graphinfer.compiler.trace import node_target_name, op_histogram
 from graphinfer.config import resolve_dtype
 from graphinfer.distributed import parallel_state as ps
-from graphinfer.models.loader import load_config, load_model
+from graphinfer.model_loader import load_model
+from graphinfer.models.loader import load_config
 from graphinfer.models.parallel_layers import check_tensor_parallel
 from graphinfer.passes.base import PassReports
 from graphinfer.passes.manager import PassManager

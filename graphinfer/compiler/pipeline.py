@@ -33,7 +33,8 @@ from graphinfer.compiler.trace import trace_model
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import ArtifactMismatchError, InvalidConfigError
-from graphinfer.models.loader import load_config, load_model, release_tensors
+from graphinfer.model_loader import load_model
+from graphinfer.models.loader import load_config, release_tensors
 from graphinfer.models.presets import PRESET_NAMES
 from graphinfer.passes import PassReports, resolve_passes
 from graphinfer.passes.utils import release_fused_sources

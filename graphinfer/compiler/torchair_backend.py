@@ -54,7 +54,7 @@ def compile_with_torchair(gm: fx.GraphModule, mode: str = "npugraph_ex", kernels
     dynamic: one compiled graph for all token counts (torchair still captures one NPUGraph per shape)."""
     if mode not in TORCHAIR_MODES:
         raise InvalidConfigError(f"torchair mode {mode!r}: use one of {', '.join(TORCHAIR_MODES)}.")
-    if kernels and kernels.get("paged_attention") == "graphinfer.ops.npu":
+    if kernels and kernels.get("paged_attention") == "graphinfer.ops.npu.ops":
         raise InvalidConfigError("torchair cannot patch the host lengths of the torch_npu (FIA) attention inside "
                                  "graphinfer::paged_attention; use the default kernels (Triton attention) or "
                                  "kernels='torch_npu,paged_attention=triton' with --npu-compiler torchair.")

@@ -1,4 +1,6 @@
-"""Build a model with its weights and tokenizer from an HF checkpoint directory or a .gguf file."""
+"""The pieces of loading a model from an HF checkpoint directory or a .gguf file: its config, the model built on
+meta then on the device, its weights read into it (a tensor-parallel rank's slices only), its tokenizer.
+graphinfer/model_loader.py puts them together with quantization (load_model)."""
 import contextlib
 import glob
 import json
@@ -9,13 +11,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from graphinfer.errors import InvalidConfigError, ModelNotFoundError
+from graphinfer.errors import ModelNotFoundError
 from graphinfer.models import get_model_class
-from graphinfer.distributed import parallel_state as ps
 from graphinfer.models.checkpoint_tensor import SafetensorsTensor, as_checkpoint_tensor
 from graphinfer.models.layers import init_buffers
 from graphinfer.models.parallel_layers import _load_slice
-from graphinfer.models.presets import PRESET_NAMES, init_random_weights, preset_config
+from graphinfer.models.presets import PRESET_NAMES, preset_config
 
 _EXPECTED = "an HF checkpoint directory (config.json + *.safetensors) or a .gguf file"
 
@@ -190,79 +191,6 @@ def release_tensors(model: nn.Module) -> None:
     for module in model.modules():
         module._parameters.clear()
         module._buffers.clear()
-
-
-def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0,
-               quantization: str | None = None):
-    """(model, hf_config) with weights loaded (a named preset gets random weights from `seed`). Under tensor
-    parallelism the model is this rank's shard, and only its slices are read. `quantization`
-    (graphinfer.quantization): an online scheme quantizes the linear layers once loaded; "gguf" keeps a GGUF's
-    quantized blocks; a compressed-tensors checkpoint is always read in its quantized form."""
-    config = preset_config(path)
-    if config is not None:
-        with ps.layout(0, 1):  # the whole model's random weights, the same on every rank, then this rank's part
-            full = build_model(config, torch.float32, "cpu")
-        init_random_weights(full, seed)  # drawn on CPU in fp32 so every device and dtype gets the same values
-        if ps.tp_size() == 1:
-            model = full.to(device=device, dtype=dtype)
-        else:
-            model = build_model(config, torch.float32, "cpu")
-            load_weights(model, full.state_dict().items(), config.tie_word_embeddings)
-            model = model.to(device=device, dtype=dtype)
-        return _quantize_online(model, quantization, path), config
-    _check_path(path)
-    schemes = {}
-    if path.endswith(".gguf"):
-        from graphinfer.models.gguf_loader import FastGGUFReader, gguf_tensors, load_gguf_config
-
-        reader = FastGGUFReader(path)
-        config = load_gguf_config(reader)
-        model = build_model(config, dtype, device)
-        if quantization == "gguf":
-            from graphinfer.quantization.gguf import gguf_quantized_weights
-
-            # A packed embedding / tied head is tp 1 only: at tp > 1 the vocab-parallel layers stay float.
-            weights, schemes = gguf_quantized_weights(reader, config, embedding=ps.tp_size() == 1)
-            if ps.tp_size() > 1 and "lm_head" in schemes:
-                raise InvalidConfigError("quantization='gguf' at tensor_parallel_size > 1 keeps an untied quantized "
-                                         "output.weight, which is not supported yet: run it at tp 1, or without "
-                                         "quantization='gguf' (dequantized).")
-        else:
-            weights = gguf_tensors(reader)
-    else:
-        config = load_hf_config(path)
-        model = build_model(config, dtype, device)
-        weights = _safetensors_weights(path)
-        if (qc := getattr(config, "quantization_config", None)) is not None:
-            from graphinfer.quantization.compressed_tensors import compressed_tensors_weights
-
-            weights, schemes = compressed_tensors_weights(weights, qc)
-    if quantization == "gguf" and not path.endswith(".gguf"):
-        raise InvalidConfigError(f"quantization='gguf' reads a .gguf file; {path!r} is not one.")
-    if schemes:
-        if quantization not in (None, "gguf", "compressed-tensors"):
-            fmt = "GGUF" if path.endswith(".gguf") else "compressed-tensors"
-            raise InvalidConfigError(f"{path!r} is already quantized ({fmt}); quantization={quantization!r} cannot "
-                                     f"quantize it again. Leave quantization unset.")
-        from graphinfer.quantization import install_quantized_linears
-
-        install_quantized_linears(model, schemes, device, tied=config.tie_word_embeddings)
-    elif quantization == "compressed-tensors":
-        raise InvalidConfigError(f"{path!r} has no compressed-tensors quantization_config in its config.json.")
-    load_weights(model, weights, config.tie_word_embeddings)
-    return (model if schemes else _quantize_online(model, quantization, path)), config
-
-
-def _quantize_online(model: nn.Module, quantization: str | None, path: str) -> nn.Module:
-    if quantization in (None, "compressed-tensors", "gguf"):
-        if quantization is not None:
-            raise InvalidConfigError(f"quantization={quantization!r} reads a pre-quantized checkpoint; {path!r} is "
-                                     f"not one. Use an online scheme (w8a8, int8_wo, int4_wo, fp8) to quantize it.")
-        return model
-    from graphinfer.quantization import quantize_model
-
-    quantize_model(model, quantization)
-    return model
 
 
 def load_tokenizer(path: str):

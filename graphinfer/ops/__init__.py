@@ -1,6 +1,7 @@
 """The op vocabulary: `graphinfer::*` custom ops, each with a PyTorch reference and a fake (meta) impl.
 
 Importing this package registers them; models call them through torch.ops.graphinfer.* or these names.
+Backend implementations live in subpackages a platform imports: cpu/ (C++ kernels), npu/ (torch_npu), triton/.
 """
 from graphinfer.ops.activation import silu_and_mul
 from graphinfer.ops.attention import paged_attention, reshape_and_cache

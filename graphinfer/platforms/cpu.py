@@ -2,10 +2,10 @@
 (FULL_DECODE_ONLY is refused here).
 
 kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, else "eager"):
-- "eager" (the default): the paged attention and cache write of ops/cpu_attention.py, the row-wise ops of
-  ops/cpu_elementwise.py (rms_norm, add_rms_norm, rotary_embedding, silu_and_mul) and the quantized linears of
-  ops/cpu_quant.py (C++ kernels of csrc/cpu/ where built), and xgrammar's C++ kernel for structured outputs' mask
-  (ops/cpu_bitmask.py), the graph run op by op calling those functions directly (compiler/bind_ops.py), its float
+- "eager" (the default): the paged attention and cache write of ops/cpu/attention.py, the row-wise ops of
+  ops/cpu/elementwise.py (rms_norm, add_rms_norm, rotary_embedding, silu_and_mul) and the quantized linears of
+  ops/cpu/quant.py (C++ kernels of csrc/cpu/ where built), and xgrammar's C++ kernel for structured outputs' mask
+  (ops/cpu/bitmask.py), the graph run op by op calling those functions directly (compiler/bind_ops.py), its float
   linears on oneDNN's prepacked weights and up to four rows on csrc/cpu/gemv.cpp (compiler/cpu_packed_linear.py)
   (no compile: `serve ART` healthy in 3.6-5.6 s for SmolLM2 on the 2-core AVX2 dev VMs, docs/benchmarks.md);
 - "inductor": the fused graph compiled by TorchInductor (compiler/inductor.py) with those ops opaque (the
@@ -16,6 +16,10 @@ kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, els
 - "triton": the Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1): slow, but it checks the
   kernels inside a whole model on a machine without a GPU.
 
+With "eager" or "inductor", activation loads the C++ library of csrc/cpu/ (ops/cpu/ext.py). Where it is missing, stale
+or fails to load, the ops run their PyTorch fallbacks (~2x slower on the peer workload): one warning says so and how
+to build it; GRAPHINFER_REQUIRE_CPU_KERNELS=1 makes it a CpuKernelsMissingError instead (`make test` sets it).
+
 Activation also sets torch's threads (one per physical core, a tensor-parallel rank's share) and has glibc keep freed
 memory (retain_freed_memory; GRAPHINFER_CPU_RETAIN_FREED_MEMORY=0 keeps glibc's defaults). The KV cache's pages are
 committed by a thread from start-up on (populate_in_background; GRAPHINFER_CPU_POPULATE_KV_CACHE=0 maps them as
@@ -24,16 +28,42 @@ first written).
 import ctypes
 import ctypes.util
 import functools
+import logging
 import os
 import threading
 
 import torch
 
 from graphinfer import envs
-from graphinfer.errors import InvalidConfigError
+from graphinfer.errors import CpuKernelsMissingError, InvalidConfigError
 from graphinfer.platforms.interface import Platform
 
+logger = logging.getLogger(__name__)
+
 CPU_KERNELS = ("inductor", "eager", "reference", "triton")
+NATIVE_KERNELS = ("inductor", "eager")  # the kernels whose ops run the C++ library where it is loaded
+BUILD_HINT = "`make venv` or `python -m graphinfer.ops.cpu.ext`"
+
+
+def check_native_kernels() -> None:
+    """Load the C++ library; where it cannot be, warn once (the PyTorch fallbacks run, slower) or, with
+    GRAPHINFER_REQUIRE_CPU_KERNELS=1, raise CpuKernelsMissingError."""
+    from graphinfer.ops.cpu import ext
+
+    problem = ext.problem()
+    if problem is None:
+        return
+    message = (f"cpu C++ kernels {ext.LIBRARY} {problem}: the cpu ops run the PyTorch fallbacks, ~2x slower on the "
+               f"peer workload; build them with {BUILD_HINT}")
+    if envs.GRAPHINFER_REQUIRE_CPU_KERNELS == "1":
+        raise CpuKernelsMissingError(f"{message} (GRAPHINFER_REQUIRE_CPU_KERNELS=1 refuses the fallbacks; "
+                                     f"kernels='reference' runs the PyTorch ops by choice).")
+    _warn_once(message)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:  # each activation of an engine, tests' many included, would repeat it
+    logger.warning(message)
 
 
 def allowed_cpus() -> set[int]:
@@ -174,10 +204,10 @@ class CpuPlatform(Platform):
         if kernels == "reference":
             return {}
         if kernels in ("inductor", "eager"):
-            from graphinfer.ops.cpu_attention import CPU_OPS
-            from graphinfer.ops.cpu_bitmask import CPU_BITMASK_OPS
-            from graphinfer.ops.cpu_elementwise import CPU_ELEMENTWISE_OPS
-            from graphinfer.ops.cpu_quant import CPU_QUANT_OPS
+            from graphinfer.ops.cpu.attention import CPU_OPS
+            from graphinfer.ops.cpu.bitmask import CPU_BITMASK_OPS
+            from graphinfer.ops.cpu.elementwise import CPU_ELEMENTWISE_OPS
+            from graphinfer.ops.cpu.quant import CPU_QUANT_OPS
 
             return {**CPU_OPS, **CPU_ELEMENTWISE_OPS, **CPU_QUANT_OPS, **CPU_BITMASK_OPS}
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -205,6 +235,8 @@ class CpuPlatform(Platform):
             torch.set_num_threads(max(1, physical_cores() // ranks_per_node()))
         if envs.GRAPHINFER_CPU_RETAIN_FREED_MEMORY != "0":
             retain_freed_memory()
+        if self.resolve_kernels(kernels) in NATIVE_KERNELS:
+            check_native_kernels()
         return super().activate(kernels)
 
     def populate_in_background(self, t: torch.Tensor) -> PagePopulator | None:

@@ -9,7 +9,7 @@ TORCH_DEVICE_BACKEND_AUTOLOAD=0; graphinfer then still loads torch_npu explicitl
 Kernels (CompileConfig.kernels / --kernels): None = torch_npu fused ops for every op they cover except
 paged_attention, which stays the Triton kernel (Triton-Ascend): it reads its lengths on device, so plain
 capture works. "torch_npu" puts attention on FIA too (FULL_DECODE_ONLY then patches FIA's host lengths
-before each replay, see graphinfer.ops.npu.FiaGraphParams); "triton"; "reference"; or per-op overrides:
+before each replay, see graphinfer.ops.npu.ops.FiaGraphParams); "triton"; "reference"; or per-op overrides:
 "torch_npu,paged_attention=triton", "rms_norm=triton". The sampler uses the fused Triton sampling kernel
 whenever some op runs on Triton (the default), see Sampler.
 Not run on NPU hardware by this project: written against the documented torch_npu APIs (docs/ascend.md).
@@ -147,9 +147,9 @@ class NpuPlatform(Platform):
 
     @property
     def ops(self):
-        """The torch_npu adapters (graphinfer.ops.npu.NpuOps) bound to this platform's torch_npu."""
+        """The torch_npu adapters (graphinfer.ops.npu.ops.NpuOps) bound to this platform's torch_npu."""
         if self._ops is None:
-            from graphinfer.ops.npu import NpuOps
+            from graphinfer.ops.npu.ops import NpuOps
 
             self._ops = NpuOps(self._torch_npu)
         return self._ops
@@ -183,7 +183,7 @@ class NpuPlatform(Platform):
     # ----- ops -----
     def sampler_kernel(self, kernels: str | None = None):
         # Wherever Triton-Ascend runs graphinfer's kernels (the default: paged attention) it samples too.
-        from graphinfer.ops.npu import NPU_OPS
+        from graphinfer.ops.npu.ops import NPU_OPS
 
         if "triton" not in parse_kernels(kernels, NPU_OPS).values():
             return None
@@ -192,7 +192,7 @@ class NpuPlatform(Platform):
         return sample
 
     def op_impls(self, kernels: str | None = None):
-        from graphinfer.ops.npu import NPU_OPS
+        from graphinfer.ops.npu.ops import NPU_OPS
 
         chosen = parse_kernels(kernels, NPU_OPS)
         npu_table = self.ops.table() if "torch_npu" in chosen.values() else {}

@@ -32,9 +32,9 @@ from graphinfer.runtime.engine import dp_lockstep
 from graphinfer.runtime.engine.request import EngineCoreOutput, EngineCoreRequest
 from graphinfer.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from graphinfer.runtime.engine.sequence import Sequence
-from graphinfer.runtime.executor.abstract import make_executor
+from graphinfer.runtime.executor.factory import make_executor
 from graphinfer.runtime.executor.parallel_layout import check_artifact_parallel, check_parallel_config, expert_parallel_size
-from graphinfer.runtime.spec_decode import make_proposer
+from graphinfer.runtime.spec_decode.proposer import make_proposer
 from graphinfer.runtime.startup_timer import StartupTimer, seconds_since_process_start
 from graphinfer.runtime.structured_output import StructuredOutputManager
 from graphinfer.runtime.worker.expert_load import read_expert_load, reset_expert_load, summarize

@@ -1,11 +1,5 @@
-"""Executors (vLLM's): run each scheduled step on every rank of one engine replica and return rank 0's output.
-
-  UniprocExecutor     one rank: the Worker in this process
-  MultiprocExecutor   tensor parallel: rank 0's Worker here, ranks 1..tp-1 in processes of their own
-                      (executor/multiproc_executor.py), each step sent to them before rank 0 runs it
-
-Data parallel sits above them (engine/dp_core.py): each replica's engine core has its own executor.
-"""
+"""The Executor interface (vLLM's): run each scheduled step on every rank of one engine replica and return rank 0's
+output; and the UniprocExecutor (one rank: the Worker in this process). executor/factory.py picks one per layout."""
 import torch
 
 from graphinfer.config import EngineConfig
@@ -44,14 +38,3 @@ class Executor:
 class UniprocExecutor(Executor):
     def __init__(self, config: EngineConfig, platform: Platform, backend: KernelBackend, timer: StartupTimer):
         self.driver_worker = Worker(config, platform, backend, timer)
-
-
-def make_executor(config: EngineConfig, platform: Platform, backend: KernelBackend,
-                  timer: StartupTimer | None = None) -> Executor:
-    """The executor for one replica of config's layout (tensor_parallel_size ranks), its workers built."""
-    timer = timer or StartupTimer()
-    if config.parallel_config.tensor_parallel_size > 1 or config.parallel_config.world_size > 1:
-        from graphinfer.runtime.executor.multiproc_executor import MultiprocExecutor
-
-        return MultiprocExecutor(config, platform, backend, timer)
-    return UniprocExecutor(config, platform, backend, timer)

@@ -1,4 +1,4 @@
-"""torch_npu adapters for the quantization ops (ops/quant.py), mixed into ops/npu.py's NpuOps.
+"""torch_npu adapters for the quantization ops (ops/quant.py), mixed into ops/npu/ops.py's NpuOps.
 
 Each adapter has its op's signature and maps it onto the torch_npu ops vllm-ascend uses for W8A8 / W8A8_DYNAMIC and
 weight-only linears (semantics from the op-plugin docs, docs/context/torch_npu-<name>.md, and the aclnn docs):
@@ -51,7 +51,7 @@ def _key(*tensors: Tensor | None) -> tuple:
 
 
 class NpuQuantOps:
-    """The quantization adapters; NpuOps (ops/npu.py) inherits them and provides `torch_npu`."""
+    """The quantization adapters; NpuOps (ops/npu/ops.py) inherits them and provides `torch_npu`."""
 
     def _init_quant(self) -> None:
         self._wo_cache: dict = {}  # _antiquant's derived tensors per weight

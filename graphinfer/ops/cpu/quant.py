@@ -1,7 +1,7 @@
 """CPU implementations of the quantized-linear ops (the cpu platform's default; ops/quant.py stays the oracle).
 
 - wo_linear (weight-only, bits 4 / 8, grouped scales, optional zeros): the C++ kernel of csrc/cpu/quant_linear.cpp
-  (built by `make`, see ops/cpu_ext.py) reads the packed weight as it is: for a few tokens it streams each row once
+  (built by `make`, see ops/cpu/ext.py) reads the packed weight as it is: for a few tokens it streams each row once
   and accumulates on the widened codes in vector registers (AVX-512 / AVX2), for many tokens it multiplies
   dequantized tiles of rows with at::mm. torch's own CPU kernels for these forms (_weight_int4pack_mm_for_cpu,
   _weight_int8pack_mm) measured slower than fp32 F.linear at SmolLM2's shapes (tools/cpu_quant_bench.py).
@@ -14,7 +14,7 @@
 import torch
 from torch import Tensor
 
-from graphinfer.ops import cpu_ext
+from graphinfer.ops.cpu import ext
 from graphinfer.ops.quant import dynamic_quant, scaled_mm, wo_linear
 
 _wo_linear_ref = wo_linear.reference
@@ -27,7 +27,7 @@ _native_ops: bool | None = None
 def native_available() -> bool:
     """Whether the C++ quantized kernels are loaded (a library built before they existed lacks them)."""
     global _native_ops
-    if not cpu_ext.available():
+    if not ext.available():
         return False
     if _native_ops is None:
         _native_ops = all(hasattr(torch.ops.graphinfer_cpu_quant, name) for name in _NATIVE_OPS)

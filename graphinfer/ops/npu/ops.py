@@ -22,12 +22,12 @@ from torch import Tensor
 
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.distributed.communication_op import combine_metadata_size, ep_combine, ep_dispatch
-from graphinfer.ops.npu_quant import QUANT_NPU_OPS, NpuQuantOps
+from graphinfer.ops.npu.quant import QUANT_NPU_OPS, NpuQuantOps
 from graphinfer.ops.qk_norm_rope import chain_cache_write
 
 NPU_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "qk_norm_rope", "qk_norm_rope_cache", "silu_and_mul",
            "reshape_and_cache", "paged_attention", "fused_moe", "fused_experts", "ep_dispatch", "ep_combine",
-           *QUANT_NPU_OPS)  # quantization: ops/npu_quant.py
+           *QUANT_NPU_OPS)  # quantization: ops/npu/quant.py
 MASK_SIZE = 2048  # FIA sparse_mode 2/3/4 take this fixed-size compressed causal mask
 A2_SOCS, A3_SOCS = range(220, 226), range(250, 256)  # torch_npu.npu.get_soc_version(), mapped as vllm-ascend does
 
@@ -65,7 +65,7 @@ def _mc2_expert_ids(topk_ids: Tensor) -> Tensor:
 
 class NpuOps(NpuQuantOps):
     """The adapters, bound to one torch_npu module; `table()` maps graphinfer op name -> adapter (the quantization
-    ones are inherited from ops/npu_quant.py)."""
+    ones are inherited from ops/npu/quant.py)."""
 
     def __init__(self, torch_npu=None):
         self._torch_npu = torch_npu

@@ -9,7 +9,7 @@ import functools
 import torch
 from torch import Tensor
 
-from graphinfer.ops import cpu_ext
+from graphinfer.ops.cpu import ext
 from graphinfer.ops.activation import silu_and_mul
 from graphinfer.ops.norm import add_rms_norm, rms_norm
 from graphinfer.ops.rotary import rotary_embedding
@@ -17,7 +17,7 @@ from graphinfer.ops.rotary import rotary_embedding
 
 @functools.cache
 def _built() -> bool:  # a library built before these kernels existed has the attention ops only
-    return cpu_ext.available() and hasattr(torch.ops.graphinfer_cpu, "silu_and_mul")
+    return ext.available() and hasattr(torch.ops.graphinfer_cpu, "silu_and_mul")
 
 
 def _native(*tensors: Tensor) -> bool:

@@ -1,6 +1,6 @@
 """CPU implementations of the paged KV-cache ops (the cpu platform's default; ops/attention.py stays the oracle).
 
-- the C++ kernel of csrc/cpu/paged_attention.cpp (built by `make`, see ops/cpu_ext.py) runs every decode row and
+- the C++ kernel of csrc/cpu/paged_attention.cpp (built by `make`, see ops/cpu/ext.py) runs every decode row and
   every prefill chunk over at most NATIVE_PREFILL_CONTEXT tokens, reading K/V in place from the paged cache, all
   requests and KV heads in one parallel call, fp32 accumulation.
 - longer prefill chunks run on ATen's flash CPU kernel (`_scaled_dot_product_flash_attention_for_cpu`: tiled
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from graphinfer.ops import cpu_ext
+from graphinfer.ops.cpu import ext
 from graphinfer.ops.qk_norm_rope import chain_cache_write, qk_norm_rope
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -32,7 +32,7 @@ _DECODE_PAD_SLACK = 1.25  # a decode group attends over at most this times its r
 
 def reshape_and_cache_cpu(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                           slot_mapping: Tensor) -> None:
-    if (cpu_ext.available() and key.dtype == key_cache.dtype and value.dtype == value_cache.dtype
+    if (ext.available() and key.dtype == key_cache.dtype and value.dtype == value_cache.dtype
             and slot_mapping.dtype == torch.int64 and key.stride(1) == key.shape[2] and key.stride(2) == 1
             and value.stride(1) == value.shape[2] and value.stride(2) == 1):
         torch.ops.graphinfer_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -125,7 +125,7 @@ def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, b
 
 def _native(query: Tensor, key_cache: Tensor, block_tables: Tensor) -> int:
     """The longest prefill context the C++ kernel takes here (it takes every decode row); 0 where it cannot run."""
-    if not (cpu_ext.available() and hasattr(torch.ops.graphinfer_cpu, "paged_attention")
+    if not (ext.available() and hasattr(torch.ops.graphinfer_cpu, "paged_attention")
             and query.dtype == key_cache.dtype and query.stride(-1) == 1 and key_cache.is_contiguous()
             and block_tables.dtype == torch.int32):
         return 0

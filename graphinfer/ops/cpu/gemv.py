@@ -8,14 +8,14 @@ import functools
 import torch
 from torch import Tensor
 
-from graphinfer.ops import cpu_ext
+from graphinfer.ops.cpu import ext
 
 MAX_ROWS = 4  # the kernel's kMaxRows
 
 
 @functools.cache
 def available() -> bool:  # a library built before the kernel existed lacks it
-    return cpu_ext.available() and hasattr(torch.ops.graphinfer_cpu, "gemv")
+    return ext.available() and hasattr(torch.ops.graphinfer_cpu, "gemv")
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
