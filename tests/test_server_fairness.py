@@ -29,7 +29,7 @@ def test_long_prompt_mid_stream_costs_the_stream_one_step_per_chunk(async_schedu
 
     def recorded():
         out = schedule()
-        steps.append({seq.request_id: n for seq, n in out.scheduled})
+        steps.append({s.seq.request_id: s.num_tokens for s in out.scheduled})
         return out
 
     engine.local_core.scheduler.schedule = recorded

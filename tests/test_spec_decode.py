@@ -173,9 +173,9 @@ def test_draft_model_greedy_equals_no_spec(greedy_base, k):
     assert _summary(outs) == _summary(expected)
     stats = engine.spec_decode_stats()
     assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] <= k * stats["num_drafts"]
-    draft = engine.local_core.proposer.engine
-    assert draft.scheduler.block_manager.num_free_blocks + sum(len(m.block_table) for m in engine.local_core.proposer.mirrors.values()) \
-        == draft.model_runner.num_blocks
+    proposer = engine.local_core.proposer  # a Worker of its own and a block manager over its KV cache
+    assert proposer.block_manager.num_free_blocks + sum(len(m.block_table) for m in proposer.mirrors.values()) \
+        == proposer.worker.num_blocks
 
 
 def test_draft_model_itself_accepts_everything():

@@ -81,7 +81,7 @@ def test_kernels_match_reference(vocab, dtype):
 
 def test_no_tokenizer_and_bad_constraints_are_typed_errors(smollm2_llm):
     with pytest.raises(InvalidStructuredOutputError, match="ships none"):
-        StructuredOutputManager(None, 256, {0}, torch.device("cpu")).grammar_init(StructuredOutputsParams(regex="a"))
+        StructuredOutputManager(None, 256, {0}, torch.device("cpu")).compile(StructuredOutputsParams(regex="a"))
     engine = smollm2_llm.llm_engine
     for params, message in [(StructuredOutputsParams(json={"type": "foo"}), 'Unsupported type "foo"'),
                             (StructuredOutputsParams(regex="(ab"), "parenthesis is not closed"),
@@ -150,7 +150,9 @@ def test_structured_requests_get_no_drafts(smollm2_llm):
     from graphinfer.runtime.spec_decode.metrics import SpecDecodingStats
 
     engine = smollm2_llm.llm_engine
-    engine.local_core.proposer, engine.local_core.spec_stats = NgramProposer(3, 1, 4), SpecDecodingStats(3)
+    core = engine.local_core
+    core.proposer, core.scheduler.spec_stats = NgramProposer(3, 1, 4), SpecDecodingStats(3)
+    engine.output_processor.spec_metrics = True
     try:
         prompt = "Repeat: red green blue red green blue red green blue red green blue"
         outs = smollm2_llm.generate([prompt, prompt], [
@@ -158,7 +160,8 @@ def test_structured_requests_get_no_drafts(smollm2_llm):
             SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=REGEX))],
             use_tqdm=False)
     finally:
-        engine.local_core.proposer = engine.local_core.spec_stats = None
+        core.proposer = core.scheduler.spec_stats = None
+        engine.output_processor.spec_metrics = False
     assert outs[0].metrics["spec_decode_num_draft_tokens"] > 0
     assert outs[1].metrics["spec_decode_num_draft_tokens"] == 0
     _check("regex", outs[1].outputs[0].text)

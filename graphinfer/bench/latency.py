@@ -48,8 +48,10 @@ def measure_batch(llm, batch: int, prompt_len: int, warmup_steps: int, num_steps
     emitted = []  # tokens of the batch after each step
     spec_at = [common.spec_decode_snapshot(engine)] if warmup_steps == 0 else []  # the counters before the timed steps
 
+    states = engine.output_processor.requests  # the tokens each request has got so far
+
     def until(_):
-        emitted.append(sum(len(s.output_token_ids) for s in seqs))
+        emitted.append(sum(len(states[s.request_id].output_token_ids) for s in seqs))
         if len(log.of("decode")) == warmup_steps and not spec_at:
             spec_at.append(common.spec_decode_snapshot(engine))
         return len(log.of("decode")) >= need

@@ -186,7 +186,7 @@ def roofline_report(engine, shape: ModelShape, workload: Workload, log: common.S
 def collective_measure(engine) -> str:
     """What the collective fields of a row measured (the JSON says so next to them)."""
     pc = engine.config.parallel_config
-    lockstep = getattr(engine, "dp_lockstep", False)  # MoE + expert parallel replicas (replica 0's engine)
+    lockstep = engine.local_core.dp_lockstep  # MoE + expert parallel replicas (replica 0's engine)
     if pc.tensor_parallel_size == 1 and not lockstep:
         return "none: tp 1 runs no collectives" + (
             " (and data-parallel replicas of a dense model share none)" if pc.data_parallel_size > 1 else "")
@@ -194,9 +194,10 @@ def collective_measure(engine) -> str:
     if lockstep:
         what += ("; data parallel + expert parallel: the replicas' per-step all-reduce (lockstep) and the MoE "
                  "layers' token exchanges included")
-    if engine.local_core.platform.dist_backend == "gloo":
+    backend = engine.local_core.platform.dist_backend
+    if backend == "gloo":
         return what + "; gloo collectives are synchronous: this is their whole time, waits for the other ranks included"
-    return (what + f"; {engine.local_core.platform.dist_backend} collectives return once enqueued, so this is launch time only "
+    return (what + f"; {backend} collectives return once enqueued, so this is launch time only "
             f"(none while a captured graph replays), plus the step message's gloo broadcast, which is synchronous")
 
 

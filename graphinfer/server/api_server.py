@@ -180,7 +180,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     app = FastAPI(title="graphinfer", version=graphinfer.__version__, lifespan=lifespan)
     metrics = Metrics(served_model_name)
-    engine.on_step = metrics.update_engine
+    metrics.watch_engine(engine)
     metrics.watch_expert_load(engine)
     metrics.watch_spec_decode(engine)
     app.state.engine, app.state.metrics, app.state.preprocessor = engine, metrics, pre

@@ -1,5 +1,5 @@
 """Prometheus metrics, named like vLLM's (`vllm:...` -> `graphinfer:...`), on a registry per server."""
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from graphinfer.errors import GraphinferError
@@ -27,24 +27,11 @@ class Metrics:
                               ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.e2e = Histogram("graphinfer:e2e_request_latency_seconds", "Request latency", ["model_name"],
                              buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
-        self.running = Gauge("graphinfer:num_requests_running", "Requests in the running batch", ["model_name"],
-                             registry=r).labels(**labels)
-        self.waiting = Gauge("graphinfer:num_requests_waiting", "Requests waiting to be scheduled", ["model_name"],
-                             registry=r).labels(**labels)
-        self.kv_usage = Gauge("graphinfer:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)",
-                              ["model_name"], registry=r).labels(**labels)
-        self.preemptions = Gauge("graphinfer:num_preemptions", "Preemptions so far", ["model_name"],
-                                 registry=r).labels(**labels)
-        # data parallel: each replica's own (label engine = its data-parallel rank, as vLLM's engine label)
-        per_engine = ["model_name", "engine"]
-        self.engine_running = Gauge("graphinfer:engine_num_requests_running", "Requests running on each "
-                                    "data-parallel replica", per_engine, registry=r)
-        self.engine_waiting = Gauge("graphinfer:engine_num_requests_waiting", "Requests waiting on each "
-                                    "data-parallel replica", per_engine, registry=r)
-        self.engine_kv_usage = Gauge("graphinfer:engine_kv_cache_usage_perc", "KV-cache use of each data-parallel "
-                                     "replica (0-1)", per_engine, registry=r)
-        self.engine_requests = Gauge("graphinfer:engine_requests_routed", "Requests the front end sent to each "
-                                     "data-parallel replica so far", per_engine, registry=r)
+
+    def watch_engine(self, engine) -> None:
+        """Read the scheduler and cache gauges from engine.stats() at each scrape (an EngineClient: summed over
+        data-parallel replicas, KV usage their mean, each replica's own with label engine=<dp rank>)."""
+        self.registry.register(EngineStatsCollector(engine, self._labels["model_name"]))
 
     def watch_expert_load(self, engine) -> None:
         """Export a MoE engine's expert load (runtime/worker/expert_load.py) at each scrape; nothing for a dense
@@ -63,23 +50,45 @@ class Metrics:
     def finished(self, reason: str) -> None:
         self.request_success.labels(finished_reason=reason, **self._labels).inc()
 
-    def update_engine(self, engine) -> None:
-        """Scheduler and cache gauges (summed over data-parallel replicas, KV usage their mean); called on the engine
-        thread after each step."""
-        stats = engine.stats()
-        self.running.set(stats["running"])
-        self.waiting.set(stats["waiting"])
-        self.kv_usage.set(stats["kv_usage"])
-        self.preemptions.set(stats["preemptions"])
-        for d, e in enumerate(stats.get("engines", [])):
-            labels = {**self._labels, "engine": str(d)}
-            self.engine_running.labels(**labels).set(e["running"])
-            self.engine_waiting.labels(**labels).set(e["waiting"])
-            self.engine_kv_usage.labels(**labels).set(e["kv_usage"])
-            self.engine_requests.labels(**labels).set(e["requests"])
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineStatsCollector:
+    """Scheduler and cache gauges, read from the engine's last reported load at scrape time (a core in another
+    process reports it with every step's outputs and every abort)."""
+
+    _TOTALS = (("num_requests_running", "running", "Requests in the running batch"),
+               ("num_requests_waiting", "waiting", "Requests waiting to be scheduled"),
+               ("kv_cache_usage_perc", "kv_usage", "Fraction of KV-cache blocks in use (0-1)"),
+               ("num_preemptions", "preemptions", "Preemptions so far"))
+    _PER_ENGINE = (("engine_num_requests_running", "running", "Requests running on each data-parallel replica"),
+                   ("engine_num_requests_waiting", "waiting", "Requests waiting on each data-parallel replica"),
+                   ("engine_kv_cache_usage_perc", "kv_usage", "KV-cache use of each data-parallel replica (0-1)"),
+                   ("engine_requests_routed", "requests", "Requests the front end sent to each data-parallel "
+                                                         "replica so far"))
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def describe(self):
+        return [GaugeMetricFamily(f"graphinfer:{name}", "") for name, _, _ in self._TOTALS + self._PER_ENGINE]
+
+    def collect(self):
+        try:
+            stats = self.engine.stats()
+        except (AttributeError, GraphinferError):  # the engine is shutting down
+            return
+        for name, key, help_ in self._TOTALS:
+            g = GaugeMetricFamily(f"graphinfer:{name}", help_, labels=["model_name"])
+            g.add_metric([self.model_name], stats[key])
+            yield g
+        engines = stats.get("engines", [])
+        for name, key, help_ in self._PER_ENGINE if engines else ():
+            g = GaugeMetricFamily(f"graphinfer:{name}", help_, labels=["model_name", "engine"])
+            for d, e in enumerate(engines):
+                g.add_metric([self.model_name, str(d)], e[key])
+            yield g
 
 
 class SpecDecodeCollector:

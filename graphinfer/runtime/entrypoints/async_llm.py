@@ -90,7 +90,6 @@ class AsyncLLMEngine:
         self._stopped = False
         self._closed = False  # end_all() ran: no new requests
         self.error: BaseException | None = None
-        self.on_step = None  # callback(this client) after each step, for metrics (runs on the engine thread)
         self.on_dead: list = []  # callbacks(error) once the engine can no longer run (the server then exits)
         # a tensor-parallel rank or a data-parallel replica that dies ends the engine
         engine.on_death(lambda message: self.fail(EngineDeadError(message)))
@@ -222,8 +221,6 @@ class AsyncLLMEngine:
                 if stopped:
                     return
                 outputs = engine.step() if engine.has_unfinished_requests() else []
-                if self.on_step is not None:
-                    self.on_step(self)
                 for out in outputs:
                     with self._lock:
                         stream = self._streams.get(out.request_id)

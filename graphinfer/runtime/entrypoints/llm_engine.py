@@ -74,6 +74,11 @@ class LLMEngine:
         """Rank 0's Worker of the in-process core (None once shut down)."""
         return self.local_core.worker
 
+    @property
+    def pass_reports(self):
+        """The passes' reports of the in-process core's compiled graph (docs/passes.md)."""
+        return self.worker.compiled.pass_reports
+
     def save_artifact(self, out_dir: str, **check) -> dict:
         """Write what the in-process core compiled as a `graphinfer compile` artifact (EngineCore.save_artifact)."""
         return self.local_core.save_artifact(out_dir, **check)
