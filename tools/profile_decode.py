@@ -106,7 +106,8 @@ def profile_batch(llm, batch: int, prompt_len: int, warmup: int, steps: int, tra
             n = len(log.steps)
             common.run_steps(engine, log, until=lambda _: len(log.steps) >= n + steps, sync=sync)
             engine.local_core.platform.synchronize()
-        context = statistics.fmean(seq.num_tokens for seq in seqs)  # at the end of the profiled steps
+        states = engine.output_processor.requests  # at the end of the profiled steps
+        context = statistics.fmean(len(s.prompt_token_ids) + len(s.output_token_ids) for s in states.values())
     finally:
         for seq in seqs:
             engine.abort_request(seq.request_id)

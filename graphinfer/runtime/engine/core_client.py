@@ -111,7 +111,7 @@ class CoreProcClient:
         """Block until the core has built its engine; raises if it failed."""
         self._ready.wait()
         if self._info is None:
-            raise GraphinferError(f"{self.name} failed to start: {self.dead}")
+            raise GraphinferError(f"{self.dead} (while it started)")
         return self._info
 
     info = wait_ready

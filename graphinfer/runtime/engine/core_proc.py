@@ -20,6 +20,7 @@ from multiprocessing.connection import Client
 
 from graphinfer import envs
 from graphinfer.config import EngineConfig
+from graphinfer.errors import GraphinferError
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ def run(spec: dict) -> int:
             pc = config.parallel_config
             d = spec["rank"] // pc.tensor_parallel_size
             core = EngineCore(replace(config, parallel_config=replace(pc, data_parallel_rank=d)), platform)
+    except GraphinferError as e:  # a refusal the user can act on: the front end shows it, no traceback here
+        send("error", f"{type(e).__name__}: {e}")
+        return 1
     except Exception as e:
         send("error", f"{type(e).__name__}: {e}")
         raise

@@ -87,8 +87,8 @@ class DPEngineCore:
         if taken := [r.request_id for r in reqs if r.request_id in self._owner]:
             raise InvalidRequestError(f"Request id {taken[0]!r} is already in use.")
         d = min(range(self.dp_size), key=lambda i: (self.outstanding[i], i)) if dp_rank is None else dp_rank
-        for req in reqs:
-            cost = len(req.prompt_token_ids) + req.max_tokens
+        for i, req in enumerate(reqs):  # siblings share the prompt's KV: it is computed once
+            cost = (0 if i else len(req.prompt_token_ids)) + req.max_tokens
             self._owner[req.request_id] = (d, cost)
             self.outstanding[d] += cost
         self.requests_routed[d] += 1

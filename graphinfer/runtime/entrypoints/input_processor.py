@@ -2,7 +2,7 @@
 into a Request (vLLM's InputProcessor); queueing is the engine's. Touches no engine state, so any thread may call
 it (the server does, on its preprocessing threads)."""
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from graphinfer.errors import InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
 from graphinfer.runtime.structured_output import StructuredOutputManager
@@ -18,7 +18,6 @@ class Request:
     sampling_params: SamplingParams
     max_tokens: int  # resolved against max_model_len
     grammar: object = None  # structured outputs: the compiled constraint
-    arrival: float = field(default=0.0)
 
     @property
     def num_prompt_tokens(self) -> int:
