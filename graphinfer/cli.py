@@ -173,8 +173,9 @@ def _compile(args) -> None:
     try:
         worker = executor.driver_worker
         print(pass_table(worker.compiled.pass_reports.rejudge(args.atol, args.rtol)))
-        manifest = export_artifact(args.output, worker.compiled, config, load_tokenizer(config.model_config.model), worker.device,
-                                   atol=args.atol, rtol=args.rtol, allow_check_failure=args.allow_check_failure,
+        tokenizer = load_tokenizer(config.model_config.model)
+        manifest = export_artifact(args.output, worker.compiled, config, tokenizer, worker.device, atol=args.atol,
+                                   rtol=args.rtol, allow_check_failure=args.allow_check_failure,
                                    write_ranks=lambda d: executor.collective_rpc("save_rank_files", d))
     finally:
         executor.shutdown()

@@ -55,4 +55,5 @@ def platform_for_device(device_type: str) -> Platform:
                              f"use one of: {', '.join(c.device_type for c in available_platforms().values())}.")
 
 
-__all__ = ["KernelBackend", "Platform", "available_platforms", "current_platform", "get_platform", "platform_for_device"]
+__all__ = ["KernelBackend", "Platform", "available_platforms", "current_platform", "get_platform",
+           "platform_for_device"]

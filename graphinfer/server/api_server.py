@@ -24,8 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import graphinfer
 from graphinfer.errors import GraphinferError
 from graphinfer.outputs import CompletionOutput
-from graphinfer.runtime.entrypoints.async_llm import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream,
-                                            ServerShuttingDownError)
+from graphinfer.runtime.entrypoints.async_llm import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError,
+                                                      RequestStream, ServerShuttingDownError)
 from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from graphinfer.server.metrics import Metrics
 from graphinfer.server.preprocess import Preprocessor

@@ -33,7 +33,8 @@ from graphinfer.runtime.engine.request import EngineCoreOutput, EngineCoreReques
 from graphinfer.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from graphinfer.runtime.engine.sequence import Sequence
 from graphinfer.runtime.executor.factory import make_executor
-from graphinfer.runtime.executor.parallel_layout import check_artifact_parallel, check_parallel_config, expert_parallel_size
+from graphinfer.runtime.executor.parallel_layout import (check_artifact_parallel, check_parallel_config,
+                                                         expert_parallel_size)
 from graphinfer.runtime.spec_decode.proposer import make_proposer
 from graphinfer.runtime.startup_timer import StartupTimer, seconds_since_process_start
 from graphinfer.runtime.structured_output import StructuredOutputManager

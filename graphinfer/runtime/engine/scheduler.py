@@ -267,5 +267,5 @@ def _logprobs(sampled, first: int, n: int, k: int) -> list[tuple[float, int, lis
     lps, ranks = sampled.sampled_logprobs, sampled.sampled_ranks
     if not k or sampled.topk_token_ids is None:
         return [(float(lps[r]), int(ranks[r]), [], []) for r in rows]
-    return [(float(lps[r]), int(ranks[r]), sampled.topk_token_ids[r, :k].tolist(), sampled.topk_logprobs[r, :k].tolist())
-            for r in rows]
+    ids, top = sampled.topk_token_ids, sampled.topk_logprobs
+    return [(float(lps[r]), int(ranks[r]), ids[r, :k].tolist(), top[r, :k].tolist()) for r in rows]

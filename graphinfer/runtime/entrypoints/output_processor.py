@@ -51,7 +51,8 @@ class OutputProcessor:
         children)."""
         params = req.sampling_params
         if params.num_candidates > 1:  # parallel sampling: the children run, the request gathers their outputs
-            runs = [(child_request_id(req.request_id, i), child_params(params, i)) for i in range(params.num_candidates)]
+            runs = [(child_request_id(req.request_id, i), child_params(params, i))
+                    for i in range(params.num_candidates)]
         else:
             runs = [(req.request_id, params)]
         states = [self._state(rid, req, p, i) for i, (rid, p) in enumerate(runs)]

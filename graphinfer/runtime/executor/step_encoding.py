@@ -11,7 +11,8 @@ import numpy as np
 from graphinfer.runtime.worker.inputs import HostInputs
 
 STEP, CALL, SHUTDOWN = 1, 2, 4  # 3 is the transport's (step_channel.GROW)
-HEADER = 11  # kind, payload length, then the kind's fields: step, T, B, W, R, P, share sampled, no decode graphs, padding
+# kind, payload length, then the kind's fields: step, T, B, W, R, P, share sampled, no decode graphs, padding
+HEADER = 11
 
 
 @dataclass

@@ -1,10 +1,11 @@
-"""Structured outputs (vLLM's vllm/v1/structured_output/): the output constrained to a JSON schema, a regex, a choice,
-a grammar or a structural tag by masking the logits with the grammar's allowed tokens at every step.
+"""Structured outputs (vLLM's vllm/v1/structured_output/): the output constrained to a JSON schema, a regex, a choice, a
+grammar or a structural tag by masking the logits with the grammar's allowed tokens at every step.
 
-Flow: the front end compiles the request's constraint (compile: cached per constraint, entrypoints/input_processor.py),
-so a constraint that cannot compile is refused there with InvalidStructuredOutputError (the server: a 400); the engine
-core gives each request a matcher of its own over that grammar (matcher: seq.grammar; from another process the grammar
-arrives as xgrammar's serialization, serialize_grammar). Each step, once the forward is launched, mask_logits fills the grammar rows' bitmasks on the host
+Flow: the front end compiles the request's constraint (compile: cached per constraint,
+entrypoints/input_processor.py), so a constraint that cannot compile is refused there with
+InvalidStructuredOutputError (the server: a 400); the engine core gives each request a matcher of its own over that
+grammar (matcher: seq.grammar; from another process the grammar arrives as xgrammar's serialization,
+serialize_grammar). Each step, once the forward is launched, mask_logits fills the grammar rows' bitmasks on the host
 (xgrammar, into pinned memory), copies them without blocking and applies graphinfer::apply_token_bitmask to the
 logits before the sampler reads them (rows without a grammar get all bits set; a step without grammar rows costs
 nothing). Each appended token is accepted by its request's matcher (accept_token). Once the grammar is complete it

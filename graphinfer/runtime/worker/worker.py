@@ -69,7 +69,8 @@ class Worker:
         pipeline = CompilePipeline(config, platform, backend, device, capture_sizes, timer.phase)
         self.compiled = c = pipeline.load()  # 1. load
         self.max_model_len = max_model_len_of(c.hf_config, mc.max_model_len, config.scheduler_config)
-        allocate_kv_cache(c.model, 1, config.cache_config.block_size)  # a placeholder: lowering and profiling run over it
+        # a placeholder KV cache: lowering and profiling run over it
+        allocate_kv_cache(c.model, 1, config.cache_config.block_size)
         rebind_buffers(c.model, c.graph)
         pipeline.lower(c)  # 2. lower
         if self.dispatcher.piecewise:
