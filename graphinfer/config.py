@@ -72,6 +72,9 @@ class ModelConfig:
         None, "w8a8 | fp8 (cuda) | int8_wo | int4_wo: quantize the weights at load; gguf: keep a GGUF's quantized "
               "blocks; a compressed-tensors checkpoint is read quantized anyway; none (default)",
         aliases=["-q"], parse=lambda v: None if v == "none" else v)
+    model_impl: str = setting("auto", "which modeling code runs the model (vLLM's): auto (graphinfer's own where it has "
+                                      "one, else transformers'), graphinfer, transformers",
+                              choices=["auto", "graphinfer", "transformers"])
     logprobs_mode: str = setting("raw_logprobs", "what logprobs report (vLLM's): raw_logprobs, the log_softmax of the "
                                                  "logits before any processing; raw_logits, the logits themselves",
                                  choices=["raw_logprobs", "raw_logits"])
@@ -85,6 +88,8 @@ class ModelConfig:
         self.torch_dtype = resolve_dtype(self.dtype, self.device)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidConfigError(f"max_model_len={self.max_model_len} must be >= 2.")
+        if self.model_impl not in ("auto", "graphinfer", "transformers"):
+            raise InvalidConfigError(f"model_impl={self.model_impl!r}: use auto, graphinfer or transformers.")
         if self.quantization is not None:
             from graphinfer.quantization import check_method
 

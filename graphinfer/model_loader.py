@@ -6,16 +6,27 @@ from torch import nn
 
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import InvalidConfigError
+from graphinfer.models import resolve_model_impl
 from graphinfer.models.loader import _check_path, _safetensors_weights, build_model, load_hf_config, load_weights
 from graphinfer.models.presets import init_random_weights, preset_config
 
 
 def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0,
-               quantization: str | None = None):
+               quantization: str | None = None, model_impl: str = "auto"):
     """(model, hf_config) with weights loaded (a named preset gets random weights from `seed`). Under tensor
     parallelism the model is this rank's shard, and only its slices are read. `quantization`
     (graphinfer.quantization): an online scheme quantizes the linear layers once loaded; "gguf" keeps a GGUF's
-    quantized blocks; a compressed-tensors checkpoint is always read in its quantized form."""
+    quantized blocks; a compressed-tensors checkpoint is always read in its quantized form. `model_impl`: whose
+    modeling code (models/__init__.py: resolve_model_impl; "transformers": models/transformers.py)."""
+    if model_impl == "transformers" and (path.endswith(".gguf") or preset_config(path) is not None):
+        raise InvalidConfigError(f"model_impl='transformers' runs an HF checkpoint directory through transformers' "
+                                 f"modeling code; {path!r} is not one (a GGUF file or a preset runs on graphinfer's "
+                                 f"own models: model_impl='auto').")
+    if not path.endswith(".gguf") and preset_config(path) is None:
+        _check_path(path)
+        config = load_hf_config(path)
+        if resolve_model_impl(config.architectures, model_impl) == "transformers":
+            return _load_transformers_model(path, dtype, device, quantization), config
     config = preset_config(path)
     if config is not None:
         with ps.layout(0, 1):  # the whole model's random weights, the same on every rank, then this rank's part
@@ -69,6 +80,18 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
         raise InvalidConfigError(f"{path!r} has no compressed-tensors quantization_config in its config.json.")
     load_weights(model, weights, config.tie_word_embeddings)
     return (model if schemes else _quantize_online(model, quantization, path)), config
+
+
+def _load_transformers_model(path: str, dtype: torch.dtype, device, quantization: str | None) -> nn.Module:
+    from graphinfer.models.transformers import TransformersForCausalLM
+
+    if ps.tp_size() > 1:
+        raise InvalidConfigError(f"{path!r} runs through transformers' modeling code (model_impl='transformers'), which "
+                                 f"graphinfer runs at tensor_parallel_size=1 only for now.")
+    if quantization is not None:
+        raise InvalidConfigError(f"quantization={quantization!r} is not supported with transformers' modeling code "
+                                 f"(model_impl='transformers') yet; leave it unset.")
+    return TransformersForCausalLM.from_pretrained(path, dtype, device)
 
 
 def _quantize_online(model: nn.Module, quantization: str | None, path: str) -> nn.Module:

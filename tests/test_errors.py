@@ -28,7 +28,10 @@ def test_missing_path(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}))
-    with pytest.raises(UnsupportedArchitectureError, match="Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(UnsupportedArchitectureError, match="Mamba / state-space"):  # the reason, at start-up
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}))
+    with pytest.raises(UnsupportedArchitectureError, match="'nosuch'.*transformers .* does not know"):
         LLM(str(tmp_path))
 
 

@@ -85,7 +85,8 @@ class CompilePipeline:
         mc = self.config.model_config
         with self.phase("weights"):
             if self.manifest is None:
-                model, hf_config = load_model(mc.model, mc.torch_dtype, self.device, mc.seed, mc.quantization)
+                model, hf_config = load_model(mc.model, mc.torch_dtype, self.device, mc.seed, mc.quantization,
+                                              mc.model_impl)
             else:
                 model, hf_config = self._load_artifact_model()
         with self.phase("graph"):

@@ -26,7 +26,14 @@ class GraphinferTracer(fx.Tracer):
 
 
 def trace_model(model: nn.Module) -> fx.GraphModule:
-    """The model's forward as a GraphModule sharing the model's parameters and buffers (KV caches included)."""
+    """The model's forward as a GraphModule sharing the model's parameters and buffers (KV caches included);
+    transformers' modeling code through TorchDynamo (compiler/transformers_capture.py)."""
+    from graphinfer.models.transformers import TransformersForCausalLM
+
+    if isinstance(model, TransformersForCausalLM):
+        from graphinfer.compiler.transformers_capture import capture_transformers
+
+        return capture_transformers(model)
     graph = GraphinferTracer().trace(model)
     return fx.GraphModule(model, graph, class_name=f"{type(model).__name__}Graph")
 

@@ -14,10 +14,20 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 
 def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    """graphinfer's own model class for the architecture (UnsupportedArchitectureError without one)."""
     for arch in architectures or []:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
     raise UnsupportedArchitectureError(
-        f"Model architecture {architectures} is not supported by graphinfer. "
-        f"Supported architectures: {', '.join(sorted(MODEL_REGISTRY))}. "
-        f"Use a checkpoint of one of these, or add a model family under graphinfer/models/.")
+        f"Model architecture {architectures} has no graphinfer model (it has: {', '.join(sorted(MODEL_REGISTRY))}). "
+        f"model_impl='auto' or 'transformers' runs it through transformers' own modeling code.")
+
+
+def resolve_model_impl(architectures: list[str] | None, model_impl: str) -> str:
+    """"graphinfer" or "transformers": which modeling code runs this architecture (vLLM's model_impl: "auto" takes
+    graphinfer's own model where there is one)."""
+    if model_impl == "auto":
+        return "graphinfer" if any(a in MODEL_REGISTRY for a in architectures or []) else "transformers"
+    if model_impl == "graphinfer":
+        get_model_class(architectures)
+    return model_impl

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from graphinfer.errors import ModelNotFoundError
+from graphinfer.errors import UnsupportedArchitectureError, ModelNotFoundError
 from graphinfer.models import get_model_class
 from graphinfer.models.checkpoint_tensor import SafetensorsTensor, as_checkpoint_tensor
 from graphinfer.models.layers import init_buffers
@@ -32,11 +32,20 @@ def _check_path(path: str) -> None:
 
 
 def load_hf_config(path: str):
-    """The HF config of a checkpoint directory; the architecture is checked before transformers parses the rest."""
+    """The HF config of a checkpoint directory."""
     _check_path(path)
-    with open(os.path.join(path, "config.json")) as f:
-        get_model_class(json.load(f).get("architectures"))
     from transformers import AutoConfig
+
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        import transformers
+
+        raise UnsupportedArchitectureError(
+            f"{path!r}: model_type {model_type!r}, which transformers {transformers.__version__} does not know (and "
+            f"graphinfer runs no checkpoint's own code); use a model transformers has, or a newer transformers.")
 
     return AutoConfig.from_pretrained(path)
 
