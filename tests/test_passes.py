@@ -136,7 +136,7 @@ def test_cleanup_keeps_cache_writes_and_drops_dead_code():
 def test_unknown_pass_name_is_a_clear_error():
     from graphinfer.errors import InvalidConfigError
 
-    with pytest.raises(InvalidConfigError, match="Unknown pass.*Available: fuse_qkv"):
+    with pytest.raises(InvalidConfigError, match="Unknown pass.*Available: canon_rms_norm, .*fuse_qkv"):
         resolve_passes("fuse_qkv,fuse_everything")
 
 

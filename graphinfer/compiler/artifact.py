@@ -131,7 +131,8 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
                   device: torch.device, dtype: torch.dtype, graph_mode: str, capture_sizes: list[int],
                   model: nn.Module, hf_config, tokenizer=None, split: SplitInfo | None = None,
                   check: dict | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False,
-                  quantization: str | None = None, speculative_config: dict | None = None) -> dict:
+                  quantization: str | None = None, speculative_config: dict | None = None,
+                  model_impl: str = "graphinfer") -> dict:
     """Complete the artifact in out_dir (prepare_dir'ed, every rank's save_rank_files done): the graph, config,
     tokenizer, report and the manifest hashing every file. model: the module tree gm was traced from; hf_config /
     tokenizer: the model's, saved in HF form; check: how the pass checks were judged ({passed, atol, rtol,
@@ -155,6 +156,7 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
         "quantization": quantized_layers(gm, model, quantization),  # rebuilt as QuantizedLinears, then loaded
         "split": dataclasses.asdict(split) if split is not None else None,  # PIECEWISE: the pieces around attention
         "speculative_config": speculative_config,  # the default of `serve ART` (verify graphs captured for its k)
+        "model_impl": model_impl,  # "transformers": the module tree is transformers' (models/transformers.py)
     }
     with open(os.path.join(out_dir, CONFIG), "w") as f:
         json.dump(hf_config.to_dict(), f, indent=2, sort_keys=True, default=str)
@@ -377,7 +379,16 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
     tensor-parallel group: this rank's shard of the model, from this rank's file."""
     from safetensors.torch import load_file
 
-    model = meta_model(config)
+    transformers = manifest.get("model_impl") == "transformers"
+    if transformers:  # transformers' module tree, built by transformers from the artifact's config.json
+        from transformers import AutoConfig
+
+        from graphinfer.models.transformers import TransformersForCausalLM
+
+        model = TransformersForCausalLM.skeleton(AutoConfig.from_pretrained(art_dir), getattr(torch, manifest["dtype"]),
+                                                 device)
+    else:
+        model = meta_model(config)
     quant = {name: QuantScheme(**s) for name, s in ((manifest.get("quantization") or {}).get("layers") or {}).items()}
     dtype = getattr(torch, manifest["dtype"])
     install_quantized_linears(model, quant, "meta", dtype, tied=getattr(config, "tie_word_embeddings", False))
@@ -396,7 +407,11 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
     model.tie_weights()
     if isinstance(getattr(model.model, "embed_tokens", None), QuantizedEmbedding) and config.tie_word_embeddings:
         tie_quantized_head(model)  # assign=True gave the embedding new tensors: the head follows
-    missing = [k for k in missing if model.get_parameter(k).is_meta] if missing else []
+    if transformers:  # built on the device: every parameter the file lacks is missing, but a tied LM head
+        missing = [k for k in missing if not (k == "lm_head.weight" and model.lm_head.weight is
+                                               model.model.get_input_embeddings().weight)]
+    else:
+        missing = [k for k in missing if model.get_parameter(k).is_meta] if missing else []
     if missing or unexpected:
         raise ArtifactMismatchError(f"Artifact {art_dir!r}: {weights} does not fit the model of its {CONFIG} "
                                     f"(missing {missing[:3]}, unexpected {unexpected[:3]}); recompile the artifact.")

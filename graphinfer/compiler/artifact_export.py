@@ -14,6 +14,7 @@ from graphinfer.compiler.pipeline import CompiledModel
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import GraphinferError, InvalidConfigError
+from graphinfer.models.transformers import TransformersForCausalLM
 from graphinfer.passes import PassCheckError
 
 
@@ -48,7 +49,8 @@ def export_artifact(out_dir: str, c: CompiledModel, config: EngineConfig, tokeni
         tensor_parallel_size=config.parallel_config.tensor_parallel_size,
         expert_parallel=any(getattr(m, "ep_size", 1) > 1 for m in c.model.modules()),
         quantization=mc.quantization,
-        speculative_config=dataclasses.asdict(spec) if (spec := config.speculative_config) else None)
+        speculative_config=dataclasses.asdict(spec) if (spec := config.speculative_config) else None,
+        model_impl="transformers" if isinstance(c.model, TransformersForCausalLM) else "graphinfer")
 
 
 def write_rank_files(out_dir: str, c: CompiledModel) -> None:

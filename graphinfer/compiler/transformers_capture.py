@@ -93,6 +93,7 @@ def _canonical(captured: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
     gm = fx.GraphModule(model, graph, class_name=f"{type(model.model).__name__}Graph")
+    gm.meta["max_position_embeddings"] = model.config.max_position_embeddings  # for canon_rotary's cos/sin cache
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm

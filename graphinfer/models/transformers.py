@@ -69,7 +69,8 @@ def graphinfer_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     None). The layer's PagedAttention (installed by TransformersForCausalLM) holds its cache and what it declares."""
     md: AttentionMetadata = kwargs[_MD_KEYWORD]
     attn: PagedAttention = module.graphinfer_attn
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, heads, D]
+    # [T, heads, D]: transposed back from transformers' [1, heads, T, D], which canon_transpose cancels in the graph
+    q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (query, key, value))
     ops.reshape_and_cache(k, v, attn.k_cache, attn.v_cache, md.slot_mapping)
     # only what the layer declares becomes an argument: the op's defaults mean none
     extra = {"sliding_window": sliding_window} if sliding_window else {}
@@ -136,6 +137,17 @@ class TransformersForCausalLM(nn.Module):
                                                         attn_implementation=ATTN_IMPLEMENTATION)
         return cls(model.eval())
 
+    @classmethod
+    def skeleton(cls, config, dtype: torch.dtype, device: torch.device | str) -> "TransformersForCausalLM":
+        """The module tree on `device` with uninitialised weights (an artifact's then replace them) and the
+        non-persistent buffers transformers computes at construction (rotary frequencies, embedding scales)."""
+        from transformers.initialization import no_init_weights
+
+        register_attention()
+        with torch.device(device), no_init_weights():
+            model = causal_lm_class(config)._from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        return cls(model.eval())
+
     def forward(self, input_ids: Tensor, positions: Tensor, md: AttentionMetadata) -> Tensor:
         """input_ids, positions [T] -> the final hidden states [T, hidden], as transformers' one sequence of T tokens."""
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
@@ -155,4 +167,7 @@ class TransformersForCausalLM(nn.Module):
         return logits
 
     def tie_weights(self) -> None:
-        """Tied embeddings are transformers' (from_pretrained tied them)."""
+        """Share the input embedding with the LM head where the config ties them (again after an artifact's weights
+        were assigned to the embedding)."""
+        if getattr(self.config.get_text_config(), "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.get_input_embeddings().weight

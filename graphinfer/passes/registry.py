@@ -22,6 +22,9 @@ from graphinfer.passes.fuse_add_rmsnorm import FuseAddRMSNormPass
 from graphinfer.passes.fuse_allreduce_add_rmsnorm import FuseAllReduceAddRMSNormPass
 from graphinfer.passes.fuse_gate_up import FuseGateUpPass
 from graphinfer.passes.fuse_moe import FuseMoEPass
+from graphinfer.passes.canon_rms_norm import CanonRMSNormPass
+from graphinfer.passes.canon_rotary import CanonRotaryPass
+from graphinfer.passes.canon_transpose import CanonTransposePass
 from graphinfer.passes.fuse_qknorm_rope import FuseQKNormRopePass
 from graphinfer.passes.fuse_qkv import FuseQKVPass
 from graphinfer.passes.fuse_rmsnorm_quant import FuseRMSNormQuantPass
@@ -29,12 +32,14 @@ from graphinfer.passes.fuse_silu_mul_quant import FuseSiluMulQuantPass
 from graphinfer.passes.lower_quant_linears import LowerQuantLinearsPass
 
 GROUP = "graphinfer.passes"
-BUILTIN_PASSES: tuple[type[Pass], ...] = (FuseQKVPass, FuseQKNormRopePass, FuseGateUpPass, FuseAddRMSNormPass,
+BUILTIN_PASSES: tuple[type[Pass], ...] = (CanonRMSNormPass, CanonRotaryPass, CanonTransposePass, FuseQKVPass, FuseQKNormRopePass, FuseGateUpPass, FuseAddRMSNormPass,
                                           FuseAllReduceAddRMSNormPass, FuseMoEPass, LowerQuantLinearsPass,
                                           FuseRMSNormQuantPass, FuseSiluMulQuantPass, CleanupPass)
 # fuse_qknorm_rope matches only where q and k are RMSNormed per head (Qwen3), fuse_allreduce_add_rmsnorm only at
 # tp > 1, the quantization passes only in a quantized model; elsewhere they find no candidate.
-DEFAULT_PASSES = ("fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_allreduce_add_rmsnorm",
+# The canonicalisation passes (canon_*) bring transformers' spellings (model_impl="transformers") to graphinfer's ops
+# first; on a native model's graph they find nothing.
+DEFAULT_PASSES = ("canon_rms_norm", "canon_rotary", "canon_transpose", "fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_allreduce_add_rmsnorm",
                   "fuse_moe", "lower_quant_linears", "fuse_rmsnorm_quant", "fuse_silu_mul_quant", "cleanup")
 
 
