@@ -248,7 +248,7 @@ _SWEEPS = {"max-num-seqs": ("max_num_seqs", int), "graph-mode": ("graph_mode", s
            "quantization": ("quantization", lambda v: None if v == "none" else v),
            "spec": ("speculative_config", lambda v: _spec_sweep_value(v)),
            "num-speculative-tokens": ("speculative_config", lambda v: _spec_sweep_value(v, tokens=True)),
-           "structured-output": ("structured_output", str)}
+           "structured-output": ("structured_output", str), "model-impl": ("model_impl", str)}
 
 
 def _spec_sweep_value(value: str, tokens: bool = False):
@@ -290,7 +290,8 @@ def _bench_throughput(args) -> None:
     grid = {"max_num_seqs": [args.max_num_seqs], "graph_mode": [args.graph_mode],
             "async_scheduling": [args.async_scheduling], "tensor_parallel_size": [args.tensor_parallel_size or 1],
             "data_parallel_size": [args.data_parallel_size], "quantization": [args.quantization],
-            "speculative_config": [args.speculative_config], "structured_output": [args.structured_output]}
+            "speculative_config": [args.speculative_config], "structured_output": [args.structured_output],
+            "model_impl": [args.model_impl]}
     for spec in args.sweep or []:  # --sweep max-num-seqs=16,32 --sweep graph-mode=NONE,FULL_DECODE_ONLY: a grid
         key, _, values = spec.partition("=")
         if key not in _SWEEPS or not values:
@@ -307,7 +308,7 @@ def _bench_throughput(args) -> None:
         max_num_seqs=grid["max_num_seqs"], async_scheduling=grid["async_scheduling"],
         tensor_parallel_size=grid["tensor_parallel_size"], data_parallel_size=grid["data_parallel_size"],
         quantization=grid["quantization"], speculative_config=grid["speculative_config"],
-        structured_output=grid["structured_output"], dataset=args.dataset,
+        structured_output=grid["structured_output"], model_impl=grid["model_impl"], dataset=args.dataset,
         parallel={k: v for k, v in engine_args.kwargs_from_args(args, PARALLEL_ARGS).items()
                   if k not in ("tensor_parallel_size", "data_parallel_size")},
         capture_sizes=args.capture_sizes, passes=args.passes, num_prompts=args.num_prompts, min_len=args.min_len,
@@ -478,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "prefill/decode split, memory roofline; sweeps; vs HF generate_batch")
     _add_offline_bench_args(bt)
     engine_args.add_cli_args(bt, ["graph_mode", "max_num_seqs", "async_scheduling", "max_num_batched_tokens", "kernels",
-                                  "block_size", "enable_prefix_caching", "speculative_config"], defaults=BENCH_DEFAULTS)
+                                  "block_size", "enable_prefix_caching", "speculative_config", "model_impl"],
+                             defaults=BENCH_DEFAULTS)
     bt.add_argument("--num-prompts", type=int, default=256)
     bt.add_argument("--min-len", type=int, default=100, help="shortest prompt and output (tokens)")
     bt.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (tokens)")
@@ -489,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "tensor-parallel-size=1,2, data-parallel-size=1,2, quantization=none,w8a8,..., spec=off,ngram "
                          "(without / with --speculative-config, default ngram k=3, lookup 1..4; off,on alike) or "
                          "num-speculative-tokens=0,3,5 (that config with k drafts, 0: without), "
-                         "structured-output=none,json (repeat for a grid)")
+                         "structured-output=none,json, model-impl=graphinfer,transformers (repeat for a grid)")
     bt.add_argument("--structured-output", default="none", choices=["none", "json"],
                     help="json: every request constrained to a JSON schema that no output completes before its "
                          "max_tokens (bench/structured_output.py), with the mask fill / apply time per step in the "

@@ -33,6 +33,7 @@ timed run, besides the usual warm-up, up to 4 copy prompts of another seed, aske
 hits on the timed prompts past the chat template's opening) and cut at 48 tokens, so steps that verify drafts are
 warm too.
 """
+import os
 import random
 import time
 import traceback
@@ -282,6 +283,7 @@ def _label(runs: list[dict]):
 def _fmt_row(r: dict) -> str:
     tp, dp = r.get("tensor_parallel_size", 1), r.get("data_parallel_size", 1)
     name = (f"{_mode(r)} max_num_seqs={r['max_num_seqs']}" + (f" tp={tp}" if tp > 1 else "")
+            + (f" model_impl={r['model_impl']}" if r.get("model_impl", "auto") != "auto" else "")
             + (f" dp={dp}" if dp > 1 else "") + _ep(r))
     if "unavailable" in r:
         return f"{name}: unavailable ({r['unavailable']})"
@@ -373,25 +375,36 @@ def plot(result: dict, path: str) -> None:
 
 # ----- HF transformers' continuous batching (generate_batch) on the same weights and prompts -----
 def same_weights_checkpoint(model: str, dtype: torch.dtype, seed: int, tmp: str) -> str:
-    """A checkpoint both engines load: a preset becomes a saved random HF model; paths are used as they are."""
+    """A checkpoint every engine (HF, graphinfer's models, the transformers path) loads: a preset becomes a saved
+    random HF model, a GGUF the HF model transformers dequantizes it to; directories are used as they are."""
+    from transformers import AutoModelForCausalLM
+
     from graphinfer.models.presets import preset_config
 
     config = preset_config(model)
-    if config is None:
-        return model
-    from transformers import AutoModelForCausalLM
+    if config is not None:
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(tmp)
+        print(f"note: preset {model} saved with random weights to {tmp} for both engines")
+    elif model.endswith(".gguf"):
+        from transformers import AutoTokenizer
 
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(tmp)
-    print(f"note: preset {model} saved with random weights to {tmp} for both engines")
+        folder, name = os.path.split(model)
+        gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        del gguf.config.quantization_config  # dequantized: saved as plain weights
+        hf = AutoModelForCausalLM.from_config(gguf.config, dtype=dtype)
+        hf.load_state_dict(gguf.state_dict())
+        hf.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+        print(f"note: {model} saved, dequantized, as an HF checkpoint in {tmp} for every engine")
+    else:
+        return model
     return tmp
 
 
 def run_hf(path: str, dtype: torch.dtype, device: str, workload: Workload, temperature: float,
            cuda_graph: bool) -> dict:
     """model.generate_batch on the workload (one max_new_tokens for all, EOS disabled), after a small warm-up."""
-    import os
-
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
     from graphinfer.errors import GraphinferError
@@ -435,14 +448,15 @@ def run_hf(path: str, dtype: torch.dtype, device: str, workload: Workload, tempe
 
 def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("NONE",), max_num_seqs=(256,),
         async_scheduling=(False,), tensor_parallel_size=(1,), data_parallel_size=(1,), quantization=(None,),
-        speculative_config=(None,), structured_output=("none",), dataset: str = "random", parallel: dict | None = None,
+        speculative_config=(None,), structured_output=("none",), model_impl=("auto",), dataset: str = "random",
+        parallel: dict | None = None,
         capture_sizes: list[int] | None = None, passes: str = "default",
         num_prompts: int = 256, min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
         hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None,
         hf_dtype: str | None = None, kernels: str | None = None, block_size: int = 16, enable_prefix_caching: bool = True) -> dict:
     """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size, data_parallel_size, quantization,
-    speculative_config, structured_output) configuration on the same workload (dataset "random": the standard one; "copy":
+    speculative_config, structured_output, model_impl) configuration on the same workload (dataset "random": the standard one; "copy":
     bench/copy_workload.py, num_prompts passages of about min_len tokens to repeat) (the roofline counts unquantized
     weights); optionally HF too. parallel: the other parallel flags (enable_expert_parallel; nnodes, node_rank,
     master_addr, master_port for tp > 1)."""
@@ -459,10 +473,12 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         fixed_output_len = 512
     with tempfile.TemporaryDirectory(prefix="graphinfer-bench-") as tmp:
         # HF needs a checkpoint with graphinfer's weights; a sweep saves re-drawing a preset's random weights.
-        configs = [(mode, a, mns, tp, dp, q, sd, so) for mode in graph_modes for a in async_scheduling
+        configs = [(mode, a, mns, tp, dp, q, sd, so, mi) for mode in graph_modes for a in async_scheduling
                    for mns in max_num_seqs for tp in tensor_parallel_size for dp in data_parallel_size
-                   for q in quantization for sd in speculative_config for so in structured_output]
-        gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) if compare_hf or len(configs) > 1 else model
+                   for q in quantization for sd in speculative_config for so in structured_output for mi in model_impl]
+        # (the transformers path runs an HF checkpoint directory: a GGUF or a preset is saved as one)
+        gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) \
+            if compare_hf or len(configs) > 1 or "transformers" in model_impl else model
         max_model_len = common.clamp_max_model_len(gi_model, max_model_len)
         vocab = _vocab_size(gi_model)
         extra_warmup = None
@@ -483,16 +499,17 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                   "runs": []}
         print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
               f"tokens; copy bandwidth {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s on {result['env']['device_name']}")
-        for mode, a, mns, tp, dp, q, sd, so in configs:
+        for mode, a, mns, tp, dp, q, sd, so, mi in configs:
             sizes = capture_sizes  # the engine keeps the sizes each kind of graph can use
             kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
                       async_scheduling=a, passes=passes, max_model_len=max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens, seed=seed, kernels=kernels, block_size=block_size,
                       enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tp, data_parallel_size=dp,
-                      quantization=q, speculative_config=sd, **(parallel or {}))
+                      quantization=q, speculative_config=sd, model_impl=mi, **(parallel or {}))
             row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "tensor_parallel_size": tp,
                    "data_parallel_size": dp, "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
-                   "quantization": q, "speculative_config": sd, "structured_output": so, "capture_sizes": sizes}
+                   "quantization": q, "speculative_config": sd, "structured_output": so, "model_impl": mi,
+                   "capture_sizes": sizes}
             try:
                 row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len,
                                       extra_warmup, so))
