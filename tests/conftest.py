@@ -101,6 +101,15 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def hf_zoo_checkpoint(tmp_path_factory):
+    """hf_zoo_checkpoint(name) -> dir of tests/hf_zoo.py's ZOO[name] (or UNSUPPORTED[name]), saved by transformers:
+    built once per session."""
+    from hf_zoo import hf_zoo_checkpoint_factory
+
+    return hf_zoo_checkpoint_factory(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def smollm2_path():
     """The bundled SmolLM2's GGUF; its tests skip, saying so, where the package is not installed (never at
     collection: call this fixture, not bundled_model_path(), in a test or a parametrize)."""
