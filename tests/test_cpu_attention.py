@@ -5,6 +5,7 @@ import torch
 import graphinfer.ops as ref_ops
 from graphinfer.ops.cpu import attention as cpu_attention, ext
 from graphinfer.ops.cpu.attention import _decode_groups, paged_attention_cpu, reshape_and_cache_cpu
+from attention_cases import FEATURES, dense_paged_attention, feature_cases, poison_outside_windows
 from conftest import need_cpu_kernels
 from test_triton_kernels import DECODE_LENS, MIXED_L, MIXED_Q, TOL, _paged_batch
 
@@ -123,3 +124,57 @@ def test_decode_batch_of_whole_block_tasks(dtype):
     q_lens, seq_lens = [1] * rows + [7, 1], [5 + 37 * i % 200 for i in range(rows)] + [30, 0]
     _check(q_lens, seq_lens, 9, 3, 64, 16, dtype, seed=4)
     _check(q_lens, seq_lens, 4, 2, 72, 8, dtype, seed=5)
+
+
+# ---- the op's optional arguments: sliding window, softcap, sinks (native in the C++ kernel; the fallback: reference)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", FEATURES)
+@pytest.mark.parametrize("n_q,n_kv,head,block_size", [(9, 3, 64, 16), (4, 1, 32, 8), (2, 1, 72, 16), (4, 2, 128, 32)])
+def test_features_ragged_batch(n_q, n_kv, head, block_size, case, dtype):
+    """Against dense attention written in the test (tests/attention_cases.py): windows crossing blocks, softcap, sinks,
+    all three, over the ragged batch (decode rows, fresh prefills, chunks over prefixes, a padded row) with the
+    kernel's row scores (64, 128), transposed K (32, 72), and prefill tiles."""
+    args = _paged_batch(RAGGED_Q, RAGGED_L, n_q, n_kv, head, block_size, dtype, seed=6)
+    features = feature_cases(n_q)[case]
+    out = paged_attention_cpu(*args, head ** -0.5, **features)
+    assert out.dtype == dtype and out.shape == args[0].shape
+    torch.testing.assert_close(out.double(), dense_paged_attention(*args, head ** -0.5, **features), **TOL[dtype])
+
+
+@pytest.mark.parametrize("case", ["window5", "all"])
+def test_features_decode_batch_of_whole_block_tasks(case):
+    """Decode rows enough for tasks of every KV head (8 rows a thread), beside a prefill chunk and a padded row."""
+    rows = 8 * torch.get_num_threads() + 3
+    q_lens, seq_lens = [1] * rows + [7, 1], [5 + 37 * i % 200 for i in range(rows)] + [30, 0]
+    args = _paged_batch(q_lens, seq_lens, 9, 3, 64, 16, torch.bfloat16, seed=7)
+    features = feature_cases(9)[case]
+    torch.testing.assert_close(paged_attention_cpu(*args, 0.125, **features).double(),
+                               dense_paged_attention(*args, 0.125, **features), **TOL[torch.bfloat16])
+
+
+def test_features_take_long_chunks_natively(decode_impl, monkeypatch):
+    """With any of the optional arguments the kernel takes chunks past NATIVE_PREFILL_CONTEXT too (ATen flash has
+    none of them); the fallback runs the reference op."""
+    monkeypatch.setitem(cpu_attention.NATIVE_PREFILL_CONTEXT, torch.float32, 16)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ATen flash got a chunk")
+
+    monkeypatch.setattr(cpu_attention, "_prefill", refuse)
+    args = _paged_batch([40, 1, 33], [70, 90, 33], 4, 2, 64, 16, torch.float32, seed=8)
+    features = feature_cases(4)["all"]
+    torch.testing.assert_close(paged_attention_cpu(*args, 0.125, **features).double(),
+                               dense_paged_attention(*args, 0.125, **features), **TOL[torch.float32])
+
+
+def test_window_skips_blocks(decode_impl):
+    """The kernel's block loop starts at the window's first block: NaN in the blocks before it changes nothing."""
+    if decode_impl == "torch":
+        pytest.skip("the fallback (the reference op) gathers every block")
+    args = _paged_batch(RAGGED_Q, RAGGED_L, 9, 3, 64, 4, torch.float32, seed=9)
+    expected = dense_paged_attention(*args, 0.125, sliding_window=5)
+    poison_outside_windows(*args[1:], sliding_window=5)
+    assert args[1].isnan().any()
+    torch.testing.assert_close(paged_attention_cpu(*args, 0.125, sliding_window=5).double(), expected,
+                               **TOL[torch.float32])

@@ -197,14 +197,18 @@ def test_guard_sees_inside_graphinfer_ops():
 
 def test_triton_attention_under_the_guard():
     """The Triton paged_attention (flash kernel for this mixed batch, decode kernel for T == B) reads nothing
-    on the host; the guard pauses while the interpreter simulates the launch."""
+    on the host, with or without a sliding window, softcap and (bf16) sinks; the guard pauses while the interpreter
+    simulates the launch."""
     from graphinfer.ops.triton.attention import paged_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, kc, vc, tables, qsl, lens = (a.to(device) for a in _paged_args())
+    decode_qsl = torch.arange(3, dtype=torch.int32, device=device)
+    features = dict(sliding_window=3, softcap=2.0, sinks=torch.randn(4, device=device, dtype=torch.bfloat16))
     with no_host_sync():
-        mixed = paged_attention(q, kc, vc, tables, qsl, lens, 0.25)
-        decode = paged_attention(q[:2], kc, vc, tables, torch.arange(3, dtype=torch.int32, device=device), lens, 0.25)
+        for extra in ({}, features):
+            mixed = paged_attention(q, kc, vc, tables, qsl, lens, 0.25, **extra)
+            decode = paged_attention(q[:2], kc, vc, tables, decode_qsl, lens, 0.25, **extra)
     assert mixed.shape == q.shape and decode.shape == (2, 4, 16)
 
 

@@ -136,6 +136,15 @@ def test_paged_attention_mixed_batch_gqa_padded_rows(ops):
     assert ops.torch_npu.emulation_state.calls == ["npu_fused_infer_attention_score"]
 
 
+def test_paged_attention_features_run_the_triton_kernel(ops):
+    """A sliding window, softcap or sinks: the Triton kernel (here interpreted), not FIA; equal to the reference."""
+    args = _mixed_batch()
+    features = dict(sliding_window=4, softcap=2.0, sinks=torch.randn(4))
+    got = ops.paged_attention(*args, **features)
+    torch.testing.assert_close(got, ref.paged_attention(*args, **features), rtol=2e-5, atol=2e-5)
+    assert ops.torch_npu.emulation_state.calls == []
+
+
 def test_emulated_fia_checks_the_length_conventions():
     """TND wants cumulative query lengths and host lists; per-request lengths or device tensors fail."""
     tnpu = make_torch_npu()

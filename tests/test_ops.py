@@ -1,8 +1,12 @@
 """Every graphinfer:: op against an independent reference, plus torch.library's registration checks."""
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from attention_cases import FEATURES, dense_paged_attention, feature_cases
 from graphinfer import ops
 
 
@@ -101,6 +105,124 @@ def test_paged_attention_mixed_batch(dtype):
     torch.testing.assert_close(out, torch.cat(expected), **tol)
 
 
+def _paged_inputs(reqs, Hq, Hk, D, bs, dtype, seed=0):
+    """A flat batch for [(context length, query rows)] (context 0: a padded row): K/V written through
+    reshape_and_cache into shuffled blocks, one query per row -> paged_attention's first six arguments."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-L // bs) for L, _ in reqs) + 2
+    kc = torch.zeros(num_blocks, bs, Hk, D, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    block_tables = torch.zeros(len(reqs), max(-(-L // bs) for L, _ in reqs) + 1, dtype=torch.int32)
+    for i, (L, _) in enumerate(reqs):
+        nb = -(-L // bs)
+        block_tables[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+        slots = block_tables[i, torch.arange(L) // bs].long() * bs + torch.arange(L) % bs
+        ops.reshape_and_cache(torch.randn(L, Hk, D, generator=g).to(dtype), torch.randn(L, Hk, D, generator=g).to(dtype),
+                              kc, vc, slots)
+    query = torch.randn(sum(n for _, n in reqs), Hq, D, generator=g).to(dtype)
+    starts = torch.tensor([0, *torch.tensor([n for _, n in reqs]).cumsum(0).tolist()], dtype=torch.int32)
+    return query, kc, vc, block_tables, starts, torch.tensor([L for L, _ in reqs], dtype=torch.int32)
+
+
+# a prefill chunk over a cached prefix, decodes, a fresh prefill, a padded row; then a pure decode batch
+FEATURE_BATCHES = {"mixed": [(12, 7), (20, 1), (9, 9), (0, 1), (3, 1), (26, 1)], "decode": [(12, 1), (0, 1), (30, 1)]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", FEATURES)
+@pytest.mark.parametrize("batch", list(FEATURE_BATCHES))
+def test_paged_attention_features(batch, case, dtype):
+    """Sliding window, softcap, sinks and all three, against dense attention written in the test (GQA 3, blocks of
+    4: windows cross blocks); padded rows stay 0."""
+    args = _paged_inputs(FEATURE_BATCHES[batch], 6, 2, 16, 4, dtype, seed=1)
+    features = feature_cases(6)[case]
+    out = ops.paged_attention(*args, 0.25, **features)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.double(), dense_paged_attention(*args, 0.25, **features), **tol)
+
+
+def _one_request(dtype, n=5, L=23, Hq=4, Hk=2, D=16, seed=2):
+    """A chunk of n rows over a context of L tokens: HF's layout (q [1, Hq, n, D], k / v [1, Hk, L, D]) and the op's."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, m, D, generator=g).to(dtype) for h, m in ((Hq, n), (Hk, L), (Hk, L)))
+    kc, vc = torch.zeros(8, 4, Hk, D, dtype=dtype), torch.zeros(8, 4, Hk, D, dtype=dtype)
+    block_table = torch.randperm(8, generator=g)[None, :].to(torch.int32)
+    slots = block_table[0, torch.arange(L) // 4].long() * 4 + torch.arange(L) % 4
+    ops.reshape_and_cache(k[0].transpose(0, 1), v[0].transpose(0, 1), kc, vc, slots)
+    paged = (q[0].transpose(0, 1), kc, vc, block_table, torch.tensor([0, n], dtype=torch.int32),
+             torch.tensor([L], dtype=torch.int32))
+    return (q, k, v), paged
+
+
+def _hf_mask(n, L, sliding_window, dtype):
+    """transformers' additive mask for the last n of L positions under its sliding-window causal mask function."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    visible = sliding_window_causal_mask_function(sliding_window)(0, 0, torch.arange(L - n, L)[:, None],
+                                                                  torch.arange(L)[None, :])
+    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_hf_gpt_oss_eager(dtype):
+    """transformers' gpt-oss eager attention (sliding window + sinks, s_aux) on one request equals the op. In bf16
+    transformers takes its softmax in bf16 (the op: fp32): they agree to bf16's rounding there."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    (q, k, v), paged = _one_request(dtype)
+    sinks = (torch.randn(4, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
+    layer = types.SimpleNamespace(num_key_value_groups=2, sinks=sinks, training=False)
+    want, _ = eager_attention_forward(layer, q, k, v, _hf_mask(5, 23, 7, dtype), scaling=0.25)
+    got = ops.paged_attention(*paged, 0.25, sliding_window=7, sinks=sinks)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), want[0].float(), **tol)
+
+
+def test_paged_attention_matches_hf_gemma2_eager():
+    """transformers' Gemma 2 eager attention (sliding window + attn_logit_softcapping) on one request equals the op."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    (q, k, v), paged = _one_request(torch.float32)
+    layer = types.SimpleNamespace(num_key_value_groups=2, head_dim=16, training=False)
+    want, _ = eager_attention_forward(layer, q, k, v, _hf_mask(5, 23, 6, torch.float32), scaling=0.25, softcap=1.5)
+    torch.testing.assert_close(ops.paged_attention(*paged, 0.25, sliding_window=6, softcap=1.5), want[0])
+
+
+class _Attention(nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        from graphinfer.models.layers import PagedAttention
+
+        self.attn = PagedAttention(4, 2, 16, **options)
+
+    def forward(self, q, k, v, slot_mapping, block_tables, query_start_loc, seq_lens):
+        from graphinfer.models.layers import AttentionMetadata
+
+        return self.attn(q, k, v, AttentionMetadata(slot_mapping, block_tables, query_start_loc, seq_lens))
+
+
+@pytest.mark.parametrize("options", [{}, dict(sliding_window=5, softcap=2.0, sinks=True)], ids=["plain", "all"])
+def test_paged_attention_layer_options(options):
+    """PagedAttention passes sliding_window / softcap / sinks to the op only when set: a plain layer traces to the
+    7-argument call; with them, the traced graph computes the op with them."""
+    from graphinfer.compiler.trace import GraphinferTracer
+
+    _, (q, kc, vc, bt, qsl, lens) = _one_request(torch.float32)
+    model = _Attention(**options)
+    if options:
+        model.attn.sinks.data.normal_()
+    model.attn.k_cache, model.attn.v_cache = kc.clone(), vc.clone()
+    gm = torch.fx.GraphModule(model, GraphinferTracer().trace(model))
+    node, = [n for n in gm.graph.nodes if n.target is torch.ops.graphinfer.paged_attention.default]
+    assert len(node.args) == 7
+    assert set(node.kwargs) == ({"sliding_window", "softcap", "sinks"} if options else set())
+    kv = q[:, :2].reshape(5, 32)  # written nowhere (slot -1): the context is in the cache already
+    got = gm(q.reshape(5, 64), kv, kv, torch.full((5,), -1), bt, qsl, lens)
+    features = dict(sliding_window=5, softcap=2.0, sinks=model.attn.sinks) if options else {}
+    torch.testing.assert_close(got, ops.paged_attention(q, kc, vc, bt, qsl, lens, 0.25, **features).reshape(5, 64))
+
+
 def _opcheck_cases():
     kc = torch.zeros(8, 4, 2, 16)
     return [
@@ -115,6 +237,10 @@ def _opcheck_cases():
          (torch.randn(3, 4, 16), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16),
           torch.tensor([[1, 2], [3, 0]], dtype=torch.int32), torch.tensor([0, 2, 3], dtype=torch.int32),
           torch.tensor([6, 3], dtype=torch.int32), 0.25)),
+        (torch.ops.graphinfer.paged_attention,  # sliding window, softcap, sinks
+         (torch.randn(3, 4, 16), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16),
+          torch.tensor([[1, 2], [3, 0]], dtype=torch.int32), torch.tensor([0, 2, 3], dtype=torch.int32),
+          torch.tensor([6, 3], dtype=torch.int32), 0.25, 3, 2.0, torch.randn(4))),
     ]
 
 

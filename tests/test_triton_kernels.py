@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads it when @triton.jit decorates: set before import
 
 import graphinfer.ops as ref_ops  # noqa: E402
+from attention_cases import (FEATURES, dense_paged_attention, feature_cases, poison_outside_windows,  # noqa: E402
+                             to_device)
 from graphinfer.ops.triton import TRITON_OPS  # noqa: E402
 from graphinfer.ops.triton.attention import paged_attention_impl  # noqa: E402
 
@@ -293,3 +295,65 @@ def test_paged_attention_int64_metadata(q_lens, seq_lens):
     """int64 block tables / query_start_loc / seq_lens work like int32 ones."""
     args = _paged_batch(q_lens, seq_lens, 4, 2, 32, 4, torch.float16, seed=6, index_dtype=torch.int64)
     _check_attention(args, torch.float16)
+
+
+# ---- paged attention's optional arguments: sliding window, softcap, sinks ------------------------------------------
+
+def _check_features(args, features, dtype, **tiling):
+    """The kernels against dense attention written in the test (tests/attention_cases.py), not the op's reference."""
+    scale = args[0].shape[-1] ** -0.5
+    dev = [a.to(DEVICE) for a in args]
+    out = paged_attention_impl(*dev, scale, **to_device(features, DEVICE), **tiling)
+    assert out.dtype == dtype and out.shape == args[0].shape
+    torch.testing.assert_close(out.cpu().double(), dense_paged_attention(*args, scale, **features), **TOL[dtype])
+    return out
+
+
+@pytest.mark.parametrize("tiling", [{}, dict(num_splits=3, decode_block_n=16), dict(num_splits=1)],
+                         ids=["default", "3splits", "1split"])
+@pytest.mark.parametrize("case", FEATURES)
+def test_paged_attention_decode_features(case, tiling):
+    """The split-K decode kernel (and its combine: the window's tiles shared among the splits, sinks folded in the
+    reduction) over contexts of 5 to 33 tokens in blocks of 4, GQA 4; the padded request stays 0."""
+    args = _paged_batch([1] * len(DECODE_LENS), DECODE_LENS, 8, 2, 32, 4, torch.float32, seed=7)
+    out = _check_features(args, feature_cases(8)[case], torch.float32, **tiling)
+    assert (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("tiling", [{}, dict(block_m=16, block_n=16)], ids=["default", "tiles16"])
+@pytest.mark.parametrize("case", FEATURES)
+def test_paged_attention_mixed_features(case, tiling):
+    """The flash kernel over the mixed batch (decodes, a chunk over a prefix, a fresh prefill, a chunk over several
+    query tiles), GQA 4, blocks of 4."""
+    args = _paged_batch(MIXED_Q, MIXED_L, 8, 2, 32, 4, torch.float32, seed=8)
+    out = _check_features(args, feature_cases(8)[case], torch.float32, **tiling)
+    assert (out[8] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_lens,seq_lens", [([1] * 4, DECODE_LENS), (MIXED_Q, MIXED_L)], ids=["decode", "mixed"])
+def test_paged_attention_all_features_16bit(q_lens, seq_lens, dtype):
+    """Window, softcap and sinks at once on 16-bit caches (sinks in the caches' dtype: the kernels read them as fp32)."""
+    args = _paged_batch(q_lens, seq_lens, 4, 1, 64, 16, dtype, seed=9)
+    features = feature_cases(4)["all"]
+    _check_features(args, {**features, "sinks": features["sinks"].to(dtype)}, dtype)
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,tiling", [([1] * 4, DECODE_LENS, dict(num_splits=3, decode_block_n=16)),
+                                                    ([1] * 4, DECODE_LENS, {}),
+                                                    (MIXED_Q, MIXED_L, dict(block_m=16, block_n=16)),
+                                                    (MIXED_Q, MIXED_L, {})], ids=["decode3", "decode", "mixed16", "mixed"])
+def test_paged_attention_window_skips_blocks(q_lens, seq_lens, tiling):
+    """Blocks wholly outside every row's window are never read: NaN there changes nothing."""
+    args = _paged_batch(q_lens, seq_lens, 8, 2, 32, 4, torch.float32, seed=10)
+    expected = dense_paged_attention(*args, 32 ** -0.5, sliding_window=5)
+    poison_outside_windows(*args[1:], sliding_window=5)
+    assert args[1].isnan().any()
+    out = paged_attention_impl(*(a.to(DEVICE) for a in args), 32 ** -0.5, sliding_window=5, **tiling)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[torch.float32])
+
+
+def test_paged_attention_sinks_shape():
+    args = _paged_batch([1], [3], 4, 2, 32, 4, torch.float32)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        paged_attention_impl(*(a.to(DEVICE) for a in args), 0.1, sinks=torch.zeros(2, device=DEVICE))

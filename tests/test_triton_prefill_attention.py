@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads it when @triton.jit decorates: set before import
 
 import graphinfer.ops as ref_ops  # noqa: E402
+from attention_cases import (FEATURES, dense_paged_attention, feature_cases, poison_outside_windows,  # noqa: E402
+                             to_device)
 import graphinfer.ops.triton.attention as attention  # noqa: E402
 from graphinfer.ops.triton import TRITON_OPS  # noqa: E402
 from graphinfer.ops.triton.attention import paged_attention_impl  # noqa: E402
@@ -157,3 +159,48 @@ def test_many_requests(monkeypatch, search_block):
     q_lens = [1] * 36 + [9, 1, 17, 2]
     seq_lens = [3 + 5 * i % 37 for i in range(36)] + [9, 0, 40, 2]
     _check((q_lens, seq_lens, 3), 2, 2, 32, 16, torch.float32, seed=9, block_m=16, block_n=16)
+
+
+# ---- the op's optional arguments: sliding window, softcap, sinks ---------------------------------------------------
+
+def _check_features(scenario, group, n_kv, head, block_size, dtype, features, seed=0, **tiling):
+    """The flash kernel against dense attention written in the test (tests/attention_cases.py), not the op's
+    reference; the contract's zero rows stay 0."""
+    q_lens, seq_lens, pad = SCENARIOS[scenario]
+    args = _batch(q_lens, seq_lens, pad, group * n_kv, n_kv, head, block_size, dtype, seed)
+    scale = head ** -0.5
+    out = paged_attention_impl(*(a.to(DEVICE) for a in args), scale, **to_device(features, DEVICE), kernel="flash",
+                               **tiling)
+    assert out.dtype == dtype and out.shape == args[0].shape
+    torch.testing.assert_close(out.cpu().double(), dense_paged_attention(*args, scale, **features), **TOL[dtype])
+    assert (out[_zero_rows(q_lens, seq_lens, pad)] == 0).all()
+
+
+@pytest.mark.parametrize("tiling", [{}, dict(block_m=16, block_n=16)], ids=["default", "tiles16"])
+@pytest.mark.parametrize("case", FEATURES)
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_flash_attention_features(name, case, tiling):
+    """Windows of 1, 5 and 19 positions (crossing pages of 16, and KV tiles: tiles16 also crosses query tiles, so tiles
+    with the window's edge, unmasked tiles inside every row's window and diagonal tiles all occur), softcap, sinks and
+    all three, GQA 2, in every scenario (padding rows and seq_len-0 requests included)."""
+    _check_features(name, 2, 2, 64, 16, torch.float32, feature_cases(4)[case], seed=11, **tiling)
+
+
+@pytest.mark.parametrize("case", ["window19", "all"])
+@pytest.mark.parametrize("group,n_kv,head,block_size", [(8, 1, 128, 16), (1, 2, 64, 32)], ids=["g8-d128", "g1-d64"])
+def test_flash_attention_features_bf16(case, group, n_kv, head, block_size):
+    _check_features("chunked", group, n_kv, head, block_size, torch.bfloat16, feature_cases(group * n_kv)[case],
+                    seed=12)
+
+
+@pytest.mark.parametrize("tiling", [{}, dict(block_m=16, block_n=16)], ids=["default", "tiles16"])
+def test_flash_attention_window_skips_blocks(tiling):
+    """Chunks over long cached prefixes under a window of 19: the pages wholly before each chunk's first visible
+    position hold NaN, which the kernel never reads."""
+    q_lens, seq_lens, pad = SCENARIOS["chunked"]
+    args = _batch(q_lens, seq_lens, pad, 4, 2, 64, 16, torch.float32, seed=13)
+    expected = dense_paged_attention(*args, 0.125, sliding_window=19)
+    poison_outside_windows(*args[1:], sliding_window=19)
+    assert args[1].isnan().any()
+    out = paged_attention_impl(*(a.to(DEVICE) for a in args), 0.125, sliding_window=19, kernel="flash", **tiling)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[torch.float32])

@@ -21,6 +21,10 @@
 //   conversion, vec.h) and transposed, so scores, exp and the sum over V all run as float vectors.
 // - a prefill tile: up to 3 vectors' lanes of query vectors (16 rows x 3 heads on AVX-512), scores as a small GEMM
 //   over K rows as they lie (each K value broadcast against a vector of queries), the causal softmax down the lanes.
+// The op's optional arguments (graphinfer/ops/attention.py) are handled here too: a sliding window starts the block
+// loop at the block holding the first visible position (blocks wholly before it are never read) and hides the
+// positions below each row's window in the blocks it crosses; a softcap caps each block's scores (c * tanh(s / c))
+// before the softmax; sinks (fp32, one per query head) join each row's final denominator.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,6 +34,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -317,6 +322,16 @@ inline void tile_values(const float* pT, int64_t ldp, int64_t v0, const float* c
     for (int64_t c = 0; c < nc; ++c) a[i][c].store(O + (v0 + i) * ldo + d0 + c * kVec);
 }
 
+// Gemma 2's soft-capping of n scores, c * tanh(s / c), whole vectors (s is padded to them; lanes past n are never
+// read); then the first `hidden` scores -inf (positions below a sliding window).
+inline void cap_and_hide(float* s, int64_t n, float softcap, int64_t hidden) {
+  if (softcap > 0.f) {
+    const fVec c(softcap), inv(1.f / softcap);
+    for (int64_t t = 0; t < n; t += kVec) ((fVec::loadu(s + t) * inv).tanh() * c).store(s + t);
+  }
+  std::fill_n(s, hidden, -std::numeric_limits<float>::infinity());
+}
+
 // A task: `rows` consecutive query rows of request b, from row `row0` of its chunk, with the G query heads of KV head
 // h (of the nh KV heads from h, for a decode row). A decode row (rows = 1) runs as G query vectors per KV head, block
 // by block; prefill chunks are cut into tiles of as many rows as kTileCols columns hold, so each K and V block is
@@ -333,6 +348,9 @@ struct Batch {
   const int32_t *bt, *qsl, *lens;
   int64_t G, D, Dp, bs, bsp, Hkv, W, q_row, q_head, o_row, o_head;
   float scale;
+  int64_t window;       // sliding window (0: none)
+  float softcap;        // 0: none
+  const float* sinks;   // [Hq] or nullptr
   bool direct;  // fp32 caches whose rows are whole passes of kChains vectors: K and V read straight from the cache
   bool pairs;   // bf16 caches on AVX512-BF16: decode scores from bf16 pairs (bf16_pair_scores), K never widened
 
@@ -368,14 +386,14 @@ inline int64_t padded_heads(int64_t G) { return (G + kHeads - 1) / kHeads * kHea
 // A thread's scratch, zero-padded to whole vectors: a block's K rows widened [bs, Dp] and V rows widened [bs, Dp]
 // (+ kChains vectors); for decode rows K transposed [Dp, bsp], the G query heads (scaled; or as bf16 pairs) and their
 // accumulators [Gp, Dp] and scores [Gp, bsp]; for tiles the queries transposed [Dp, Nt], scores [bsp, Nt],
-// accumulators [Nt, Dp] (+ kChains vectors), and running maxima, sums, rescales and causal limits [Nt].
+// accumulators [Nt, Dp] (+ kChains vectors), and running maxima, sums, rescales, causal limits and window starts [Nt].
 struct Scratch {
-  std::vector<float> kf, vf, kt, q, acc, s, m, l, qT, sT, O, tm, tl, corr, lim;
+  std::vector<float> kf, vf, kt, q, acc, s, m, l, qT, sT, O, tm, tl, corr, lim, low;
   std::vector<uint32_t> qp, pp;  // decode: the heads as bf16 pairs; probabilities as bf16 pairs [Gp, bsp / 2]
   Scratch(int64_t bs, int64_t bsp, int64_t Dp, int64_t Gp, int64_t Nt, int64_t D2, int64_t Hkv)
       : kf(bs * Dp), vf(bs * Dp + kChains * kVec, 0.f), kt(Dp * bsp, 0.f), q(Hkv * Gp * Dp, 0.f),
         acc(Hkv * Gp * Dp), s(Gp * bsp), m(Hkv * Gp), l(Hkv * Gp), qT(Dp * Nt, 0.f), sT(bsp * Nt),
-        O(Nt * Dp + kChains * kVec, 0.f), tm(Nt), tl(Nt), corr(Nt), lim(Nt), qp(Hkv * Gp * D2, 0u),
+        O(Nt * Dp + kChains * kVec, 0.f), tm(Nt), tl(Nt), corr(Nt), lim(Nt), low(Nt), qp(Hkv * Gp * D2, 0u),
         pp(Gp * bsp / 2 + 16, 0u) {}
 };
 
@@ -404,7 +422,8 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
   std::fill_n(w.acc.begin(), nh * Gp * Dp, 0.f);
   std::fill_n(w.m.begin(), nh * Gp, -std::numeric_limits<float>::infinity());
   std::fill_n(w.l.begin(), nh * Gp, 0.f);
-  for (int64_t j = 0; j * bs < ctx; ++j) {
+  const int64_t lo = x.window > 0 ? std::max<int64_t>(ctx - x.window, 0) : 0;  // the first visible position
+  for (int64_t j = lo / bs; j * bs < ctx; ++j) {
     const int64_t n = std::min(bs, ctx - j * bs);
     if ((j + 1) * bs < ctx) x.prefetch(b, h0, j + 1, nh);
     for (int64_t hh = 0; hh < nh; ++hh) {
@@ -439,6 +458,8 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
               float_scores(q + g0 * Dp, Dp, w.kt.data(), bsp, t, s + g0 * bsp + t, bsp);
         }
       }
+      if (x.softcap > 0.f || j * bs < lo)
+        for (int64_t g = 0; g < G; ++g) cap_and_hide(s + g * bsp, n, x.softcap, std::max<int64_t>(lo - j * bs, 0));
       for (int64_t g = 0; g < G; ++g) {
         // online softmax: probabilities against the new running maximum, the old sums rescaled to it; max and sum
         // over whole vectors of tokens as vectors (a scalar chain over a block cost as much as its scores)
@@ -492,7 +513,8 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = hh * Gp + g;
       scalar_t* dst = x.o + r * x.o_row + ((h0 + hh) * G + g) * x.o_head;
-      const float inv = 1.f / w.l[i];
+      const float sink = x.sinks ? std::exp(x.sinks[(h0 + hh) * G + g] - w.m[i]) : 0.f;  // a term with no value
+      const float inv = 1.f / (w.l[i] + sink);
       for (int64_t d = 0; d < D; ++d)
         dst[d] = static_cast<scalar_t>(w.acc[i * Dp + (bf16_rows ? pair_lane(d) : d)] * inv);
     }
@@ -513,13 +535,18 @@ void prefill_tile(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, in
     const scalar_t* qv = x.q + (r0 + v / G) * x.q_row + (h * G + v % G) * x.q_head;
     for (int64_t d = 0; d < D; ++d) qT[d * Nc + v] = static_cast<float>(qv[d]) * x.scale;
   }
-  for (int64_t v = 0; v < Nc; ++v)  // padding lanes see every token (scores 0): no -inf - -inf
+  const bool window = x.window > 0;
+  for (int64_t v = 0; v < Nc; ++v) {  // padding lanes see every token (scores 0)
     w.lim[v] = static_cast<float>(v < Nq ? pos0 + v / G + 1 : ctx);
+    w.low[v] = static_cast<float>(window && v < Nq ? pos0 + v / G - x.window + 1 : 0);
+  }
   std::fill(w.O.begin(), w.O.end(), 0.f);
-  std::fill(w.tm.begin(), w.tm.end(), -std::numeric_limits<float>::infinity());
+  // running maxima start finite: a lane whose window starts past a block sees none of it, and -inf - -inf is nan
+  std::fill(w.tm.begin(), w.tm.end(), std::numeric_limits<float>::lowest());
   std::fill(w.tl.begin(), w.tl.end(), 0.f);
   const fVec neg_inf(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j * bs < ctx; ++j) {
+  const int64_t lo = window ? std::max<int64_t>(pos0 - x.window + 1, 0) : 0;  // the first row's first visible position
+  for (int64_t j = lo / bs; j * bs < ctx; ++j) {
     const int64_t n = std::min(bs, ctx - j * bs), base = x.base(b, h, j);
     if ((j + 1) * bs < ctx) x.prefetch(b, h, j + 1);
     int64_t kld;
@@ -532,12 +559,18 @@ void prefill_tile(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, in
         else tile_scores<1>(qT + c0 * kVec, Nc, D, kr, kld, n, t0, sT + c0 * kVec, Nc);
       }
     }
+    if (x.softcap > 0.f)
+      for (int64_t t = 0; t < n; ++t) cap_and_hide(sT + t * Nc, Nc, x.softcap, 0);
     // causal online softmax down each column: token t of the block counts for lanes whose limit exceeds j*bs + t
+    // (and, under a sliding window, whose window start does not)
     for (int64_t c = 0; c < Nc; c += kVec) {
       const fVec limit = fVec::loadu(w.lim.data() + c) - fVec(static_cast<float>(j * bs));
+      const fVec start = fVec::loadu(w.low.data() + c) - fVec(static_cast<float>(j * bs));
       fVec mx = neg_inf;
       for (int64_t t = 0; t < n; ++t) {
-        const fVec sv = fVec::blendv(fVec::loadu(sT + t * Nc + c), neg_inf, fVec(static_cast<float>(t)) >= limit);
+        const fVec tv(static_cast<float>(t));
+        const fVec hide = window ? (tv >= limit) | (tv < start) : tv >= limit;
+        const fVec sv = fVec::blendv(fVec::loadu(sT + t * Nc + c), neg_inf, hide);
         sv.store(sT + t * Nc + c);
         mx = at::vec::maximum(mx, sv);
       }
@@ -548,7 +581,7 @@ void prefill_tile(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, in
         pv.store(sT + t * Nc + c);
         sum = sum + pv;
       }
-      const fVec corr = (old - mnew).exp();  // exp(-inf) = 0 on the first block
+      const fVec corr = (old - mnew).exp();  // 0 on the first block a lane sees
       (fVec::loadu(w.tl.data() + c) * corr + sum).store(w.tl.data() + c);
       mnew.store(w.tm.data() + c);
       corr.store(w.corr.data() + c);
@@ -567,7 +600,8 @@ void prefill_tile(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, in
   }
   for (int64_t v = 0; v < Nq; ++v) {
     scalar_t* dst = x.o + (r0 + v / G) * x.o_row + (h * G + v % G) * x.o_head;
-    const float inv = 1.f / w.tl[v];
+    const float sink = x.sinks ? std::exp(x.sinks[h * G + v % G] - w.tm[v]) : 0.f;  // a term with no value
+    const float inv = 1.f / (w.tl[v] + sink);
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(O[v * Dp + d] * inv);
   }
 }
@@ -575,7 +609,7 @@ void prefill_tile(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, in
 template <typename scalar_t>
 int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-            double scale, int64_t max_chunk_context) {
+            double scale, int64_t max_chunk_context, int64_t sliding_window, double softcap, const float* sinks) {
   const int64_t B = seq_lens.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2), G = Hq / Hkv;
   const int64_t Dp = (D + kVec - 1) / kVec * kVec, bsp = (bs + kVec - 1) / kVec * kVec;
@@ -583,7 +617,8 @@ int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
                           out.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
                           query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), G, D, Dp, bs, bsp, Hkv,
                           block_tables.size(1), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-                          static_cast<float>(scale), std::is_same_v<scalar_t, float> && D % (kChains * kVec) == 0,
+                          static_cast<float>(scale), sliding_window, static_cast<float>(softcap), sinks,
+                          std::is_same_v<scalar_t, float> && D % (kChains * kVec) == 0,
                           kBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && D % 2 == 0};
   // a prefill tile: R rows, R * G query vectors in Nt lanes (whole columns)
   const int64_t R = std::max<int64_t>(1, kTileCols * kVec / G), Nt = (R * G + kVec - 1) / kVec * kVec;
@@ -594,6 +629,10 @@ int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   int64_t decode_rows = 0;
   for (int64_t b = 0; b < B; ++b) decode_rows += x.qsl[b + 1] - x.qsl[b] == 1;
   const bool group_heads = decode_rows >= 8 * at::get_num_threads();
+  // positions a task's rows attend over (its last row's context; under a window, at most the window and the rows)
+  auto span = [&](int64_t ctx, int64_t rows) {
+    return sliding_window > 0 ? std::min(ctx, sliding_window + rows - 1) : ctx;
+  };
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = x.qsl[b + 1] - x.qsl[b], L = x.lens[b];
     if (n > 0 && L <= 0) zero_rows.push_back({x.qsl[b], x.qsl[b + 1]});
@@ -602,8 +641,9 @@ int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
     TORCH_CHECK(n <= L, "request ", b, " has ", n, " query rows but a context of ", L, " tokens");
     for (int64_t row0 = 0; row0 < n; row0 += R) {
       const int64_t rows = std::min(R, n - row0);
-      if (rows == 1 && group_heads) tasks.push_back({b, 0, row0, 1, Hkv * L, Hkv});
-      else for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, row0, rows, rows * (L - n + row0 + rows)});
+      const int64_t cost = rows * span(L - n + row0 + rows, rows);
+      if (rows == 1 && group_heads) tasks.push_back({b, 0, row0, 1, Hkv * cost, Hkv});
+      else for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, row0, rows, cost});
     }
   }
   // the costliest first, handed out one at a time: threads finish together however uneven the tasks
@@ -627,7 +667,8 @@ int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
 
 int64_t paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                     const at::Tensor& seq_lens, double scale, int64_t max_chunk_context) {
+                     const at::Tensor& seq_lens, double scale, int64_t max_chunk_context, int64_t sliding_window,
+                     double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, Hq, D] and caches [blocks, block_size, Hkv, D]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need stride 1 over the head dim");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the KV caches must be contiguous");
@@ -638,9 +679,13 @@ int64_t paged_attention(at::Tensor out, const at::Tensor& query, const at::Tenso
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "query, out and the caches must share one dtype");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of the KV heads");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                         sinks->size(0) == query.size(1)),
+              "sinks: contiguous float32, one per query head");
+  const float* sink_ptr = sinks ? sinks->data_ptr<float>() : nullptr;
   return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     return attend<scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                            max_chunk_context);
+                            max_chunk_context, sliding_window, softcap, sink_ptr);
   });
 }
 
@@ -674,7 +719,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 TORCH_LIBRARY(graphinfer_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, int max_chunk_context) -> int");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int max_chunk_context, int sliding_window=0, "
+        "float softcap=0., Tensor? sinks=None) -> int");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
 }

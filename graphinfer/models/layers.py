@@ -82,14 +82,31 @@ class PagedAttention(nn.Module):
 
     The model runner sets the k_cache / v_cache buffers once it has sized the KV pool; buffers (not plain
     attributes) so a traced graph refers to each layer's cache by its path.
+    Optional, as Hugging Face attention layers declare them (graphinfer/ops/attention.py): sliding_window (positions),
+    softcap (logit soft-capping), sinks (a [num_heads] parameter of per-head sink logits, gpt-oss). Each reaches the
+    op only when set, so a layer without them traces to the same 7-argument call as before.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 softcap: float | None = None, sinks: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
+        self.sliding_window, self.softcap = sliding_window, softcap
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.register_buffer("k_cache", torch.empty(0), persistent=False)
         self.register_buffer("v_cache", torch.empty(0), persistent=False)
+
+    def _options(self) -> dict:
+        """The op's optional arguments this layer sets."""
+        options = {}
+        if self.sliding_window:
+            options["sliding_window"] = self.sliding_window
+        if self.softcap:
+            options["softcap"] = self.softcap
+        if self.sinks is not None:
+            options["sinks"] = self.sinks
+        return options
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, md: AttentionMetadata) -> Tensor:
         T = q.shape[0]
@@ -97,7 +114,8 @@ class PagedAttention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        o = ops.paged_attention(q, self.k_cache, self.v_cache, md.block_tables, md.query_start_loc, md.seq_lens, self.scale)
+        o = ops.paged_attention(q, self.k_cache, self.v_cache, md.block_tables, md.query_start_loc, md.seq_lens,
+                                self.scale, **self._options())
         return o.view(T, self.num_heads * self.head_dim)
 
 

@@ -12,11 +12,18 @@
   padding stays small, each group's K/V gathered by whole blocks (index_select, a memcpy per block) and attended
   by one SDPA call; every prefill chunk takes the flash path.
 Rows with seq_len 0 (padding) and cache writes to slot -1 are skipped, as in the reference.
+
+The op's optional arguments (sliding window, softcap, sinks; graphinfer/ops/attention.py) are native in the C++ kernel,
+which then takes every chunk, however long: ATen's flash kernel has none of them, and under a window the kernel reads
+only the window's blocks. Without the library such calls run the reference op.
 """
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from graphinfer.ops.attention import paged_attention
 from graphinfer.ops.cpu import ext
 from graphinfer.ops.qk_norm_rope import chain_cache_write, qk_norm_rope
 
@@ -102,8 +109,18 @@ def _decode(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Ten
 
 
 def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                        query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+                        query_start_loc: Tensor, seq_lens: Tensor, scale: float, sliding_window: int = 0,
+                        softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     native = _native(query, key_cache, block_tables)
+    if sliding_window > 0 or softcap > 0 or sinks is not None:
+        if not native:
+            return paged_attention.reference(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                                             scale, sliding_window, softcap, sinks)
+        out = torch.empty_like(query)
+        torch.ops.graphinfer_cpu.paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                                 seq_lens, scale, sys.maxsize, sliding_window, float(softcap),
+                                                 None if sinks is None else sinks.float().contiguous())
+        return out
     if native:
         # The C++ kernel (csrc/cpu/) reads the paged cache in place for every decode row and every prefill chunk
         # over at most `native` tokens of context, zeroes padding rows, and returns how many chunks it left here.

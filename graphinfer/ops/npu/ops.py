@@ -157,10 +157,21 @@ class NpuOps(NpuQuantOps):
 
     # ----- attention -----
     def paged_attention(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                        query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+                        query_start_loc: Tensor, seq_lens: Tensor, scale: float, sliding_window: int = 0,
+                        softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
         """npu_fused_infer_attention_score as vllm-ascend calls it: TND query, paged KV viewed as
         (num_blocks, block_size, num_kv_heads * head_size), cumulative query lengths, per-request KV lengths,
-        sparse_mode 3 (right-down causal) with the 2048x2048 compressed mask."""
+        sparse_mode 3 (right-down causal) with the 2048x2048 compressed mask.
+
+        Calls with a sliding window, softcap or sinks run graphinfer's Triton kernel (Triton-Ascend; it reads its
+        lengths on device, so it is capture-safe as it is): FIA has no softcap, and its band mode (sparse_mode 4 with
+        pre_tokens / next_tokens) and _v2's learnable_sink would each need their conventions (where the window's edge
+        falls, the sink's dtype) confirmed on hardware, which this project has no access to."""
+        if sliding_window > 0 or softcap > 0 or sinks is not None:
+            from graphinfer.ops.triton.attention import paged_attention as triton_paged_attention
+
+            return triton_paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                                          sliding_window, softcap, sinks)
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
         paged = (num_blocks, block_size, -1)  # (blocknum, blocksize, H = kv_heads * head_size)
         kwargs = dict(key=key_cache.view(paged), value=value_cache.view(paged),

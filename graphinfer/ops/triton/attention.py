@@ -45,6 +45,17 @@ Other dtypes and head dims are untuned. On that H200 (2026-11-28, the configs be
 at 148 (166), 1 x 2,048 at 226 (162): the issue-19 targets (>= 300, >= 100) are met
 (`python tools/gpu_check.py --prefill-attention`).
 
+Sliding window, softcap, sinks (the op's optional arguments, graphinfer/ops/attention.py), each a constexpr switch
+so plain attention compiles as before:
+  - sliding window W: decode programs split only the tiles from the one holding position seq_len - W on, and
+    mask the positions below it; a flash program visits KV tiles from the one holding its first row's first
+    visible position, masks the tiles before the first one every row sees whole (the window's lower edge) as it
+    masks the diagonal's, and runs the tiles between unmasked.
+  - softcap c: logits tanh(dot * scale / c) * c * log2(e), tanh from exp2 (no tanh is common to upstream's and
+    Triton-Ascend's libdevice and both interpreters).
+  - sinks: fp32 logits per query head, folded into the online softmax's running max and denominator after the
+    last KV tile (decode without splits, flash), or into the combine's reduction over the splits.
+
 Triton-Ascend: 1-D grids only; every ragged access masked (loads of whole tiles below the diagonal are
 unmasked because every index is in range); tl.dot operands are >= 16 in every dim (its interpreter refuses
 smaller ones); no fp64 (scale is a fp32 argument); block sizes are parameters; no while loops. Both
@@ -68,6 +79,7 @@ _FLASH_SEARCH_BLOCK = 128  # flash: query_start_loc entries a program scans per 
 _FLASH_MIN_PROGRAMS = 512  # flash: below this many BLOCK_M 128 programs (~4 per H100 SM), use BLOCK_M 64
 _FLASH_LONG_ROWS = 2048  # flash: and below this many rows per request (16 x 512 is faster at BLOCK_M 64 on an H200)
 _NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so an empty split or padded row never makes inf - inf
+_LOG2E_C = tl.constexpr(_LOG2E)
 
 
 @triton.jit
@@ -79,19 +91,46 @@ def _dot(a, b, DOT_F32: tl.constexpr):
         return tl.dot(a.to(b.dtype), b)
 
 
+@triton.jit
+def _tanh(x):
+    """tanh(x) from exp2 of -2|x| (never overflows), sign restored."""
+    e = tl.exp2(-2.0 * _LOG2E_C * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(q, k, qk_scale, cap, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr):
+    """Logits in log2 units: q.k * scale * log2(e); with a softcap c, tanh(q.k * scale / c) * c * log2(e)
+    (the host passes qk_scale = scale / c and cap = c * log2(e) then)."""
+    s = _dot(q, k, DOT_F32) * qk_scale
+    if SOFTCAP:
+        s = _tanh(s) * cap
+    return s
+
+
+@triton.jit
+def _fold_sink(m, l, acc, sink):
+    """Add a sink logit (log2 units, one per row) to an online softmax's (max, sum, acc): a term of the
+    denominator with no value."""
+    m_new = tl.maximum(m, sink)
+    alpha = tl.exp2(m - m_new)
+    return l * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
+
+
 # ---- decode: split-K over the context, pure-decode batches ----------------------------------------------------
 
 @triton.jit
 def _attend_tile(q, m, l, acc, allowed, tok, tok_mask, page_row_ptr, k_cache_ptr, v_cache_ptr, kv_head, d, d_mask,
-                 qk_scale, block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                 DOT_F32: tl.constexpr):
+                 qk_scale, cap, block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr):
     """One online-softmax step over the cache tokens `tok` ([BLOCK_N]); allowed: [rows, BLOCK_N] mask."""
     page = tl.load(page_row_ptr + tok // block_size, mask=tok_mask, other=0).to(tl.int64)
     slot = tok % block_size
     kv_mask = tok_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
                 mask=kv_mask, other=0.0)
-    s = _dot(q, tl.trans(k), DOT_F32) * qk_scale
+    s = _scores(q, tl.trans(k), qk_scale, cap, SOFTCAP, DOT_F32)
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
@@ -103,11 +142,12 @@ def _attend_tile(q, m, l, acc, allowed, tok, tok_mask, page_row_ptr, k_cache_ptr
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-                   part_acc_ptr, part_ml_ptr, qk_scale, n_kv_heads, group, head_size, block_size, num_splits,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
+                   part_acc_ptr, part_ml_ptr, qk_scale, cap, window, n_kv_heads, group, head_size, block_size,
+                   num_splits, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                   SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+                   SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+                   DOT_F32: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Pure decode: query row `req` is request req's only row (whatever query_start_loc says of padding)."""
     pid = tl.program_id(0)
@@ -124,10 +164,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     q_mask = g_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + req * stride_qt + q_heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
 
-    # This split's share of the context, in whole tiles, from the device-side seq_len.
+    # This split's share of the visible context (the window's tiles), in whole tiles, from the device-side seq_len.
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits)
-    t_lo = split * per_split
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)  # the first visible position
+    else:
+        lo = seq_len * 0
+    t_first = lo // BLOCK_N
+    per_split = tl.cdiv(n_tiles - t_first, num_splits)
+    t_lo = t_first + split * per_split
     t_hi = tl.minimum(t_lo + per_split, n_tiles)
     m = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -136,9 +181,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     for t in range(t_lo, t_hi):
         tok = t * BLOCK_N + tl.arange(0, BLOCK_N)
         tok_mask = tok < seq_len
+        if SLIDING:
+            tok_mask = tok_mask & (tok >= lo)
         m, l, acc = _attend_tile(q, m, l, acc, tok_mask[None, :], tok, tok_mask, page_row_ptr, k_cache_ptr,
-                                 v_cache_ptr, kv_head, d, d_mask, qk_scale, block_size, stride_kb, stride_ks,
-                                 stride_kh, stride_vb, stride_vs, stride_vh, DOT_F32)
+                                 v_cache_ptr, kv_head, d, d_mask, qk_scale, cap, block_size, stride_kb, stride_ks,
+                                 stride_kh, stride_vb, stride_vs, stride_vh, SOFTCAP, DOT_F32)
 
     if SPLIT:  # unnormalised partials; the combine kernel weighs them by exp2(m - max m)
         # Splits past the context's last tile (short contexts) write nothing; the combine reads only the others.
@@ -148,19 +195,25 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         tl.store(part_ml_ptr + part * 2, m, mask=g_mask & has_tiles)
         tl.store(part_ml_ptr + part * 2 + 1, l, mask=g_mask & has_tiles)
     else:
+        if HAS_SINKS:
+            l, acc = _fold_sink(m, l, acc, tl.load(sinks_ptr + q_heads, mask=g_mask, other=0.0) * _LOG2E_C)
         o = acc / tl.where(l > 0, l, 1.0)[:, None]  # seq_len 0: acc is 0, so the row is 0
         tl.store(out_ptr + req * stride_ot + q_heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
-def _combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, n_q_heads, head_size, num_splits,
-                    stride_ot, stride_oh, SPLIT_BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, sinks_ptr, window, n_q_heads, head_size,
+                    num_splits, stride_ot, stride_oh, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+                    SPLIT_BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)  # = request * Hq + head, the partials' row; the request's row is the request
     req = pid // n_q_heads
     head = pid % n_q_heads
     # The splits the decode kernel gave tiles to (the same arithmetic; none for seq_len 0: the row is 0).
-    n_tiles = tl.cdiv(tl.load(seq_lens_ptr + req), SPLIT_BLOCK_N)
+    seq_len = tl.load(seq_lens_ptr + req)
+    n_tiles = tl.cdiv(seq_len, SPLIT_BLOCK_N)
+    if SLIDING:
+        n_tiles -= tl.maximum(seq_len - window, 0) // SPLIT_BLOCK_N  # those from the window's first on
     n_active = tl.cdiv(n_tiles, tl.maximum(tl.cdiv(n_tiles, num_splits), 1))
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -171,8 +224,15 @@ def _combine_kernel(part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, n_q_heads,
     l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * head_size + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
                   other=0.0)
-    w = tl.exp2(m - tl.max(m, axis=0))  # masked splits have l = 0 and acc = 0: they add nothing
-    total = tl.sum(w * l, axis=0)
+    # masked splits have l = 0 and acc = 0: they add nothing
+    if HAS_SINKS:  # the sink: a term of the denominator with no value
+        sink = tl.load(sinks_ptr + head) * _LOG2E_C
+        m_max = tl.maximum(tl.max(m, axis=0), sink)
+        w = tl.exp2(m - m_max)
+        total = tl.sum(w * l, axis=0) + tl.exp2(sink - m_max)
+    else:
+        w = tl.exp2(m - tl.max(m, axis=0))
+        total = tl.sum(w * l, axis=0)
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + req * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -198,15 +258,19 @@ def _find_request(qsl_ptr, tile, n_reqs, BLOCK_Q: tl.constexpr, BLOCK_R: tl.cons
 
 
 @triton.jit
-def _flash_step(q, m, l, acc, t, q_pos, kv_end, page_row_ptr, k_base, v_base, d, d_mask, qk_scale,
-                stride_kb, stride_ks, stride_vb, stride_vs, DIAGONAL: tl.constexpr, EVEN_D: tl.constexpr,
-                DOT_F32: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online softmax over KV tile t. DIAGONAL: the tile crosses the causal diagonal or the context end
-    (masked loads, causal mask); otherwise every token of it is visible to every row of the query tile."""
+def _flash_step(q, m, l, acc, t, q_pos, kv_start, kv_end, window, page_row_ptr, k_base, v_base, d, d_mask, qk_scale,
+                cap, stride_kb, stride_ks, stride_vb, stride_vs, DIAGONAL: tl.constexpr, EVEN_D: tl.constexpr,
+                SOFTCAP: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Online softmax over KV tile t. DIAGONAL: the tile crosses the causal diagonal, the context end or the
+    sliding window's lower edge (masked loads, causal and window masks); otherwise every token of it is visible to
+    every row of the query tile. Positions outside [kv_start, kv_end) are never read."""
     tok = t * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tok % BLOCK_SIZE
     if DIAGONAL:
         tok_mask = tok < kv_end
+        if SLIDING:
+            tok_mask = tok_mask & (tok >= kv_start)
         page = tl.load(page_row_ptr + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
     else:
         page = tl.load(page_row_ptr + tok // BLOCK_SIZE).to(tl.int64)
@@ -221,9 +285,12 @@ def _flash_step(q, m, l, acc, t, q_pos, kv_end, page_row_ptr, k_base, v_base, d,
     else:
         k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-    s = _dot(q, k, DOT_F32) * qk_scale
+    s = _scores(q, k, qk_scale, cap, SOFTCAP, DOT_F32)
     if DIAGONAL:  # a valid row's position is < kv_end, so this also hides the tokens past the context
-        s = tl.where(tok[None, :] <= q_pos[:, None], s, float("-inf"))
+        visible = tok[None, :] <= q_pos[:, None]
+        if SLIDING:
+            visible = visible & (tok[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -233,12 +300,13 @@ def _flash_step(q, m, l, acc, t, q_pos, kv_end, page_row_ptr, k_base, v_base, d,
 
 # Per-step counts are not specialised on (== 1, % 16): one compiled variant serves every step (see launch.py).
 @triton.jit(do_not_specialize=["n_reqs", "n_rows", "n_tiles"])
-def _flash_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
-                  qk_scale, n_reqs, n_rows, n_tiles,
+def _flash_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
+                  qk_scale, cap, window, n_reqs, n_rows, n_tiles,
                   stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
+                  DOT_F32: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = pid % N_KV_HEADS
@@ -270,6 +338,18 @@ def _flash_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, se
     kv_end = tl.where(has_rows, tl.maximum(tl.minimum(seq_len, ctx + tl.minimum(q0 + BLOCK_Q, q_len)), 0), 0)
     n_full = tl.minimum(tl.where(has_rows, tl.maximum(ctx + q0 + 1, 0), 0), kv_end) // BLOCK_N
     n_kv = tl.cdiv(kv_end, BLOCK_N)
+    # Sliding window: tiles before t_lo hold no position any row sees; tiles [t_lo, t_win) cross some row's window
+    # edge (masked); from t_win on every position is inside every row's window (the last row's, kv_end - 1, starts
+    # latest), so tiles [t_win, n_full) run unmasked.
+    if SLIDING:
+        kv_start = tl.maximum(ctx + q0 - window + 1, 0)  # the first row's first visible position
+        t_lo = tl.minimum(kv_start // BLOCK_N, n_kv)
+        t_win = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N), t_lo), n_kv)
+        n_full = tl.maximum(n_full, t_win)
+    else:
+        kv_start = n_kv * 0
+        t_lo = kv_start
+        t_win = t_lo
 
     m = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -277,14 +357,21 @@ def _flash_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, qsl_ptr, se
     page_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    for t in range(0, n_full):
-        m, l, acc = _flash_step(q, m, l, acc, t, q_pos, kv_end, page_row_ptr, k_base, v_base, d, d_mask, qk_scale,
-                                stride_kb, stride_ks, stride_vb, stride_vs, False, BLOCK_D == HEAD_SIZE, DOT_F32,
-                                BLOCK_SIZE, BLOCK_N)
+    if SLIDING:
+        for t in range(t_lo, t_win):
+            m, l, acc = _flash_step(q, m, l, acc, t, q_pos, kv_start, kv_end, window, page_row_ptr, k_base, v_base, d,
+                                    d_mask, qk_scale, cap, stride_kb, stride_ks, stride_vb, stride_vs, True,
+                                    BLOCK_D == HEAD_SIZE, SOFTCAP, SLIDING, DOT_F32, BLOCK_SIZE, BLOCK_N)
+    for t in range(t_win, n_full):
+        m, l, acc = _flash_step(q, m, l, acc, t, q_pos, kv_start, kv_end, window, page_row_ptr, k_base, v_base, d,
+                                d_mask, qk_scale, cap, stride_kb, stride_ks, stride_vb, stride_vs, False,
+                                BLOCK_D == HEAD_SIZE, SOFTCAP, SLIDING, DOT_F32, BLOCK_SIZE, BLOCK_N)
     for t in range(n_full, n_kv):
-        m, l, acc = _flash_step(q, m, l, acc, t, q_pos, kv_end, page_row_ptr, k_base, v_base, d, d_mask, qk_scale,
-                                stride_kb, stride_ks, stride_vb, stride_vs, True, BLOCK_D == HEAD_SIZE, DOT_F32,
-                                BLOCK_SIZE, BLOCK_N)
+        m, l, acc = _flash_step(q, m, l, acc, t, q_pos, kv_start, kv_end, window, page_row_ptr, k_base, v_base, d,
+                                d_mask, qk_scale, cap, stride_kb, stride_ks, stride_vb, stride_vs, True,
+                                BLOCK_D == HEAD_SIZE, SOFTCAP, SLIDING, DOT_F32, BLOCK_SIZE, BLOCK_N)
+    if HAS_SINKS:
+        l, acc = _fold_sink(m, l, acc, tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * _LOG2E_C)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]  # seq_len 0 or padding: acc is 0, so the row is 0
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -321,12 +408,14 @@ def _flash_config(dtype: torch.dtype, head_size: int, n_rows: int, n_q_heads: in
 
 
 def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                         query_start_loc: Tensor, seq_lens: Tensor, scale: float, *, kernel: str | None = None,
+                         query_start_loc: Tensor, seq_lens: Tensor, scale: float, sliding_window: int = 0,
+                         softcap: float = 0.0, sinks: Tensor | None = None, *, kernel: str | None = None,
                          num_splits: int | None = None, decode_block_n: int | None = None, block_m: int | None = None,
                          block_n: int | None = None, num_warps: int | None = None,
                          num_stages: int | None = None) -> Tensor:
     """paged_attention with the choices exposed (tests and benchmarks pin them; None = the default choice).
 
+    sliding_window / softcap / sinks: the op's (graphinfer/ops/attention.py); 0 / 0.0 / None: off.
     kernel: "decode" (split-K; only for pure-decode batches, T == B) or "flash"; None picks decode for
     T == B, else flash. num_splits / decode_block_n: the decode kernel's; block_m / block_n: the flash kernel's
     (block_m is rounded up to the next power of 2 >= the GQA group); num_warps / num_stages: either kernel's (decode:
@@ -352,7 +441,14 @@ def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
     if n_reqs == 0:  # every row is padding
         return out.zero_()
 
-    qk_scale = float(scale) * _LOG2E
+    if sinks is not None:
+        if sinks.shape != (n_q_heads,):
+            raise ValueError(f"sinks: one logit per query head, shape ({n_q_heads},), got {tuple(sinks.shape)}")
+        sinks = sinks.float().contiguous()  # no copy for fp32 sinks
+    # softcap c: the kernels take tanh(dot * scale / c) * c * log2(e) (see _scores)
+    qk_scale, cap = (float(scale) / softcap, float(softcap) * _LOG2E) if softcap > 0 else (float(scale) * _LOG2E, 1.0)
+    features = dict(SOFTCAP=softcap > 0, SLIDING=sliding_window > 0, HAS_SINKS=sinks is not None)
+    sinks_arg = sinks if sinks is not None else seq_lens  # never read without sinks
     fp32_cache = key_cache.dtype == torch.float32
     dot_f32 = fp32_cache or query.device.type == "cpu"  # CPU = interpreter: no bf16 dot
     block_d = max(16, next_power_of_2(head_size))
@@ -364,21 +460,25 @@ def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
     if kernel == "decode":
         # Tiles sized so that sm_90 builds keep everything in registers (fp32 'ieee' dots are FMA-based, bulkier).
         decode_block_n = decode_block_n or (32 if head_size > (64 if fp32_cache else 128) else 64)
-        splits = num_splits or _num_splits(n_reqs, n_kv_heads, block_tables.shape[1] * block_size, decode_block_n)
+        max_context = block_tables.shape[1] * block_size
+        if sliding_window > 0:  # a window's positions span at most this many tokens of whole tiles
+            max_context = min(max_context, sliding_window + decode_block_n)
+        splits = num_splits or _num_splits(n_reqs, n_kv_heads, max_context, decode_block_n)
         split = splits > 1
         part_acc = torch.empty((n_reqs * n_q_heads * splits * head_size) if split else 1, dtype=torch.float32,
                                device=query.device)
         part_ml = torch.empty((n_reqs * n_q_heads * splits * 2) if split else 1, dtype=torch.float32,
                               device=query.device)
         launch_kernel(_decode_kernel, (n_reqs * n_kv_heads * splits,),
-            query, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_ml,
-            qk_scale, n_kv_heads, group, head_size, block_size, splits, **strides,
-            SPLIT=split, DOT_F32=dot_f32,
+            query, key_cache, value_cache, block_tables, seq_lens, sinks_arg, out, part_acc, part_ml,
+            qk_scale, cap, sliding_window, n_kv_heads, group, head_size, block_size, splits, **strides,
+            SPLIT=split, **features, DOT_F32=dot_f32,
             BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=decode_block_n, BLOCK_D=block_d,
             num_warps=num_warps or 4, **({"num_stages": num_stages} if num_stages else {}))
         if split:
             launch_kernel(_combine_kernel, (n_reqs * n_q_heads,),
-                part_acc, part_ml, out, seq_lens, n_q_heads, head_size, splits, out.stride(0), out.stride(1),
+                part_acc, part_ml, out, seq_lens, sinks_arg, sliding_window, n_q_heads, head_size, splits,
+                out.stride(0), out.stride(1), SLIDING=features["SLIDING"], HAS_SINKS=features["HAS_SINKS"],
                 SPLIT_BLOCK_N=decode_block_n, BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
         return out
 
@@ -388,14 +488,17 @@ def paged_attention_impl(query: Tensor, key_cache: Tensor, value_cache: Tensor, 
     n_tiles = n_rows // block_q + n_reqs + 1  # >= sum over requests of cdiv(q_len, BLOCK_Q), + the padding rows
     launch = dict(num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
     launch_kernel(_flash_kernel, (n_tiles * n_kv_heads,),
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, qk_scale, n_reqs, n_rows,
-        n_tiles, **strides, N_KV_HEADS=n_kv_heads, GROUP=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-        DOT_F32=dot_f32, BLOCK_R=_FLASH_SEARCH_BLOCK,
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, sinks_arg, out, qk_scale, cap,
+        sliding_window, n_reqs, n_rows, n_tiles, **strides, N_KV_HEADS=n_kv_heads, GROUP=group, HEAD_SIZE=head_size,
+        BLOCK_SIZE=block_size, **features, DOT_F32=dot_f32, BLOCK_R=_FLASH_SEARCH_BLOCK,
         BLOCK_M=bm, BLOCK_Q=block_q, BLOCK_N=block_n or cfg_n, BLOCK_D=block_d, **launch)
     return out
 
 
 def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                    query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
-    """Causal GQA attention of query [T, Hq, D] over each request's paged context -> [T, Hq, D]."""
-    return paged_attention_impl(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+                    query_start_loc: Tensor, seq_lens: Tensor, scale: float, sliding_window: int = 0,
+                    softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+    """Causal GQA attention of query [T, Hq, D] over each request's paged context -> [T, Hq, D] (optionally a
+    sliding window, softcap, sinks: graphinfer/ops/attention.py)."""
+    return paged_attention_impl(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                                sliding_window, softcap, sinks)
