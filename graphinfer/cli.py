@@ -17,10 +17,11 @@ PARALLEL_ARGS = ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "
                  "data_parallel_size")
 GRAPH_ARGS = ("graph_mode", "capture_sizes", "max_capture_size", "splitting_ops")
 # `graphinfer compile`: what shapes the artifact (the KV cache is a placeholder; nothing is served)
-COMPILE_ARGS = ("dtype", "quantization", "device", "passes", "max_num_seqs", *GRAPH_ARGS, "speculative_config",
-                *PARALLEL_ARGS)
+COMPILE_ARGS = ("dtype", "quantization", "model_impl", "device", "passes", "max_num_seqs", *GRAPH_ARGS,
+                "speculative_config", *PARALLEL_ARGS)
 # the offline benchmarks (throughput, latency): the engine settings each run takes from the command line
-OFFLINE_BENCH_ARGS = ("model", "dtype", "quantization", "device", "passes", "capture_sizes", "max_model_len", "seed")
+OFFLINE_BENCH_ARGS = ("model", "dtype", "quantization", "model_impl", "device", "passes", "capture_sizes",
+                      "max_model_len", "seed")
 # The benchmarks' workloads: where a bench subcommand starts from other values than the engine's defaults, and why.
 BENCH_DEFAULTS = {
     "model": "qwen3-0.6b",  # nano-vllm's workload model (random weights of its shape: no download)
@@ -479,8 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              "prefill/decode split, memory roofline; sweeps; vs HF generate_batch")
     _add_offline_bench_args(bt)
     engine_args.add_cli_args(bt, ["graph_mode", "max_num_seqs", "async_scheduling", "max_num_batched_tokens", "kernels",
-                                  "block_size", "enable_prefix_caching", "speculative_config", "model_impl"],
-                             defaults=BENCH_DEFAULTS)
+                                  "block_size", "enable_prefix_caching", "speculative_config"], defaults=BENCH_DEFAULTS)
     bt.add_argument("--num-prompts", type=int, default=256)
     bt.add_argument("--min-len", type=int, default=100, help="shortest prompt and output (tokens)")
     bt.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (tokens)")

@@ -28,7 +28,7 @@ def test_missing_path(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}))
-    with pytest.raises(UnsupportedArchitectureError, match="Mamba / state-space"):  # the reason, at start-up
+    with pytest.raises(UnsupportedArchitectureError, match="Mamba / state-space layers"):  # the reason, at start-up
         LLM(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}))
     with pytest.raises(UnsupportedArchitectureError, match="'nosuch'.*transformers .* does not know"):

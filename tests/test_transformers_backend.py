@@ -53,3 +53,56 @@ def test_graphinfer_impl_refuses_an_architecture_it_lacks(tmp_path):
     hf.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedArchitectureError, match="has no graphinfer model.*model_impl='auto' or 'transformers'"):
         LLM(str(tmp_path), model_impl="graphinfer")
+
+
+# ----- the zoo (tests/hf_zoo.py): sixteen other architectures, HF's own tokens as the oracle -----
+
+from hf_zoo import UNSUPPORTED, ZOO, ZOO_PROMPTS, greedy_matches_hf, hf_greedy  # noqa: E402
+
+# transformers' code that TorchDynamo cannot capture as one graph valid for every batch: refused, with the reason
+NOT_CAPTURABLE = {"gpt_oss": "does not reproduce it on other inputs",  # a Python loop over the experts a batch hits
+                  "phi3": "TorchDynamo cannot capture"}  # longrope switches factors on the sequence length
+
+
+@pytest.mark.parametrize("name", [n for n in ZOO if n not in NOT_CAPTURABLE])
+def test_zoo_gives_hf_greedy_tokens_through_chunks_and_prefix_hits(hf_zoo_checkpoint, name):
+    """Plain LLM(dir) (model_impl auto: no graphinfer model for these), prompts of 5-67 tokens (past every sliding
+    window) chunked into 32-token steps beside decodes, then again with their full blocks from the prefix cache."""
+    path = hf_zoo_checkpoint(name)
+    expected = hf_greedy(path, ZOO_PROMPTS, NEW)
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=32, block_size=8)
+    assert type(llm.llm_engine.worker.model).__name__ == "TransformersForCausalLM"
+    for run in ("cold", "prefix hits"):
+        got = _greedy(llm, ZOO_PROMPTS)
+        checks = [greedy_matches_hf(path, p, e, g) for p, e, g in zip(ZOO_PROMPTS, expected, got)]
+        assert all(ok for ok, _ in checks), (run, [why for _, why in checks])
+    assert llm.llm_engine.stats()["kv_usage"] == 0
+
+
+@pytest.mark.parametrize("name", sorted(NOT_CAPTURABLE))
+def test_models_the_capture_cannot_hold_are_refused(hf_zoo_checkpoint, name):
+    with pytest.raises(UnsupportedArchitectureError, match=NOT_CAPTURABLE[name]):
+        LLM(hf_zoo_checkpoint(name), dtype="float32", max_model_len=256)
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_unsupported_architectures_are_refused_naming_the_reason(hf_zoo_checkpoint, name):
+    with pytest.raises(UnsupportedArchitectureError, match=UNSUPPORTED[name].reason):
+        LLM(hf_zoo_checkpoint(name), dtype="float32", max_model_len=256)
+
+
+def test_canonicalised_graph_has_the_native_ops(tiny_checkpoint):
+    """A Qwen3 through transformers' code, after the canonicalisation passes, holds the graphinfer ops of the native
+    model's fused graph (qkv split + qk_norm_rope_cache, add_rms_norm, gate_up + silu_and_mul, paged attention)."""
+    from graphinfer.compiler.trace import op_histogram
+
+    path, _ = tiny_checkpoint("qwen3")
+    ops = lambda llm: {k: v for k, v in op_histogram(llm.llm_engine.worker.graph).items()  # noqa: E731
+                       if k.startswith("graphinfer::")}
+    transformers = LLM(path, dtype="float32", model_impl="transformers", max_model_len=256)
+    native = LLM(path, dtype="float32", model_impl="graphinfer", max_model_len=256)
+    assert ops(transformers) == ops(native), (ops(transformers), ops(native))
+    reports = {r.name: r.matches for r in transformers.llm_engine.pass_reports}
+    layers = transformers.llm_engine.hf_config.num_hidden_layers
+    assert reports["canon_rotary"] == reports["fuse_qkv"] == reports["fuse_gate_up"] == layers
+    assert reports["canon_rms_norm"] == 4 * layers + 1  # input, post-attention, q and k norms, and the final one

@@ -3,8 +3,11 @@ import torch
 from torch import fx, nn
 
 from graphinfer.compiler.trace import trace_model
+from graphinfer.errors import UnsupportedArchitectureError
 from graphinfer.models.layers import AttentionMetadata, PagedAttention, allocate_kv_cache
+from graphinfer.models.transformers import TransformersForCausalLM
 from graphinfer.passes import Pass, PassManager, PassReports
+from graphinfer.passes.check import compare
 
 _CHECK_BLOCKS, _CHECK_BLOCK_SIZE = 6, 16  # what check_inputs needs
 
@@ -45,5 +48,22 @@ def compile_model(model: nn.Module, passes: list[Pass], check: bool = True, *, a
     allocates the real cache and calls compiler.trace.rebind_buffers(model, gm)."""
     allocate_kv_cache(model, _CHECK_BLOCKS, _CHECK_BLOCK_SIZE)
     gm = trace_model(model)
+    if isinstance(model, TransformersForCausalLM):  # always: a captured graph is only right if it does what the code does
+        check_capture(model, gm, check_inputs(model))
     manager = PassManager(passes, check_inputs(model) if check else None, atol=atol, rtol=rtol, dump_dir=dump_dir)
     return gm, manager.run(gm)
+
+
+def check_capture(model: nn.Module, gm: fx.GraphModule, inputs: list[tuple]) -> None:
+    """The graph TorchDynamo captured from transformers' code gives what that code gives on other inputs than the
+    capture's example (other token counts, ids and batch shapes); else the model is refused, not run wrong."""
+    with torch.no_grad():
+        ref = [model(*step) for step in inputs]  # each step writes the cache; the graph's rerun writes the same
+        got = [gm(*step) for step in inputs]
+    result = compare(ref, got)
+    if not result.passed:
+        raise UnsupportedArchitectureError(
+            f"{model.config.architectures}: the graph captured from transformers' code does not reproduce it on other "
+            f"inputs ({result.why()}): its forward branches on the data (e.g. a loop over the MoE experts a batch "
+            f"hits), which a captured graph fixes at the capture's example. This model cannot run through "
+            f"model_impl='transformers' yet.")

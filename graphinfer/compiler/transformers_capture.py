@@ -19,6 +19,7 @@ the example takes, which the capture refuses rather than guess (export fails on 
 import torch
 from torch import fx, nn
 
+from graphinfer.errors import UnsupportedArchitectureError
 from graphinfer.models.layers import AttentionMetadata
 
 _MD_FIELDS = ("slot_mapping", "block_tables", "query_start_loc", "seq_lens")
@@ -51,8 +52,15 @@ def capture_transformers(model: nn.Module) -> fx.GraphModule:
     positions, md) -> hidden [T, H]."""
     import torch._dynamo
 
-    with torch.no_grad():
-        captured, _ = torch._dynamo.export(_FlatInputs(model), assume_static_by_default=False)(*_example_inputs(model))
+    try:
+        with torch.no_grad():
+            captured, _ = torch._dynamo.export(_FlatInputs(model), assume_static_by_default=False)(
+                *_example_inputs(model))
+    except Exception as e:  # Dynamo's: a graph break, data-dependent control flow, an unsupported construct
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedArchitectureError(
+            f"{model.config.architectures}: TorchDynamo cannot capture transformers' forward of this model as one "
+            f"graph ({type(e).__name__}: {first}), so it cannot run through model_impl='transformers' yet.") from e
     return _canonical(captured, model)
 
 

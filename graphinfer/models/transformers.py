@@ -34,8 +34,8 @@ def unsupported_reason(config) -> str | None:
         return f"{config.model_type} is an encoder-decoder model; graphinfer runs decoder-only models"
     layer_types = set(getattr(config, "layer_types", None) or ())
     if config.model_type in _STATE_SPACE or layer_types & {"mamba", "linear_attention", "recurrent", "mamba2"}:
-        return (f"{config.model_type} has Mamba / state-space or linear-attention layers, whose state is not a paged "
-                f"KV cache")
+        return (f"{config.model_type} has Mamba / state-space layers (or linear-attention ones), whose state is not a "
+                f"paged KV cache")
     return None
 
 

@@ -140,9 +140,8 @@ class CanonRotaryPass(Pass):
                 caches[id(cos)] = name
             order = {n: i for i, n in enumerate(gm.graph.nodes)}
             with gm.graph.inserting_before(min(q_embed, k_embed, key=order.get)):
-                flat = [gm.graph.call_method("flatten", (gm.graph.call_method("transpose", (x, 1, 2)), 0, 1))
-                        for x in (q, k)]
-                flat = [gm.graph.call_method("flatten", (f, 1)) for f in flat]
+                flat = [gm.graph.call_method("reshape", (gm.graph.call_method("transpose", (x, 1, 2)), -1, int(h * d)))
+                        for x, h in ((q, hq), (k, hk))]
                 cache_node = gm.graph.get_attr(caches[id(cos)])
                 rot = gm.graph.call_function(GRAPHINFER.rotary_embedding.default,
                                              (positions, flat[0], flat[1], int(d), cache_node, True))

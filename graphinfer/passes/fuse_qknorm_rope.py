@@ -34,6 +34,16 @@ def _normed(value) -> fx.Node | None:
     return norm if is_op(norm, GRAPHINFER.rms_norm) else None
 
 
+def _shape(view: fx.Node) -> tuple:
+    """The sizes a view asks for: x.view(a, b, d) or x.view((a, b, d)) (transformers' spelling)."""
+    return tuple(view.args[1] if len(view.args) == 2 and isinstance(view.args[1], (tuple, list)) else view.args[1:])
+
+
+def _last_dim(view: fx.Node):
+    shape = _shape(view)
+    return shape[-1] if shape else None
+
+
 def _index(node: fx.Node):
     """i if node is x[i], else None."""
     return node.args[1] if is_op(node, operator.getitem) else None
@@ -50,7 +60,7 @@ class FuseQKNormRopePass(Pass):
         where, name, value = rot.name, "qk"[index], arg(rot, 1 + index, _ROTARY_ARGS[1 + index])
         norm = _normed(value)
         heads = arg(norm, 0, "x")
-        if not (is_view(heads) and heads.args[-1] == head_size):
+        if not (is_view(heads) and _last_dim(heads) == head_size):
             return self.decline(f"{where}: {name} is not normalised per head of {head_size}: its rms_norm reads "
                                 f"{heads.name}, not a [..., heads, {head_size}] view")
         weight = arg(norm, 1, "weight")
@@ -97,7 +107,8 @@ class FuseQKNormRopePass(Pass):
             return self.decline(f"{where}: the rotary's or the split's outputs are used other than by index")
         args = (split.args[0], sizes[0] // head_size, sizes[1] // head_size, head_size, q_weight, k_weight, q_eps,
                 positions, cache, is_neox)
-        return args, split, q_chain, k_chain
+        batched = _shape(q_chain[1])[0] == 1 and len(_shape(q_chain[1])) == 4  # transformers' [1, T, heads, D]
+        return args, split, q_chain, k_chain, sum(sizes) if batched else None
 
     def apply(self, gm: fx.GraphModule) -> int:
         g = gm.graph
@@ -105,8 +116,10 @@ class FuseQKNormRopePass(Pass):
         for rot in list(g.nodes):
             if not is_op(rot, GRAPHINFER.rotary_embedding) or (found := self._match(gm, rot)) is None:
                 continue
-            args, split, q_chain, k_chain = found
+            args, split, q_chain, k_chain, flatten_to = found
             with g.inserting_before(rot):
+                if flatten_to is not None:  # a leading batch dim of 1 (transformers' layout): the op takes [T, qkv]
+                    args = (g.call_method("reshape", (args[0], -1, flatten_to)), *args[1:])
                 fused = g.call_function(GRAPHINFER.qk_norm_rope.default, args)
                 outs = [g.call_function(operator.getitem, (fused, i)) for i in range(3)]
                 for i, chain in enumerate((q_chain, k_chain)):
