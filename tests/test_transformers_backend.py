@@ -106,3 +106,35 @@ def test_canonicalised_graph_has_the_native_ops(tiny_checkpoint):
     layers = transformers.llm_engine.hf_config.num_hidden_layers
     assert reports["canon_rotary"] == reports["fuse_qkv"] == reports["fuse_gate_up"] == layers
     assert reports["canon_rms_norm"] == 4 * layers + 1  # input, post-attention, q and k norms, and the final one
+
+
+def test_compile_then_serve_the_artifact_to_the_openai_client(hf_zoo_checkpoint, smollm2_path, tmp_path):
+    """`graphinfer compile DIR --model-impl transformers`, then `graphinfer serve ART`: a Mistral (sliding window) with
+    SmolLM2's tokenizer beside it, so the served text is comparable: HF's greedy tokens, decoded."""
+    import shutil
+    import subprocess
+
+    from openai import OpenAI
+    from server_utils import GRAPHINFER, Server
+
+    from graphinfer.models.gguf_loader import load_gguf_tokenizer
+
+    path = str(tmp_path / "mistral")
+    shutil.copytree(hf_zoo_checkpoint("mistral"), path)
+    tokenizer = load_gguf_tokenizer(smollm2_path)
+    tokenizer.save_pretrained(path)
+    prompt = ZOO_PROMPTS[2]
+    expected = tokenizer.decode(hf_greedy(path, [prompt], NEW)[0], skip_special_tokens=True)  # as the server does
+    art = str(tmp_path / "art")
+    res = subprocess.run([GRAPHINFER, "compile", path, "--model-impl", "transformers", "--dtype", "float32", "-o", art],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    server = Server([art, "--max-model-len", "256"], tmp_path / "serve.log").launch()
+    try:
+        server.wait_ready(180)
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        out = client.completions.create(model="mistral", prompt=prompt, max_tokens=NEW, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == expected and out.usage.completion_tokens == NEW
+    finally:
+        server.stop()

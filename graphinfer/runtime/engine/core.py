@@ -83,8 +83,10 @@ class EngineCore:
             check_parallel_config(config)
         # From an artifact, the tokenizer (mostly transformers' import) loads in a thread while the workers load the
         # weights and graph, where nothing else imports transformers meanwhile (its lazy module is not safe to import
-        # from two threads at once; RoPE other than "default" uses transformers' init functions).
+        # from two threads at once; RoPE other than "default" uses transformers' init functions, and a model of
+        # transformers' code is built by transformers).
         in_thread = bool(config.artifact) and \
+            artifact.read_manifest(config.artifact).get("model_impl", "graphinfer") == "graphinfer" and \
             rope_parameters(artifact.load_config(config.artifact)).get("rope_type", "default") == "default"
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(_load_tokenizer, config, timer, "tokenizer (in a thread)") if in_thread else None
