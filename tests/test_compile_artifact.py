@@ -39,7 +39,7 @@ def test_artifact_contents(qwen2_artifact):
     assert manifest["platform"] == "cpu" and manifest["dtype"] == "float32" and manifest["graph_mode"] == "NONE"
     assert manifest["capture_sizes"][:5] == [1, 2, 4, 8, 16] and manifest["capture_sizes"][-1] == 512  # piecewise sizes
     assert [(p["name"], p["matches"]) for p in manifest["passes"]] == [
-        ("fuse_qkv", 3), ("fuse_qknorm_rope", 0), ("fuse_gate_up", 3), ("fuse_add_rmsnorm", 6),
+        ("canon_rms_norm", 0), ("canon_rotary", 0), ("canon_transpose", 0), ("fuse_qkv", 3), ("fuse_qknorm_rope", 0), ("fuse_gate_up", 3), ("fuse_add_rmsnorm", 6),
         ("fuse_allreduce_add_rmsnorm", 0), ("fuse_moe", 0), ("lower_quant_linears", 0), ("fuse_rmsnorm_quant", 0),
         ("fuse_silu_mul_quant", 0), ("cleanup", manifest["passes"][-1]["matches"])]
     assert all(p["max_abs_error"] <= 1e-5 for p in manifest["passes"])
@@ -61,7 +61,8 @@ def test_round_trip_gives_in_memory_tokens_without_tracing(qwen2_artifact, monke
     loaded = LLM(artifact=art)  # model and dtype come from the manifest
     assert loaded.llm_engine.config.model_config.model == os.path.abspath(path)
     assert _tokens(loaded, PROMPTS) == _tokens(in_memory, PROMPTS)
-    assert [r.name for r in loaded.llm_engine.worker.compiled.pass_reports][:1] == ["fuse_qkv"]
+    assert [r.name for r in loaded.llm_engine.worker.compiled.pass_reports][:4] == [
+        "canon_rms_norm", "canon_rotary", "canon_transpose", "fuse_qkv"]
     assert not hasattr(loaded.llm_engine.worker.model.model.layers[0].self_attn, "q_proj")  # never built
 
 

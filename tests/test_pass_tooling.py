@@ -86,12 +86,13 @@ def test_show_diff_verify():
     traced = tools.show("tiny-qwen3")
     assert "as traced (no passes)" in traced and "q_proj" in traced and "| graphinfer::rms_norm | 9 |" in traced
     after = tools.show("tiny-qwen3", after="fuse_qkv")
-    assert "after fuse_qkv" in after and "qkv_proj" in after and "self_attn.q_proj(" not in after
+    assert "after canon_rms_norm -> canon_rotary -> canon_transpose -> fuse_qkv" in after and "qkv_proj" in after \
+        and "self_attn.q_proj(" not in after
     d = tools.diff("tiny-qwen3", "fuse_add_rmsnorm")
-    assert "after fuse_qkv -> fuse_qknorm_rope -> fuse_gate_up" in d and "4 matches" in d
+    assert "canon_transpose -> fuse_qkv -> fuse_qknorm_rope -> fuse_gate_up" in d and "4 matches" in d
     assert "+ %add_rms_norm_default = graphinfer::add_rms_norm(" in d
     text, reports = tools.verify("tiny-qwen2")
-    assert [r.name for r in reports] == ["fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm",
+    assert [r.name for r in reports] == ["canon_rms_norm", "canon_rotary", "canon_transpose", "fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm",
                                          "fuse_allreduce_add_rmsnorm", "fuse_moe", "lower_quant_linears", "fuse_rmsnorm_quant",
                                          "fuse_silu_mul_quant", "cleanup"]
     assert all(r.max_abs_error <= 1e-5 for r in reports) and "| fuse_qkv | 2 |" in text

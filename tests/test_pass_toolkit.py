@@ -210,13 +210,13 @@ def test_dump_dir_writes_every_stage(tmp_path):
     tools.verify("tiny-qwen3", "default", dump_dir=str(tmp_path))
     names = sorted(os.listdir(tmp_path))
     assert names[0] == "00-traced.py" and f"{len(DEFAULT_PASSES):02d}-cleanup.py" in names
-    assert "qkv_proj" in (tmp_path / "01-fuse_qkv.py").read_text()
-    assert "add_rms_norm" in (tmp_path / "04-fuse_add_rmsnorm.txt").read_text()
+    assert "qkv_proj" in (tmp_path / f"{DEFAULT_PASSES.index('fuse_qkv') + 1:02d}-fuse_qkv.py").read_text()
+    assert "add_rms_norm" in (tmp_path / f"{DEFAULT_PASSES.index('fuse_add_rmsnorm') + 1:02d}-fuse_add_rmsnorm.txt").read_text()
 
 
 def test_diff_shows_arguments_and_rewired_nodes_show_takes_pipelines():
     d = tools.diff("tiny-qwen3", "fuse_add_rmsnorm")
-    assert "after fuse_qkv -> fuse_qknorm_rope -> fuse_gate_up: 4 matches" in d
+    assert "canon_transpose -> fuse_qkv -> fuse_qknorm_rope -> fuse_gate_up: 4 matches" in d
     assert "+ %add_rms_norm_default = graphinfer::add_rms_norm(%model_embed_tokens, " in d
     assert "- %add = add(%model_embed_tokens, %model_layers_0_self_attn_o_proj)" in d
     assert "## rewired (kept, arguments changed)" in d and "now %model_layers_0_mlp_gate_up_proj" in d
