@@ -18,16 +18,17 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
     (graphinfer.quantization): an online scheme quantizes the linear layers once loaded; "gguf" keeps a GGUF's
     quantized blocks; a compressed-tensors checkpoint is always read in its quantized form. `model_impl`: whose
     modeling code (models/__init__.py: resolve_model_impl; "transformers": models/transformers.py)."""
-    if model_impl == "transformers" and (path.endswith(".gguf") or preset_config(path) is not None):
+    preset = preset_config(path)
+    if model_impl == "transformers" and (path.endswith(".gguf") or preset is not None):
         raise InvalidConfigError(f"model_impl='transformers' runs an HF checkpoint directory through transformers' "
                                  f"modeling code; {path!r} is not one (a GGUF file or a preset runs on graphinfer's "
                                  f"own models: model_impl='auto').")
-    if not path.endswith(".gguf") and preset_config(path) is None:
+    if not path.endswith(".gguf") and preset is None:
         _check_path(path)
-        config = load_hf_config(path)
-        if resolve_model_impl(config.architectures, model_impl) == "transformers":
-            return _load_transformers_model(path, dtype, device, quantization), config
-    config = preset_config(path)
+        dir_config = load_hf_config(path)
+        if resolve_model_impl(dir_config.architectures, model_impl) == "transformers":
+            return _load_transformers_model(path, dtype, device, quantization), dir_config
+    config = preset
     if config is not None:
         with ps.layout(0, 1):  # the whole model's random weights, the same on every rank, then this rank's part
             full = build_model(config, torch.float32, "cpu")
@@ -59,7 +60,7 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
         else:
             weights = gguf_tensors(reader)
     else:
-        config = load_hf_config(path)
+        config = dir_config
         model = build_model(config, dtype, device)
         weights = _safetensors_weights(path)
         if (qc := getattr(config, "quantization_config", None)) is not None:

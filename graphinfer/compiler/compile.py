@@ -48,9 +48,11 @@ def compile_model(model: nn.Module, passes: list[Pass], check: bool = True, *, a
     allocates the real cache and calls compiler.trace.rebind_buffers(model, gm)."""
     allocate_kv_cache(model, _CHECK_BLOCKS, _CHECK_BLOCK_SIZE)
     gm = trace_model(model)
-    if isinstance(model, TransformersForCausalLM):  # always: a captured graph is only right if it does what the code does
-        check_capture(model, gm, check_inputs(model))
-    manager = PassManager(passes, check_inputs(model) if check else None, atol=atol, rtol=rtol, dump_dir=dump_dir)
+    transformers = isinstance(model, TransformersForCausalLM)
+    inputs = check_inputs(model) if check or transformers else None
+    if transformers:  # always: a captured graph is only right if it does what the code does
+        check_capture(model, gm, inputs)
+    manager = PassManager(passes, inputs if check else None, atol=atol, rtol=rtol, dump_dir=dump_dir)
     return gm, manager.run(gm)
 
 

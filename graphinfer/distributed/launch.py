@@ -90,8 +90,9 @@ class RankMonitor:
     """Calls on_death(message) once when a rank ends before stop() was called."""
 
     def __init__(self, local: list[RankProcess], remote_ranks: list[int], master_addr: str, master_port: int,
-                 on_death: Callable[[str], None]):
-        self.on_death = on_death
+                 on_death: Callable[[str], None], kind: str = "tensor-parallel rank"):
+        """kind: what the messages call a local process (its rank follows)."""
+        self.on_death, self.kind = on_death, kind
         self.stopping = False
         self._reported = threading.Lock()
         for r in local:
@@ -110,7 +111,7 @@ class RankMonitor:
 
     def _wait(self, r: RankProcess) -> None:
         code = r.process.wait()
-        self._report(f"tensor-parallel rank {r.rank} (pid {r.process.pid}) exited with code {code}")
+        self._report(f"{self.kind} {r.rank} (pid {r.process.pid}) exited with code {code}")
 
     def _heartbeats(self, store, ranks: list[int]) -> None:
         last = {r: (-1, time.monotonic()) for r in ranks}

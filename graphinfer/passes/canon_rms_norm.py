@@ -30,9 +30,12 @@ def _upcast_source(h: fx.Node) -> fx.Node:
 
 
 def _other(node: fx.Node, one) -> object | None:
-    """The other operand of a binary node when one of them is `one`."""
+    """The other operand of a binary node when one of them is `one` (a node, or a constant compared by value)."""
+    def same(x) -> bool:
+        return x is one or (not isinstance(x, fx.Node) and not isinstance(one, fx.Node) and x == one)
+
     a, b = node.args[:2]
-    return b if a is one else a if b is one else None
+    return b if same(a) else a if same(b) else None
 
 
 class CanonRMSNormPass(Pass):

@@ -313,8 +313,13 @@ def eos_token_ids_of(hf_config, tokenizer) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
 
+def engine_tokenizer(config: EngineConfig):
+    """The tokenizer of the engine's artifact or model (None where it ships none)."""
+    if config.artifact:
+        return artifact.load_tokenizer(config.artifact)
+    return load_tokenizer(config.model_config.model)
+
+
 def _load_tokenizer(config: EngineConfig, timer: StartupTimer, phase: str):
     with timer.phase(phase):
-        if config.artifact:
-            return artifact.load_tokenizer(config.artifact)
-        return load_tokenizer(config.model_config.model)
+        return engine_tokenizer(config)

@@ -56,9 +56,19 @@ class CoreProcClient:
         self.dead: str | None = None
         self.death_listeners: list = []
         self._stopped = False
-        threading.Thread(target=self._accept, name=f"graphinfer-core{rank}-accept", daemon=True).start()
         self._monitor = launch.RankMonitor([self.proc], [], config.parallel_config.master_addr, 0,
-                                           lambda m: self._on_death(f"{self.name}'s process ended ({m})"))
+                                           lambda m: self._on_death(f"{self.name}'s process ended ({m})"),
+                                           kind="engine-core process of rank")
+        # a process that lives but never connects (stuck before its engine starts) ends the wait too
+        self._deadline = threading.Timer(config.parallel_config.timeout_s, self._connect_deadline,
+                                         (config.parallel_config.timeout_s,))
+        self._deadline.daemon = True
+        self._deadline.start()
+        threading.Thread(target=self._accept, name=f"graphinfer-core{rank}-accept", daemon=True).start()
+
+    def _connect_deadline(self, seconds: float) -> None:
+        if not self._connected.is_set():
+            self._on_death(f"{self.name} did not connect within {seconds:g} s of its start (timeout_s)")
 
     # ----- connection -----
     def _accept(self) -> None:
@@ -67,6 +77,7 @@ class CoreProcClient:
         except OSError:  # closed at shutdown
             return
         self._connected.set()
+        self._deadline.cancel()
         try:
             while True:
                 kind, *body = self.conn.recv()

@@ -59,7 +59,6 @@ class DPEngineCore:
                 raise GraphinferError(f"data-parallel replica start-up failed: {self.dead}") from e
             raise
         self.local.on_death(self._on_death)
-        self.startup = self.local.startup
         logger.info("data parallel: %d replicas of %d rank(s)", self.dp_size, tp)
 
     def info(self) -> EngineCoreInfo:

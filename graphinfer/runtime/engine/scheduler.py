@@ -56,6 +56,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     cached_blocks: list[int] = field(default_factory=list)  # offered to the prefix cache for this step (see above)
+    num_rows: int = 0  # the sequences that sample: the sampler's rows (drafts aside)
 
     @property
     def num_tokens(self) -> int:
@@ -155,7 +156,8 @@ class Scheduler:
         samples = start + n == seq.num_tokens + len(seq.spec_token_ids)
         out.scheduled.append(ScheduledRequest(seq, n, start, samples, seq.pending_row))
         if samples:
-            seq.pending_row = sum(s.samples for s in out.scheduled) - 1
+            seq.pending_row = out.num_rows
+            out.num_rows += 1
         seq.num_computed_tokens += n
         seq.num_pending += samples
 

@@ -10,13 +10,11 @@ interface: add_requests, abort_requests, step, stats, expert load, shutdown, on_
 import logging
 from collections.abc import Iterable
 
-from graphinfer.compiler import artifact
 from graphinfer.config import EngineConfig
 from graphinfer.errors import InvalidRequestError
-from graphinfer.models.loader import load_tokenizer
 from graphinfer.outputs import RequestOutput
 from graphinfer.platforms import Platform, platform_for_device
-from graphinfer.runtime.engine.core import EngineCore
+from graphinfer.runtime.engine.core import EngineCore, engine_tokenizer
 from graphinfer.runtime.engine.core_client import CoreProcClient
 from graphinfer.runtime.engine.dp_core import DPEngineCore
 from graphinfer.runtime.entrypoints.input_processor import InputProcessor, Request
@@ -38,7 +36,7 @@ class LLMEngine:
             self.engine_core = CoreProcClient(config, type(platform), "the engine core",
                                               data_parallel=config.parallel_config.data_parallel_size > 1)
             try:
-                self.tokenizer = _load_tokenizer(config)  # while the core's process builds its engine
+                self.tokenizer = engine_tokenizer(config)  # while the core's process builds its engine
                 info = self.engine_core.wait_ready()
             except BaseException:
                 self.engine_core.shutdown(timeout=0)
@@ -189,8 +187,3 @@ class LLMEngine:
         self._final_stats = core.stats()  # a core process's last word: its load once it had handled everything
         self.engine_core = None
 
-
-def _load_tokenizer(config: EngineConfig):
-    if config.artifact:
-        return artifact.load_tokenizer(config.artifact)
-    return load_tokenizer(config.model_config.model)

@@ -1,7 +1,6 @@
 """Rank 0 -> the other tensor-parallel ranks: each message (executor/step_encoding.py) in one broadcast over the gloo
 group, of a fixed-capacity int64 tensor. A message that does not fit is preceded by one that grows every rank's
 buffer (rare: the capacity only grows)."""
-import numpy as np
 import torch
 import torch.distributed as dist
 
