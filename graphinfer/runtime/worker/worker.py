@@ -53,7 +53,7 @@ class Worker:
         """config: the engine's (its compile_config.graph_mode is resolved here); backend: what platform.activate
         returned for config.compile_config.kernels."""
         self.config, self.platform = config, platform
-        self.timer = timer = timer or StartupTimer()
+        timer = timer or StartupTimer()
         mc, cc, spec = config.model_config, config.compile_config, config.speculative_config
         torch.manual_seed(mc.seed)
         device = torch.device(mc.device)
