@@ -36,6 +36,10 @@ _VARS = [
            "1: on the cpu platform, glibc malloc keeps freed memory in the process (no mmap for large blocks, no "
            "trim), so a prefill's large activations are not page-faulted in again every layer; the process keeps its "
            "peak memory. 0: glibc's defaults (as with an allocator such as tcmalloc preloaded instead)."),
+    EnvVar("GRAPHINFER_ENGINE_READY_TIMEOUT_S", "1800",
+           "Seconds an engine-core process (`graphinfer serve`, data-parallel replicas) may take to build its engine "
+           "(load, compile, capture) before the front end gives up with an error naming this variable (vLLM: "
+           "VLLM_ENGINE_READY_TIMEOUT_S). A core process that dies meanwhile ends the wait at once."),
     EnvVar("GRAPHINFER_KERNEL_CACHE", "on",
            "off: ignore an artifact's kernel_cache/ (every kernel compiled anew; `bench startup`'s cold runs)."),
     EnvVar("GRAPHINFER_LOG_LEVEL", "INFO",

@@ -19,6 +19,7 @@ import threading
 from dataclasses import replace
 from multiprocessing.connection import Listener
 
+from graphinfer import envs
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import launch
 from graphinfer.errors import GraphinferError
@@ -119,8 +120,12 @@ class CoreProcClient:
             raise GraphinferError(f"The engine cannot run: {self.dead}")
 
     def wait_ready(self) -> EngineCoreInfo:
-        """Block until the core has built its engine; raises if it failed."""
-        self._ready.wait()
+        """Block until the core has built its engine; raises if it failed or took longer than
+        GRAPHINFER_ENGINE_READY_TIMEOUT_S (a live process stuck in its build would otherwise hold the front end)."""
+        seconds = float(envs.GRAPHINFER_ENGINE_READY_TIMEOUT_S)
+        if not self._ready.wait(seconds):
+            self._on_death(f"{self.name} did not build its engine within {seconds:g} s "
+                           "(GRAPHINFER_ENGINE_READY_TIMEOUT_S)")
         if self._info is None:
             raise GraphinferError(f"{self.dead} (while it started)")
         return self._info
