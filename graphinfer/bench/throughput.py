@@ -312,7 +312,8 @@ def table(result: dict) -> str:
     tp, dp = _tp(result["runs"]), _dp(result["runs"])
     par = tp or dp
     spec = any(r.get("speculative_config") for r in result["runs"])  # tokens per step: > 1 with accepted drafts
-    headers = ["graph mode", "max_num_seqs"] + (["tp"] if tp else []) + (["dp", "EP"] if dp else []) + (
+    impl = len({r.get("model_impl") for r in result["runs"]}) > 1  # a --sweep model-impl run
+    headers = ["graph mode", "max_num_seqs"] + (["model impl"] if impl else []) + (["tp"] if tp else []) + (["dp", "EP"] if dp else []) + (
         ["threads/rank"] if par else []) + [
         "time (s)", "output tok/s", "prefill s", "decode s", "steps"] + (["tokens/step"] if spec else []) + [
         "mean decode batch"] + (
@@ -321,7 +322,8 @@ def table(result: dict) -> str:
         ["vs HF"] if hf else [])
     rows = []
     for r in result["runs"]:
-        head = [_mode(r), r["max_num_seqs"]] + ([r.get("tensor_parallel_size", 1)] if tp else []) + (
+        head = [_mode(r), r["max_num_seqs"]] + ([r.get("model_impl")] if impl else []) + (
+            [r.get("tensor_parallel_size", 1)] if tp else []) + (
             [r.get("data_parallel_size", 1), _ep_cell(r)] if dp else [])
         if "unavailable" in r:
             why = "failed" if r["unavailable"].startswith("failed") else "unavailable"
