@@ -10,6 +10,7 @@ import atexit
 import logging
 import os
 import pickle
+import threading
 
 import torch
 
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "graphinfer.runtime.executor.worker_proc"
 
+
+# A collective can fail (gloo sees the peer's sockets close) a moment before the monitor sees the rank's exit: wait
+# this long for it, so the error names the dead rank instead of "another rank died or stalled".
+DEATH_GRACE_S = 3.0
 
 CONFIG_KEY = "graphinfer/engine_config"  # rank 0's EngineConfig, pickled, for the other nodes (worker.run_node)
 
@@ -54,6 +59,7 @@ class MultiprocExecutor(Executor):
         self.port = pc.master_port or launch.free_port()
         self.backend = platform.dist_backend
         self.dead: str | None = None  # why the group broke, once a rank died
+        self._died = threading.Event()
         self.death_listeners: list = []  # callbacks(message), e.g. the server's
         self.channel: StepChannel | None = None
         self._stopped = False
@@ -71,8 +77,7 @@ class MultiprocExecutor(Executor):
             self.driver_worker = Worker(config, platform, backend, timer)
         except BaseException as e:  # stop the other ranks; say why the group broke, if a rank died
             self.shutdown()
-            if self.dead is not None and isinstance(e, ps.DistributedError):
-                raise ps.DistributedError(f"{self.dead} while the engine started: {e}") from None
+            self._raise_with_cause(e, "while the engine started")
             raise
 
     def execute_model(self, sched: SchedulerOutput | None, prev_tokens: torch.Tensor | None = None,
@@ -89,8 +94,14 @@ class MultiprocExecutor(Executor):
                 ps.broadcast_from_rank0(out.sampled.sampled_token_ids)
         except BaseException as e:  # the other ranks may wait in a collective of this step: no further step
             self.channel.broken = f"step {self.channel.steps} failed on rank 0 ({type(e).__name__}: {e})"
+            self._raise_with_cause(e, f"during step {self.channel.steps}")
             raise
         return out
+
+    def _raise_with_cause(self, e: BaseException, when: str) -> None:
+        """A failed collective because a rank died: raise it again, naming the rank (see DEATH_GRACE_S)."""
+        if isinstance(e, ps.DistributedError) and self._died.wait(DEATH_GRACE_S):
+            raise ps.DistributedError(f"{self.dead} {when}: {e}") from None
 
     def collective_rpc(self, method: str, *args):
         if self.channel is not None:
@@ -102,6 +113,7 @@ class MultiprocExecutor(Executor):
 
     def _on_death(self, message: str) -> None:
         self.dead = message
+        self._died.set()
         logger.error("%s: the engine cannot run without it, stopping", message)
         if self.backend != "gloo":  # gloo fails at once when a peer's sockets close; NCCL / HCCL wait: abort them
             ps.abort()
