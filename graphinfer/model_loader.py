@@ -86,9 +86,6 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
 def _load_transformers_model(path: str, dtype: torch.dtype, device, quantization: str | None) -> nn.Module:
     from graphinfer.models.transformers import TransformersForCausalLM
 
-    if ps.tp_size() > 1:
-        raise InvalidConfigError(f"{path!r} runs through transformers' modeling code (model_impl='transformers'), which "
-                                 f"graphinfer runs at tensor_parallel_size=1 only for now.")
     if quantization is not None:
         raise InvalidConfigError(f"quantization={quantization!r} is not supported with transformers' modeling code "
                                  f"(model_impl='transformers') yet; leave it unset.")

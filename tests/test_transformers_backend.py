@@ -138,3 +138,65 @@ def test_compile_then_serve_the_artifact_to_the_openai_client(hf_zoo_checkpoint,
         assert out.choices[0].text == expected and out.usage.completion_tokens == NEW
     finally:
         server.stop()
+
+
+# ----- tensor parallel: transformers' base_model_tp_plan on graphinfer's parallel layers (gloo, a worker process) -----
+
+def _zoo_greedy_matches(llm, path, expected, runs=("cold", "prefix hits")):
+    for run in runs:
+        got = _greedy(llm, ZOO_PROMPTS)
+        checks = [greedy_matches_hf(path, p, e, g) for p, e, g in zip(ZOO_PROMPTS, expected, got)]
+        assert all(ok for ok, _ in checks), (run, [why for _, why in checks])
+
+
+def test_tp2_gemma3_gives_hf_greedy_tokens(hf_zoo_checkpoint):
+    """Gemma 3 at tp 2: q/k/v and gate/up split by columns, o/down by rows (two all-reduces a layer); its scaled
+    embedding and the LM head tied to it stay whole, as the plan leaves q/k norms whole. Chunked prefill beside
+    decodes, then prefix-cache hits."""
+    from graphinfer.compiler.trace import op_histogram
+
+    path = hf_zoo_checkpoint("gemma3")
+    expected = hf_greedy(path, ZOO_PROMPTS, NEW)
+    with LLM(path, dtype="float32", tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=32,
+             block_size=8) as llm:
+        _zoo_greedy_matches(llm, path, expected)
+        worker, config = llm.llm_engine.worker, llm.llm_engine.hf_config
+        layer, heads, kv = worker.model.model.layers[0], config.num_attention_heads, config.num_key_value_heads
+        assert worker.compiled.pass_reports.passed, worker.compiled.pass_reports.failures()
+        assert (layer.self_attn.graphinfer_attn.num_heads, layer.self_attn.graphinfer_attn.num_kv_heads) == \
+            (heads // 2, kv // 2)
+        assert layer.self_attn.o_proj.weight.shape[1] == heads // 2 * config.head_dim  # rank 0's half of the heads
+        assert layer.mlp.down_proj.weight.shape[1] == config.intermediate_size // 2
+        assert op_histogram(worker.graph)["graphinfer::all_reduce"] == 2 * config.num_hidden_layers
+        assert worker.model.model.embed_tokens.weight.shape[0] == config.vocab_size  # whole
+
+
+def test_tp2_artifact_of_mistral_gives_hf_greedy_tokens(hf_zoo_checkpoint, tmp_path):
+    """`graphinfer compile DIR -tp 2` (each rank reads its slices of the checkpoint), then the artifact at tp 2: a
+    plain embedding and untied head split over the vocabulary, GQA heads halved, sliding windows."""
+    from graphinfer.cli import main
+    from graphinfer.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding
+
+    path, art = hf_zoo_checkpoint("mistral"), str(tmp_path / "art")
+    assert main(["compile", path, "-o", art, "--dtype", "float32", "-tp", "2", "--model-impl", "transformers"]) == 0
+    expected = hf_greedy(path, ZOO_PROMPTS, NEW)
+    with LLM(artifact=art, device="cpu", max_model_len=256, max_num_batched_tokens=32, block_size=8) as llm:
+        _zoo_greedy_matches(llm, path, expected)
+        model, config = llm.llm_engine.worker.model, llm.llm_engine.hf_config
+        assert isinstance(model.model.embed_tokens, VocabParallelEmbedding) and isinstance(model.lm_head,
+                                                                                            ParallelLMHead)
+        assert model.lm_head.weight.shape[0] == config.vocab_size // 2
+        assert model.model.layers[0].self_attn.graphinfer_attn.num_kv_heads == config.num_key_value_heads // 2
+
+
+def test_tp2_refusals_name_the_reason(hf_zoo_checkpoint):
+    """No plan in the config (GraniteMoE): refused before any rank starts. A checkpoint transformers converts at load
+    (Qwen2-MoE's per-expert tensors, stacked in the model): refused by the ranks' loader."""
+    from graphinfer.distributed import parallel_state as ps
+    from graphinfer.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match=r"declares no tensor-parallel plan \(base_model_tp_plan\)"):
+        LLM(hf_zoo_checkpoint("granitemoe"), dtype="float32", tensor_parallel_size=2, max_model_len=256)
+    assert not ps.is_initialized()
+    with pytest.raises(InvalidConfigError, match=r"experts\.0\.down_proj\.weight.*transformers converts them at load"):
+        LLM(hf_zoo_checkpoint("qwen2_moe"), dtype="float32", tensor_parallel_size=2, max_model_len=256)

@@ -380,7 +380,7 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
     from safetensors.torch import load_file
 
     transformers = manifest.get("model_impl") == "transformers"
-    if transformers:  # transformers' module tree, built by transformers from the artifact's config.json
+    if transformers:  # transformers' module tree (this rank's shard), built by transformers from its config.json
         from transformers import AutoConfig
 
         from graphinfer.models.transformers import TransformersForCausalLM
@@ -407,11 +407,7 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
     model.tie_weights()
     if isinstance(getattr(model.model, "embed_tokens", None), QuantizedEmbedding) and config.tie_word_embeddings:
         tie_quantized_head(model)  # assign=True gave the embedding new tensors: the head follows
-    if transformers:  # built on the device: every parameter the file lacks is missing, but a tied LM head
-        missing = [k for k in missing if not (k == "lm_head.weight" and model.lm_head.weight is
-                                               model.model.get_input_embeddings().weight)]
-    else:
-        missing = [k for k in missing if model.get_parameter(k).is_meta] if missing else []
+    missing = [k for k in missing if model.get_parameter(k).is_meta] if missing else []
     if missing or unexpected:
         raise ArtifactMismatchError(f"Artifact {art_dir!r}: {weights} does not fit the model of its {CONFIG} "
                                     f"(missing {missing[:3]}, unexpected {unexpected[:3]}); recompile the artifact.")

@@ -21,6 +21,7 @@ from torch import fx, nn
 
 from graphinfer.errors import UnsupportedArchitectureError
 from graphinfer.models.layers import AttentionMetadata
+from graphinfer.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
 _MD_FIELDS = ("slot_mapping", "block_tables", "query_start_loc", "seq_lens")
 _BOOKKEEPING = {torch._C._set_grad_enabled, torch._C._log_api_usage_once}
@@ -68,9 +69,10 @@ def _canonical(captured: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     paths = {}  # tensor id -> its path in model (the first one: a tied weight keeps its embedding's)
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         paths.setdefault(id(t), name)
-    # plain leaves only (a subclass's forward does more), by kind: a tied embedding shares its weight with the LM head
-    owners = {(type(m), id(m.weight)): (name, m) for name, m in model.named_modules()
-              if type(m) in (nn.Linear, nn.Embedding)}
+    # plain leaves only (a subclass's forward may do more; a tp layer with a collective is traced through), by kind:
+    # a tied embedding shares its weight with the LM head
+    owners = {(nn.Linear if isinstance(m, nn.Linear) else nn.Embedding, id(m.weight)): (name, m)
+              for name, m in model.named_modules() if _is_leaf(m)}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in captured.graph.nodes if n.op == "placeholder"]
@@ -105,6 +107,11 @@ def _canonical(captured: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _is_leaf(m: nn.Module) -> bool:
+    return type(m) in (nn.Linear, nn.Embedding, ColumnParallelLinear) or (
+        type(m) is RowParallelLinear and not m.has_collective)
 
 
 def _leaf_call(node: fx.Node, captured: fx.GraphModule, owners: dict) -> tuple[str, fx.Node] | None:

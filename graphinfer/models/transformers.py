@@ -12,13 +12,23 @@ canonicalisation passes bring to graphinfer's ops.
 
 The flat batch of T tokens runs as transformers' batch of one sequence of T tokens, with positions given and no
 attention mask (paged attention needs none: causality, chunks and windows come from the metadata).
+
+Tensor parallel (models/transformers_tp.py): the config's base_model_tp_plan with graphinfer's parallel layers; a rank
+then builds the module tree with its parameters on meta, splits it, and reads its slices from the safetensors by
+parameter name (transformers' loader reads whole tensors).
 """
+import contextlib
+import glob
+import os
+
 import torch
 from torch import Tensor, nn
 
 from graphinfer import ops
-from graphinfer.errors import UnsupportedArchitectureError
-from graphinfer.models.layers import AttentionMetadata, PagedAttention
+from graphinfer.distributed import parallel_state as ps
+from graphinfer.errors import InvalidConfigError, UnsupportedArchitectureError
+from graphinfer.models.layers import AttentionMetadata, PagedAttention, init_buffers
+from graphinfer.models.parallel_layers import local_heads, local_kv_heads
 
 ATTN_IMPLEMENTATION = "graphinfer"
 _MD_KEYWORD = "graphinfer_md"  # the forward keyword that carries the step's AttentionMetadata to the attention layers
@@ -119,34 +129,55 @@ class TransformersForCausalLM(nn.Module):
         if not layers:
             raise UnsupportedArchitectureError(f"{c.architectures}: no attention layer of transformers' attention "
                                                f"interface found; graphinfer cannot run its attention.")
-        for m in layers:
-            heads = c.num_attention_heads
-            kv_heads = getattr(c, "num_key_value_heads", None) or heads
-            attn = PagedAttention(heads, kv_heads, m.head_dim)
+        heads = c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        for m in layers:  # this rank's heads (transformers' code reshapes with -1: its q/k/v carry just these)
+            attn = PagedAttention(local_heads(heads), local_kv_heads(kv_heads), m.head_dim)
             attn.scale = getattr(m, "scaling", attn.scale)
             m.graphinfer_attn = attn
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype, device: torch.device | str) -> "TransformersForCausalLM":
-        """The checkpoint through transformers' own loader, on `device` in `dtype`, with graphinfer's attention."""
+        """The checkpoint on `device` in `dtype`, with graphinfer's attention: through transformers' own loader (its
+        weight conversions, such as per-expert tensors stacked) at tp 1; at tp > 1 this rank's shard, its slices read
+        by parameter name."""
         from transformers import AutoConfig
 
         register_attention()
         config = AutoConfig.from_pretrained(path)
-        model = causal_lm_class(config).from_pretrained(path, dtype=dtype, device_map={"": str(device)},
-                                                        attn_implementation=ATTN_IMPLEMENTATION)
-        return cls(model.eval())
+        if ps.tp_size() == 1:
+            model = causal_lm_class(config).from_pretrained(path, dtype=dtype, device_map={"": str(device)},
+                                                            attn_implementation=ATTN_IMPLEMENTATION)
+            return cls(model.eval())
+        from graphinfer.models.loader import _safetensors_weights, load_weights
+
+        model = cls.skeleton(config, dtype, device)
+        _check_names_match(path, model)
+        _materialize(model, device)
+        model.tie_weights()
+        load_weights(model, _safetensors_weights(path), tied=model.tied)
+        return model
 
     @classmethod
     def skeleton(cls, config, dtype: torch.dtype, device: torch.device | str) -> "TransformersForCausalLM":
-        """The module tree on `device` with uninitialised weights (an artifact's then replace them) and the
-        non-persistent buffers transformers computes at construction (rotary frequencies, embedding scales)."""
+        """The module tree (this rank's shard at tp > 1) with its parameters on meta (an artifact's or a checkpoint's
+        tensors then take their place) and the non-persistent buffers transformers computes at construction (rotary
+        frequencies, embedding scales) on `device`."""
         from transformers.initialization import no_init_weights
 
+        from graphinfer.models.transformers_tp import tensor_parallel
+
         register_attention()
-        with torch.device(device), no_init_weights():
-            model = causal_lm_class(config)._from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
-        return cls(model.eval())
+        with _parameters_on_meta(), torch.device(device), no_init_weights():
+            hf = causal_lm_class(config)._from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        if ps.tp_size() > 1:
+            tensor_parallel(hf)
+            init_buffers(hf, device)
+        return cls(hf.eval())
+
+    @property
+    def tied(self) -> bool:
+        return bool(getattr(self.config.get_text_config(), "tie_word_embeddings", False))
 
     def forward(self, input_ids: Tensor, positions: Tensor, md: AttentionMetadata) -> Tensor:
         """input_ids, positions [T] -> the final hidden states [T, hidden], as transformers' one sequence of T tokens."""
@@ -169,5 +200,52 @@ class TransformersForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the input embedding with the LM head where the config ties them (again after an artifact's weights
         were assigned to the embedding)."""
-        if getattr(self.config.get_text_config(), "tie_word_embeddings", False):
+        if self.tied:
             self.lm_head.weight = self.model.get_input_embeddings().weight
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built here get their parameters on meta (no memory) and their buffers where torch.device says
+    (accelerate's init_empty_weights): what transformers computes at construction is kept, no weight is allocated."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _materialize(model: nn.Module, device) -> None:
+    """Every parameter still on meta gets uninitialised memory on `device` (shared ones stay shared)."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=False)
+                module._parameters[name] = new[id(p)]
+
+
+def _check_names_match(path: str, model: TransformersForCausalLM) -> None:
+    """At tp > 1 the checkpoint's tensors are read by the model's parameter names; one saved in another layout
+    (transformers converts it at load: per-expert MoE tensors stacked, renamed modules) is refused, naming some."""
+    from safetensors import safe_open
+
+    names = set(dict(model.named_parameters(remove_duplicate=False)))
+    stray = []
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            stray += [k for k in f.keys() if k not in names and not k.endswith("rotary_emb.inv_freq")]
+    if stray:
+        raise InvalidConfigError(
+            f"{path!r} saves {len(stray)} tensors under names the model's parameters do not have (e.g. "
+            f"{sorted(stray)[:3]}): transformers converts them at load (e.g. one tensor per MoE expert stacked into "
+            f"one), which graphinfer's tensor-parallel loader does not do. Run it at tensor_parallel_size=1 "
+            f"(data parallel scales it out).")

@@ -2,8 +2,10 @@
 from graphinfer.compiler import artifact
 from graphinfer.config import EngineConfig
 from graphinfer.errors import ArtifactMismatchError, InvalidConfigError
+from graphinfer.models import resolve_model_impl
 from graphinfer.models.loader import load_config
 from graphinfer.models.parallel_layers import check_tensor_parallel, uses_expert_parallel
+from graphinfer.models.transformers_tp import tp_plan
 
 
 def model_config_of(config: EngineConfig):
@@ -27,6 +29,9 @@ def check_parallel_config(config: EngineConfig) -> None:
             f"`graphinfer serve|generate|compile|bench ... --node-rank N` (graphinfer.runtime.worker.run_node).")
     model = model_config_of(config)
     check_tensor_parallel(model, pc.tensor_parallel_size, pc.enable_expert_parallel, pc.data_parallel_size)
+    if pc.tensor_parallel_size > 1 and not config.artifact and \
+            resolve_model_impl(model.architectures, config.model_config.model_impl) == "transformers":
+        tp_plan(model)  # refuses a config without one
     if config.artifact and pc.data_parallel_size > 1 and uses_expert_parallel(model, pc.world_size,
                                                                                pc.enable_expert_parallel):
         raise InvalidConfigError(
