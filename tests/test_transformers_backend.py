@@ -64,14 +64,22 @@ NOT_CAPTURABLE = {"gpt_oss": "does not reproduce it on other inputs",  # a Pytho
                   "phi3": "TorchDynamo cannot capture"}  # longrope switches factors on the sequence length
 
 
+# layers without rotary (NoPE): Cohere 2's full-attention layer, SmolLM3's every fourth
+ROPE_LAYERS = {"cohere2": 2, "smollm3": 3}
+
+
 @pytest.mark.parametrize("name", [n for n in ZOO if n not in NOT_CAPTURABLE])
 def test_zoo_gives_hf_greedy_tokens_through_chunks_and_prefix_hits(hf_zoo_checkpoint, name):
     """Plain LLM(dir) (model_impl auto: no graphinfer model for these), prompts of 5-67 tokens (past every sliding
-    window) chunked into 32-token steps beside decodes, then again with their full blocks from the prefix cache."""
+    window) chunked into 32-token steps beside decodes, then again with their full blocks from the prefix cache.
+    canon_rotary rewrites every layer's rotary: neox, interleaved (GLM-4, Ernie, Cohere 2), partial (GLM-4), after
+    q/k norms in transformers' layout (Gemma 3), in fp32 casts (Ernie, Cohere 2)."""
     path = hf_zoo_checkpoint(name)
     expected = hf_greedy(path, ZOO_PROMPTS, NEW)
     llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=32, block_size=8)
     assert type(llm.llm_engine.worker.model).__name__ == "TransformersForCausalLM"
+    matches = {r.name: r.matches for r in llm.llm_engine.pass_reports}
+    assert matches["canon_rotary"] == ROPE_LAYERS.get(name, llm.llm_engine.hf_config.num_hidden_layers)
     for run in ("cold", "prefix hits"):
         got = _greedy(llm, ZOO_PROMPTS)
         checks = [greedy_matches_hf(path, p, e, g) for p, e, g in zip(ZOO_PROMPTS, expected, got)]

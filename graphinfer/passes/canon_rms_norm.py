@@ -97,6 +97,8 @@ class CanonRMSNormPass(Pass):
                     w = gm.graph.get_attr(f"{owner}.weight_plus_one")
             with gm.graph.inserting_before(out):
                 norm = gm.graph.call_function(GRAPHINFER.rms_norm.default, (x, w, eps))
+            if "example_value" in out.meta:  # its shape, for later passes that read shapes (canon_rotary)
+                norm.meta["example_value"] = out.meta["example_value"]
             out.replace_all_uses_with(norm)
             matches += 1
         gm.graph.eliminate_dead_code()

@@ -2,15 +2,21 @@
 becomes graphinfer::rotary_embedding over a cos/sin cache, after which fuse_qkv and fuse_qknorm_rope see q, k and v
 as they see a native model's.
 
-Matches, per layer, the two rotations that share one cos and one sin (neox style, transformers' rotate_half):
-    x_embed = x * cos + cat((-x[..., d/2:], x[..., :d/2]), -1) * sin      (either operand order)
-with x [1, heads, T, d] (transformers' layout), cos / sin computed from the step's positions alone (what the model's
-rotary module does each step). The one that reaches the KV-cache write is the key, the other the query.
-Produces: a cos/sin cache [max_position_embeddings, d] = cat(cos, sin) over the first d / 2 columns, computed once
-here by running the graph's own cos / sin nodes on every position (so any RoPE scaling the model's code applies is
-reproduced exactly), held as `<rotary module>.cos_sin_cache`; and rotary_embedding(positions, q, k, d, cache, True)
-on q and k flattened to [T, heads * d], whose outputs take the rotations' place in transformers' layout.
-Declines: partial or interleaved rotary, a cos / sin that depends on more than the positions (left as torch ops).
+Matches, per layer, the two rotations that share one cos and one sin:
+    x_embed = x * cos + rotate(x) * sin                                   (either operand order)
+    rotate(x) = cat((-x[..., d/2:], x[..., :d/2]), -1)                     neox (Llama's rotate_half), or
+                stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)        interleaved pairs (GPT-J: GLM, Ernie, Cohere)
+with x [1, heads, T, d] (transformers' layout), casts to fp32 around x or rotate(x) looked through (Ernie, Cohere
+rotate in fp32), cos / sin computed from the step's positions alone (what the model's rotary module does each step).
+Partial rotary: x = q[..., :r] and x_embed = cat((x_embed, q[..., r:]), -1) (GLM, Phi-3, StableLM): the whole
+cat is replaced. The one that reaches the KV-cache write is the key, the other the query.
+Produces: a cos/sin cache [max_position_embeddings, r] = cat(cos, sin) over the r / 2 frequencies, computed once here
+by running the graph's own cos / sin nodes on every position (so any RoPE scaling the model's code applies is
+reproduced exactly) and checked to repeat in the layout the rotation implies (halves for neox, pairs for
+interleaved), held as a buffer of the graph; and rotary_embedding(positions, q, k, d, cache, is_neox) on q and k
+flattened to [T, heads * d], whose outputs take the rotations' place in transformers' layout.
+Declines: a cos / sin that depends on more than the positions or does not repeat as the rotation implies, a query
+and key rotated differently (left as torch ops).
 """
 import operator
 
@@ -22,44 +28,92 @@ from graphinfer.passes.match import is_method, is_op, walk_users
 from graphinfer.passes.utils import GRAPHINFER
 
 
-def _half_slice(node, x: fx.Node, first: bool) -> int | None:
-    """d/2 if node is x[..., :d/2] (first) or x[..., d/2:] (not first)."""
-    if not (is_op(node, operator.getitem) and node.args[0] is x and isinstance(node.args[1], tuple)):
+def _slice_of(node) -> tuple[fx.Node, slice] | None:
+    """(x, s) if node is x[..., s]."""
+    if not (is_op(node, operator.getitem) and isinstance(node.args[1], tuple) and len(node.args[1]) == 2):
         return None
-    index = node.args[1]
-    if len(index) != 2 or index[0] is not Ellipsis or not isinstance(index[1], slice) or index[1].step is not None:
-        return None
-    s = index[1]
-    return s.stop if first and s.start is None else s.start if not first and s.stop is None else None
+    ellipsis, s = node.args[1]
+    return (node.args[0], s) if ellipsis is Ellipsis and isinstance(s, slice) else None
 
 
-def _rotate_half_of(node) -> fx.Node | None:
+def _uncast(node):
+    """The value before fp32 casts (`x.float()`, `x.to(torch.float32)`)."""
+    while is_method(node, "float") or (is_method(node, "to") and torch.float32 in (*node.args[1:],
+                                                                                  node.kwargs.get("dtype"))):
+        node = node.args[0]
+    return node
+
+
+def _neox_rotate_of(node) -> fx.Node | None:
     """x if node is cat((-x[..., h:], x[..., :h]), -1)."""
     if not (is_op(node, torch.cat) and len(node.args) >= 1 and len(node.args[0]) == 2):
         return None
     if node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0) != -1:
         return None
     neg, lo = node.args[0]
-    if not (is_op(neg, operator.neg) and isinstance(lo, fx.Node)):
+    if not is_op(neg, operator.neg):
         return None
-    x = lo.args[0] if lo.args else None
-    h1, h2 = _half_slice(lo, x, first=True), _half_slice(neg.args[0], x, first=False)
-    return x if h1 is not None and h1 == h2 else None
+    hi, lo = _slice_of(neg.args[0]), _slice_of(lo)
+    if hi is None or lo is None or hi[0] is not lo[0]:
+        return None
+    (x, hi), (_, lo) = hi, lo
+    half = lo.stop
+    return x if (lo.start in (None, 0) and lo.step is None and hi.start == half and hi.stop is None
+                 and hi.step is None and half is not None) else None
+
+
+def _interleaved_rotate_of(node) -> fx.Node | None:
+    """x if node is stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)."""
+    if not ((is_method(node, "flatten") or is_op(node, torch.flatten)) and tuple(node.args[1:]) == (-2,)):
+        return None
+    stack = node.args[0]
+    if not (is_op(stack, torch.stack) and len(stack.args[0]) == 2 and
+            stack.kwargs.get("dim", stack.args[1] if len(stack.args) > 1 else 0) == -1):
+        return None
+    neg, even = stack.args[0]
+    if not is_op(neg, operator.neg):
+        return None
+    odd, even = _slice_of(neg.args[0]), _slice_of(even)
+    if odd is None or even is None or odd[0] is not even[0]:
+        return None
+    (x, odd), (_, even) = odd, even
+    return x if (odd.start, odd.stop, odd.step) == (1, None, 2) and even.start in (None, 0) and \
+        (even.stop, even.step) == (None, 2) else None
 
 
 def _rotation(add: fx.Node):
-    """(x, cos, sin) if add is x * cos + rotate_half(x) * sin."""
+    """(x, cos, sin, is_neox) if add is x * cos + rotate(x) * sin."""
     if not is_op(add, operator.add):
         return None
     for m1, m2 in (add.args[:2], reversed(add.args[:2])):
         if not (is_op(m1, operator.mul) and is_op(m2, operator.mul)):
             continue
         for rot, sin in (m2.args[:2], reversed(m2.args[:2])):
-            x = _rotate_half_of(rot)
-            if x is not None and x in m1.args[:2]:
-                cos = m1.args[1] if m1.args[0] is x else m1.args[0]
-                return x, cos, sin
+            rot = _uncast(rot)
+            for is_neox, rotate_of in ((True, _neox_rotate_of), (False, _interleaved_rotate_of)):
+                x = rotate_of(rot)
+                if x is None:
+                    continue
+                for a, cos in (m1.args[:2], reversed(m1.args[:2])):
+                    if isinstance(a, fx.Node) and _uncast(a) is _uncast(x):
+                        return _uncast(x), cos, sin, is_neox
     return None
+
+
+def _partial(x: fx.Node, embed: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(q, cat) if x is q[..., :r] and embed's one user is cat((embed, q[..., r:]), -1): a partial rotary."""
+    found = _slice_of(x)
+    if found is None or len(embed.users) != 1:
+        return None
+    q, s = found
+    (cat,) = embed.users
+    if not (s.start in (None, 0) and s.step is None and isinstance(s.stop, int) and is_op(cat, torch.cat)
+            and len(cat.args[0]) == 2 and cat.args[0][0] is embed
+            and cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) == -1):
+        return None
+    rest = _slice_of(cat.args[0][1])
+    return (q, cat) if rest is not None and rest[0] is q and (rest[1].start, rest[1].stop, rest[1].step) == \
+        (s.stop, None, None) else None
 
 
 def _ancestors(node: fx.Node) -> list[fx.Node]:
@@ -75,7 +129,7 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
 
 
 def _reaches_cache_write(node: fx.Node) -> bool:
-    through = lambda n: is_method(n, "transpose", "view", "reshape", "contiguous", "flatten") or \
+    through = lambda n: is_method(n, "transpose", "view", "reshape", "contiguous", "flatten", "to", "float") or \
         is_op(n, operator.getitem)  # noqa: E731
     return any(is_op(u, GRAPHINFER.reshape_and_cache) for u, _ in walk_users(node, through=through, depth=8))
 
@@ -84,26 +138,34 @@ class CanonRotaryPass(Pass):
     name = "canon_rotary"
     description = "rotary embedding spelled in torch ops (transformers' code) -> graphinfer::rotary_embedding"
 
-    def _cache(self, gm: fx.GraphModule, positions: fx.Node, cos: fx.Node, sin: fx.Node, d: int) -> torch.Tensor | None:
-        """cat(cos, sin)[:, first d/2 columns each] for every position, from the graph's own cos / sin nodes."""
+    def _cache(self, gm: fx.GraphModule, positions: fx.Node, cos: fx.Node, sin: fx.Node,
+               is_neox: bool) -> torch.Tensor | str:
+        """cat(cos, sin) over the r / 2 frequencies for every position, from the graph's own cos / sin nodes; or why
+        not."""
         nodes = set(_ancestors(cos)) | set(_ancestors(sin))
         if {n for n in nodes if n.op == "placeholder"} != {positions}:
-            return None
+            return "cos / sin depend on more than the positions"
+        max_pos = gm.meta.get("max_position_embeddings")  # set by the capture (compiler/transformers_capture.py)
+        if max_pos is None:
+            return "the graph does not say its max_position_embeddings"
         sub = fx.Graph()
         env = {positions: sub.placeholder("positions")}
         for n in gm.graph.nodes:
             if n in nodes and n is not positions:
                 env[n] = sub.node_copy(n, lambda a: env[a])
         sub.output((env[cos], env[sin]))
-        fn = fx.GraphModule(gm, sub)
-        max_pos = gm.meta.get("max_position_embeddings")  # set by the capture (compiler/transformers_capture.py)
-        if max_pos is None:
-            return None
         device = next(gm.parameters()).device
         with torch.no_grad():
-            c, s = fn(torch.arange(max_pos, device=device))
-        c, s = c.reshape(max_pos, -1)[:, :d // 2], s.reshape(max_pos, -1)[:, :d // 2]
-        return torch.cat((c, s), dim=-1).float()
+            c, s = fx.GraphModule(gm, sub)(torch.arange(max_pos, device=device))
+        c, s = c.reshape(max_pos, -1), s.reshape(max_pos, -1)
+        if is_neox:  # cos = cat(f, f)
+            half = c.shape[1] // 2
+            parts = (c[:, :half], c[:, half:], s[:, :half], s[:, half:])
+        else:  # cos = f.repeat_interleave(2)
+            parts = (c[:, ::2], c[:, 1::2], s[:, ::2], s[:, 1::2])
+        if not (torch.equal(parts[0], parts[1]) and torch.equal(parts[2], parts[3])):
+            return f"cos / sin do not repeat as a{' neox' if is_neox else 'n interleaved'} rotation's do"
+        return torch.cat((parts[0], parts[2]), dim=-1).float()
 
     def apply(self, gm: fx.GraphModule) -> int:
         positions = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "positions"), None)
@@ -112,43 +174,47 @@ class CanonRotaryPass(Pass):
         groups: dict[tuple, list] = {}
         for node in gm.graph.nodes:
             if (found := _rotation(node)) is not None:
-                x, cos, sin = found
-                groups.setdefault((cos, sin), []).append((node, x))
+                x, cos, sin, is_neox = found
+                q, out = _partial(x, node) or (x, node)  # the whole head, and the node its rotation replaces
+                groups.setdefault((cos, sin), []).append((out, q, is_neox, q is not x))
         matches = 0
         caches: dict[int, str] = {}
         for (cos, sin), rots in groups.items():
             if len(rots) != 2:
                 self.decline(f"{cos.name}: {len(rots)} rotations share one cos/sin (a query and a key expected)")
                 continue
+            if rots[0][2:] != rots[1][2:]:
+                self.decline(f"{cos.name}: the query and the key are rotated differently")
+                continue
             keys = [r for r in rots if _reaches_cache_write(r[0])]
             if len(keys) != 1:
                 self.decline(f"{cos.name}: cannot tell the query's rotation from the key's")
                 continue
-            (k_embed, k), (q_embed, q) = keys[0], next(r for r in rots if r is not keys[0])
+            (k_out, k, is_neox, _), (q_out, q, _, _) = keys[0], next(r for r in rots if r is not keys[0])
             shapes = [x.meta.get("example_value") for x in (q, k)]
             if any(s is None or s.dim() != 4 or s.shape[0] != 1 for s in shapes):
                 self.decline(f"{q.name}: not transformers' [1, heads, T, head_dim] layout")
                 continue
             (_, hq, _, d), (_, hk, _, _) = (s.shape for s in shapes)
             if id(cos) not in caches:
-                cache = self._cache(gm, positions, cos, sin, d)
-                if cache is None:
-                    self.decline(f"{cos.name}: cos / sin depend on more than the positions")
+                cache = self._cache(gm, positions, cos, sin, is_neox)
+                if isinstance(cache, str):
+                    self.decline(f"{cos.name}: {cache}")
                     continue
                 name = f"rotary_cos_sin_cache_{len(caches)}"
                 gm.register_buffer(name, cache.to(next(gm.parameters()).device))
                 caches[id(cos)] = name
             order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            with gm.graph.inserting_before(min(q_embed, k_embed, key=order.get)):
+            with gm.graph.inserting_before(min(q_out, k_out, key=order.get)):
                 flat = [gm.graph.call_method("reshape", (gm.graph.call_method("transpose", (x, 1, 2)), -1, int(h * d)))
                         for x, h in ((q, hq), (k, hk))]
                 cache_node = gm.graph.get_attr(caches[id(cos)])
                 rot = gm.graph.call_function(GRAPHINFER.rotary_embedding.default,
-                                             (positions, flat[0], flat[1], int(d), cache_node, True))
-                for i, (embed, heads) in enumerate(((q_embed, hq), (k_embed, hk))):
-                    out = gm.graph.call_function(operator.getitem, (rot, i))
-                    view = gm.graph.call_method("view", (out, 1, -1, int(heads), int(d)))
-                    embed.replace_all_uses_with(gm.graph.call_method("transpose", (view, 1, 2)))
+                                             (positions, flat[0], flat[1], int(d), cache_node, is_neox))
+                for i, (out, heads) in enumerate(((q_out, hq), (k_out, hk))):
+                    got = gm.graph.call_function(operator.getitem, (rot, i))
+                    view = gm.graph.call_method("view", (got, 1, -1, int(heads), int(d)))
+                    out.replace_all_uses_with(gm.graph.call_method("transpose", (view, 1, 2)))
             matches += 1
         gm.graph.eliminate_dead_code()
         return matches

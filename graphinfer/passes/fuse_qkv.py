@@ -1,7 +1,7 @@
 """fuse_qkv: the q, k and v projections of one input become one projection and a split.
 
 Matches: Linear nodes reading the same input where, following each one's users through views, reshapes
-and RMSNorms (Qwen3's q/k norm), one reaches graphinfer::rotary_embedding as the query, one as the key, and
+transposes and RMSNorms (Qwen3's q/k norm), one reaches graphinfer::rotary_embedding as the query, one as the key, and
 one reaches graphinfer::reshape_and_cache as the value. Any GQA sizes; biases (Qwen2) are concatenated too.
 Other Linears of the same input (a fourth projection) stay as they are, with a note in the report.
 Produces: `<parent>.qkv_proj` = Linear(cat(Wq, Wk, Wv), cat(bq, bk, bv)) and `.split([q, kv, kv], dim=-1)`,
@@ -12,17 +12,17 @@ or whose biases or dtypes differ (reason in the report).
 from torch import fx
 
 from graphinfer.passes.base import Pass
-from graphinfer.passes.match import arg, is_op, is_view, walk_users
+from graphinfer.passes.match import arg, is_method, is_op, is_view, walk_users
 from graphinfer.passes.utils import GRAPHINFER, fuse_linears, is_linear, sibling_submodule, split_outputs
 
 
-def _view_or_norm(node: fx.Node) -> bool:
-    return is_view(node) or is_op(node, GRAPHINFER.rms_norm)
+def _view_or_norm(node: fx.Node) -> bool:  # transposes: transformers' [1, heads, T, d] layout (Gemma 3's q/k norms)
+    return is_view(node) or is_method(node, "transpose") or is_op(node, GRAPHINFER.rms_norm)
 
 
 def _role(node: fx.Node) -> str | None:
     """'q' / 'k' / 'v' if node's value reaches rotary_embedding's query / key or the KV write's value."""
-    for user, value in walk_users(node, through=_view_or_norm, depth=6):
+    for user, value in walk_users(node, through=_view_or_norm, depth=8):
         if is_op(user, GRAPHINFER.rotary_embedding):
             if arg(user, 1, "query") is value:
                 return "q"
