@@ -60,8 +60,7 @@ def test_graphinfer_impl_refuses_an_architecture_it_lacks(tmp_path):
 from hf_zoo import UNSUPPORTED, ZOO, ZOO_PROMPTS, greedy_matches_hf, hf_greedy  # noqa: E402
 
 # transformers' code that TorchDynamo cannot capture as one graph valid for every batch: refused, with the reason
-NOT_CAPTURABLE = {"gpt_oss": "does not reproduce it on other inputs",  # a Python loop over the experts a batch hits
-                  "phi3": "TorchDynamo cannot capture"}  # longrope switches factors on the sequence length
+NOT_CAPTURABLE = {"phi3": "TorchDynamo cannot capture"}  # longrope switches factors on the sequence length
 
 
 # layers without rotary (NoPE): Cohere 2's full-attention layer, SmolLM3's every fourth
@@ -208,3 +207,21 @@ def test_tp2_refusals_name_the_reason(hf_zoo_checkpoint):
     assert not ps.is_initialized()
     with pytest.raises(InvalidConfigError, match=r"experts\.0\.down_proj\.weight.*transformers converts them at load"):
         LLM(hf_zoo_checkpoint("qwen2_moe"), dtype="float32", tensor_parallel_size=2, max_model_len=256)
+
+
+def test_in_place_calls_survive_passes_and_an_artifact(hf_zoo_checkpoint, tmp_path):
+    """gpt-oss's experts add their biases in place (`out.add_(bias)`, result unused) and restore the token order with
+    `inv_perm[perm] = arange`: the capture spells both as trace.inplace calls, which dead-code elimination keeps and an
+    artifact's graph.py traces again; compiled to an artifact, the tokens are HF's."""
+    import os
+    import re
+
+    from graphinfer.cli import main
+
+    path, art = hf_zoo_checkpoint("gpt_oss"), str(tmp_path / "art")
+    assert main(["compile", path, "-o", art, "--dtype", "float32"]) == 0
+    calls = re.findall(r"_inplace\('(\w+)'", open(os.path.join(art, "graph.py")).read())
+    assert sorted(set(calls)) == ["__setitem__", "add_", "clamp_", "masked_fill_"] and calls.count("add_") == 4  # 2 layers x (gate_up, down) biases
+    expected = hf_greedy(path, ZOO_PROMPTS, NEW)
+    with LLM(artifact=art, device="cpu", max_model_len=256, max_num_batched_tokens=32, block_size=8) as llm:
+        _zoo_greedy_matches(llm, path, expected, runs=("cold",))  # graph.py traced again, its mutations kept

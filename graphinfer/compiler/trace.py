@@ -9,6 +9,7 @@ collectives are nodes passes can see and device graphs capture.
 """
 import torch
 from torch import fx, nn
+from torch.fx.node import has_side_effect
 
 
 def is_leaf_layer(m: nn.Module) -> bool:
@@ -20,7 +21,20 @@ def is_leaf_layer(m: nn.Module) -> bool:
         not getattr(m, "has_collective", False)
 
 
+@has_side_effect
+def inplace(method: str, x: torch.Tensor, *args, **kwargs):
+    """x.<method>(*args, **kwargs) for an in-place tensor method or `__setitem__`, as one call_function that fx keeps:
+    its dead-code elimination treats a call_method as pure (dropping the unused result of `out.add_(bias)`, gpt-oss's
+    expert biases, and with it the mutation), and symbolic tracing cannot run `x[i] = v` on a proxy (an artifact's
+    graph.py is traced again). Graphs captured from transformers' code spell in-place calls this way."""
+    getattr(x, method)(*args, **kwargs)
+    return x
+
+
 class GraphinferTracer(fx.Tracer):
+    def __init__(self):
+        super().__init__(autowrap_functions=(inplace,))  # a leaf wherever a graph's code calls it
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return is_leaf_layer(m)
 

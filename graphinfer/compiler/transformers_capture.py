@@ -16,9 +16,12 @@ specialised on what the model's Python branches on besides the token count (its 
 code branches on the token count itself (e.g. dynamic RoPE past its original context) is captured for the branch
 the example takes, which the capture refuses rather than guess (export fails on such a guard).
 """
+import operator
+
 import torch
 from torch import fx, nn
 
+from graphinfer.compiler.trace import inplace
 from graphinfer.errors import UnsupportedArchitectureError
 from graphinfer.models.layers import AttentionMetadata
 from graphinfer.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
@@ -101,12 +104,22 @@ def _canonical(captured: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
             path, x = leaf
             env[node] = graph.call_module(path, (env[x],))
             continue
+        if _is_inplace_method(node) or node.target is operator.setitem:  # see trace.inplace
+            name = "__setitem__" if node.target is operator.setitem else node.target
+            env[node] = graph.call_function(inplace, (name, *fx.map_arg(node.args, env.get)),
+                                            fx.map_arg(node.kwargs, env.get))
+            continue
         env[node] = graph.node_copy(node, lambda n: env[n])
     gm = fx.GraphModule(model, graph, class_name=f"{type(model.model).__name__}Graph")
     gm.meta["max_position_embeddings"] = model.config.max_position_embeddings  # for canon_rotary's cos/sin cache
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _is_inplace_method(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else ""
+    return name.endswith("_") and not name.startswith("_") and hasattr(torch.Tensor, name)
 
 
 def _is_leaf(m: nn.Module) -> bool:

@@ -4,12 +4,13 @@ graphinfer::rms_norm, after which fuse_add_rmsnorm and fuse_qknorm_rope see it a
 Matches, around each rsqrt:
     h = x.to(float32) | x.float() | x          (the upcast, if any)
     n = h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = w * n.to(x.dtype)                    (Llama, Qwen, Mistral, OLMo 2, ...: either operand order)
+    out = w * n.to(x.dtype)                    (Llama, Qwen, Mistral, ...: either operand order)
+    out = (w * n).to(x.dtype)                  (OLMo 2, gpt-oss: scaled in fp32, then cast)
     out = (n * (1.0 + w.float())).type_as(x)   (Gemma's (1 + w) form)
 where w is a parameter and every intermediate has no other user.
 Produces: graphinfer::rms_norm(x, w, eps), whose reference is Llama's form exactly; Gemma's norms get a parameter
-`weight_plus_one` = 1 + w beside their weight (the op scales by it in the model's dtype, where Gemma scales in fp32:
-within a rounding in bf16, equal in fp32).
+`weight_plus_one` = 1 + w beside their weight (the op scales by it in the model's dtype, where Gemma, OLMo 2 and
+gpt-oss scale in fp32: within a rounding in bf16, equal in fp32).
 Declines: a normalised value used elsewhere, an epsilon or scale that is not a constant.
 """
 import operator
@@ -66,9 +67,13 @@ class CanonRMSNormPass(Pass):
             if isinstance(w, fx.Node) and w.op == "get_attr":
                 return mul, w, False
             return None
-        if is_op(user, operator.mul) and single_use(user):  # Gemma: (n * (1.0 + w.float())).type_as(x)
-            one_plus = _other(user, n)
+        if is_op(user, operator.mul) and single_use(user):
             cast = next(iter(user.users))
+            w = _other(user, n)
+            if isinstance(w, fx.Node) and w.op == "get_attr" and (is_method(cast, "to") or (
+                    is_method(cast, "type_as") and cast.args[1] is x)):  # OLMo 2, gpt-oss: (w * n).to(x.dtype)
+                return cast, w, False
+            one_plus = w  # Gemma: (n * (1.0 + w.float())).type_as(x)
             if is_op(one_plus, operator.add) and 1.0 in one_plus.args[:2] and is_method(cast, "type_as") \
                     and cast.args[1] is x:
                 w = _other(one_plus, 1.0)

@@ -6,6 +6,7 @@ Matches, per layer, the two rotations that share one cos and one sin:
     x_embed = x * cos + rotate(x) * sin                                   (either operand order)
     rotate(x) = cat((-x[..., d/2:], x[..., :d/2]), -1)                     neox (Llama's rotate_half), or
                 stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)        interleaved pairs (GPT-J: GLM, Ernie, Cohere)
+    x_embed = cat((a * cos - b * sin, b * cos + a * sin), -1), a, b = x.chunk(2, -1)   neox, cos of d / 2 (gpt-oss)
 with x [1, heads, T, d] (transformers' layout), casts to fp32 around x or rotate(x) looked through (Ernie, Cohere
 rotate in fp32), cos / sin computed from the step's positions alone (what the model's rotary module does each step).
 Partial rotary: x = q[..., :r] and x_embed = cat((x_embed, q[..., r:]), -1) (GLM, Phi-3, StableLM): the whole
@@ -100,6 +101,36 @@ def _rotation(add: fx.Node):
     return None
 
 
+def _chunk_rotation(cat: fx.Node):
+    """(x, cos, sin) if cat is cat((a * cos - b * sin, b * cos + a * sin), -1) with a, b = x.chunk(2, -1): neox with a
+    cos / sin of d / 2 columns (gpt-oss)."""
+    if not (is_op(cat, torch.cat) and len(cat.args[0]) == 2 and
+            cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) == -1):
+        return None
+    first, second = cat.args[0]
+    if not (is_op(first, operator.sub) and is_op(second, operator.add)):
+        return None
+    halves = {}  # (chunk, index) -> getitem node, via the four products
+    products = [first.args[0], first.args[1], second.args[0], second.args[1]]
+    if not all(is_op(p, operator.mul) for p in products):
+        return None
+    for p in products:
+        for t in p.args[:2]:
+            if is_op(t, operator.getitem) and is_op(t.args[0], torch.chunk) and t.args[1] in (0, 1):
+                halves[t.args[1]] = t
+    if set(halves) != {0, 1} or halves[0].args[0] is not halves[1].args[0]:
+        return None
+    chunk = halves[0].args[0]
+    if tuple(chunk.args[1:]) + tuple(chunk.kwargs.values()) not in ((2, -1), (2,)) and chunk.kwargs.get("dim") != -1:
+        return None
+    other = lambda m, t: m.args[1] if m.args[0] is t else m.args[0] if m.args[1] is t else None  # noqa: E731
+    a, b = halves[0], halves[1]
+    cos, sin = other(products[0], a), other(products[1], b)
+    if cos is None or sin is None or other(products[2], b) is not cos or other(products[3], a) is not sin:
+        return None
+    return chunk.args[0], cos, sin
+
+
 def _partial(x: fx.Node, embed: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """(q, cat) if x is q[..., :r] and embed's one user is cat((embed, q[..., r:]), -1): a partial rotary."""
     found = _slice_of(x)
@@ -139,7 +170,7 @@ class CanonRotaryPass(Pass):
     description = "rotary embedding spelled in torch ops (transformers' code) -> graphinfer::rotary_embedding"
 
     def _cache(self, gm: fx.GraphModule, positions: fx.Node, cos: fx.Node, sin: fx.Node,
-               is_neox: bool) -> torch.Tensor | str:
+               layout: str) -> torch.Tensor | str:
         """cat(cos, sin) over the r / 2 frequencies for every position, from the graph's own cos / sin nodes; or why
         not."""
         nodes = set(_ancestors(cos)) | set(_ancestors(sin))
@@ -158,13 +189,15 @@ class CanonRotaryPass(Pass):
         with torch.no_grad():
             c, s = fx.GraphModule(gm, sub)(torch.arange(max_pos, device=device))
         c, s = c.reshape(max_pos, -1), s.reshape(max_pos, -1)
-        if is_neox:  # cos = cat(f, f)
+        if layout == "neox_half":  # cos = f already
+            return torch.cat((c, s), dim=-1).float()
+        if layout == "neox":  # cos = cat(f, f)
             half = c.shape[1] // 2
             parts = (c[:, :half], c[:, half:], s[:, :half], s[:, half:])
         else:  # cos = f.repeat_interleave(2)
             parts = (c[:, ::2], c[:, 1::2], s[:, ::2], s[:, 1::2])
         if not (torch.equal(parts[0], parts[1]) and torch.equal(parts[2], parts[3])):
-            return f"cos / sin do not repeat as a{' neox' if is_neox else 'n interleaved'} rotation's do"
+            return f"cos / sin do not repeat as a{' neox' if layout == 'neox' else 'n interleaved'} rotation's do"
         return torch.cat((parts[0], parts[2]), dim=-1).float()
 
     def apply(self, gm: fx.GraphModule) -> int:
@@ -176,7 +209,10 @@ class CanonRotaryPass(Pass):
             if (found := _rotation(node)) is not None:
                 x, cos, sin, is_neox = found
                 q, out = _partial(x, node) or (x, node)  # the whole head, and the node its rotation replaces
-                groups.setdefault((cos, sin), []).append((out, q, is_neox, q is not x))
+                groups.setdefault((cos, sin), []).append((out, q, "neox" if is_neox else "interleaved", q is not x))
+            elif (found := _chunk_rotation(node)) is not None:
+                x, cos, sin = found
+                groups.setdefault((cos, sin), []).append((node, x, "neox_half", False))
         matches = 0
         caches: dict[int, str] = {}
         for (cos, sin), rots in groups.items():
@@ -190,14 +226,14 @@ class CanonRotaryPass(Pass):
             if len(keys) != 1:
                 self.decline(f"{cos.name}: cannot tell the query's rotation from the key's")
                 continue
-            (k_out, k, is_neox, _), (q_out, q, _, _) = keys[0], next(r for r in rots if r is not keys[0])
+            (k_out, k, layout, _), (q_out, q, _, _) = keys[0], next(r for r in rots if r is not keys[0])
             shapes = [x.meta.get("example_value") for x in (q, k)]
             if any(s is None or s.dim() != 4 or s.shape[0] != 1 for s in shapes):
                 self.decline(f"{q.name}: not transformers' [1, heads, T, head_dim] layout")
                 continue
             (_, hq, _, d), (_, hk, _, _) = (s.shape for s in shapes)
             if id(cos) not in caches:
-                cache = self._cache(gm, positions, cos, sin, is_neox)
+                cache = self._cache(gm, positions, cos, sin, layout)
                 if isinstance(cache, str):
                     self.decline(f"{cos.name}: {cache}")
                     continue
@@ -210,7 +246,7 @@ class CanonRotaryPass(Pass):
                         for x, h in ((q, hq), (k, hk))]
                 cache_node = gm.graph.get_attr(caches[id(cos)])
                 rot = gm.graph.call_function(GRAPHINFER.rotary_embedding.default,
-                                             (positions, flat[0], flat[1], int(d), cache_node, is_neox))
+                                             (positions, flat[0], flat[1], int(d), cache_node, layout != "interleaved"))
                 for i, (out, heads) in enumerate(((q_out, hq), (k_out, hk))):
                     got = gm.graph.call_function(operator.getitem, (rot, i))
                     view = gm.graph.call_method("view", (got, 1, -1, int(heads), int(d)))
