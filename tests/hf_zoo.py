@@ -27,6 +27,8 @@ mixtral       MixtralForCausalLM (MixtralConfig)            MoE: 4 experts, top-
 phi3          Phi3ForCausalLM (Phi3Config)                  fused qkv_proj and gate_up_proj in the checkpoint, partial
                                                             rotary 0.75 and longrope (short/long factors, attention
                                                             factor) as Phi-4-mini, tied as Phi-4-mini
+phi3_rope     Phi3ForCausalLM (Phi3Config)                  Phi-3-mini-4k / Phi-4 style: fused qkv_proj and gate_up_proj,
+                                                            default rope with partial rotary 0.75, untied
 olmo2         Olmo2ForCausalLM (Olmo2Config)                norms after attention and MLP (no pre-norm), q/k RMSNorm
                                                             over the whole projected width (heads * head_dim), untied
 glm4          Glm4ForCausalLM (Glm4Config)                  partial rotary 0.5 with interleaved (GPT-J) pairs, q/k/v
@@ -179,6 +181,12 @@ ZOO: dict[str, ZooSpec] = {
         "(12 of 16 dims), longrope (prompts under original_max_position_embeddings 256 use the short factors; the "
         "attention factor sqrt(1 + ln 4 / ln 256) scales cos/sin), tied (Phi-3 itself is untied).",
         exercises=("fused_qkv", "fused_gate_up", "partial_rotary", "longrope", "tied")),
+    "phi3_rope": ZooSpec(
+        "Phi3ForCausalLM", "Phi3Config",
+        dict(rope_parameters=_rope(10000.0, partial_rotary_factor=0.75), tie_word_embeddings=False),
+        "Phi-3-mini-4k / Phi-4 (no longrope) on Phi3ForCausalLM: qkv_proj and gate_up_proj fused in the checkpoint, "
+        "partial rotary 0.75 (12 of 16 dims), untied.",
+        exercises=("fused_qkv", "fused_gate_up", "partial_rotary")),
     "olmo2": ZooSpec(
         "Olmo2ForCausalLM", "Olmo2Config",
         dict(num_key_value_heads=4, rope_parameters=_rope(500000.0), tie_word_embeddings=False),

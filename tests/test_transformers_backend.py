@@ -156,26 +156,39 @@ def _zoo_greedy_matches(llm, path, expected, runs=("cold", "prefix hits")):
         assert all(ok for ok, _ in checks), (run, [why for _, why in checks])
 
 
-def test_tp2_gemma3_gives_hf_greedy_tokens(hf_zoo_checkpoint):
-    """Gemma 3 at tp 2: q/k/v and gate/up split by columns, o/down by rows (two all-reduces a layer); its scaled
-    embedding and the LM head tied to it stay whole, as the plan leaves q/k norms whole. Chunked prefill beside
-    decodes, then prefix-cache hits."""
+@pytest.mark.parametrize("name", ["gemma3", "phi3_rope"])
+def test_tp2_gives_hf_greedy_tokens(hf_zoo_checkpoint, name):
+    """tp 2 by the config's plan, chunked prefill beside decodes, then prefix-cache hits. Gemma 3 ("colwise" /
+    "rowwise"): q/k/v and gate/up split by columns, o/down by rows, two all-reduces a layer; its scaled embedding and
+    the LM head tied to it stay whole. Phi-3 ("colwise_gather_output" / "rowwise_split_input" on its fused qkv_proj
+    and gate_up_proj): weights split, outputs all-gathered, so attention keeps every head."""
     from graphinfer.compiler.trace import op_histogram
+    from graphinfer.models.transformers_tp import GatheredColumnParallelLinear, SplitInputRowParallelLinear
 
-    path = hf_zoo_checkpoint("gemma3")
+    path = hf_zoo_checkpoint(name)
     expected = hf_greedy(path, ZOO_PROMPTS, NEW)
     with LLM(path, dtype="float32", tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=32,
              block_size=8) as llm:
         _zoo_greedy_matches(llm, path, expected)
         worker, config = llm.llm_engine.worker, llm.llm_engine.hf_config
         layer, heads, kv = worker.model.model.layers[0], config.num_attention_heads, config.num_key_value_heads
+        attn, layers = layer.self_attn.graphinfer_attn, config.num_hidden_layers
         assert worker.compiled.pass_reports.passed, worker.compiled.pass_reports.failures()
-        assert (layer.self_attn.graphinfer_attn.num_heads, layer.self_attn.graphinfer_attn.num_kv_heads) == \
-            (heads // 2, kv // 2)
-        assert layer.self_attn.o_proj.weight.shape[1] == heads // 2 * config.head_dim  # rank 0's half of the heads
-        assert layer.mlp.down_proj.weight.shape[1] == config.intermediate_size // 2
-        assert op_histogram(worker.graph)["graphinfer::all_reduce"] == 2 * config.num_hidden_layers
-        assert worker.model.model.embed_tokens.weight.shape[0] == config.vocab_size  # whole
+        ops = op_histogram(worker.graph)
+        if name == "gemma3":
+            assert (attn.num_heads, attn.num_kv_heads) == (heads // 2, kv // 2)
+            assert layer.self_attn.o_proj.weight.shape[1] == heads // 2 * config.head_dim  # rank 0's half of the heads
+            assert layer.mlp.down_proj.weight.shape[1] == config.intermediate_size // 2
+            assert ops["graphinfer::all_reduce"] == 2 * layers
+            assert worker.model.model.embed_tokens.weight.shape[0] == config.vocab_size  # whole
+        else:
+            qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
+            assert isinstance(qkv, GatheredColumnParallelLinear) and isinstance(down, SplitInputRowParallelLinear)
+            assert qkv.weight.shape[0] == (heads + 2 * kv) * (config.hidden_size // heads) // 2
+            assert down.weight.shape[1] == config.intermediate_size // 2
+            assert (attn.num_heads, attn.num_kv_heads) == (heads, kv)
+            assert ops["graphinfer::all_gather"] == 2 * layers  # qkv_proj, gate_up_proj
+            assert ops["graphinfer::all_reduce"] == 2 * layers + 1  # o_proj, down_proj; the vocab-parallel embedding
 
 
 def test_tp2_artifact_of_mistral_gives_hf_greedy_tokens(hf_zoo_checkpoint, tmp_path):

@@ -28,7 +28,7 @@ from graphinfer import ops
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import InvalidConfigError, UnsupportedArchitectureError
 from graphinfer.models.layers import AttentionMetadata, PagedAttention, init_buffers
-from graphinfer.models.parallel_layers import local_heads, local_kv_heads
+from graphinfer.models.parallel_layers import ColumnParallelLinear, local_heads, local_kv_heads
 
 ATTN_IMPLEMENTATION = "graphinfer"
 _MD_KEYWORD = "graphinfer_md"  # the forward keyword that carries the step's AttentionMetadata to the attention layers
@@ -131,8 +131,11 @@ class TransformersForCausalLM(nn.Module):
                                                f"interface found; graphinfer cannot run its attention.")
         heads = c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        for m in layers:  # this rank's heads (transformers' code reshapes with -1: its q/k/v carry just these)
-            attn = PagedAttention(local_heads(heads), local_kv_heads(kv_heads), m.head_dim)
+        for m in layers:  # this rank's heads (transformers' code reshapes with -1: its q/k/v carry just these); all of
+            # them where the projections' outputs are whole (Phi-3's qkv_proj, "colwise_gather_output")
+            split = any(type(c) is ColumnParallelLinear for c in m.modules())
+            attn = PagedAttention(local_heads(heads) if split else heads,
+                                  local_kv_heads(kv_heads) if split else kv_heads, m.head_dim)
             attn.scale = getattr(m, "scaling", attn.scale)
             m.graphinfer_attn = attn
 

@@ -3,9 +3,11 @@
 
 The plan maps module paths of the base model (`layers.*.self_attn.q_proj`) to a style. "colwise" becomes a
 ColumnParallelLinear (output features split, no communication), "rowwise" a RowParallelLinear (input features split,
-partial sums all-reduced: a graphinfer::all_reduce node in the captured graph). Every other style keeps the layer
-whole on every rank (vLLM's choice too): "colwise_gather_output" marks a layer whose full output the code needs (Olmo
-2's q/k norms span every head), and the plan's entries for non-Linear modules (norms, stacked experts) are left alone.
+partial sums all-reduced: a graphinfer::all_reduce node in the captured graph). "colwise_gather_output" (a layer whose
+full output the code needs: Phi-3's fused qkv_proj, OLMo 2's q/k norms over every head) splits the weight and
+all-gathers the output; "rowwise_split_input" takes the rank's slice of a whole input and all-reduces (vLLM's
+colwise_rep / rowwise_rep). Other styles keep the layer whole on every rank, and the plan's entries for non-Linear
+modules (norms, stacked experts) are left alone.
 transformers' attention code reshapes with `-1` heads, so a rank's q/k/v run its share of the heads unchanged. With
 fewer KV heads than ranks, k/v are replicated (rank r holds KV head r * kv // tp), as in graphinfer's own models.
 The input embedding and the LM head are split over the vocabulary when both are plain layers (a scaled embedding,
@@ -14,9 +16,11 @@ Gemma's, stays whole, and so does the head tied to it).
 import re
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from graphinfer.distributed import parallel_state as ps
+from graphinfer.distributed.communication_op import tensor_model_parallel_all_gather
 from graphinfer.errors import InvalidConfigError
 from graphinfer.models.parallel_layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                                VocabParallelEmbedding)
@@ -38,15 +42,43 @@ def _pattern(key: str) -> re.Pattern:
     return re.compile(re.escape(key).replace(r"\*", r"\d+"))
 
 
+class GatheredColumnParallelLinear(ColumnParallelLinear):
+    """colwise_gather_output: output features split, the whole output all-gathered (in rank order: the layer's)."""
+    has_collective = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        return tensor_model_parallel_all_gather(F.linear(x, self.weight, self.bias), -1)
+
+
+class SplitInputRowParallelLinear(RowParallelLinear):
+    """rowwise_split_input: the input is whole on every rank, which takes its slice of the features (by an index
+    buffer, so every rank's graph is the same code) before the row-parallel product."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(in_features, out_features, bias)
+        n = self.in_features
+        self.register_buffer("input_index", torch.arange(ps.tp_rank() * n, (ps.tp_rank() + 1) * n), persistent=False)
+
+    def reset_buffers(self, device) -> None:  # models/layers.init_buffers
+        n = self.in_features
+        self.input_index = torch.arange(ps.tp_rank() * n, (ps.tp_rank() + 1) * n, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.index_select(-1, self.input_index))
+
+
 def _linear(old: nn.Linear, style: str, kv_out: int, kv_heads: int) -> nn.Linear | None:
     """The parallel layer that replaces `old` for `style` (None: stays whole)."""
-    bias = old.bias is not None
+    bias, tp = old.bias is not None, ps.tp_size()
     if style == "colwise":
-        tp = ps.tp_size()
         shards = kv_heads if old.out_features == kv_out and kv_heads < tp else None  # replicated KV heads
         return ColumnParallelLinear(old.in_features, old.out_features, bias, shards)
     if style == "rowwise":
         return RowParallelLinear(old.in_features, old.out_features, bias)
+    if style == "colwise_gather_output" and old.out_features % tp == 0:
+        return GatheredColumnParallelLinear(old.in_features, old.out_features, bias)
+    if style == "rowwise_split_input" and old.in_features % tp == 0:
+        return SplitInputRowParallelLinear(old.in_features, old.out_features, bias)
     return None
 
 

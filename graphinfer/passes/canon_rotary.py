@@ -16,8 +16,8 @@ by running the graph's own cos / sin nodes on every position (so any RoPE scalin
 reproduced exactly) and checked to repeat in the layout the rotation implies (halves for neox, pairs for
 interleaved), held as a buffer of the graph; and rotary_embedding(positions, q, k, d, cache, is_neox) on q and k
 flattened to [T, heads * d], whose outputs take the rotations' place in transformers' layout.
-Declines: a cos / sin that depends on more than the positions or does not repeat as the rotation implies, a query
-and key rotated differently (left as torch ops).
+Declines: a cos / sin that depends on more than the positions, or on the step's other positions, or does not repeat
+as the rotation implies, a query and key rotated differently (left as torch ops).
 """
 import operator
 
@@ -185,10 +185,14 @@ class CanonRotaryPass(Pass):
             if n in nodes and n is not positions:
                 env[n] = sub.node_copy(n, lambda a: env[a])
         sub.output((env[cos], env[sin]))
-        device = next(gm.parameters()).device
+        device, fn = next(gm.parameters()).device, fx.GraphModule(gm, sub)
         with torch.no_grad():
-            c, s = fx.GraphModule(gm, sub)(torch.arange(max_pos, device=device))
+            c, s = fn(torch.arange(max_pos, device=device))
+            few = torch.tensor([0, 1, max_pos // 2], device=device)
+            c_few = fn(few)[0].reshape(len(few), -1)
         c, s = c.reshape(max_pos, -1), s.reshape(max_pos, -1)
+        if not torch.equal(c_few, c[few]):  # e.g. longrope's switch on the batch's largest position
+            return "cos / sin of a position depend on the other positions of the step"
         if layout == "neox_half":  # cos = f already
             return torch.cat((c, s), dim=-1).float()
         if layout == "neox":  # cos = cat(f, f)
