@@ -238,3 +238,25 @@ def test_in_place_calls_survive_passes_and_an_artifact(hf_zoo_checkpoint, tmp_pa
     expected = hf_greedy(path, ZOO_PROMPTS, NEW)
     with LLM(artifact=art, device="cpu", max_model_len=256, max_num_batched_tokens=32, block_size=8) as llm:
         _zoo_greedy_matches(llm, path, expected, runs=("cold",))  # graph.py traced again, its mutations kept
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_capturing_graph_modes_give_hf_greedy_tokens(hf_zoo_checkpoint, monkeypatch, name):
+    """FULL_AND_PIECEWISE on the recorded-op stand-in for device graphs (tests/capture_standin.py): decode steps
+    replay full graphs, mixed steps the pieces split at graphinfer::paged_attention, on graphs captured from
+    transformers' code: Gemma 2's soft-capping and windows, gpt-oss's sinks and in-place expert biases."""
+    from capture_standin import OpTapePlatform
+
+    import graphinfer.runtime.entrypoints.llm_engine as llm_engine
+
+    path = hf_zoo_checkpoint(name)
+    expected = hf_greedy(path, ZOO_PROMPTS, NEW)
+    monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=32, block_size=8,
+              graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8, 32])
+    dispatcher, replays = llm.llm_engine.worker.model_runner.dispatcher, []
+    for graphs, method in ((dispatcher.decode_graphs, "replay"), (dispatcher.piecewise_graphs, "run")):
+        original = getattr(graphs, method)
+        monkeypatch.setattr(graphs, method, lambda *a, _o=original, _m=method, **k: replays.append(_m) or _o(*a, **k))
+    _zoo_greedy_matches(llm, path, expected, runs=("cold",))
+    assert {"replay", "run"} <= set(replays)
