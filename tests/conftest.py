@@ -102,11 +102,34 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_zoo_checkpoint(tmp_path_factory):
-    """hf_zoo_checkpoint(name) -> dir of tests/hf_zoo.py's ZOO[name] (or UNSUPPORTED[name]), saved by transformers:
-    built once per session."""
+    """hf_zoo_checkpoint(name) -> dir of tests/hf_zoo.py's ZOO[name] (or DEEPSEEK[name], UNSUPPORTED[name]), saved by
+    transformers: built once per session."""
     from hf_zoo import hf_zoo_checkpoint_factory
 
     return hf_zoo_checkpoint_factory(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def deepseek_checkpoint(hf_zoo_checkpoint):
+    """deepseek_checkpoint(name) -> dir of tests/hf_zoo.py's DEEPSEEK[name] (tiny DeepSeek-V2/V3), saved by
+    transformers: built once per session (hf_zoo_checkpoint's cache)."""
+    from hf_zoo import DEEPSEEK
+
+    def make(name: str) -> str:
+        if name not in DEEPSEEK:
+            raise KeyError(f"{name!r} is not a DEEPSEEK entry ({', '.join(DEEPSEEK)})")
+        return hf_zoo_checkpoint(name)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def deepseek_mtp_checkpoint(tmp_path_factory, deepseek_checkpoint):
+    """deepseek_mtp_checkpoint(name="deepseek_v3") -> dir of deepseek_checkpoint(name) with one MTP layer appended
+    (hf_zoo.make_mtp_checkpoint; config num_nextn_predict_layers 1): built once per session."""
+    from hf_zoo import deepseek_mtp_checkpoint_factory
+
+    return deepseek_mtp_checkpoint_factory(tmp_path_factory, deepseek_checkpoint)
 
 
 @pytest.fixture(scope="session")

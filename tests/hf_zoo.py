@@ -86,6 +86,63 @@ HF quirks met on the way (transformers 5.17):
 - In fp32 no zoo model has an exact top-2 tie along 16 greedy tokens of ZOO_PROMPTS (smallest relative gap 1.4e-4,
   qwen2_moe); in bf16 such gaps are ties (bf16's ulp is 2**-8 relative), so 16-bit comparisons need a bf16-sized
   tie tolerance, not greedy_matches_hf's default 1e-5.
+
+DEEPSEEK: tiny DeepSeek-V2/V3 checkpoints for the native DeepSeek model, in their own dict (not in ZOO, whose entries
+the transformers path's tests run); fixtures deepseek_checkpoint(name) and deepseek_mtp_checkpoint(). Built, perturbed
+and saved as the zoo is (fp32, safetensors, INIT_RANGE 0.1, norm gains incl. q_a_layernorm / kv_a_layernorm 1 + 0.3
+randn), untied as DeepSeek ships, hidden 64, vocab 256, 512 positions, 3 layers: layer 0 dense (MLP 128), layers 1-2
+MoE (8 routed experts of 32 in 4 groups, plus shared experts). MLA: 4 heads (num_key_value_heads 4: HF expands the
+latent to every head), q/k head 16 nope + 8 rope = 24, v head 16, kv latent 32. The routers are drawn 3x wider than
+HF's init (normal 0.3, DS_ROUTER_INIT_SCALE) and V3's e_score_correction_bias (a buffer: perturb_constants does not see
+it) as 0.3 randn (DS_SCORE_BIAS_SCALE); seed 5 (DS_SEED), where every routing choice along ZOO_PROMPTS and their 16
+greedy tokens wins by >= 1e-3 (deepseek_routing_margins; seed 0 had a 1e-5 one). Zeroing the correction bias, or
+keeping every group (topk_group = n_group), changes HF's greedy tokens (DEEPSEEK_TOKEN_MUTATIONS).
+
+name                  HF class (config class)                   what it exercises
+----------------------------------------------------------------------------------------------------------------------
+deepseek_v3           DeepseekV3ForCausalLM (DeepseekV3Config)  q LoRA (rank 32, q_a_layernorm), YaRN x4 over 128
+                                                                (mscale = mscale_all_dim = 1), interleaved rotary,
+                                                                sigmoid routing with e_score_correction_bias, top-2 of
+                                                                4 groups, top-2 experts renormalised x 2.5, 1 shared
+                                                                expert; num_nextn_predict_layers 0
+deepseek_v3_no_qlora  DeepseekV3ForCausalLM (DeepseekV3Config)  deepseek_v3 with one q_proj (no q LoRA) and default rope
+deepseek_v2           DeepseekV2ForCausalLM (DeepseekV2Config)  one q_proj (V2-Lite), YaRN x4 over 128 (mscale =
+                                                                mscale_all_dim = 0.707, V2-Lite's), complex-pair rotary,
+                                                                softmax routing, group_limited_greedy (top-2 of 4
+                                                                groups, top-3 experts), not renormalised, x 16, 2 shared
+                                                                experts (one MLP of 64)
+
+config.json also carries DeepSeek's own routing keys, which HF's config keeps but V3's code does not read: V3
+scoring_func "sigmoid", topk_method "noaux_tc"; V2 scoring_func "softmax" (V2's code reads topk_method).
+
+What transformers 5.17 computes (the oracle a native model must match):
+- Rotary on the 8 rope dims only (q_pe from q's last 8 per head, k_pe the last 8 of kv_a_proj_with_mqa, one k_pe
+  shared by every head), as interleaved (GPT-J) pairs (2i, 2i + 1) at frequency inv_freq[i], dim = qk_rope_head_dim.
+  V3 with rope_interleave True (HF's default, DeepSeek's layout) rotates x[0::2], x[1::2] and writes the result
+  de-interleaved (cat(even', odd')): the same permutation of q_pe and k_pe, so the same scores. V2 multiplies complex
+  pairs (view_as_complex over the last dim) by cos + i sin. Queries are cat(q_nope, q_pe), keys cat(k_nope, k_pe).
+- Softmax scale: qk_head_dim**-0.5 (24 here), times mscale**2 where mscale = 0.1 * mscale_all_dim * ln(factor) + 1
+  whenever rope_type is not default and mscale_all_dim is non-zero (V3 here 1.1386**2, V2 1.0980**2). cos/sin are
+  multiplied by YaRN's attention factor get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim): 1 for both
+  (mscale = mscale_all_dim, as every DeepSeek release). YaRN's inv_freq: beta_fast 32 / beta_slow 1 over
+  original_max_position_embeddings 128, correction range floored / ceiled (truncate defaults True); all positions use
+  it (no switch at 128).
+- V3 routing (DeepseekV3TopkRouter, fp32): s = sigmoid(x W^T); choice = s + e_score_correction_bias; a group's score
+  is the sum of its best two choice scores; keep the topk_group best groups; top-k experts by choice score among them;
+  weights = s (unbiased) of those, / (sum + 1e-20) if norm_topk_prob, x routed_scaling_factor; plus the shared
+  experts' MLP (n_shared_experts x moe_intermediate_size wide) on every token.
+- V2 routing (DeepseekV2TopkRouter): p = softmax(x W^T) in fp32; topk_method "greedy": top-k of p;
+  "group_limited_greedy": a group's score is its max p, keep the topk_group best groups, p of the others set to 0,
+  top-k of that; weights = p of the chosen, x routed_scaling_factor; norm_topk_prob is never read (V2 and V2-Lite ship
+  False); any other topk_method fails (topk_weights unbound). With top-2 of groups ranked by their max, keeping two
+  groups never changes the choice: hence top-3 here.
+
+make_mtp_checkpoint(src, dst, seed) appends one MTP layer to a deepseek_v3 checkpoint, DeepSeek's names at index
+num_hidden_layers (model.layers.3.*: a whole MoE decoder layer, enorm, hnorm, eh_proj [64, 128], shared_head.norm,
+and embed_tokens / shared_head.head as copies of the main embedding / lm_head, as DeepSeek stores them), config
+num_nextn_predict_layers 1. DeepseekV3ForCausalLM ignores the layer (it lists its tensors as unexpected: its own
+ignore pattern names layer 61 only) and gives the same tokens. transformers 5.17's generic MtpModel (generate(use_mtp=
+True)) loads every tensor of it once told the layer's index (load_hf_mtp); hf_mtp_logits gives its draft logits.
 """
 from __future__ import annotations
 
@@ -122,6 +179,12 @@ class ZooSpec:
     # token embedding wins the LM head's dot product, and greedy output repeats one token; smaller embeddings let the
     # layers decide. Granite's multiplier 12 is undone (1/12).
     embed_init_scale: float | None = None
+    # DeepSeek (DEEPSEEK only; the defaults leave every ZOO entry as it was): the routers' weights (`mlp.gate.weight`,
+    # HF's init normal(0, initializer_range)) multiplied by router_init_scale, and the e_score_correction_bias buffers
+    # (zeros at init, and buffers, so perturb_constants does not see them) drawn as score_bias_scale * randn.
+    router_init_scale: float = 1.0
+    score_bias_scale: float | None = None
+    seed: int = 0  # build_model's and make_checkpoint's default seed
 
     def config(self):
         import transformers
@@ -311,6 +374,69 @@ UNSUPPORTED: dict[str, UnsupportedSpec] = {
 }
 
 
+# --- DeepSeek (a native model's material: not in ZOO, whose entries run through the transformers path's tests)
+
+# MLA and DeepSeekMoE at a tiny size: 4 heads (num_key_value_heads = heads: HF expands the latent to every head),
+# q/k head 16 nope + 8 rope, v head 16, kv latent 32; layer 0 dense (intermediate 128), layers 1-2 MoE: 8 routed
+# experts of 32 in 4 groups, top-2 (V2: top-3) from the best 2 groups, plus shared experts. Untied, as DeepSeek ships.
+_DS_MLA = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+               moe_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+               first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+               rms_norm_eps=1e-6, tie_word_embeddings=False)
+_DS_V3 = dict(_DS_MLA, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5, scoring_func="sigmoid",
+              topk_method="noaux_tc", num_nextn_predict_layers=0)
+# DeepSeek-V3's YaRN (factor 40 over 4096, mscale = mscale_all_dim = 1.0, beta 32 / 1) scaled down: factor 4 over 128
+# positions (max_position_embeddings 512 = 4 x 128).
+_DS_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+               "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0}
+# DeepSeek-V2-Lite's YaRN (factor 40 over 4096, mscale = mscale_all_dim = 0.707) scaled down the same way.
+_DS_V2_YARN = dict(_DS_V3_YARN, mscale=0.707, mscale_all_dim=0.707)
+DS_ROUTER_INIT_SCALE = 3.0  # routers normal(0, 0.3): sigmoid / softmax scores spread, routing not uniform
+DS_SCORE_BIAS_SCALE = 0.3  # e_score_correction_bias ~ 0.3 randn: of the order of the sigmoid scores' spread
+# Seed 5, not 0: at seed 0 a routing choice along ZOO_PROMPTS' greedy continuations is decided by 1e-5 (an fp32
+# reordering away from a flip); at 5 every choice of the three entries has a margin of 1e-3 (deepseek_routing_margins).
+DS_SEED = 5
+
+DEEPSEEK: dict[str, ZooSpec] = {
+    "deepseek_v3": ZooSpec(
+        "DeepseekV3ForCausalLM", "DeepseekV3Config",
+        dict(_DS_V3, q_lora_rank=32, rope_parameters=_DS_V3_YARN),
+        "DeepSeek-V3 / R1: MLA with a q LoRA (q_a_proj -> q_a_layernorm -> q_b_proj, rank 32) and the kv latent "
+        "(kv_a_proj_with_mqa -> 32 latent + 8 rope dims; kv_a_layernorm; kv_b_proj -> per-head k_nope 16 and v 16), "
+        "interleaved rotary on the 8 rope dims (rope_interleave True, HF's default), YaRN (factor 4, mscale = "
+        "mscale_all_dim = 1: cos/sin unscaled, softmax scale 24**-0.5 * (1 + 0.1 ln 4)**2). Layer 0 dense, layers "
+        "1-2 MoE: sigmoid scores; experts chosen on score + e_score_correction_bias, only within the top-2 of 4 "
+        "groups (a group ranked by the sum of its best two biased scores); weights are the unbiased scores of the "
+        "chosen two, renormalised (norm_topk_prob), times routed_scaling_factor 2.5; plus one shared expert. "
+        "num_nextn_predict_layers 0 (make_mtp_checkpoint adds one MTP layer).",
+        moe=True, router_init_scale=DS_ROUTER_INIT_SCALE, score_bias_scale=DS_SCORE_BIAS_SCALE, seed=DS_SEED,
+        exercises=("mla", "q_lora", "interleaved_rotary", "yarn", "moe", "sigmoid_routing", "score_correction_bias",
+                   "group_limited_routing", "shared_expert", "dense_first_layer")),
+    "deepseek_v3_no_qlora": ZooSpec(
+        "DeepseekV3ForCausalLM", "DeepseekV3Config",
+        dict(_DS_V3, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "deepseek_v3 without the q LoRA (one q_proj, as V2-Lite and the small V3-architecture models) and with "
+        "default rope (no YaRN: softmax scale 24**-0.5). Routing as deepseek_v3.",
+        moe=True, router_init_scale=DS_ROUTER_INIT_SCALE, score_bias_scale=DS_SCORE_BIAS_SCALE, seed=DS_SEED,
+        exercises=("mla", "interleaved_rotary", "moe", "sigmoid_routing", "score_correction_bias",
+                   "group_limited_routing", "shared_expert", "dense_first_layer")),
+    "deepseek_v2": ZooSpec(
+        "DeepseekV2ForCausalLM", "DeepseekV2Config",
+        dict(_DS_MLA, q_lora_rank=None, num_experts_per_tok=3, n_shared_experts=2, topk_method="group_limited_greedy",
+             scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=16.0, rope_parameters=_DS_V2_YARN),
+        "DeepSeek-V2 routing on V2-Lite's attention: MLA with one q_proj (no q LoRA), rotary on the 8 rope dims as "
+        "complex pairs (interleaved), YaRN as V2-Lite (factor 4, mscale = mscale_all_dim = 0.707: cos/sin unscaled, "
+        "softmax scale 24**-0.5 * (1 + 0.0707 ln 4)**2). Layer 0 dense, layers 1-2 MoE: softmax scores, "
+        "group_limited_greedy (the top-2 of 4 groups ranked by their best score, then the top-3 experts in them: "
+        "with top-2 a group limit of 2 could never bind), weights the softmax scores not renormalised, times "
+        "routed_scaling_factor 16 (V2's; V2-Lite's is 1), plus 2 shared "
+        "experts (one MLP of 2 x 32). No correction bias.",
+        moe=True, router_init_scale=DS_ROUTER_INIT_SCALE, seed=DS_SEED,
+        exercises=("mla", "interleaved_rotary", "yarn", "moe", "softmax_routing", "group_limited_routing",
+                   "shared_expert", "dense_first_layer")),
+}
+
+
 def _draw_prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(1234)
     return [torch.randint(3, ZOO_MIN_VOCAB, (n,), generator=g).tolist() for n in ZOO_PROMPT_LENGTHS]
@@ -365,13 +491,44 @@ def perturb_constants(model: torch.nn.Module, seed: int = 1) -> list[str]:
     return touched
 
 
+@torch.no_grad()
+def perturb_routing(model: torch.nn.Module, router_scale: float = 1.0, score_bias_scale: float | None = None,
+                    seed: int = 2) -> list[str]:
+    """DeepSeek's routing made decisive: every router weight (a `.mlp.gate` module's `weight`) multiplied by
+    router_scale, and every `e_score_correction_bias` buffer drawn as score_bias_scale * randn (a fixed generator).
+    A no-op with the defaults (every ZOO entry). Returns the names touched."""
+    touched = []
+    if router_scale != 1.0:
+        for name, mod in model.named_modules():
+            if name.endswith(".mlp.gate") and isinstance(getattr(mod, "weight", None), torch.Tensor):
+                mod.weight.mul_(router_scale)
+                touched.append(f"{name}.weight")
+    if score_bias_scale is not None:
+        g = torch.Generator().manual_seed(seed)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(score_bias_scale * torch.randn(buf.shape, generator=g, dtype=torch.float32))
+                touched.append(name)
+    return touched
+
+
+def zoo_spec(name: str):
+    """ZOO[name], DEEPSEEK[name] or UNSUPPORTED[name] (the three have no name in common)."""
+    for table in (ZOO, DEEPSEEK, UNSUPPORTED):
+        if name in table:
+            return table[name]
+    raise KeyError(name)
+
+
 @one_thread()
-def build_model(name: str, seed: int = 0):
-    """ZOO[name] (or UNSUPPORTED[name]) as an in-memory fp32 model in eval mode, eager attention, constants perturbed:
-    exactly what make_checkpoint saves."""
+def build_model(name: str, seed: int | None = None):
+    """ZOO[name] (or DEEPSEEK[name], UNSUPPORTED[name]) as an in-memory fp32 model in eval mode, eager attention,
+    constants perturbed: exactly what make_checkpoint saves. seed None: the spec's (0 but for the DEEPSEEK entries)."""
     import transformers
 
-    spec = ZOO.get(name) or UNSUPPORTED[name]
+    spec = zoo_spec(name)
+    if seed is None:
+        seed = getattr(spec, "seed", 0)
     config = spec.config()
     torch.manual_seed(seed)
     with warnings.catch_warnings():
@@ -388,14 +545,15 @@ def build_model(name: str, seed: int = 0):
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(scale)
     perturb_constants(model, seed + 1)
+    perturb_routing(model, getattr(spec, "router_init_scale", 1.0), getattr(spec, "score_bias_scale", None), seed + 2)
     return model.eval()
 
 
 @one_thread()
-def make_checkpoint(name: str, directory: str, seed: int = 0) -> str:
-    """Build ZOO[name] (or UNSUPPORTED[name]) tiny, perturb its constants, save it into `directory` (made if
-    missing) with save_pretrained as safetensors (sharded where the spec says). Returns `directory`."""
-    spec = ZOO.get(name) or UNSUPPORTED[name]
+def make_checkpoint(name: str, directory: str, seed: int | None = None) -> str:
+    """Build ZOO[name] (or DEEPSEEK[name], UNSUPPORTED[name]) tiny, perturb its constants, save it into `directory`
+    (made if missing) with save_pretrained as safetensors (sharded where the spec says). Returns `directory`."""
+    spec = zoo_spec(name)
     model = build_model(name, seed)
     os.makedirs(directory, exist_ok=True)
     kw = {"max_shard_size": spec.shard} if getattr(spec, "shard", None) else {}
@@ -474,6 +632,46 @@ FEATURE_MUTATIONS: dict[str, list[Mutation]] = {
 }
 
 
+def _softmax_scale_without_mscale(model):  # YaRN's mscale_all_dim**2 factor left out of the softmax scale
+    for mod in model.modules():
+        if hasattr(mod, "qk_head_dim") and hasattr(mod, "scaling"):
+            mod.scaling = mod.qk_head_dim ** -0.5
+
+
+def _latent_norm_gains_one(model):  # q_a_layernorm / kv_a_layernorm gains ignored
+    for name, mod in model.named_modules():
+        if name.endswith(("q_a_layernorm", "kv_a_layernorm")):
+            mod.weight.fill_(1.0)
+
+
+_DS_DEFAULT_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+_DS_ALL_GROUPS = Mutation("no group limit (topk_group = n_group)", {"topk_group": 4})
+_DS_NO_BIAS = Mutation("no e_score_correction_bias", edit=_no_score_correction)
+# DeepSeek features that must change HF's greedy tokens on at least one of ZOO_PROMPTS (16 tokens): a path that
+# routes without the groups or without the correction bias does not give HF's tokens on this material.
+DEEPSEEK_TOKEN_MUTATIONS: dict[str, list[Mutation]] = {
+    "deepseek_v3": [_DS_ALL_GROUPS, _DS_NO_BIAS],
+    "deepseek_v3_no_qlora": [_DS_ALL_GROUPS, _DS_NO_BIAS],
+    "deepseek_v2": [_DS_ALL_GROUPS, Mutation("topk_method greedy", {"topk_method": "greedy"})],
+}
+# ... and features that must move HF's logits (as FEATURE_MUTATIONS).
+_DS_COMMON = [Mutation("routed_scaling_factor 1", {"routed_scaling_factor": 1.0}),
+              Mutation("latent norm gains 1", edit=_latent_norm_gains_one)]
+DEEPSEEK_MUTATIONS: dict[str, list[Mutation]] = {
+    "deepseek_v3": _DS_COMMON + [
+        Mutation("default rope, not YaRN", _DS_DEFAULT_ROPE),
+        Mutation("softmax scale without YaRN mscale", edit=_softmax_scale_without_mscale),
+        Mutation("rotary not interleaved", {"rope_interleave": False}),
+        Mutation("norm_topk_prob False", {"norm_topk_prob": False})],
+    "deepseek_v3_no_qlora": _DS_COMMON + [
+        Mutation("rotary not interleaved", {"rope_interleave": False}),
+        Mutation("norm_topk_prob False", {"norm_topk_prob": False})],
+    "deepseek_v2": _DS_COMMON + [
+        Mutation("default rope, not YaRN", _DS_DEFAULT_ROPE),
+        Mutation("softmax scale without YaRN mscale", edit=_softmax_scale_without_mscale)],
+}
+
+
 @torch.no_grad()
 @one_thread()
 def mutated_logits(path: str, mutation: Mutation, token_ids: list[int]) -> torch.Tensor:
@@ -487,6 +685,21 @@ def mutated_logits(path: str, mutation: Mutation, token_ids: list[int]) -> torch
     if mutation.edit is not None:
         mutation.edit(model)
     return model(torch.tensor([token_ids]), use_cache=False).logits[0].float()
+
+
+@torch.no_grad()
+@one_thread()
+def mutated_greedy(path: str, mutation: Mutation, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF's greedy continuations (as hf_greedy) from the checkpoint at `path` loaded with `mutation` applied."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                     **mutation.config).eval()
+    if mutation.edit is not None:
+        mutation.edit(model)
+    return greedy_of(model, prompts, max_new_tokens)
 
 
 # --- the oracle
@@ -520,7 +733,13 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
     EOS is off by clearing it on the model's own generation_config for the call: generate() fills every field left
     None in the config it is given from the model's (so eos_token_id=None there does not switch EOS off), and
     min_new_tokens would mask EOS's logit instead (a different greedy token where EOS is the argmax)."""
-    model = load_hf(path)
+    return greedy_of(load_hf(path), prompts, max_new_tokens)
+
+
+@torch.no_grad()
+@one_thread()
+def greedy_of(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """hf_greedy's continuation from an already loaded HF model (mutated_greedy's, a test's own)."""
     saved = model.generation_config
     model.generation_config = copy.deepcopy(saved)
     model.generation_config.eos_token_id = None
@@ -583,6 +802,168 @@ def greedy_matches_hf(path: str, prompt: list[int], expected: list[int], got: li
                 f"{got[pos]} ({logits[got[pos]].item():.6g}); HF top-2 {t1}/{t2}, relative gap {gap:.3g}")
 
 
+# --- DeepSeek helpers
+
+
+@torch.no_grad()
+@one_thread()
+def deepseek_routing_margins(path: str, token_ids: list[int]) -> dict[str, float]:
+    """How decisively HF routes `token_ids` (one cache-free forward) through the checkpoint at `path`: the smallest,
+    over every token and MoE layer, of the gap between the last group kept and the first dropped ("group"; inf where
+    every group is kept) and between the last expert chosen (within the kept groups) and the first not ("expert").
+    Gaps are where the choice is made: V3 on sigmoid + e_score_correction_bias (a group's score the sum of its best
+    two), V2 on the router logits (softmax keeps their order; a group's score its best). A gap near fp32 noise (1e-6)
+    means another correct implementation may route that token otherwise: look here when tokens part from HF's."""
+    model = load_hf(path)
+    gaps = {"group": float("inf"), "expert": float("inf")}
+
+    def hook(mod, args, _out):
+        h = args[0].reshape(-1, mod.hidden_dim).float()
+        logits = torch.nn.functional.linear(h, mod.weight.float())
+        groups, per = mod.num_group, mod.num_experts // mod.num_group
+        if hasattr(mod, "e_score_correction_bias"):  # V3: noaux_tc
+            score = logits.sigmoid() + mod.e_score_correction_bias.float()
+            group_score = score.view(-1, groups, per).topk(2, dim=-1)[0].sum(-1)
+            kept = mod.topk_group
+        else:  # V2: greedy or group_limited_greedy
+            score = logits
+            group_score = score.view(-1, groups, per).max(-1).values
+            kept = mod.topk_group if mod.topk_method == "group_limited_greedy" else groups
+        if kept < groups:
+            ranked = group_score.sort(-1, descending=True).values
+            gaps["group"] = min(gaps["group"], (ranked[:, kept - 1] - ranked[:, kept]).min().item())
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(kept, dim=-1)[1], True)
+        allowed = score.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
+        ranked = allowed.sort(-1, descending=True).values
+        gaps["expert"] = min(gaps["expert"], (ranked[:, mod.top_k - 1] - ranked[:, mod.top_k]).min().item())
+
+    hooks = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
+    try:
+        model(torch.tensor([token_ids]), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return gaps
+
+
+# The tensors of an MTP layer besides a decoder layer's, as DeepSeek-V3 ships them (model.layers.61.* there).
+MTP_EXTRA_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                     "shared_head.head.weight")
+
+
+@torch.no_grad()
+@one_thread()
+def make_mtp_checkpoint(src_dir: str, dst_dir: str, seed: int = 1) -> str:
+    """Copy the deepseek_v3-type checkpoint at src_dir (make_checkpoint's: one model.safetensors) into dst_dir with one
+    MTP layer appended under DeepSeek's names, model.layers.<N>.* for N = num_hidden_layers: a full decoder layer
+    (self_attn.*, the MoE mlp.* with per-expert tensors, e_score_correction_bias and shared experts, input_layernorm,
+    post_attention_layernorm) drawn as the DEEPSEEK entries are (random, norms and bias perturbed, routers widened),
+    enorm / hnorm / shared_head.norm (1 + 0.3 randn), eh_proj [H, 2H] (INIT_RANGE randn), and embed_tokens /
+    shared_head.head as copies of model.embed_tokens / lm_head (DeepSeek stores the shared embedding and head again in
+    the MTP layer). config.json gets num_nextn_predict_layers 1; every other tensor and file is the source's.
+    transformers' DeepseekV3ForCausalLM ignores the layer (it reports its tensors as unexpected). Returns dst_dir."""
+    import json
+    import shutil
+    import tempfile
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(src_dir, "config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("model_type") != "deepseek_v3":
+        raise ValueError(f"make_mtp_checkpoint: a deepseek_v3 checkpoint, not {cfg.get('model_type')}")
+    if not os.path.exists(os.path.join(src_dir, "model.safetensors")):
+        raise ValueError("make_mtp_checkpoint: a single-file checkpoint (model.safetensors)")
+    n, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    if n < cfg["first_k_dense_replace"]:
+        raise ValueError("make_mtp_checkpoint: the MTP layer is MoE; this checkpoint has no MoE layer to mirror")
+
+    # The decoder part: layer n of a fresh (n + 1)-layer model, drawn as build_model draws, saved by transformers (so
+    # the experts come out per expert, as the other layers' do).
+    config = transformers.AutoConfig.from_pretrained(src_dir)
+    config.num_hidden_layers = n + 1
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    perturb_constants(model, seed + 1)
+    perturb_routing(model, DS_ROUTER_INIT_SCALE, DS_SCORE_BIAS_SCALE, seed + 2)
+    prefix = f"model.layers.{n}."
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        block = {k: v.clone() for k, v in load_file(os.path.join(tmp, "model.safetensors")).items()
+                 if k.startswith(prefix)}
+
+    tensors = load_file(os.path.join(src_dir, "model.safetensors"))
+    assert not [k for k in tensors if k.startswith(prefix)], "the source already has a layer at the MTP index"
+    g = torch.Generator().manual_seed(seed + 3)
+
+    def gain():
+        return 1.0 + 0.3 * torch.randn(hidden, generator=g)
+
+    block.update({prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                  prefix + "enorm.weight": gain(),
+                  prefix + "hnorm.weight": gain(),
+                  prefix + "eh_proj.weight": INIT_RANGE * torch.randn(hidden, 2 * hidden, generator=g),
+                  prefix + "shared_head.norm.weight": gain(),
+                  prefix + "shared_head.head.weight": tensors["lm_head.weight"].clone()})
+
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in os.listdir(src_dir):
+        if name not in ("model.safetensors", "config.json") and os.path.isfile(os.path.join(src_dir, name)):
+            shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(dst_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    save_file({**tensors, **block}, os.path.join(dst_dir, "model.safetensors"), metadata={"format": "pt"})
+    return dst_dir
+
+
+@functools.lru_cache(maxsize=None)
+def load_hf_mtp(path: str):
+    """(main model, HF's own MtpModel) for a make_mtp_checkpoint checkpoint, fp32, eval mode, cached per path:
+    transformers 5.17's generic MTP module (the one generate(use_mtp=True) drafts with) loaded from the layer at index
+    num_hidden_layers. Its loader only looks under the model class's _keys_to_ignore_on_load_unexpected, which for
+    DeepseekV3 names layer 61 only (the full model's): this main model gets the tiny checkpoint's index instead."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        main = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+        main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{main.config.num_hidden_layers}\..*"]
+        mtp = MtpModel.from_pretrained(main)  # raises if any MTP tensor is missing
+    return main, mtp.eval()
+
+
+@torch.no_grad()
+@one_thread()
+def hf_mtp_logits(path: str, token_ids: list[int]) -> torch.Tensor:
+    """HF's MTP draft logits [T - 1, vocab] for one sequence of T tokens (cache-free, causal): row i predicts token
+    i + 2 from token i + 1's embedding and the main model's final hidden state at position i, as transformers 5.17's
+    MtpModel computes it: h = model.norm(last layer's output) (the post-norm state), x = eh_proj(cat(enorm(embed(t[i +
+    1])), hnorm(h[i]))), then one decoder layer (MLA + MoE, causal over the shifted sequence, rope at positions i + 1;
+    rope is relative, so positions i give the same), shared_head.norm, and the main model's lm_head (the checkpoint's
+    shared_head.head is a copy of it; HF does not read it). Row i's argmax is the token MTP drafts after position
+    i + 1."""
+    from transformers.masking_utils import create_causal_mask
+
+    main, mtp = load_hf_mtp(path)
+    ids = torch.tensor([token_ids])
+    hidden = main(ids, output_hidden_states=True, use_cache=False).hidden_states[-1]  # post-norm: HF ties it
+    shifted = ids[:, 1:]
+    positions = torch.arange(1, len(token_ids)).unsqueeze(0)
+    embeds = mtp.embed_tokens(shifted)
+    mask = create_causal_mask(config=mtp.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None,
+                              position_ids=positions)
+    out = mtp.layers[0](embeds, hidden[:, :-1], position_embeddings=mtp.rotary_emb(embeds, position_ids=positions),
+                        attention_mask=mask, position_ids=positions, past_key_values=None)
+    return mtp.shared_head(out)[0].float()
+
+
 # --- fixtures
 
 
@@ -593,6 +974,20 @@ def hf_zoo_checkpoint_factory(tmp_path_factory):
     def make(name: str) -> str:
         if name not in cache:
             cache[name] = make_checkpoint(name, str(tmp_path_factory.mktemp(f"hf-zoo-{name}")))
+        return cache[name]
+
+    return make
+
+
+def deepseek_mtp_checkpoint_factory(tmp_path_factory, base):
+    """The body of conftest's session fixture `deepseek_mtp_checkpoint`: name (a deepseek_v3-type DEEPSEEK entry,
+    default "deepseek_v3") -> path of make_mtp_checkpoint over base(name) (the `deepseek_checkpoint` fixture), each
+    built once per session."""
+    cache: dict[str, str] = {}
+
+    def make(name: str = "deepseek_v3") -> str:
+        if name not in cache:
+            cache[name] = make_mtp_checkpoint(base(name), str(tmp_path_factory.mktemp(f"deepseek-mtp-{name}")))
         return cache[name]
 
     return make

@@ -27,8 +27,10 @@ def test_zoo_covers_the_long_tail():
     tied = [bool(s.config().tie_word_embeddings) for s in ZOO.values()]
     assert sum(tied) >= 2 and len(tied) - sum(tied) >= 2
     assert sum(s.shard is not None for s in ZOO.values()) >= 1
-    table = [line.split()[0] for line in hf_zoo.__doc__.splitlines() if line[:1].isalpha() and "ForCausalLM (" in line]
+    zoo_doc = hf_zoo.__doc__.partition("\nDEEPSEEK:")[0]  # DEEPSEEK's own table follows (tests/test_hf_deepseek.py)
+    table = [line.split()[0] for line in zoo_doc.splitlines() if line[:1].isalpha() and "ForCausalLM (" in line]
     assert table == list(ZOO)  # the docstring's table lists every entry, in order
+    assert not set(ZOO) & set(hf_zoo.DEEPSEEK)
 
 
 def test_prompts():
