@@ -40,7 +40,7 @@ def test_artifact_contents(qwen2_artifact):
     assert manifest["capture_sizes"][:5] == [1, 2, 4, 8, 16] and manifest["capture_sizes"][-1] == 512  # piecewise sizes
     assert [(p["name"], p["matches"]) for p in manifest["passes"]] == [
         ("canon_rms_norm", 0), ("canon_rotary", 0), ("canon_transpose", 0), ("fuse_qkv", 3), ("fuse_qknorm_rope", 0), ("fuse_gate_up", 3), ("fuse_add_rmsnorm", 6),
-        ("fuse_allreduce_add_rmsnorm", 0), ("fuse_moe", 0), ("lower_quant_linears", 0), ("fuse_rmsnorm_quant", 0),
+        ("fuse_allreduce_add_rmsnorm", 0), ("fuse_moe", 0), ("absorb_mla", 0), ("lower_quant_linears", 0), ("fuse_rmsnorm_quant", 0),
         ("fuse_silu_mul_quant", 0), ("cleanup", manifest["passes"][-1]["matches"])]
     assert all(p["max_abs_error"] <= 1e-5 for p in manifest["passes"])
     assert manifest["fused_linears"]["model.layers.0.self_attn.qkv_proj"] == [

@@ -93,7 +93,7 @@ def test_show_diff_verify():
     assert "+ %add_rms_norm_default = graphinfer::add_rms_norm(" in d
     text, reports = tools.verify("tiny-qwen2")
     assert [r.name for r in reports] == ["canon_rms_norm", "canon_rotary", "canon_transpose", "fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm",
-                                         "fuse_allreduce_add_rmsnorm", "fuse_moe", "lower_quant_linears", "fuse_rmsnorm_quant",
+                                         "fuse_allreduce_add_rmsnorm", "fuse_moe", "absorb_mla", "lower_quant_linears", "fuse_rmsnorm_quant",
                                          "fuse_silu_mul_quant", "cleanup"]
     assert all(r.max_abs_error <= 1e-5 for r in reports) and "| fuse_qkv | 2 |" in text
     assert reports.passed and reports.end_to_end.max_abs_error <= 1e-5 and "all checks passed" in text

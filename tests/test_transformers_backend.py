@@ -224,7 +224,7 @@ def test_tp2_refusals_name_the_reason(hf_zoo_checkpoint):
 
 def test_in_place_calls_survive_passes_and_an_artifact(hf_zoo_checkpoint, tmp_path):
     """gpt-oss's experts add their biases in place (`out.add_(bias)`, result unused) and restore the token order with
-    `inv_perm[perm] = arange`: the capture spells both as trace.inplace calls, which dead-code elimination keeps and an
+    `inv_perm[perm] = arange`: the capture spells both as compiler.inplace calls, which dead-code elimination keeps and an
     artifact's graph.py traces again; compiled to an artifact, the tokens are HF's."""
     import os
     import re

@@ -9,7 +9,8 @@ collectives are nodes passes can see and device graphs capture.
 """
 import torch
 from torch import fx, nn
-from torch.fx.node import has_side_effect
+
+from graphinfer.compiler.inplace import inplace
 
 
 def is_leaf_layer(m: nn.Module) -> bool:
@@ -19,16 +20,6 @@ def is_leaf_layer(m: nn.Module) -> bool:
 
     return isinstance(m, (nn.Linear, nn.Embedding, QuantizedLinear, QuantizedEmbedding)) and \
         not getattr(m, "has_collective", False)
-
-
-@has_side_effect
-def inplace(method: str, x: torch.Tensor, *args, **kwargs):
-    """x.<method>(*args, **kwargs) for an in-place tensor method or `__setitem__`, as one call_function that fx keeps:
-    its dead-code elimination treats a call_method as pure (dropping the unused result of `out.add_(bias)`, gpt-oss's
-    expert biases, and with it the mutation), and symbolic tracing cannot run `x[i] = v` on a proxy (an artifact's
-    graph.py is traced again). Graphs captured from transformers' code spell in-place calls this way."""
-    getattr(x, method)(*args, **kwargs)
-    return x
 
 
 class GraphinferTracer(fx.Tracer):

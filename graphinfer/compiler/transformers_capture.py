@@ -21,7 +21,7 @@ import operator
 import torch
 from torch import fx, nn
 
-from graphinfer.compiler.trace import inplace
+from graphinfer.compiler.inplace import inplace
 from graphinfer.errors import UnsupportedArchitectureError
 from graphinfer.models.layers import AttentionMetadata
 from graphinfer.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
@@ -104,7 +104,7 @@ def _canonical(captured: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
             path, x = leaf
             env[node] = graph.call_module(path, (env[x],))
             continue
-        if _is_inplace_method(node) or node.target is operator.setitem:  # see trace.inplace
+        if _is_inplace_method(node) or node.target is operator.setitem:  # see compiler/inplace.py
             name = "__setitem__" if node.target is operator.setitem else node.target
             env[node] = graph.call_function(inplace, (name, *fx.map_arg(node.args, env.get)),
                                             fx.map_arg(node.kwargs, env.get))

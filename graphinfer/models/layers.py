@@ -37,9 +37,10 @@ def rope_parameters(config) -> dict:
 class RotaryEmbedding(nn.Module):
     """Holds the [max_position, rot_dim] cos/sin cache; computed in fp32 exactly as HF does, then cast."""
 
-    def __init__(self, config, head_dim: int, max_position: int):
+    def __init__(self, config, head_dim: int, max_position: int, is_neox: bool = True):
         super().__init__()
         self.config, self.head_dim, self.max_position = config, head_dim, max_position
+        self.is_neox = is_neox  # False: interleaved pairs (GPT-J; DeepSeek)
         # Built on the meta device (build_model), the cache is only a placeholder until reset_cache().
         on_meta = torch.empty(0).is_meta
         cache = torch.empty(max_position, head_dim) if on_meta else self._compute_cache()
@@ -74,7 +75,7 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_cache = self._compute_cache().to(device)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        return ops.rotary_embedding(positions, q, k, self.head_dim, self.cos_sin_cache, True)
+        return ops.rotary_embedding(positions, q, k, self.head_dim, self.cos_sin_cache, self.is_neox)
 
 
 class PagedAttention(nn.Module):
@@ -86,6 +87,8 @@ class PagedAttention(nn.Module):
     softcap (logit soft-capping), sinks (a [num_heads] parameter of per-head sink logits, gpt-oss). Each reaches the
     op only when set, so a layer without them traces to the same 7-argument call as before.
     """
+
+    cache_planes = 2  # K and V; MLA's latent cache is one plane read as both
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
                  softcap: float | None = None, sinks: bool = False):
@@ -119,6 +122,27 @@ class PagedAttention(nn.Module):
         return o.view(T, self.num_heads * self.head_dim)
 
 
+class MLAAttention(PagedAttention):
+    """Multi-head latent attention over a paged latent cache (graphinfer/ops/mla.py): one cache plane of rows
+    [c_kv (kv_lora_rank), k_pe (qk_rope_head_dim)], read as a one-KV-head cache of head_dim L + R (k_cache and v_cache
+    are the same view). The model's form is the expanded one (mla_attention reads kv_b_proj's weight); the
+    absorb_mla pass rewrites it to the absorbed one."""
+    cache_planes = 1
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, scale: float):
+        super().__init__(num_heads, 1, kv_lora_rank + qk_rope_head_dim)
+        self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim = kv_lora_rank, qk_nope_head_dim, v_head_dim
+        self.scale = scale
+
+    def forward(self, q: Tensor, kv_c: Tensor, k_pe: Tensor, kv_b_weight: Tensor, md: AttentionMetadata) -> Tensor:
+        """q [T, H, N + R] (k_pe and q's rope part rotated), kv_c [T, L] (normalised), k_pe [T, R] -> [T, H * V]."""
+        ops.concat_and_cache_mla(kv_c, k_pe, self.k_cache, md.slot_mapping)
+        o = ops.mla_attention(q, self.k_cache, kv_b_weight, md.block_tables, md.query_start_loc, md.seq_lens,
+                              self.scale, self.qk_nope_head_dim, self.v_head_dim)
+        return o.reshape(q.shape[0], -1)
+
+
 def init_buffers(model: nn.Module, device: torch.device | str) -> None:
     """Compute the non-persistent buffers of a model built on the meta device: the cos/sin caches once per shape
     (every layer shares it), and those of modules with reset_buffers (a vocab-parallel embedding's offset)."""
@@ -140,10 +164,12 @@ def activation_dtype(model: nn.Module) -> torch.dtype:
 
 
 def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int) -> Tensor:
-    """One tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]; each attention layer gets its views."""
+    """One tensor [layers, planes, num_blocks, block_size, kv_heads, head_dim] (planes: K and V, or MLA's one latent
+    plane, which a layer reads as both); each attention layer gets its views."""
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
     dtype, device = activation_dtype(model), model.model.norm.weight.device
-    shape = (len(layers), 2, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
+    planes = layers[0].cache_planes
+    shape = (len(layers), planes, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     if device.type == "cpu":  # calloc'd (numpy): the OS maps zero pages as they are first written, so allocating costs
         # nothing (torch.zeros writes every byte); the cpu platform commits them in a thread (populate_in_background)
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -151,5 +177,5 @@ def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int) -> Ten
     else:
         kv = torch.zeros(shape, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = kv[i, 0], kv[i, 1]
+        layer.k_cache, layer.v_cache = kv[i, 0], kv[i, planes - 1]
     return kv

@@ -52,11 +52,12 @@ class Qwen3Attention(LlamaAttention):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool = False):
+    def __init__(self, config, bias: bool = False, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        intermediate_size = intermediate_size or config.intermediate_size  # another for MoE shared experts
+        self.gate_proj = ColumnParallelLinear(config.hidden_size, intermediate_size, bias=bias)
+        self.up_proj = ColumnParallelLinear(config.hidden_size, intermediate_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -97,7 +97,7 @@ def load_weights(model: nn.Module, weights, tied: bool) -> None:
             if (found := _expert_target(name, params)) is None:
                 if tied and name == "lm_head.weight":
                     continue
-                if name.endswith("rotary_emb.inv_freq"):
+                if name.endswith("rotary_emb.inv_freq") or getattr(model, "skip_checkpoint_tensor", bool)(name):
                     continue
                 raise ModelNotFoundError(f"Checkpoint tensor {name!r} has no parameter in {type(model).__name__}; "
                                          f"the checkpoint does not match its config.")

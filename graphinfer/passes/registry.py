@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from graphinfer.errors import InvalidConfigError
+from graphinfer.passes.absorb_mla import AbsorbMLAPass
 from graphinfer.passes.base import Pass
 from graphinfer.passes.cleanup import CleanupPass
 from graphinfer.passes.fuse_add_rmsnorm import FuseAddRMSNormPass
@@ -33,14 +34,15 @@ from graphinfer.passes.lower_quant_linears import LowerQuantLinearsPass
 
 GROUP = "graphinfer.passes"
 BUILTIN_PASSES: tuple[type[Pass], ...] = (CanonRMSNormPass, CanonRotaryPass, CanonTransposePass, FuseQKVPass, FuseQKNormRopePass, FuseGateUpPass, FuseAddRMSNormPass,
-                                          FuseAllReduceAddRMSNormPass, FuseMoEPass, LowerQuantLinearsPass,
+                                          FuseAllReduceAddRMSNormPass, FuseMoEPass, AbsorbMLAPass, LowerQuantLinearsPass,
                                           FuseRMSNormQuantPass, FuseSiluMulQuantPass, CleanupPass)
 # fuse_qknorm_rope matches only where q and k are RMSNormed per head (Qwen3), fuse_allreduce_add_rmsnorm only at
-# tp > 1, the quantization passes only in a quantized model; elsewhere they find no candidate.
+# tp > 1, absorb_mla only in an MLA model (DeepSeek), the quantization passes only in a quantized model; elsewhere
+# they find no candidate.
 # The canonicalisation passes (canon_*) bring transformers' spellings (model_impl="transformers") to graphinfer's ops
 # first; on a native model's graph they find nothing.
 DEFAULT_PASSES = ("canon_rms_norm", "canon_rotary", "canon_transpose", "fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_allreduce_add_rmsnorm",
-                  "fuse_moe", "lower_quant_linears", "fuse_rmsnorm_quant", "fuse_silu_mul_quant", "cleanup")
+                  "fuse_moe", "absorb_mla", "lower_quant_linears", "fuse_rmsnorm_quant", "fuse_silu_mul_quant", "cleanup")
 
 
 class PluginWarning(UserWarning):

@@ -1,6 +1,6 @@
 """Turns a scheduled step into flat model inputs, runs the model, and samples.
 
-Owns the paged KV cache: one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+Owns the paged KV cache: one tensor [num_layers, planes (2, or MLA's 1), num_blocks, block_size, num_kv_heads, head_dim]
 whose per-layer views are handed to the model's attention modules.
 """
 import logging
@@ -84,7 +84,7 @@ class ModelRunner:
     def _block_bytes(self) -> int:
         a = self.attn_layers[0]
         dtype_size = torch.empty((), dtype=activation_dtype(self.model)).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * dtype_size
+        return a.cache_planes * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * dtype_size
 
     def _num_kv_blocks(self, cfg: CacheConfig, max_model_len: int, engine_bytes: int) -> int:
         """Blocks for the cache budget; a budget that cannot hold one request of max_model_len tokens is refused

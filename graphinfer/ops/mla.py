@@ -1,0 +1,67 @@
+"""Multi-head latent attention (MLA: DeepSeek-V2 / V3) over a paged latent cache.
+
+The cache holds one row per token: the normalised KV latent c_kv (kv_lora_rank L) then the rotated shared key part
+k_pe (qk_rope_head_dim R), laid out as a one-KV-head cache [num_blocks, block_size, 1, L + R] (vLLM's MLA cache, with
+the head axis kept so the paged-attention ops read it as it is).
+
+Two forms compute the same attention (query heads H, q = [q_nope (N), q_pe (R)] per head):
+  - expanded (mla_attention, the model's form): each context row's latent goes through kv_b_proj to per-head
+    k_nope (N) and v (V); k = [k_nope, k_pe]; causal multi-head attention with dimension N + R;
+  - absorbed (what the absorb_mla pass writes): q_nope x W_UK (kv_b_proj's key rows) gives the query in the latent
+    space, so attention is multi-query over the cached rows themselves (graphinfer::paged_attention with the latent
+    cache as key and value, dimension L + R), and the output's first L columns x W_UV (the value rows) give v.
+"""
+import torch
+from torch import Tensor
+
+from graphinfer.ops.attention import _attend, _gather, _visible
+from graphinfer.ops.library import graphinfer_op, register_fake
+
+
+@graphinfer_op(mutates_args=("kv_cache",))
+def concat_and_cache_mla(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write [kv_c (T, L), k_pe (T, R)] rows into the latent cache [num_blocks, block_size, 1, L + R] at slot_mapping
+    [T]; skip slot -1 (vLLM's concat_and_cache_mla)."""
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    rows = torch.cat((kv_c[keep], k_pe[keep]), dim=-1).to(kv_cache.dtype)
+    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slots[keep], rows)
+
+
+@register_fake(concat_and_cache_mla)
+def _(kv_c, k_pe, kv_cache, slot_mapping):
+    return None
+
+
+@graphinfer_op()
+def mla_attention(query: Tensor, kv_cache: Tensor, kv_b_weight: Tensor, block_tables: Tensor,
+                  query_start_loc: Tensor, seq_lens: Tensor, scale: float, qk_nope_head_dim: int,
+                  v_head_dim: int) -> Tensor:
+    """Causal MLA of query [T, H, N + R] over each request's paged latent context, expanded: kv_b_weight
+    [H * (N + V), L] (kv_b_proj's weight, this rank's heads) turns each cached latent into per-head k_nope and v.
+    -> [T, H, V]. The batch layout is paged_attention's (graphinfer/ops/attention.py)."""
+    T, H, _ = query.shape
+    N, V = qk_nope_head_dim, v_head_dim
+    L = kv_b_weight.shape[1]
+    out = query.new_zeros(T, H, V)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    w = kv_b_weight.view(H, N + V, L)
+    for i, (s, e, ctx) in enumerate(zip(starts[:-1], starts[1:], lens)):
+        n = e - s
+        if n == 0 or ctx == 0:
+            continue
+        rows = _gather(kv_cache, block_tables[i: i + 1], ctx)[0, :, 0]  # [ctx, L + R]
+        c, k_pe = rows[:, :L].to(query.dtype), rows[:, L:].to(query.dtype)
+        kv = torch.einsum("sl,hdl->hsd", c, w.to(query.dtype))  # [H, ctx, N + V]
+        k = torch.cat((kv[..., :N], k_pe.unsqueeze(0).expand(H, -1, -1)), dim=-1)
+        q = query[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, N + R]
+        positions = torch.arange(ctx, device=query.device)
+        mask = _visible(positions, torch.arange(ctx - n, ctx, device=query.device).unsqueeze(1), ctx, 0)
+        o = _attend(q, k.unsqueeze(0), kv[..., N:].unsqueeze(0), mask[None, None], scale)  # [1, H, n, V]
+        out[s:e] = o[0].transpose(0, 1).to(out.dtype)
+    return out
+
+
+@register_fake(mla_attention)
+def _(query, kv_cache, kv_b_weight, block_tables, query_start_loc, seq_lens, scale, qk_nope_head_dim, v_head_dim):
+    return query.new_empty(query.shape[0], query.shape[1], v_head_dim)
