@@ -1,0 +1,60 @@
+"""DeepSeek-V2 / V3 natively (graphinfer/models/deepseek_v2.py): MLA over the paged latent cache, the absorb_mla pass,
+DeepSeekMoE routing; judged against HF's own greedy tokens on tiny checkpoints saved by transformers (tests/hf_zoo.py:
+DEEPSEEK, with q LoRA or not, YaRN, grouped routing with a perturbed correction bias, V2's group-limited softmax)."""
+import pytest
+
+from graphinfer import LLM, SamplingParams
+from hf_zoo import DEEPSEEK, ZOO_PROMPTS, greedy_matches_hf, hf_greedy
+
+NEW = 8
+KW = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=32, block_size=8)
+
+
+def _check_greedy(llm, path, expected, runs=("cold", "prefix hits")):
+    for run in runs:
+        outs = llm.generate(ZOO_PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+        checks = [greedy_matches_hf(path, p, e, o.outputs[0].token_ids) for p, e, o in zip(ZOO_PROMPTS, expected, outs)]
+        assert all(ok for ok, _ in checks), (run, [why for _, why in checks])
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK))
+def test_gives_hf_greedy_tokens_through_chunks_and_prefix_hits(deepseek_checkpoint, name):
+    """Prompts of 5-67 tokens chunked into 32-token steps beside decodes, then again from the prefix cache; the graph
+    in the absorbed form (every layer), the cache one latent row of kv_lora_rank + qk_rope_head_dim per token."""
+    path = deepseek_checkpoint(name)
+    llm = LLM(path, **KW)
+    engine = llm.llm_engine
+    assert type(engine.worker.model).__name__ == DEEPSEEK[name].model_cls
+    _check_greedy(llm, path, hf_greedy(path, ZOO_PROMPTS, NEW))
+    config, runner = engine.hf_config, engine.worker.model_runner
+    assert {r.name: r.matches for r in engine.pass_reports}["absorb_mla"] == config.num_hidden_layers
+    row = config.kv_lora_rank + config.qk_rope_head_dim
+    assert runner.kv_cache.shape[1:2] == (1,) and runner.kv_cache.shape[-2:] == (1, row)  # one plane, one "head"
+    assert engine.stats()["kv_usage"] == 0
+
+
+def test_absorbed_form_equals_the_expanded_one(deepseek_checkpoint):
+    """absorb_mla's numeric check (the graph before it, on a prefill + a mixed decode step) in fp32."""
+    from graphinfer.compiler.pass_tools import verify
+
+    _, reports = verify(deepseek_checkpoint("deepseek_v3"), dtype="float32")
+    absorb = next(r for r in reports if r.name == "absorb_mla")
+    assert reports.passed and absorb.matches == 3 and absorb.max_rel_error < 1e-5, absorb
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep2"])
+def test_tp2_gives_hf_greedy_tokens(deepseek_checkpoint, ep):
+    """tp 2 (gloo, a worker process): heads split (each rank's latent cache serves its heads), kv_b_proj split by
+    heads before absorb_mla splits it again; with expert parallel each rank holds half the routed experts whole."""
+    from graphinfer.models.parallel_layers import MoEExperts
+
+    path = deepseek_checkpoint("deepseek_v3")
+    expected = hf_greedy(path, ZOO_PROMPTS, NEW)
+    with LLM(path, tensor_parallel_size=2, enable_expert_parallel=ep, **KW) as llm:
+        _check_greedy(llm, path, expected)
+        engine = llm.llm_engine
+        config, attn = engine.hf_config, engine.worker.model.model.layers[0].self_attn
+        assert attn.num_heads == config.num_attention_heads // 2
+        experts = [m for m in engine.worker.model.modules() if isinstance(m, MoEExperts)]
+        assert {m.num_experts for m in experts} == {config.n_routed_experts // 2 if ep else config.n_routed_experts}
+        assert engine.worker.compiled.pass_reports.passed
