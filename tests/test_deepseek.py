@@ -58,3 +58,35 @@ def test_tp2_gives_hf_greedy_tokens(deepseek_checkpoint, ep):
         experts = [m for m in engine.worker.model.modules() if isinstance(m, MoEExperts)]
         assert {m.num_experts for m in experts} == {config.n_routed_experts // 2 if ep else config.n_routed_experts}
         assert engine.worker.compiled.pass_reports.passed
+
+
+def test_compile_then_serve_the_artifact_to_the_openai_client(deepseek_checkpoint, smollm2_path, tmp_path):
+    """`graphinfer compile` (absorb_mla's W_UK / W_UV saved with the artifact), then `graphinfer serve ART`: HF's
+    greedy tokens, decoded by SmolLM2's tokenizer put beside the tiny DeepSeek-V3."""
+    import shutil
+    import subprocess
+
+    from openai import OpenAI
+    from server_utils import GRAPHINFER, Server
+
+    from graphinfer.models.gguf_loader import load_gguf_tokenizer
+
+    path = str(tmp_path / "deepseek")
+    shutil.copytree(deepseek_checkpoint("deepseek_v3"), path)
+    tokenizer = load_gguf_tokenizer(smollm2_path)
+    tokenizer.save_pretrained(path)
+    prompt = ZOO_PROMPTS[3]
+    expected = tokenizer.decode(hf_greedy(path, [prompt], NEW)[0], skip_special_tokens=True)
+    art = str(tmp_path / "art")
+    res = subprocess.run([GRAPHINFER, "compile", path, "--dtype", "float32", "-o", art], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    server = Server([art, "--max-model-len", "256"], tmp_path / "serve.log").launch()
+    try:
+        server.wait_ready(180)
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        out = client.completions.create(model="deepseek", prompt=prompt, max_tokens=NEW, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == expected and out.usage.completion_tokens == NEW
+    finally:
+        server.stop()

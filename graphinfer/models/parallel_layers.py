@@ -28,8 +28,10 @@ from graphinfer.models.checkpoint_tensor import CheckpointTensor
 
 
 def num_experts(config) -> int:
-    """The routed expert count of an MoE config (transformers 5 saves Qwen3-MoE's as num_local_experts), else 0."""
-    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    """The routed expert count of an MoE config (transformers 5 saves Qwen3-MoE's as num_local_experts, DeepSeek's as
+    n_routed_experts), else 0."""
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or \
+        getattr(config, "n_routed_experts", None) or 0
 
 
 def uses_expert_parallel(config, tp: int, enable_expert_parallel: bool) -> bool:
