@@ -18,10 +18,12 @@ Expert parallel's local experts (models/parallel_layers.MoEExperts with EP on): 
 graphinfer::ep_dispatch (through elementwise / view ops: the clamp of its -1 ids) has its routing on other
 ranks, so it becomes graphinfer::fused_experts(hidden, ids, weights, w13, w2) (the chain as one op, weights
 the combine's); ep_dispatch / ep_combine stay separate nodes.
-Declines (reason in the report): a router that is not softmax (sigmoid scores, grouped top-k), weights
-that pass through anything else (a routed scaling factor, an epsilon in the renormalisation, a cast
-before the renormalisation), a softmax not in fp32, expert ids that are not the top-k's (e.g. shared
-experts appended to the routed ones), chain values used elsewhere, an expert count that disagrees with w13.
+Routing fused_moe does not express (sigmoid scores, DeepSeek's grouped top-k with a correction bias, weights that
+pass through anything else: a routed scaling factor, an epsilon in the renormalisation, a cast before the
+renormalisation; a softmax not in fp32; expert ids that are not the top-k's, e.g. shared experts appended; routing
+values used elsewhere) stays as it is, and the experts alone become graphinfer::fused_experts(hidden, ids, weights,
+w13, w2), the report saying why the routing was left.
+Declines (reason in the report): expert-chain values used elsewhere, an expert count that disagrees with w13.
 """
 import operator
 
@@ -69,18 +71,35 @@ class FuseMoEPass(Pass):
             return self.decline(f"{where}: moe_dispatch has {num_experts} experts, w13 has {w13_tensor.shape[0]}")
 
         chain = [combine, expert_out, sorted_hidden, offsets, inverse_perm, dispatch]
-        if _from_ep_dispatch(ids):  # expert parallel: routed on the source ranks, ids and weights as given
-            if bad := [n.name for n in chain[1:] if not used_only_by(n, set(chain))]:
-                return self.decline(f"{where}: {bad[0]} is used outside the MoE chain")
-            return GRAPHINFER.fused_experts.default, (hidden, ids, weights, w13, w2), chain
+        routing = None if _from_ep_dispatch(ids) else self._routing(ids, weights, hidden, w13_dtype)
+        if isinstance(routing, tuple):
+            router_logits, top_k, renormalize, routing_chain = routing
+            counts = [u for u in ids.users if is_op(u, GRAPHINFER.moe_count_experts.default)]
+            full = chain + routing_chain
+            inside = set(full) | set(counts)
+            if all(used_only_by(node, inside) for node in full[1:]):  # the combine's users: the fused op's
+                kept = {ids, routing_chain[1], routing_chain[-1]} if counts else set()  # what the count reads
+                return GRAPHINFER.fused_moe.default, (hidden, router_logits, w13, w2, top_k, renormalize), \
+                    [n for n in full if n not in kept]
+            routing = "a routing value is used outside the MoE chain"
+        # Routed elsewhere (expert parallel: on the source ranks) or in a way fused_moe does not express (DeepSeek's
+        # grouped sigmoid top-k, scaled weights): the experts alone, with the ids and weights as given.
+        if bad := [n.name for n in chain[1:] if not used_only_by(n, set(chain))]:
+            return self.decline(f"{where}: {bad[0]} is used outside the MoE chain")
+        if routing is not None:
+            self.decline(f"{where}: routing left as it is, experts fused ({routing})")
+        return GRAPHINFER.fused_experts.default, (hidden, ids, weights, w13, w2), chain
+
+    def _routing(self, ids: fx.Node, weights: fx.Node, hidden: fx.Node, w13_dtype):
+        """(router_logits, top_k, renormalize, chain: [ids, topk, ..., probs]) for softmax top-k routing that
+        fused_moe expresses, else why not."""
         topk = getitem_of(ids, 1)
         if not is_call(topk, torch.topk, "topk"):
-            return self.decline(f"{where}: expert ids come from {target_name(ids)}, not the router's top-k")
+            return f"expert ids come from {target_name(ids)}, not the router's top-k"
         top_k = arg(topk, 1, "k")
         if not isinstance(top_k, int) or arg(topk, 2, "dim", -1) not in _LAST or not arg(topk, 3, "largest", True):
-            return self.decline(f"{where}: top-k is not a constant k over the last dim, largest first")
-
-        chain += [ids, topk]
+            return "top-k is not a constant k over the last dim, largest first"
+        chain = [ids, topk]
         w = weights
         cast = None
         if is_call(w, "to"):
@@ -94,16 +113,14 @@ class FuseMoEPass(Pass):
                 chain += [w, total]
                 renormalize, w = True, w.args[0]
         if getitem_of(w, 0) is not topk:
-            return self.decline(f"{where}: routing weights pass through {target_name(w)}, which fused_moe cannot "
-                                f"express (only top-k, renormalisation and a cast to the model dtype)")
+            return (f"routing weights pass through {target_name(w)}, which fused_moe cannot express (only top-k, "
+                    f"renormalisation and a cast to the model dtype)")
         chain.append(w)
-
         probs = topk.args[0]
         if not is_call(probs, *_SOFTMAX):
-            return self.decline(f"{where}: router scores come from {target_name(probs)}, not softmax "
-                                f"(fused_moe routes by softmax top-k)")
+            return f"router scores come from {target_name(probs)}, not softmax (fused_moe routes by softmax top-k)"
         if arg(probs, 1, "dim") not in _LAST:
-            return self.decline(f"{where}: softmax is not over the experts (last dim)")
+            return "softmax is not over the experts (last dim)"
         chain.append(probs)
         router_logits = probs.args[0]
         fp32 = arg(probs, 3 if probs.target is F.softmax else 2, "dtype") is torch.float32
@@ -111,25 +128,16 @@ class FuseMoEPass(Pass):
                 is_call(router_logits, "to") and arg(router_logits, 1, "dtype") is torch.float32)):
             router_logits, fp32 = router_logits.args[0], True  # fused_moe upcasts the logits itself
         if not fp32:
-            return self.decline(f"{where}: softmax is not computed in fp32, fused_moe's is")
-
+            return "softmax is not computed in fp32, fused_moe's is"
         if cast is None:
             if w13_dtype is not torch.float32:
-                return self.decline(f"{where}: routing weights are not cast to the model dtype")
+                return "routing weights are not cast to the model dtype"
         elif isinstance(cast, torch.dtype):
             if cast != w13_dtype:
-                return self.decline(f"{where}: routing weights are cast to {cast}, not the parameters' dtype")
+                return f"routing weights are cast to {cast}, not the parameters' dtype"
         elif not (is_op(cast, getattr) and cast.args[0] in (hidden, router_logits) and cast.args[1] == "dtype"):
-            return self.decline(f"{where}: routing weights are cast to {target_name(cast)}, not the model dtype")
-
-        counts = [u for u in ids.users if is_op(u, GRAPHINFER.moe_count_experts.default)]
-        inside = set(chain) | set(counts)
-        for node in chain[1:]:  # the combine's own users are what the fused op takes over
-            if not used_only_by(node, inside):
-                return self.decline(f"{where}: {node.name} is used outside the MoE chain")
-        kept = {ids, topk, probs} if counts else set()  # the routing the count reads stays
-        return GRAPHINFER.fused_moe.default, (hidden, router_logits, w13, w2, top_k, renormalize), \
-            [n for n in chain if n not in kept]
+            return f"routing weights are cast to {target_name(cast)}, not the model dtype"
+        return router_logits, top_k, renormalize, chain
 
     def apply(self, gm: fx.GraphModule) -> int:
         g = gm.graph
