@@ -31,6 +31,12 @@ def test_silu_and_mul():
     torch.testing.assert_close(ops.silu_and_mul(x), F.silu(x[:, :24]) * x[:, 24:])
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_and_mul(approximate):
+    x = torch.randn(7, 2 * 24)
+    torch.testing.assert_close(ops.gelu_and_mul(x, approximate), F.gelu(x[:, :24], approximate=approximate) * x[:, 24:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_matches_hf(dtype):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -229,6 +235,7 @@ def _opcheck_cases():
         (torch.ops.graphinfer.rms_norm, (torch.randn(3, 16), torch.randn(16), 1e-6)),
         (torch.ops.graphinfer.add_rms_norm, (torch.randn(3, 16), torch.randn(3, 16), torch.randn(16), 1e-6)),
         (torch.ops.graphinfer.silu_and_mul, (torch.randn(3, 32),)),
+        (torch.ops.graphinfer.gelu_and_mul, (torch.randn(3, 32), "tanh")),
         (torch.ops.graphinfer.rotary_embedding,
          (torch.tensor([0, 3, 5]), torch.randn(3, 64), torch.randn(3, 32), 16, torch.randn(16, 16), True)),
         (torch.ops.graphinfer.reshape_and_cache,

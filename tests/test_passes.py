@@ -115,6 +115,29 @@ def test_fuse_gate_up_declines_when_outputs_are_reused():
     assert "silu_and_mul" in gm.code and "self.gate(" not in gm.code and "self.up(" not in gm.code
 
 
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_fuse_gate_up_takes_gelu_to_gelu_and_mul(approximate):
+    """GeGLU as Gemma's MLP spells it (F.gelu(approximate="tanh") is what TorchDynamo captures of gelu_pytorch_tanh)."""
+    class GeGLU(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 24), nn.Linear(8, 24), nn.Linear(24, 8)
+
+        def forward(self, x):
+            # * 0.5: a multiply by a constant (Granite's multipliers) is no match and no error
+            return self.down_proj(F.gelu(self.gate_proj(x), approximate=approximate) * self.up_proj(x)) * 0.5
+
+    torch.manual_seed(0)
+    mlp, x = GeGLU(), torch.randn(5, 8) * 3
+    gm = _trace(mlp)
+    [report] = PassManager([FuseGateUpPass()], [(x,)]).run(gm)
+    assert report.matches == 1 and report.max_abs_error < 1e-6
+    [act] = [n for n in gm.graph.nodes if n.target is torch.ops.graphinfer.gelu_and_mul.default]
+    assert act.args[1] == approximate and act.args[0].target == "gate_up_proj"
+    assert not any(n.target is F.gelu for n in gm.graph.nodes) and "self.gate_proj(" not in gm.code
+    torch.testing.assert_close(gm(x), mlp(x), atol=1e-6, rtol=1e-6)  # the unfused module itself
+
+
 def test_cleanup_keeps_cache_writes_and_drops_dead_code():
     class M(nn.Module):
         def forward(self, k, cache, slots):

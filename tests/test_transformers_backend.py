@@ -79,6 +79,8 @@ def test_zoo_gives_hf_greedy_tokens_through_chunks_and_prefix_hits(hf_zoo_checkp
     assert type(llm.llm_engine.worker.model).__name__ == "TransformersForCausalLM"
     matches = {r.name: r.matches for r in llm.llm_engine.pass_reports}
     assert matches["canon_rotary"] == ROPE_LAYERS.get(name, llm.llm_engine.hf_config.num_hidden_layers)
+    if name in ("gemma2", "gemma3"):  # GeGLU: the captured F.gelu(approximate="tanh") -> gelu_and_mul, every layer
+        assert matches["fuse_gate_up"] == llm.llm_engine.hf_config.num_hidden_layers
     for run in ("cold", "prefix hits"):
         got = _greedy(llm, ZOO_PROMPTS)
         checks = [greedy_matches_hf(path, p, e, g) for p, e, g in zip(ZOO_PROMPTS, expected, got)]

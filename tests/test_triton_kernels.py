@@ -121,6 +121,24 @@ def test_silu_and_mul(shape, dtype):
     _close(TRITON_OPS["silu_and_mul"](x.to(DEVICE)), ref_ops.silu_and_mul(x), dtype)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 96), (2, 3, 200), (3, 3000), (1, 2 * 1025)])
+def test_gelu_and_mul(shape, dtype, approximate):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    x.view(-1)[:4] = torch.tensor([-60.0, 60.0, -1e4, 1e4])  # the tails: tanh's exp saturates, no NaN
+    _close(TRITON_OPS["gelu_and_mul"](x.to(DEVICE), approximate), ref_ops.gelu_and_mul(x, approximate), dtype)
+
+
+def test_gelu_and_mul_strided_rows():
+    """A row-strided view, as a slice of a wider gate_up output, and a bad approximate refused like F.gelu."""
+    wide = torch.randn(6, 300, generator=torch.Generator().manual_seed(4))
+    _close(TRITON_OPS["gelu_and_mul"](wide.to(DEVICE)[:, 50:250], "tanh"), ref_ops.gelu_and_mul(wide[:, 50:250], "tanh"),
+           torch.float32)
+    with pytest.raises(ValueError, match="approximate='sigmoid'"):
+        TRITON_OPS["gelu_and_mul"](wide.to(DEVICE), "sigmoid")
+
+
 # ---- rotary ------------------------------------------------------------------------------------------------------
 
 def _cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:

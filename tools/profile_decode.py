@@ -36,6 +36,7 @@ _OPS = [
     (r"^_reshape_and_cache_kernel", "reshape_and_cache"),
     (r"^_qk_norm_rope_kernel", "qk_norm_rope(_cache)"),  # one kernel for both ops (WRITE_CACHE is a constexpr)
     (r"^_silu_and_mul_kernel", "silu_and_mul"),
+    (r"^_gelu_and_mul_kernel", "gelu_and_mul"),
     (r"^_moe_", "fused_moe"),
     (r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitK|sm90_|Kernel2", "linear (cuBLAS)"),
     (r"^Memcpy HtoD|Memcpy HtoD", "copy host to device"),

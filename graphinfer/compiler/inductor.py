@@ -1,6 +1,6 @@
 """The cpu platform's compiled lowering: the fused fx graph through TorchInductor (C++ codegen).
 
-The pointwise graphinfer:: ops (norms, add+norm, rotary, silu_and_mul) are inlined as their Python
+The pointwise graphinfer:: ops (norms, add+norm, rotary, silu_and_mul, gelu_and_mul) are inlined as their Python
 references, so Inductor sees plain aten ops it fuses into a few C++ loops per layer; attention and the KV
 cache write stay opaque custom ops run between the compiled pieces (the cpu platform's implementations,
 ops/cpu/attention.py); linears stay aten mm/addmm on oneDNN/MKL. The token count is the one dynamic size
@@ -21,7 +21,7 @@ from torch import fx
 logger = logging.getLogger(__name__)
 
 # Ops inlined for Inductor: pointwise, functional, with a reference Inductor fuses well.
-INLINED_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul")
+INLINED_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul")
 # Ops that run eagerly between the compiled pieces: attention and the ops that write the KV cache.
 SPLITTING_OPS = ("graphinfer::paged_attention", "graphinfer::reshape_and_cache", "graphinfer::qk_norm_rope_cache")
 

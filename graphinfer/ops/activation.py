@@ -1,5 +1,5 @@
-"""SwiGLU activation: the gate half goes through SiLU and multiplies the up half."""
-import torch
+"""Gated activations (vLLM's SiluAndMul, GeluAndMul): the gate half goes through the activation and multiplies
+the up half."""
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -15,4 +15,17 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 @register_fake(silu_and_mul)
 def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@graphinfer_op()
+def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
+    """x is [..., 2 * d] = cat(gate, up); returns gelu(gate, approximate) * up, [..., d]. approximate is F.gelu's:
+    "none" (erf) or "tanh" (Gemma's gelu_pytorch_tanh)."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate=approximate) * x[..., d:]
+
+
+@register_fake(gelu_and_mul)
+def _(x, approximate="none"):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)

@@ -36,7 +36,7 @@ def _backport_interpreter_index_fix() -> None:
 
 _backport_interpreter_index_fix()
 
-from graphinfer.ops.triton.activation import silu_and_mul  # noqa: E402
+from graphinfer.ops.triton.activation import gelu_and_mul, silu_and_mul  # noqa: E402
 from graphinfer.ops.triton.attention import paged_attention  # noqa: E402
 from graphinfer.ops.triton.bitmask import apply_token_bitmask  # noqa: E402
 from graphinfer.ops.triton.fused_moe import fused_experts_op, fused_moe  # noqa: E402
@@ -54,6 +54,7 @@ TRITON_OPS: dict[str, Callable] = {
     "qk_norm_rope": qk_norm_rope,
     "qk_norm_rope_cache": qk_norm_rope_cache,
     "silu_and_mul": silu_and_mul,
+    "gelu_and_mul": gelu_and_mul,
     "reshape_and_cache": reshape_and_cache,
     "paged_attention": paged_attention,
     "fused_moe": fused_moe,
@@ -63,5 +64,5 @@ TRITON_OPS: dict[str, Callable] = {
     **QUANT_OPS,  # dynamic_quant, scaled_mm, wo_linear and the fused norm / activation + quant ops
 }
 
-__all__ = ["TRITON_OPS", "add_rms_norm", "apply_token_bitmask", "fused_moe", "paged_attention", "qk_norm_rope", "qk_norm_rope_cache",
+__all__ = ["TRITON_OPS", "add_rms_norm", "apply_token_bitmask", "fused_moe", "gelu_and_mul", "paged_attention", "qk_norm_rope", "qk_norm_rope_cache",
            "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]
