@@ -285,6 +285,12 @@ def _spec_configs(values: list, given: dict | None) -> list:
     return out
 
 
+def _mla_form(value: str, passes: str) -> str:
+    if value not in ("absorbed", "expanded"):
+        raise GraphinferError(f"--sweep mla-form: {value!r}: use absorbed and/or expanded.")
+    return passes if value == "absorbed" else f"{passes},-absorb_mla"
+
+
 def _bench_throughput(args) -> None:
     from graphinfer.bench.throughput import run
 
@@ -292,11 +298,15 @@ def _bench_throughput(args) -> None:
             "async_scheduling": [args.async_scheduling], "tensor_parallel_size": [args.tensor_parallel_size or 1],
             "data_parallel_size": [args.data_parallel_size], "quantization": [args.quantization],
             "speculative_config": [args.speculative_config], "structured_output": [args.structured_output],
-            "model_impl": [args.model_impl]}
+            "model_impl": [args.model_impl], "passes": [args.passes]}
     for spec in args.sweep or []:  # --sweep max-num-seqs=16,32 --sweep graph-mode=NONE,FULL_DECODE_ONLY: a grid
         key, _, values = spec.partition("=")
+        if key == "mla-form":  # MLA (DeepSeek) absorbed (absorb_mla, the default) or expanded (without it)
+            grid["passes"] = [_mla_form(v, args.passes) for v in values.split(",")]
+            continue
         if key not in _SWEEPS or not values:
-            raise GraphinferError(f"--sweep {spec!r}: use {' or '.join(k + '=V1,V2,...' for k in _SWEEPS)}.")
+            raise GraphinferError(f"--sweep {spec!r}: use {' or '.join(k + '=V1,V2,...' for k in _SWEEPS)} or "
+                                  f"mla-form=absorbed,expanded.")
         name, cast = _SWEEPS[key]
         grid[name] = _csv(values, cast)
     if bad := [m for m in grid["graph_mode"] if m not in GRAPH_MODES]:
@@ -312,7 +322,7 @@ def _bench_throughput(args) -> None:
         structured_output=grid["structured_output"], model_impl=grid["model_impl"], dataset=args.dataset,
         parallel={k: v for k, v in engine_args.kwargs_from_args(args, PARALLEL_ARGS).items()
                   if k not in ("tensor_parallel_size", "data_parallel_size")},
-        capture_sizes=args.capture_sizes, passes=args.passes, num_prompts=args.num_prompts, min_len=args.min_len,
+        capture_sizes=args.capture_sizes, passes=grid["passes"], num_prompts=args.num_prompts, min_len=args.min_len,
         max_len=args.max_len,
         fixed_output_len=args.fixed_output_len, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, temperature=args.temperature, seed=args.seed,

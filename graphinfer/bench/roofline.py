@@ -55,7 +55,8 @@ class ModelShape:
                      if isinstance(m, nn.Embedding) and m.weight is not lm_head)
         attn = [m for m in model.modules() if isinstance(m, PagedAttention)]
         kv_dtype = kv_dtype or (lm_head.dtype if lm_head is not None else next(model.parameters()).dtype)
-        per_token = 2 * sum(a.num_kv_heads * a.head_dim for a in attn) * torch.empty((), dtype=kv_dtype).element_size()
+        size = torch.empty((), dtype=kv_dtype).element_size()  # K and V planes, or MLA's one latent plane
+        per_token = sum(a.cache_planes * a.num_kv_heads * a.head_dim for a in attn) * size
         total = sum(nbytes(p) for p in params.values())
         return cls(sum(p.numel() for p in params.values()), total, total - untied, len(attn), attn[0].num_kv_heads,
                    attn[0].head_dim, str(kv_dtype).replace("torch.", ""), per_token)

@@ -284,6 +284,7 @@ def _fmt_row(r: dict) -> str:
     tp, dp = r.get("tensor_parallel_size", 1), r.get("data_parallel_size", 1)
     name = (f"{_mode(r)} max_num_seqs={r['max_num_seqs']}" + (f" tp={tp}" if tp > 1 else "")
             + (f" model_impl={r['model_impl']}" if r.get("model_impl", "auto") != "auto" else "")
+            + (f" passes={r['passes']}" if r.get("passes", "default") != "default" else "")
             + (f" dp={dp}" if dp > 1 else "") + _ep(r))
     if "unavailable" in r:
         return f"{name}: unavailable ({r['unavailable']})"
@@ -302,7 +303,8 @@ def _fmt_row(r: dict) -> str:
             f"{r['total_s']:.2f} s = {r['output_tok_s']:,.1f} tok/s (prefill {r['prefill_s']:.2f} s / "
             f"{r['num_prefill_steps']} steps, decode {r['decode_s']:.2f} s / {r['num_decode_steps']} steps, mean "
             f"decode batch {r['mean_decode_batch'] or 0:.1f}); {rf['fraction']:.1%} of the memory roofline "
-            f"({rf['ideal_tok_s']:,.0f} tok/s){dec}")
+            f"({rf['ideal_tok_s']:,.0f} tok/s){dec}; KV cache {r['model_shape']['kv_bytes_per_token']:,} bytes per "
+            f"token")
 
 
 def table(result: dict) -> str:
@@ -313,7 +315,8 @@ def table(result: dict) -> str:
     par = tp or dp
     spec = any(r.get("speculative_config") for r in result["runs"])  # tokens per step: > 1 with accepted drafts
     impl = len({r.get("model_impl") for r in result["runs"]}) > 1  # a --sweep model-impl run
-    headers = ["graph mode", "max_num_seqs"] + (["model impl"] if impl else []) + (["tp"] if tp else []) + (["dp", "EP"] if dp else []) + (
+    passes = len({r.get("passes") for r in result["runs"]}) > 1  # a --sweep mla-form run
+    headers = ["graph mode", "max_num_seqs"] + (["model impl"] if impl else []) + (["passes"] if passes else []) + (["tp"] if tp else []) + (["dp", "EP"] if dp else []) + (
         ["threads/rank"] if par else []) + [
         "time (s)", "output tok/s", "prefill s", "decode s", "steps"] + (["tokens/step"] if spec else []) + [
         "mean decode batch"] + (
@@ -323,6 +326,7 @@ def table(result: dict) -> str:
     rows = []
     for r in result["runs"]:
         head = [_mode(r), r["max_num_seqs"]] + ([r.get("model_impl")] if impl else []) + (
+            [r.get("passes")] if passes else []) + (
             [r.get("tensor_parallel_size", 1)] if tp else []) + (
             [r.get("data_parallel_size", 1), _ep_cell(r)] if dp else [])
         if "unavailable" in r:
@@ -452,7 +456,7 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         async_scheduling=(False,), tensor_parallel_size=(1,), data_parallel_size=(1,), quantization=(None,),
         speculative_config=(None,), structured_output=("none",), model_impl=("auto",), dataset: str = "random",
         parallel: dict | None = None,
-        capture_sizes: list[int] | None = None, passes: str = "default",
+        capture_sizes: list[int] | None = None, passes=("default",),
         num_prompts: int = 256, min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
         hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None,
@@ -475,9 +479,11 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         fixed_output_len = 512
     with tempfile.TemporaryDirectory(prefix="graphinfer-bench-") as tmp:
         # HF needs a checkpoint with graphinfer's weights; a sweep saves re-drawing a preset's random weights.
-        configs = [(mode, a, mns, tp, dp, q, sd, so, mi) for mode in graph_modes for a in async_scheduling
+        passes = [passes] if isinstance(passes, str) else list(passes)  # a sweep: e.g. MLA absorbed / expanded
+        configs = [(mode, a, mns, tp, dp, q, sd, so, mi, pa) for mode in graph_modes for a in async_scheduling
                    for mns in max_num_seqs for tp in tensor_parallel_size for dp in data_parallel_size
-                   for q in quantization for sd in speculative_config for so in structured_output for mi in model_impl]
+                   for q in quantization for sd in speculative_config for so in structured_output for mi in model_impl
+                   for pa in passes]
         # (the transformers path runs an HF checkpoint directory: a GGUF or a preset is saved as one)
         gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) \
             if compare_hf or len(configs) > 1 or "transformers" in model_impl else model
@@ -501,17 +507,17 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                   "runs": []}
         print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
               f"tokens; copy bandwidth {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s on {result['env']['device_name']}")
-        for mode, a, mns, tp, dp, q, sd, so, mi in configs:
+        for mode, a, mns, tp, dp, q, sd, so, mi, pa in configs:
             sizes = capture_sizes  # the engine keeps the sizes each kind of graph can use
             kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
-                      async_scheduling=a, passes=passes, max_model_len=max_model_len,
+                      async_scheduling=a, passes=pa, max_model_len=max_model_len,
                       max_num_batched_tokens=max_num_batched_tokens, seed=seed, kernels=kernels, block_size=block_size,
                       enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tp, data_parallel_size=dp,
                       quantization=q, speculative_config=sd, model_impl=mi, **(parallel or {}))
             row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "tensor_parallel_size": tp,
                    "data_parallel_size": dp, "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
                    "quantization": q, "speculative_config": sd, "structured_output": so, "model_impl": mi,
-                   "capture_sizes": sizes}
+                   "passes": pa, "capture_sizes": sizes}
             try:
                 row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len,
                                       extra_warmup, so))

@@ -7,7 +7,7 @@ _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
 
 
 def _config(name: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     presets = {
         "tiny-llama": lambda: LlamaConfig(**_TINY),
@@ -24,6 +24,18 @@ def _config(name: str):
             vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
             num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
             tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        # DeepSeek-V3's attention and routing (MLA 16 heads, q / kv LoRA 1536 / 512, nope 128 + rope 64, v 128;
+        # sigmoid grouped top-k with a correction bias, a shared expert pair, YaRN), reduced to 4 layers of hidden 2048
+        # with 64 experts of 512 (the MLA cache: 576 numbers per token per layer).
+        "deepseek-v3-4l": lambda: DeepseekV3Config(
+            vocab_size=32000, hidden_size=2048, intermediate_size=4096, moe_intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=16, num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+            qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4,
+            n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            max_position_embeddings=16384, num_nextn_predict_layers=0, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                             "beta_slow": 1}),
     }
     config = presets[name]()
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
@@ -31,7 +43,8 @@ def _config(name: str):
 
 
 # No qwen3-30b-a3b: presets materialise fp32 random weights on the host (120 GB for 30B parameters).
-PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m", "qwen3-0.6b")
+PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m", "qwen3-0.6b",
+                "deepseek-v3-4l")
 
 
 def preset_config(name: str):

@@ -153,7 +153,8 @@ def _pass_class(name: str, eps: list[md.EntryPoint]) -> type[Pass] | None:
 def resolve_passes(spec) -> list[Pass]:
     """Pass instances, in order, from:
     - None or 'default': the default pipeline; 'none': no passes;
-    - 'a,b,c': names run in that order, where 'default' stands for the default pipeline ('default,my_pass');
+    - 'a,b,c': names run in that order, where 'default' stands for the default pipeline ('default,my_pass') and
+      '-name' leaves a pass out ('default,-absorb_mla');
     - a list mixing names, Pass instances and Pass subclasses (instantiated here): ['default', MyPass()].
     Built-in names never import a plugin; a plugin's module is imported when its name is asked for."""
     if spec is None:
@@ -166,6 +167,10 @@ def resolve_passes(spec) -> list[Pass]:
     eps = _entry_points() if any(isinstance(i, str) for i in items) else []
     out: list[Pass] = []
     unknown: list[str] = []
+    left_out = {i[1:] for i in items if isinstance(i, str) and i.startswith("-")}
+    items = [i for i in items if not (isinstance(i, str) and i.startswith("-"))]
+    if unknown_out := sorted(n for n in left_out if _pass_class(n, eps) is None):
+        unknown += [f"-{n}" for n in unknown_out]
     for item in items:
         if isinstance(item, Pass):
             out.append(item)
@@ -186,7 +191,7 @@ def resolve_passes(spec) -> list[Pass]:
         plugins = sorted({ep.name for ep in eps})
         raise InvalidConfigError(f"Unknown pass(es) {unknown}. Available: {', '.join([*_builtins(), *plugins])}; "
                                  f"or 'default' / 'none'. See `graphinfer passes list`.")
-    return out
+    return [p for p in out if p.name not in left_out]
 
 
 def pass_origin(p: Pass) -> dict | None:
