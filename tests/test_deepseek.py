@@ -90,3 +90,14 @@ def test_compile_then_serve_the_artifact_to_the_openai_client(deepseek_checkpoin
         assert out.choices[0].text == expected and out.usage.completion_tokens == NEW
     finally:
         server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_capturing_graph_modes_give_hf_greedy_tokens_on_the_gpu(deepseek_checkpoint, mode):
+    """CUDA graphs of the absorbed MLA (paged attention at head size L + R over the latent cache) and the fused
+    experts, fp32, against HF's tokens on the CPU (tie-aware)."""
+    path = deepseek_checkpoint("deepseek_v3")
+    llm = LLM(path, graph_mode=mode, capture_sizes=[1, 2, 4, 8, 32], **KW)
+    _check_greedy(llm, path, hf_greedy(path, ZOO_PROMPTS, NEW))

@@ -73,6 +73,10 @@
 #               and async, tie-aware), then the standard workload on $MODEL, FULL_AND_PIECEWISE + async, max_num_seqs
 #               256, native vs transformers path twice each in one run. Target: the transformers path within 10% of
 #               the native model                                                          (~6 min, not in the default)
+#   deepseek    issue 49: tests/test_deepseek.py on the GPU (tiny DeepSeek-V2/V3 vs HF; the gpu-marked test: every
+#               capturing mode), then deepseek-v3-4l (DeepSeek-V3's MLA and routing, 4 layers) bf16, 64 prompts,
+#               FULL_AND_PIECEWISE + async, MLA absorbed vs expanded twice each in one run, and NONE absorbed: the
+#               KV bytes per token and tok/s. Target: absorbed faster than expanded at decode  (~6 min, not in the default)
 #   round       issue 31: the pending checks that fit ONE 10-minute call (a 15-minute device lease), each part
 #               time-boxed so the call always ends with results: in parallel (correctness only) every GPU test over
 #               pytest-xdist workers and NONE vs every capturing mode (gpu_check, tie-aware); then, serially (timings),
@@ -439,6 +443,17 @@ step_transformers() {  # issue 48: the transformers path in every graph mode (gp
     bench transformers_throughput throughput "${COMMON[@]}" --graph-mode "${PIECEWISE_MODES##*,}" --async-scheduling \
         --max-num-seqs 256 --sweep model-impl=graphinfer,transformers,graphinfer,transformers \
         --output-json "$OUT_DIR/transformers_throughput.json"
+}
+
+step_deepseek() {  # issue 49: DeepSeek natively (MLA + MoE): its tests on the GPU, then absorbed vs expanded throughput
+    local model=deepseek-v3-4l n=64 mode="${PIECEWISE_MODES##*,}" files=(tests/test_deepseek.py)
+    if [ "${SMOKE:-0}" = 1 ]; then model=tiny-deepseek-v3 n=4 files=(tests/test_deepseek.py::test_absorbed_form_equals_the_expanded_one); fi
+    set -o pipefail
+    echo "=== deepseek: pytest ${files[*]}"
+    "$PY" -m pytest -q -p no:cacheprovider -rfE -m "gpu or not slow" "${files[@]}" 2>&1 | tee "$OUT_DIR/pytest_deepseek.log"
+    bench deepseek_throughput throughput --model "$model" --dtype "${DTYPE:-bfloat16}" --num-prompts "$n" \
+        --min-len 128 --max-len 512 --max-num-seqs "$n" --graph-mode "$mode" --async-scheduling \
+        --sweep mla-form=absorbed,expanded,absorbed,expanded --output-json "$OUT_DIR/deepseek_throughput.json"
 }
 
 step_gpu_tests() {  # every GPU test file of the steps above in one pytest, over xdist workers where the image has them

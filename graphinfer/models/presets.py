@@ -24,6 +24,11 @@ def _config(name: str):
             vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
             num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
             tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        "tiny-deepseek-v3": lambda: DeepseekV3Config(
+            **{**_TINY, "tie_word_embeddings": False, "num_key_value_heads": 4}, moe_intermediate_size=32, q_lora_rank=32,
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0),
         # DeepSeek-V3's attention and routing (MLA 16 heads, q / kv LoRA 1536 / 512, nope 128 + rope 64, v 128;
         # sigmoid grouped top-k with a correction bias, a shared expert pair, YaRN), reduced to 4 layers of hidden 2048
         # with 64 experts of 512 (the MLA cache: 576 numbers per token per layer).
@@ -44,7 +49,7 @@ def _config(name: str):
 
 # No qwen3-30b-a3b: presets materialise fp32 random weights on the host (120 GB for 30B parameters).
 PRESET_NAMES = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m", "qwen3-0.6b",
-                "deepseek-v3-4l")
+                "tiny-deepseek-v3", "deepseek-v3-4l")
 
 
 def preset_config(name: str):
