@@ -132,3 +132,25 @@ def metric_samples(text: str) -> dict:
 
 def metric(samples: dict, name: str, **labels) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def served_artifact_completion(checkpoint: str, compile_args: list[str], prompt: list[int], max_tokens: int, tmp_path):
+    """`graphinfer compile CHECKPOINT *compile_args -o ART`, then `graphinfer serve ART`, and one greedy completion
+    of `prompt` (token ids, EOS ignored) through the official openai client: (text, completion tokens)."""
+    import subprocess
+
+    from openai import OpenAI
+
+    art = str(tmp_path / "art")
+    res = subprocess.run([GRAPHINFER, "compile", checkpoint, *compile_args, "-o", art], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    server = Server([art, "--max-model-len", "256"], tmp_path / "serve.log").launch()
+    try:
+        server.wait_ready(180)
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        out = client.completions.create(model=os.path.basename(checkpoint), prompt=prompt, max_tokens=max_tokens,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        return out.choices[0].text, out.usage.completion_tokens
+    finally:
+        server.stop()

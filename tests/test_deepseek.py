@@ -64,10 +64,8 @@ def test_compile_then_serve_the_artifact_to_the_openai_client(deepseek_checkpoin
     """`graphinfer compile` (absorb_mla's W_UK / W_UV saved with the artifact), then `graphinfer serve ART`: HF's
     greedy tokens, decoded by SmolLM2's tokenizer put beside the tiny DeepSeek-V3."""
     import shutil
-    import subprocess
 
-    from openai import OpenAI
-    from server_utils import GRAPHINFER, Server
+    from server_utils import served_artifact_completion
 
     from graphinfer.models.gguf_loader import load_gguf_tokenizer
 
@@ -77,19 +75,7 @@ def test_compile_then_serve_the_artifact_to_the_openai_client(deepseek_checkpoin
     tokenizer.save_pretrained(path)
     prompt = ZOO_PROMPTS[3]
     expected = tokenizer.decode(hf_greedy(path, [prompt], NEW)[0], skip_special_tokens=True)
-    art = str(tmp_path / "art")
-    res = subprocess.run([GRAPHINFER, "compile", path, "--dtype", "float32", "-o", art], capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    server = Server([art, "--max-model-len", "256"], tmp_path / "serve.log").launch()
-    try:
-        server.wait_ready(180)
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-        out = client.completions.create(model="deepseek", prompt=prompt, max_tokens=NEW, temperature=0,
-                                        extra_body={"ignore_eos": True})
-        assert out.choices[0].text == expected and out.usage.completion_tokens == NEW
-    finally:
-        server.stop()
+    assert served_artifact_completion(path, ["--dtype", "float32"], prompt, NEW, tmp_path) == (expected, NEW)
 
 
 @pytest.mark.gpu

@@ -121,10 +121,8 @@ def test_compile_then_serve_the_artifact_to_the_openai_client(hf_zoo_checkpoint,
     """`graphinfer compile DIR --model-impl transformers`, then `graphinfer serve ART`: a Mistral (sliding window) with
     SmolLM2's tokenizer beside it, so the served text is comparable: HF's greedy tokens, decoded."""
     import shutil
-    import subprocess
 
-    from openai import OpenAI
-    from server_utils import GRAPHINFER, Server
+    from server_utils import served_artifact_completion
 
     from graphinfer.models.gguf_loader import load_gguf_tokenizer
 
@@ -134,19 +132,8 @@ def test_compile_then_serve_the_artifact_to_the_openai_client(hf_zoo_checkpoint,
     tokenizer.save_pretrained(path)
     prompt = ZOO_PROMPTS[2]
     expected = tokenizer.decode(hf_greedy(path, [prompt], NEW)[0], skip_special_tokens=True)  # as the server does
-    art = str(tmp_path / "art")
-    res = subprocess.run([GRAPHINFER, "compile", path, "--model-impl", "transformers", "--dtype", "float32", "-o", art],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    server = Server([art, "--max-model-len", "256"], tmp_path / "serve.log").launch()
-    try:
-        server.wait_ready(180)
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-        out = client.completions.create(model="mistral", prompt=prompt, max_tokens=NEW, temperature=0,
-                                        extra_body={"ignore_eos": True})
-        assert out.choices[0].text == expected and out.usage.completion_tokens == NEW
-    finally:
-        server.stop()
+    args = ["--model-impl", "transformers", "--dtype", "float32"]
+    assert served_artifact_completion(path, args, prompt, NEW, tmp_path) == (expected, NEW)
 
 
 # ----- tensor parallel: transformers' base_model_tp_plan on graphinfer's parallel layers (gloo, a worker process) -----

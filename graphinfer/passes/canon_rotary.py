@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from graphinfer.passes.base import Pass
-from graphinfer.passes.match import is_method, is_op, walk_users
+from graphinfer.passes.match import arg, is_method, is_op, walk_users
 from graphinfer.passes.utils import GRAPHINFER
 
 
@@ -45,19 +45,27 @@ def _uncast(node):
     return node
 
 
-def _neox_rotate_of(node) -> fx.Node | None:
-    """x if node is cat((-x[..., h:], x[..., :h]), -1)."""
-    if not (is_op(node, torch.cat) and len(node.args) >= 1 and len(node.args[0]) == 2):
-        return None
-    if node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0) != -1:
-        return None
-    neg, lo = node.args[0]
+def _last_dim(node) -> bool:
+    """A cat / stack over the last dim."""
+    return arg(node, 1, "dim", 0) == -1
+
+
+def _negated_halves(pair) -> tuple[fx.Node, slice, slice] | None:
+    """(x, s, t) if pair is (-x[..., s], x[..., t])."""
+    neg, other = pair
     if not is_op(neg, operator.neg):
         return None
-    hi, lo = _slice_of(neg.args[0]), _slice_of(lo)
-    if hi is None or lo is None or hi[0] is not lo[0]:
+    a, b = _slice_of(neg.args[0]), _slice_of(other)
+    return (a[0], a[1], b[1]) if a is not None and b is not None and a[0] is b[0] else None
+
+
+def _neox_rotate_of(node) -> fx.Node | None:
+    """x if node is cat((-x[..., h:], x[..., :h]), -1)."""
+    if not (is_op(node, torch.cat) and len(node.args[0]) == 2 and _last_dim(node)):
         return None
-    (x, hi), (_, lo) = hi, lo
+    if (found := _negated_halves(node.args[0])) is None:
+        return None
+    x, hi, lo = found
     half = lo.stop
     return x if (lo.start in (None, 0) and lo.step is None and hi.start == half and hi.stop is None
                  and hi.step is None and half is not None) else None
@@ -68,16 +76,11 @@ def _interleaved_rotate_of(node) -> fx.Node | None:
     if not ((is_method(node, "flatten") or is_op(node, torch.flatten)) and tuple(node.args[1:]) == (-2,)):
         return None
     stack = node.args[0]
-    if not (is_op(stack, torch.stack) and len(stack.args[0]) == 2 and
-            stack.kwargs.get("dim", stack.args[1] if len(stack.args) > 1 else 0) == -1):
+    if not (is_op(stack, torch.stack) and len(stack.args[0]) == 2 and _last_dim(stack)):
         return None
-    neg, even = stack.args[0]
-    if not is_op(neg, operator.neg):
+    if (found := _negated_halves(stack.args[0])) is None:
         return None
-    odd, even = _slice_of(neg.args[0]), _slice_of(even)
-    if odd is None or even is None or odd[0] is not even[0]:
-        return None
-    (x, odd), (_, even) = odd, even
+    x, odd, even = found
     return x if (odd.start, odd.stop, odd.step) == (1, None, 2) and even.start in (None, 0) and \
         (even.stop, even.step) == (None, 2) else None
 
@@ -104,8 +107,7 @@ def _rotation(add: fx.Node):
 def _chunk_rotation(cat: fx.Node):
     """(x, cos, sin) if cat is cat((a * cos - b * sin, b * cos + a * sin), -1) with a, b = x.chunk(2, -1): neox with a
     cos / sin of d / 2 columns (gpt-oss)."""
-    if not (is_op(cat, torch.cat) and len(cat.args[0]) == 2 and
-            cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) == -1):
+    if not (is_op(cat, torch.cat) and len(cat.args[0]) == 2 and _last_dim(cat)):
         return None
     first, second = cat.args[0]
     if not (is_op(first, operator.sub) and is_op(second, operator.add)):
@@ -121,7 +123,7 @@ def _chunk_rotation(cat: fx.Node):
     if set(halves) != {0, 1} or halves[0].args[0] is not halves[1].args[0]:
         return None
     chunk = halves[0].args[0]
-    if tuple(chunk.args[1:]) + tuple(chunk.kwargs.values()) not in ((2, -1), (2,)) and chunk.kwargs.get("dim") != -1:
+    if arg(chunk, 1, "chunks") != 2 or arg(chunk, 2, "dim", 0) != -1:
         return None
     other = lambda m, t: m.args[1] if m.args[0] is t else m.args[0] if m.args[1] is t else None  # noqa: E731
     a, b = halves[0], halves[1]
@@ -139,8 +141,7 @@ def _partial(x: fx.Node, embed: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     q, s = found
     (cat,) = embed.users
     if not (s.start in (None, 0) and s.step is None and isinstance(s.stop, int) and is_op(cat, torch.cat)
-            and len(cat.args[0]) == 2 and cat.args[0][0] is embed
-            and cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) == -1):
+            and len(cat.args[0]) == 2 and cat.args[0][0] is embed and _last_dim(cat)):
         return None
     rest = _slice_of(cat.args[0][1])
     return (q, cat) if rest is not None and rest[0] is q and (rest[1].start, rest[1].stop, rest[1].step) == \
