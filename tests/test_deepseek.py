@@ -42,21 +42,28 @@ def test_absorbed_form_equals_the_expanded_one(deepseek_checkpoint):
     assert reports.passed and absorb.matches == 3 and absorb.max_rel_error < 1e-5, absorb
 
 
-@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep2"])
-def test_tp2_gives_hf_greedy_tokens(deepseek_checkpoint, ep):
-    """tp 2 (gloo, a worker process): heads split (each rank's latent cache serves its heads), kv_b_proj split by
-    heads before absorb_mla splits it again; with expert parallel each rank holds half the routed experts whole."""
+LAYOUTS = {"tp2": (dict(tensor_parallel_size=2), 2, 1), "tp2-ep2": (dict(tensor_parallel_size=2,
+                                                                          enable_expert_parallel=True), 2, 2),
+           "dp2-ep2": (dict(data_parallel_size=2, enable_expert_parallel=True), 1, 2)}  # kwargs, heads /, experts /
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_layouts_give_hf_greedy_tokens(deepseek_checkpoint, layout):
+    """On gloo with worker processes: tp 2 splits the heads (each rank's latent cache serves its heads; kv_b_proj is
+    split by heads before absorb_mla splits it again); expert parallel gives each rank half the routed experts whole;
+    dp 2 + ep 2 is vLLM's DP-attention deployment (each replica attends to its own requests, the experts shared)."""
     from graphinfer.models.parallel_layers import MoEExperts
 
+    kwargs, heads_div, experts_div = LAYOUTS[layout]
     path = deepseek_checkpoint("deepseek_v3")
     expected = hf_greedy(path, ZOO_PROMPTS, NEW)
-    with LLM(path, tensor_parallel_size=2, enable_expert_parallel=ep, **KW) as llm:
+    with LLM(path, **kwargs, **KW) as llm:
         _check_greedy(llm, path, expected)
         engine = llm.llm_engine
-        config, attn = engine.hf_config, engine.worker.model.model.layers[0].self_attn
-        assert attn.num_heads == config.num_attention_heads // 2
-        experts = [m for m in engine.worker.model.modules() if isinstance(m, MoEExperts)]
-        assert {m.num_experts for m in experts} == {config.n_routed_experts // 2 if ep else config.n_routed_experts}
+        config, model = engine.hf_config, engine.worker.model
+        assert model.model.layers[0].self_attn.num_heads == config.num_attention_heads // heads_div
+        experts = {m.num_experts for m in model.modules() if isinstance(m, MoEExperts)}
+        assert experts == {config.n_routed_experts // experts_div}
         assert engine.worker.compiled.pass_reports.passed
 
 
