@@ -16,8 +16,9 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
     """(model, hf_config) with weights loaded (a named preset gets random weights from `seed`). Under tensor
     parallelism the model is this rank's shard, and only its slices are read. `quantization`
     (graphinfer.quantization): an online scheme quantizes the linear layers once loaded; "gguf" keeps a GGUF's
-    quantized blocks; a compressed-tensors checkpoint is always read in its quantized form. `model_impl`: whose
-    modeling code (models/__init__.py: resolve_model_impl; "transformers": models/transformers.py)."""
+    quantized blocks; a compressed-tensors checkpoint is always read in its quantized form, a block-FP8 one
+    (DeepSeek-V3's) dequantized to `dtype`. `model_impl`: whose modeling code (models/__init__.py:
+    resolve_model_impl; "transformers": models/transformers.py)."""
     preset = preset_config(path)
     if model_impl == "transformers" and (path.endswith(".gguf") or preset is not None):
         raise InvalidConfigError(f"model_impl='transformers' runs an HF checkpoint directory through transformers' "
@@ -65,8 +66,16 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
         weights = _safetensors_weights(path)
         if (qc := getattr(config, "quantization_config", None)) is not None:
             from graphinfer.quantization.compressed_tensors import compressed_tensors_weights
+            from graphinfer.quantization.fp8 import block_fp8_weights, is_fp8_config
 
-            weights, schemes = compressed_tensors_weights(weights, qc)
+            if is_fp8_config(qc):  # block FP8 (DeepSeek-V3's), dequantized as it loads: the model stays float
+                weights = block_fp8_weights(weights, qc)
+                if quantization is not None:
+                    raise InvalidConfigError(f"{path!r} is a block-FP8 checkpoint (quant_method 'fp8'), read "
+                                             f"dequantized to {dtype}; quantization={quantization!r} cannot apply to "
+                                             f"it. Leave quantization unset.")
+            else:
+                weights, schemes = compressed_tensors_weights(weights, qc)
     if quantization == "gguf" and not path.endswith(".gguf"):
         raise InvalidConfigError(f"quantization='gguf' reads a .gguf file; {path!r} is not one.")
     if schemes:
