@@ -26,7 +26,7 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and not torch.cuda.
 
 # The longest modules (about a minute or more of a serial run each): under xdist's loadscope they start first, so a
 # worker does not pick one up near the end while the other worker sits idle.
-LONGEST_MODULES = ("test_transformers_backend", "test_tensor_parallel", "test_smollm2", "test_quantization", "test_cli", "test_tp_server",
+LONGEST_MODULES = ("test_transformers_backend", "test_deepseek", "test_tensor_parallel", "test_smollm2", "test_quantization", "test_cli", "test_tp_server",
                    "test_server", "test_data_parallel", "test_compile_artifact", "test_spec_decode", "test_gguf_loader")
 
 
