@@ -247,7 +247,9 @@ class ParallelConfig:
         return self.data_parallel_rank * self.tensor_parallel_size
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's other spellings of a method (it normalises "deepseek_mtp" and its kin to "mtp" as well)
+SPEC_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
 
 
 @dataclass
@@ -256,7 +258,9 @@ class SpeculativeConfig:
     verify them in one forward of 1 + k tokens, keep the accepted prefix (graphinfer/runtime/spec_decode/).
     method "ngram": prompt lookup, the last prompt_lookup_max..prompt_lookup_min tokens matched earlier in the
     request's own tokens; "draft_model": `model` (a path or preset sharing the target's vocabulary) proposes greedily,
-    compiled and run by graphinfer like the target."""
+    compiled and run by graphinfer like the target; "mtp" (also "deepseek_mtp"): the target checkpoint's own
+    multi-token-prediction layer (DeepSeek-V3's model.layers.<num_hidden_layers>) proposes greedily from the target's
+    hidden states (runtime/spec_decode/mtp_proposer.py); `model`, if given, must be the target's."""
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int | None = None  # ngram; None: as vLLM (5, or prompt_lookup_max if only that is given)
@@ -264,6 +268,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the draft's checkpoint, .gguf or preset
 
     def __post_init__(self):
+        self.method = SPEC_METHOD_ALIASES.get(self.method, self.method)
         if self.method not in SPEC_METHODS:
             raise InvalidConfigError(f"speculative_config method={self.method!r}: use one of {', '.join(SPEC_METHODS)}.")
         if self.num_speculative_tokens < 1:
@@ -274,7 +279,7 @@ class SpeculativeConfig:
             if not 1 <= lo <= hi:
                 raise InvalidConfigError(f"prompt_lookup_min={lo} / prompt_lookup_max={hi}: need 1 <= min <= max.")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        elif not self.model:
+        elif self.method == "draft_model" and not self.model:
             raise InvalidConfigError('speculative_config method="draft_model" needs "model": the draft checkpoint, '
                                      '.gguf or preset (with the target\'s vocabulary).')
 
@@ -322,7 +327,8 @@ class EngineConfig:
     artifact: str | None = setting(None, "start from a `graphinfer compile` output directory")
     speculative_config: SpeculativeConfig | None = setting(
         None, 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
-              '"prompt_lookup_max": 4}\' or \'{"model": DRAFT, "num_speculative_tokens": 3}\'', parse=_json_object)
+              '"prompt_lookup_max": 4}\', \'{"model": DRAFT, "num_speculative_tokens": 3}\' or (DeepSeek-V3 checkpoints '
+              'with MTP layers) \'{"method": "mtp", "num_speculative_tokens": 1}\'', parse=_json_object)
 
     def __post_init__(self):
         # derived defaults, computed here only (None = derive)

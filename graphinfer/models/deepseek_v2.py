@@ -148,7 +148,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return LlamaDecoderLayer(config, DeepseekV2Attention(config), mlp)
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
-        """The checkpoint's MTP layers (model.layers.<num_hidden_layers>...), which the target model does not hold."""
+        """The checkpoint's MTP layers (model.layers.<num_hidden_layers>...), which the target model does not hold
+        (speculative method "mtp" loads the first beside it: models/deepseek_mtp.py)."""
         parts = name.split(".")
         return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and \
             int(parts[2]) >= self.config.num_hidden_layers

@@ -163,11 +163,15 @@ def activation_dtype(model: nn.Module) -> torch.dtype:
     return model.model.norm.weight.dtype
 
 
-def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int) -> Tensor:
+def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> Tensor:
     """One tensor [layers, planes, num_blocks, block_size, kv_heads, head_dim] (planes: K and V, or MLA's one latent
-    plane, which a layer reads as both); each attention layer gets its views."""
+    plane, which a layer reads as both); each attention layer gets its views. dtype: the model's activation_dtype
+    unless given (a draft module without a final norm)."""
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-    dtype, device = activation_dtype(model), model.model.norm.weight.device
+    if dtype is None:
+        dtype, device = activation_dtype(model), model.model.norm.weight.device
+    else:
+        device = next(model.parameters()).device
     planes = layers[0].cache_planes
     shape = (len(layers), planes, num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     if device.type == "cpu":  # calloc'd (numpy): the OS maps zero pages as they are first written, so allocating costs

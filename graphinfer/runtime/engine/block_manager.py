@@ -23,10 +23,14 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, use_eagle: bool = False):
+        """use_eagle (vLLM's name): a drafter's cache rows (MTP) live in these blocks too, and the row of a block's
+        last position was computed with the token after it, which the block's hash does not cover: a prefix hit
+        leaves its last block to recompute, so that row is rewritten with this sequence's next token."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.use_eagle = use_eagle
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
         self.hash_to_block_id: dict[int, int] = {}
@@ -57,7 +61,7 @@ class BlockManager:
                 break
             hits.append(block_id)
             parent = h
-        return hits
+        return hits[:-1] if self.use_eagle else hits
 
     def can_allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
         """Room for a fresh sequence's cached prefix plus its first num_new_tokens?"""

@@ -34,7 +34,8 @@ from graphinfer.runtime.engine.scheduler import Scheduler, SchedulerOutput
 from graphinfer.runtime.engine.sequence import Sequence
 from graphinfer.runtime.executor.factory import make_executor
 from graphinfer.runtime.executor.parallel_layout import (check_artifact_parallel, check_parallel_config,
-                                                         expert_parallel_size)
+                                                         expert_parallel_size, model_config_of)
+from graphinfer.runtime.spec_decode.mtp_proposer import check_mtp_engine
 from graphinfer.runtime.spec_decode.proposer import make_proposer
 from graphinfer.runtime.startup_timer import StartupTimer, seconds_since_process_start
 from graphinfer.runtime.structured_output import StructuredOutputManager
@@ -81,6 +82,8 @@ class EngineCore:
             check_artifact_parallel(config)
         if config.parallel_config.world_size > 1:
             check_parallel_config(config)
+        if (spec := config.speculative_config) is not None and spec.method == "mtp":
+            check_mtp_engine(config, model_config_of(config))
         # From an artifact, the tokenizer (mostly transformers' import) loads in a thread while the workers load the
         # weights and graph, where nothing else imports transformers meanwhile (its lazy module is not safe to import
         # from two threads at once; RoPE other than "default" uses transformers' init functions, and a model of
@@ -122,7 +125,8 @@ class EngineCore:
             self.platform.device_module if self.device.type != "cpu" else None)
         self.proposer, self.spec_stats = make_proposer(config.speculative_config, self)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, worker.num_blocks, self.max_model_len,
-                                   self.structured_output, self.spec_stats)
+                                   self.structured_output, self.spec_stats,
+                                   use_eagle=getattr(self.proposer, "use_eagle", False))
         # MoE + expert parallel over several replicas: their MoE layers share all-to-alls, so they step together
         self.dp_lockstep = ps.dp_size() > 1 and ps.ep_size() > 1 and bool(worker.model_runner.moe_layers)
         self.lockstep = dp_lockstep.Lockstep(self.dp_lockstep)

@@ -70,13 +70,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, structured_output=None, spec_stats=None):
+                 max_model_len: int, structured_output=None, spec_stats=None, use_eagle: bool = False):
         """structured_output: the StructuredOutputManager whose matchers accept the sampled tokens (None: no
-        grammars); spec_stats: speculative decoding's counters (SpecDecodingStats; None: it is off)."""
+        grammars); spec_stats: speculative decoding's counters (SpecDecodingStats; None: it is off); use_eagle: the
+        proposer keeps cache rows that depend on the next block (MTP: BlockManager.find_cached_blocks)."""
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.structured_output, self.spec_stats = structured_output, spec_stats
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                          use_eagle)
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence, by request id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

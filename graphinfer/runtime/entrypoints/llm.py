@@ -44,8 +44,9 @@ class LLM:
     (runtime/engine/dp_core.py). MoE + expert parallel replicas step in lockstep. One node only.
     Across nodes (nnodes > 1, node_rank, master_addr, master_port: vLLM's / torchrun's names) this process is
     node 0; the other nodes run `graphinfer serve|generate ... --node-rank N` with the same arguments.
-    speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} or
-    {"model": DRAFT, "num_speculative_tokens": 3} (config.SpeculativeConfig); greedy outputs are those without it,
+    speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+    {"model": DRAFT, "num_speculative_tokens": 3} or, for a DeepSeek-V3 checkpoint with MTP layers, {"method": "mtp",
+    "num_speculative_tokens": 1} (config.SpeculativeConfig); greedy outputs are those without it,
     sampled ones follow the same distribution.
     gpu_memory_utilization: the fraction of the device's total memory this engine may use (weights, the profiled
     activation peak of a step, graphs and KV cache; as in vLLM, so two engines at 0.4 fit on one device). A KV cache

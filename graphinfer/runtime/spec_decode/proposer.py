@@ -1,4 +1,4 @@
-"""The proposer a speculative_config asks for (vLLM's method names: "ngram", or a draft model)."""
+"""The proposer a speculative_config asks for (vLLM's method names: "ngram", "mtp", or a draft model)."""
 import logging
 
 from graphinfer.config import SpeculativeConfig
@@ -17,6 +17,8 @@ def make_proposer(spec: SpeculativeConfig | None, target):
         logger.info("speculative decoding: steps run synchronously (the drafts need the last step's tokens)")
     if spec.method == "ngram":
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec.method == "mtp":  # the model runner's drafter (it drafts after each step, from the hidden states)
+        proposer = target.worker.model_runner.drafter
     else:  # it builds a Worker of its own
         from graphinfer.runtime.spec_decode.draft_model import DraftModelProposer
 

@@ -54,7 +54,10 @@ class GraphDispatcher:
         sc = config.scheduler_config
         self.config, self.platform, self.mode, self.capture_sizes = config, platform, mode, capture_sizes
         self.full, self.piecewise = mode in FULL_GRAPH_MODES, mode in PIECEWISE_GRAPH_MODES
-        self.lm_head_in_graph = self.full and config.compile_config.capture_lm_head
+        spec = config.speculative_config
+        # an MTP drafter reads every step's hidden states: full graphs then end before the LM head
+        self.lm_head_in_graph = self.full and config.compile_config.capture_lm_head and \
+            (spec is None or spec.method != "mtp")
         self.num_speculative_tokens, self.tp_size = num_speculative_tokens, tp_size
         # full decode graphs: the capture sizes a decode batch can have (at most max_num_seqs rows)
         self.decode_sizes = [s for s in capture_sizes if s <= sc.max_num_seqs] or [min(capture_sizes)]

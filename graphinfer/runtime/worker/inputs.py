@@ -27,6 +27,9 @@ class HostInputs:
     num_pad: int = 0
     # Speculative decoding: drafts per row (row i samples spec_lens[i] + 1 logits rows, in order); None: none has any
     spec_lens: list[int] | None = None
+    # An MTP drafter (spec_decode/mtp_proposer.py): per request, the token after its last scheduled one when that is
+    # a prompt token (mid-prompt chunks), else -1 (the step samples it); None without one
+    next_token_ids: np.ndarray | None = None
 
     def pending_index(self) -> np.ndarray | None:
         """[2, P] int64 (dst; src), or None when the pending ids are simply the first P sampled ones, in order."""

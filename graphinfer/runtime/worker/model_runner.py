@@ -1,7 +1,8 @@
 """Turns a scheduled step into flat model inputs, runs the model, and samples.
 
 Owns the paged KV cache: one tensor [num_layers, planes (2, or MLA's 1), num_blocks, block_size, num_kv_heads, head_dim]
-whose per-layer views are handed to the model's attention modules.
+whose per-layer views are handed to the model's attention modules; with an MTP drafter (spec_decode/mtp_proposer.py)
+also the drafter's cache over the same blocks, which it runs after every step.
 """
 import logging
 
@@ -45,11 +46,14 @@ class ModelRunner:
     Worker (worker/worker.py), after the model is loaded and lowered and before the graphs are captured."""
 
     def __init__(self, compiled: CompiledModel, config: EngineConfig, device: torch.device, platform: Platform,
-                 backend: KernelBackend, dispatcher: GraphDispatcher, max_model_len: int, engine_bytes: int = 0):
+                 backend: KernelBackend, dispatcher: GraphDispatcher, max_model_len: int, engine_bytes: int = 0,
+                 drafter=None):
         """engine_bytes: device memory the engine took before the KV cache (weights, fused copies, buffers), which
         gpu_memory_utilization counts. On a GPU the KV cache's budget is what is left after the activation peaks of
         the forward that will run (compiled.executable), profiled on a full step (max_num_batched_tokens tokens, the
-        LM head on max_num_seqs rows) and on the largest captured one."""
+        LM head on max_num_seqs rows) and on the largest captured one. drafter: an MTP proposer
+        (spec_decode/mtp_proposer.py), whose cache rows share the target's blocks (and budget) and which drafts after
+        every step from its hidden states."""
         cache_config, sc = config.cache_config, config.scheduler_config
         self.model = compiled.model
         self.graph = compiled.executable  # the lowered forward (compiled.graph is the fused one artifacts save)
@@ -58,6 +62,7 @@ class ModelRunner:
         self.device, self.platform, self.max_model_len = device, platform, max_model_len
         self.block_size = cache_config.block_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        self.drafter, self.last_hidden = drafter, None  # the step's hidden states, every row: what the drafter reads
         # MoE models: the step's real token count, read by every MoE layer's expert-load count (worker/expert_load.py)
         # at a fixed address, so captured graphs see each step's value and their padded rows count nothing.
         self.moe_layers = moe_layers(self.model)
@@ -71,6 +76,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size)
         rebind_buffers(self.model, compiled.graph, self.graph, compiled.split.module if compiled.split else None)
         self.kv_pages = platform.populate_in_background(self.kv_cache)  # cpu: a thread commits the cache's pages
+        if drafter is not None:
+            drafter.bind(self)
         self.sampler = Sampler(seed=config.model_config.seed, device=device, kernel=backend.sample_kernel,
                                logprobs_mode=config.model_config.logprobs_mode)
 
@@ -84,7 +91,8 @@ class ModelRunner:
     def _block_bytes(self) -> int:
         a = self.attn_layers[0]
         dtype_size = torch.empty((), dtype=activation_dtype(self.model)).element_size()
-        return a.cache_planes * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * dtype_size
+        target = a.cache_planes * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * dtype_size
+        return target + (self.drafter.bytes_per_block if self.drafter is not None else 0)  # its rows of each block
 
     def _num_kv_blocks(self, cfg: CacheConfig, max_model_len: int, engine_bytes: int) -> int:
         """Blocks for the cache budget; a budget that cannot hold one request of max_model_len tokens is refused
@@ -166,6 +174,9 @@ class ModelRunner:
             self.kv_pages.stop()
             self.kv_pages = None
         self.dispatcher.release()
+        if self.drafter is not None:
+            self.drafter.release()
+        self.drafter = self.last_hidden = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = self.graph = self.model = self.compute_logits = self.sampler = self.num_tokens = None
@@ -185,6 +196,7 @@ class ModelRunner:
         bs = self.block_size
         input_ids, positions, query_start_loc, seq_lens, logits_indices = [], [], [0], [], []
         tables, pending_dst, pending_src, spec_lens = [], [], [], []
+        next_ids = [] if self.drafter is not None else None
         for s in out.scheduled:  # plain lists: per-row numpy calls cost more than they save at batch 256
             seq, n, start = s.seq, s.num_tokens, s.start
             k = len(seq.spec_token_ids)  # drafts: the scheduled tokens' last k, after the sequence's own
@@ -203,6 +215,8 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(start + n)
             tables.append(seq.block_table)
+            if next_ids is not None:
+                next_ids.append(-1 if s.samples else seq.token_ids[start + n])
             if s.samples:
                 end = query_start_loc[-1]
                 if k:
@@ -219,7 +233,8 @@ class ModelRunner:
         slot_mapping = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
         return HostInputs(np.array(input_ids, dtype=np.int64), positions, slot_mapping, block_tables, query_start_loc,
                           np.array(seq_lens, dtype=np.int32), np.array(logits_indices, dtype=np.int64), out.rows,
-                          pending_dst, pending_src, spec_lens=spec_lens if any(spec_lens) else None)
+                          pending_dst, pending_src, spec_lens=spec_lens if any(spec_lens) else None,
+                          next_token_ids=None if next_ids is None else np.array(next_ids, dtype=np.int64))
 
     def prepare_inputs(self, out: SchedulerOutput | None, dp_step=None) -> HostInputs:
         """The step's host inputs; dp_step: the shape the data-parallel replicas agreed on (engine/dp_lockstep.py),
@@ -251,13 +266,18 @@ class ModelRunner:
         mask_logits(logits, rows, spec_lens): called once the forward is launched, before sampling, to mask the
         logits in place (structured outputs); they are the forward's output, outside any captured graph."""
         logits = self.step_logits(h, prev_tokens)
-        if logits is None:
-            return None
-        if mask_logits is not None:
-            mask_logits(logits, h.rows, h.spec_lens)
-        if h.spec_lens is None:
-            return self.sampler(logits, h.rows)
-        return verify(self.sampler, logits, h.rows, h.spec_lens, self.to_device)
+        out = None
+        if logits is not None:
+            if mask_logits is not None:
+                mask_logits(logits, h.rows, h.spec_lens)
+            if h.spec_lens is None:
+                out = self.sampler(logits, h.rows)
+            else:
+                out = verify(self.sampler, logits, h.rows, h.spec_lens, self.to_device)
+        if self.drafter is not None and len(h.input_ids):  # also after mid-prompt chunks: their cache rows
+            self.drafter.propose(h, self.last_hidden, out)
+            self.last_hidden = None
+        return out
 
     @torch.inference_mode()
     def step_logits(self, h: HostInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -280,6 +300,8 @@ class ModelRunner:
             fill_pending(input_ids)
             md = AttentionMetadata(t(h.slot_mapping), t(h.block_tables), t(h.query_start_loc), t(h.seq_lens))
             hidden = self.graph(input_ids, t(h.positions), md)
+        if self.drafter is not None:
+            self.last_hidden = hidden
         rows = len(h.logits_indices)
         if not rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet
             return None

@@ -4,7 +4,8 @@ compile` each build one.
 
 It is built in one fixed order:
   1. load     the weights and the fused graph (compiler/pipeline.py: the checkpoint through the passes, or an
-              artifact's), over a 1-block placeholder KV cache
+              artifact's), over a 1-block placeholder KV cache; with speculative method "mtp" the checkpoint's MTP
+              layer too (its cache rows are part of every block the budget counts)
   2. lower    the graph for the platform (Inductor, skinny GEMM, prepacked linears, bound op impls, torchair): the
               forward that will run, and its LM head; PIECEWISE modes: split at the splitting ops
   3. profile  that forward's activation peaks (GPUs: what gpu_memory_utilization leaves for the KV cache)
@@ -23,6 +24,7 @@ from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import InvalidConfigError
 from graphinfer.models.layers import allocate_kv_cache
 from graphinfer.platforms import KernelBackend, Platform
+from graphinfer.runtime.spec_decode.mtp_proposer import MTPProposer
 from graphinfer.runtime.startup_timer import StartupTimer
 from graphinfer.runtime.worker.graph_dispatcher import GraphDispatcher, resolve_graph_mode
 from graphinfer.runtime.worker.inputs import HostInputs
@@ -68,6 +70,10 @@ class Worker:
         memory_at_start = platform.memory_allocated(device)
         pipeline = CompilePipeline(config, platform, backend, device, capture_sizes, timer.phase)
         self.compiled = c = pipeline.load()  # 1. load
+        drafter = None
+        if spec is not None and spec.method == "mtp":  # the checkpoint's MTP layer: its cache counts in the budget
+            with timer.phase("weights (MTP layer)"):
+                drafter = MTPProposer.load(config, c.model, c.hf_config, device)
         self.max_model_len = max_model_len_of(c.hf_config, mc.max_model_len, config.scheduler_config)
         # a placeholder KV cache: lowering and profiling run over it
         allocate_kv_cache(c.model, 1, config.cache_config.block_size)
@@ -77,7 +83,7 @@ class Worker:
             pipeline.split(c)
         with timer.phase("KV cache"):  # 3. profile, 4. allocate
             self.model_runner = ModelRunner(c, config, device, platform, backend, self.dispatcher, self.max_model_len,
-                                            platform.memory_allocated(device) - memory_at_start)
+                                            platform.memory_allocated(device) - memory_at_start, drafter)
         if device.type != "cpu":  # cpu: Inductor warmed itself, or there is nothing to compile
             with timer.phase("kernels"):  # compiles (or loads from the kernel cache) the prefill path's kernels
                 self.model_runner.warm_up(speculative=self.num_speculative_tokens is not None)
