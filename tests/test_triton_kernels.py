@@ -38,7 +38,9 @@ def test_registry_has_every_op():
     # The unfused MoE pieces stay on the reference ops: fuse_moe replaces them with fused_moe. The expert-load
     # count is one scatter_add, capture-safe as it is.
     unfused_moe = {"moe_dispatch", "moe_grouped_mlp", "moe_combine", "moe_count_experts"}
-    assert set(TRITON_OPS) == set(ref_ops.__all__) - unfused_moe
+    # MLA's expanded form stays on the reference: absorb_mla (default) replaces it with paged_attention.
+    expanded_mla = {"mla_attention"}
+    assert set(TRITON_OPS) == set(ref_ops.__all__) - unfused_moe - expanded_mla
     assert "fused_moe" in TRITON_OPS and "paged_attention" in TRITON_OPS
 
 
@@ -220,6 +222,23 @@ def test_reshape_and_cache_strided_kv():
     ref_ops.reshape_and_cache(*split(qkv), *caches, slots)
     for got, want in zip(dev_caches, caches):
         _close(got, want, torch.float32, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_concat_and_cache_mla(dtype):
+    """MLA's latent rows [kv_c, k_pe] as the model gives them: strided slices of kv_a_proj's output (k_pe rotated
+    into a fresh tensor), DeepSeek-V3's 512 + 64 cut down to odd sizes, padded rows skipped, int32 slots."""
+    g = torch.Generator().manual_seed(8)
+    n_tokens, lora, rope, bs, n_blocks = 7, 40, 12, 4, 4
+    latent = torch.randn(n_tokens, lora + rope, generator=g)
+    kv_c, k_pe = latent[:, :lora], latent[:, lora:].contiguous()
+    slots = torch.randperm(n_blocks * bs, generator=g)[:n_tokens].to(torch.int32)
+    slots[[1, 4]] = -1
+    cache = torch.randn(n_blocks, bs, 1, lora + rope, generator=g).to(dtype)
+    dev_cache = cache.to(DEVICE)
+    assert TRITON_OPS["concat_and_cache_mla"](kv_c.to(DEVICE), k_pe.to(DEVICE), dev_cache, slots.to(DEVICE)) is None
+    ref_ops.concat_and_cache_mla(kv_c, k_pe, cache, slots)
+    _close(dev_cache, cache, dtype, atol=0, rtol=0)
 
 
 # ---- paged attention ---------------------------------------------------------------------------------------------

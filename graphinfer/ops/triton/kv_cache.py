@@ -63,3 +63,44 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
         ks[0], ks[1], vs[0], vs[1], kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2],
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
     return None
+
+
+@triton.jit
+def _concat_and_cache_mla_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, lora_rank, rope_dim, block_size,
+                                 stride_ct, stride_pt, stride_cb, stride_cs,
+                                 BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    keep = slot >= 0
+    slot = tl.maximum(slot, 0)
+    row = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+    c = tl.arange(0, BLOCK_L)
+    c_mask = keep & (c < lora_rank)
+    x = tl.load(kv_c_ptr + token * stride_ct + c, mask=c_mask)
+    tl.store(row + c, x.to(cache_ptr.dtype.element_ty), mask=c_mask)
+    r = tl.arange(0, BLOCK_R)
+    r_mask = keep & (r < rope_dim)
+    y = tl.load(k_pe_ptr + token * stride_pt + r, mask=r_mask)
+    tl.store(row + lora_rank + r, y.to(cache_ptr.dtype.element_ty), mask=r_mask)
+
+
+_CONCAT_AND_CACHE_MLA = Launcher(_concat_and_cache_mla_kernel)
+
+
+def concat_and_cache_mla(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write [kv_c (T, L), k_pe (T, R)] rows into the latent cache [num_blocks, block_size, 1, L + R] at slot_mapping;
+    skip slot -1 (MLA's one-plane cache: one program per token, as reshape_and_cache)."""
+    n_tokens, lora_rank = kv_c.shape
+    if n_tokens == 0:
+        return None
+    if kv_c.stride(-1) != 1:
+        kv_c = kv_c.contiguous()
+    if k_pe.stride(-1) != 1:
+        k_pe = k_pe.contiguous()
+    rope_dim, cs = k_pe.shape[-1], kv_cache.stride()
+    assert cs[-1] == 1 and kv_cache.shape[-1] == lora_rank + rope_dim, "cache rows must be [kv_c, k_pe], contiguous"
+    _CONCAT_AND_CACHE_MLA.launch(
+        (n_tokens,), kv_c, k_pe, kv_cache, slot_mapping, lora_rank, rope_dim, kv_cache.shape[1],
+        kv_c.stride(0), k_pe.stride(0), cs[0], cs[1], BLOCK_L=next_power_of_2(lora_rank),
+        BLOCK_R=next_power_of_2(rope_dim), num_warps=4)
+    return None
