@@ -94,3 +94,16 @@ def test_capturing_graph_modes_give_hf_greedy_tokens_on_the_gpu(deepseek_checkpo
     path = deepseek_checkpoint("deepseek_v3")
     llm = LLM(path, graph_mode=mode, capture_sizes=[1, 2, 4, 8, 32], **KW)
     _check_greedy(llm, path, hf_greedy(path, ZOO_PROMPTS, NEW))
+
+
+def test_online_quantization_keeps_kv_b_proj_for_absorb_mla(deepseek_checkpoint):
+    """int8_wo quantizes the projections but kv_b_proj, whose weight mla_attention reads and absorb_mla splits (an
+    int8 weight there would lose its scales); the absorbed graph still matches every layer."""
+    from graphinfer.quantization.linear import QuantizedLinear
+
+    llm = LLM(deepseek_checkpoint("deepseek_v3"), quantization="int8_wo", **KW)
+    attn = llm.llm_engine.worker.model.model.layers[0].self_attn
+    assert isinstance(attn.q_b_proj, QuantizedLinear) and not isinstance(attn.kv_b_proj, QuantizedLinear)
+    assert {r.name: r.matches for r in llm.llm_engine.pass_reports}["absorb_mla"] == 3
+    out = llm.generate(ZOO_PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)

@@ -56,6 +56,7 @@ class DeepseekV2Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim),
                                               bias=False)
+        self.kv_b_proj.quantizable = False  # mla_attention reads its weight (absorb_mla splits it): model dtype
         self.o_proj = RowParallelLinear(heads * self.v_head_dim, config.hidden_size, bias=bias)
         interleaved = getattr(config, "rope_interleave", True)  # V2's complex-number rotary is interleaved too
         self.rotary_emb = RotaryEmbedding(config, self.qk_rope_head_dim, config.max_position_embeddings,

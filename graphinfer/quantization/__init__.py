@@ -10,7 +10,7 @@ a compressed-tensors checkpoint (config.json's quantization_config) is read as q
 """
 from torch import nn
 
-from graphinfer.errors import InvalidConfigError
+from graphinfer.errors import InvalidConfigError, UnsupportedQuantizationError
 from graphinfer.quantization.linear import QuantizedEmbedding, QuantizedLinear, tie_quantized_head
 from graphinfer.quantization.scheme import ONLINE_SCHEMES, QuantScheme
 
@@ -31,10 +31,12 @@ def check_method(method: str | None, device_type: str) -> None:
 
 
 def quantizable_linears(model: nn.Module):
-    """(name, module) of the linear layers a scheme quantizes: the column / row-parallel projections."""
+    """(name, module) of the linear layers a scheme quantizes: the column / row-parallel projections, but those a
+    model marks `quantizable = False` (an op reads their weight itself: MLA's kv_b_proj)."""
     from graphinfer.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and getattr(m, "quantizable", True)]
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -66,6 +68,11 @@ def install_quantized_linears(model: nn.Module, schemes: dict[str, QuantScheme],
             old = None
         if old is None or isinstance(old, (QuantizedLinear, QuantizedEmbedding)):
             continue
+        if not getattr(old, "quantizable", True):
+            raise UnsupportedQuantizationError(
+                f"{name} is quantized in this checkpoint, but an op reads its weight itself (e.g. MLA's kv_b_proj, "
+                f"split by absorb_mla): graphinfer keeps it in the model dtype. Use a checkpoint that leaves it "
+                f"unquantized.")
         if isinstance(old, nn.Embedding):
             new = QuantizedEmbedding(old.num_embeddings, old.embedding_dim, scheme, device, dtype or old.weight.dtype)
         else:
