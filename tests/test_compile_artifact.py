@@ -172,6 +172,9 @@ def test_other_weights_or_dtype_are_refused(qwen2_artifact, tiny_checkpoint, tmp
         LLM(tiny_checkpoint("qwen3")[0], artifact=art)
     with pytest.raises(ArtifactMismatchError, match="dtype: artifact has 'float32', here 'bfloat16'"):
         LLM(artifact=art, dtype="bfloat16")
+    with pytest.raises(ArtifactMismatchError, match=r"compiled with quantization=None, but quantization='int8_wo' was "
+                                                    r"asked.*Leave quantization unset"):
+        LLM(artifact=art, quantization="int8_wo")  # an unquantized artifact: -q used to be ignored
 
 
 def test_damaged_or_missing_manifest(qwen2_artifact, tmp_path):

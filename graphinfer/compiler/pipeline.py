@@ -118,6 +118,12 @@ class CompilePipeline:
         if manifest["graph_mode"] != self.config.compile_config.graph_mode:
             raise ArtifactMismatchError(f"Artifact {art!r} was compiled for graph_mode={manifest['graph_mode']!r}; "
                                         f"run it with that mode or recompile.")
+        compiled_q = (manifest.get("quantization") or {}).get("method")
+        if mc.quantization is not None and mc.quantization != compiled_q:  # its weights were fixed at compile time
+            raise ArtifactMismatchError(
+                f"Artifact {art!r} was compiled with quantization={compiled_q!r}, but quantization="
+                f"{mc.quantization!r} was asked. Leave quantization unset (-q) to serve it as compiled, or recompile: "
+                f"graphinfer compile {manifest['model']['path']} -o {art} -q {mc.quantization}")
         hf_config = artifact.load_config(art)
         return artifact.load_model(art, manifest, hf_config, self.device), hf_config
 
