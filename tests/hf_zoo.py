@@ -807,6 +807,18 @@ def greedy_matches_hf(path: str, prompt: list[int], expected: list[int], got: li
 
 @torch.no_grad()
 @one_thread()
+def assert_engine_matches_hf(llm, path: str, expected: list[list[int]], runs=("cold", "prefix hits")) -> None:
+    """graphinfer's greedy tokens on ZOO_PROMPTS (len(expected[0]) each, EOS ignored) are HF's `expected`, tie-aware,
+    on every run (the second finds the prompts' full blocks in the prefix cache)."""
+    from graphinfer import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=len(expected[0]), ignore_eos=True)
+    for run in runs:
+        outs = llm.generate(ZOO_PROMPTS, params, use_tqdm=False)
+        checks = [greedy_matches_hf(path, p, e, o.outputs[0].token_ids) for p, e, o in zip(ZOO_PROMPTS, expected, outs)]
+        assert all(ok for ok, _ in checks), (run, [why for _, why in checks])
+
+
 def deepseek_routing_margins(path: str, token_ids: list[int]) -> dict[str, float]:
     """How decisively HF routes `token_ids` (one cache-free forward) through the checkpoint at `path`: the smallest,
     over every token and MoE layer, of the gap between the last group kept and the first dropped ("group"; inf where

@@ -4,17 +4,10 @@ DEEPSEEK, with q LoRA or not, YaRN, grouped routing with a perturbed correction 
 import pytest
 
 from graphinfer import LLM, SamplingParams
-from hf_zoo import DEEPSEEK, ZOO_PROMPTS, greedy_matches_hf, hf_greedy
+from hf_zoo import DEEPSEEK, ZOO_PROMPTS, assert_engine_matches_hf, hf_greedy
 
 NEW = 8
 KW = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=32, block_size=8)
-
-
-def _check_greedy(llm, path, expected, runs=("cold", "prefix hits")):
-    for run in runs:
-        outs = llm.generate(ZOO_PROMPTS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
-        checks = [greedy_matches_hf(path, p, e, o.outputs[0].token_ids) for p, e, o in zip(ZOO_PROMPTS, expected, outs)]
-        assert all(ok for ok, _ in checks), (run, [why for _, why in checks])
 
 
 @pytest.mark.parametrize("name", list(DEEPSEEK))
@@ -25,7 +18,7 @@ def test_gives_hf_greedy_tokens_through_chunks_and_prefix_hits(deepseek_checkpoi
     llm = LLM(path, **KW)
     engine = llm.llm_engine
     assert type(engine.worker.model).__name__ == DEEPSEEK[name].model_cls
-    _check_greedy(llm, path, hf_greedy(path, ZOO_PROMPTS, NEW))
+    assert_engine_matches_hf(llm, path, hf_greedy(path, ZOO_PROMPTS, NEW))
     config, runner = engine.hf_config, engine.worker.model_runner
     assert {r.name: r.matches for r in engine.pass_reports}["absorb_mla"] == config.num_hidden_layers
     row = config.kv_lora_rank + config.qk_rope_head_dim
@@ -58,7 +51,7 @@ def test_parallel_layouts_give_hf_greedy_tokens(deepseek_checkpoint, layout):
     path = deepseek_checkpoint("deepseek_v3")
     expected = hf_greedy(path, ZOO_PROMPTS, NEW)
     with LLM(path, **kwargs, **KW) as llm:
-        _check_greedy(llm, path, expected)
+        assert_engine_matches_hf(llm, path, expected)
         engine = llm.llm_engine
         config, model = engine.hf_config, engine.worker.model
         assert model.model.layers[0].self_attn.num_heads == config.num_attention_heads // heads_div
@@ -93,7 +86,7 @@ def test_capturing_graph_modes_give_hf_greedy_tokens_on_the_gpu(deepseek_checkpo
     experts, fp32, against HF's tokens on the CPU (tie-aware)."""
     path = deepseek_checkpoint("deepseek_v3")
     llm = LLM(path, graph_mode=mode, capture_sizes=[1, 2, 4, 8, 32], **KW)
-    _check_greedy(llm, path, hf_greedy(path, ZOO_PROMPTS, NEW))
+    assert_engine_matches_hf(llm, path, hf_greedy(path, ZOO_PROMPTS, NEW))
 
 
 def test_online_quantization_keeps_kv_b_proj_for_absorb_mla(deepseek_checkpoint):

@@ -57,7 +57,7 @@ def test_graphinfer_impl_refuses_an_architecture_it_lacks(tmp_path):
 
 # ----- the zoo (tests/hf_zoo.py): sixteen other architectures, HF's own tokens as the oracle -----
 
-from hf_zoo import UNSUPPORTED, ZOO, ZOO_PROMPTS, greedy_matches_hf, hf_greedy  # noqa: E402
+from hf_zoo import UNSUPPORTED, ZOO, ZOO_PROMPTS, assert_engine_matches_hf, hf_greedy  # noqa: E402
 
 # transformers' code that TorchDynamo cannot capture as one graph valid for every batch: refused, with the reason
 NOT_CAPTURABLE = {"phi3": "TorchDynamo cannot capture"}  # longrope switches factors on the sequence length
@@ -81,10 +81,7 @@ def test_zoo_gives_hf_greedy_tokens_through_chunks_and_prefix_hits(hf_zoo_checkp
     assert matches["canon_rotary"] == ROPE_LAYERS.get(name, llm.llm_engine.hf_config.num_hidden_layers)
     if name in ("gemma2", "gemma3"):  # GeGLU: the captured F.gelu(approximate="tanh") -> gelu_and_mul, every layer
         assert matches["fuse_gate_up"] == llm.llm_engine.hf_config.num_hidden_layers
-    for run in ("cold", "prefix hits"):
-        got = _greedy(llm, ZOO_PROMPTS)
-        checks = [greedy_matches_hf(path, p, e, g) for p, e, g in zip(ZOO_PROMPTS, expected, got)]
-        assert all(ok for ok, _ in checks), (run, [why for _, why in checks])
+    assert_engine_matches_hf(llm, path, expected)
     assert llm.llm_engine.stats()["kv_usage"] == 0
 
 
@@ -138,13 +135,6 @@ def test_compile_then_serve_the_artifact_to_the_openai_client(hf_zoo_checkpoint,
 
 # ----- tensor parallel: transformers' base_model_tp_plan on graphinfer's parallel layers (gloo, a worker process) -----
 
-def _zoo_greedy_matches(llm, path, expected, runs=("cold", "prefix hits")):
-    for run in runs:
-        got = _greedy(llm, ZOO_PROMPTS)
-        checks = [greedy_matches_hf(path, p, e, g) for p, e, g in zip(ZOO_PROMPTS, expected, got)]
-        assert all(ok for ok, _ in checks), (run, [why for _, why in checks])
-
-
 @pytest.mark.parametrize("name", ["gemma3", "phi3_rope"])
 def test_tp2_gives_hf_greedy_tokens(hf_zoo_checkpoint, name):
     """tp 2 by the config's plan, chunked prefill beside decodes, then prefix-cache hits. Gemma 3 ("colwise" /
@@ -158,7 +148,7 @@ def test_tp2_gives_hf_greedy_tokens(hf_zoo_checkpoint, name):
     expected = hf_greedy(path, ZOO_PROMPTS, NEW)
     with LLM(path, dtype="float32", tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=32,
              block_size=8) as llm:
-        _zoo_greedy_matches(llm, path, expected)
+        assert_engine_matches_hf(llm, path, expected)
         worker, config = llm.llm_engine.worker, llm.llm_engine.hf_config
         layer, heads, kv = worker.model.model.layers[0], config.num_attention_heads, config.num_key_value_heads
         attn, layers = layer.self_attn.graphinfer_attn, config.num_hidden_layers
@@ -190,7 +180,7 @@ def test_tp2_artifact_of_mistral_gives_hf_greedy_tokens(hf_zoo_checkpoint, tmp_p
     assert main(["compile", path, "-o", art, "--dtype", "float32", "-tp", "2", "--model-impl", "transformers"]) == 0
     expected = hf_greedy(path, ZOO_PROMPTS, NEW)
     with LLM(artifact=art, device="cpu", max_model_len=256, max_num_batched_tokens=32, block_size=8) as llm:
-        _zoo_greedy_matches(llm, path, expected)
+        assert_engine_matches_hf(llm, path, expected)
         model, config = llm.llm_engine.worker.model, llm.llm_engine.hf_config
         assert isinstance(model.model.embed_tokens, VocabParallelEmbedding) and isinstance(model.lm_head,
                                                                                             ParallelLMHead)
@@ -226,7 +216,7 @@ def test_in_place_calls_survive_passes_and_an_artifact(hf_zoo_checkpoint, tmp_pa
     assert sorted(set(calls)) == ["__setitem__", "add_", "clamp_", "masked_fill_"] and calls.count("add_") == 4  # 2 layers x (gate_up, down) biases
     expected = hf_greedy(path, ZOO_PROMPTS, NEW)
     with LLM(artifact=art, device="cpu", max_model_len=256, max_num_batched_tokens=32, block_size=8) as llm:
-        _zoo_greedy_matches(llm, path, expected, runs=("cold",))  # graph.py traced again, its mutations kept
+        assert_engine_matches_hf(llm, path, expected, runs=("cold",))  # graph.py traced again, its mutations kept
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
@@ -247,5 +237,5 @@ def test_capturing_graph_modes_give_hf_greedy_tokens(hf_zoo_checkpoint, monkeypa
     for graphs, method in ((dispatcher.decode_graphs, "replay"), (dispatcher.piecewise_graphs, "run")):
         original = getattr(graphs, method)
         monkeypatch.setattr(graphs, method, lambda *a, _o=original, _m=method, **k: replays.append(_m) or _o(*a, **k))
-    _zoo_greedy_matches(llm, path, expected, runs=("cold",))
+    assert_engine_matches_hf(llm, path, expected, runs=("cold",))
     assert {"replay", "run"} <= set(replays)
