@@ -18,12 +18,15 @@ import time
 import torch
 from torch import fx
 
+from graphinfer.compiler.split import DEFAULT_SPLITTING_OPS
+
 logger = logging.getLogger(__name__)
 
 # Ops inlined for Inductor: pointwise, functional, with a reference Inductor fuses well.
 INLINED_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul", "gelu_and_mul")
 # Ops that run eagerly between the compiled pieces: attention and the ops that write the KV cache.
-SPLITTING_OPS = ("graphinfer::paged_attention", "graphinfer::reshape_and_cache", "graphinfer::qk_norm_rope_cache")
+SPLITTING_OPS = DEFAULT_SPLITTING_OPS + ("graphinfer::reshape_and_cache", "graphinfer::qk_norm_rope_cache",
+                                         "graphinfer::concat_and_cache_mla")
 
 
 def use_inductor_cache(directory: str) -> None:

@@ -14,7 +14,7 @@ Two forms compute the same attention (query heads H, q = [q_nope (N), q_pe (R)] 
 import torch
 from torch import Tensor
 
-from graphinfer.ops.attention import _attend, _gather, _visible
+from graphinfer.ops.attention import _attend, _gather, _visible, paged_attention
 from graphinfer.ops.library import graphinfer_op, register_fake
 
 
@@ -65,3 +65,20 @@ def mla_attention(query: Tensor, kv_cache: Tensor, kv_b_weight: Tensor, block_ta
 @register_fake(mla_attention)
 def _(query, kv_cache, kv_b_weight, block_tables, query_start_loc, seq_lens, scale, qk_nope_head_dim, v_head_dim):
     return query.new_empty(query.shape[0], query.shape[1], v_head_dim)
+
+
+@graphinfer_op()
+def mla_latent_attention(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tables: Tensor,
+                         query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+    """The absorbed form's attention: causal multi-query attention of H query heads over the latent rows
+    [c (L), k_pe (R)] of the paged cache [num_blocks, block_size, 1, L + R], with score q_latent . c + q_pe . k_pe
+    (q_latent [T, H, L], q_pe [T, H, R]) and value c, the rows' first L columns -> [T, H, L]. vLLM's FlashMLA /
+    Triton MLA decode computes the same. Reference: paged_attention with the cache as key and value, sliced."""
+    L = q_latent.shape[-1]
+    query = torch.cat((q_latent, q_pe.to(q_latent.dtype)), dim=-1)
+    return paged_attention(query, kv_cache, kv_cache, block_tables, query_start_loc, seq_lens, scale)[..., :L]
+
+
+@register_fake(mla_latent_attention)
+def _(q_latent, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale):
+    return torch.empty_like(q_latent)

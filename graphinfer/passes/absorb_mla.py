@@ -4,12 +4,12 @@ Matches: graphinfer::mla_attention(q, latent_cache, kv_b_weight, ...) whose kv_b
 (kv_b_proj's weight [H * (N + V), L], this rank's heads).
 Produces: W_UK [H, N, L] and W_UV [H, L, V], split from kv_b_proj's weight once here and held by the graph; then
     q_latent = q_nope x W_UK                                    (per head: the query in the latent space)
-    o = paged_attention([q_latent, q_pe], latent_cache, latent_cache)      (multi-query over the cached rows, L + R)
-    out = o[..., :L] x W_UV                                     (per head: the value)
+    o = mla_latent_attention(q_latent, q_pe, latent_cache)  (multi-query over the cached rows [c, k_pe]; value c)
+    out = o x W_UV                                              (per head: the value)
 which is the same attention: q_nope . (W_UK c) = (q_nope W_UK) . c for every cached latent c, and the value
 W_UV c summed with the same weights is W_UV applied to the weighted sum of c. Attention then reads L + R numbers per
 cached token instead of expanding every cached latent to H heads through kv_b_proj each step, and runs on the
-paged-attention kernels every platform has (vLLM's MLA decode path). All steps take this form for now; vLLM keeps the
+latent attention kernels (graphinfer/ops/mla.py; vLLM's MLA decode path). All steps take this form for now; vLLM keeps the
 expanded one for long prefills, where it does fewer FLOPs.
 Declines: a kv_b weight that is not a parameter read (say, a quantized kv_b_proj).
 """
@@ -51,10 +51,8 @@ class AbsorbMLAPass(Pass):
                 q_pe = g.call_function(operator.getitem, (q, (Ellipsis, slice(N, None))))
                 q_latent = g.call_method("transpose", (g.call_function(
                     torch.bmm, (g.call_method("transpose", (q_nope, 0, 1)), w_uk)), 0, 1))
-                query = g.call_function(torch.cat, ((q_latent, q_pe), -1))
-                o = g.call_function(GRAPHINFER.paged_attention.default, (query, cache, cache, tables, starts, lens,
-                                                                         scale))
-                o_latent = g.call_function(operator.getitem, (o, (Ellipsis, slice(None, L))))
+                o_latent = g.call_function(GRAPHINFER.mla_latent_attention.default,
+                                           (q_latent, q_pe, cache, tables, starts, lens, scale))
                 out = g.call_method("transpose", (g.call_function(
                     torch.bmm, (g.call_method("transpose", (o_latent, 0, 1)), w_uv)), 0, 1))
             node.replace_all_uses_with(out)
