@@ -36,6 +36,10 @@ _VARS = [
            "1: on the cpu platform, glibc malloc keeps freed memory in the process (no mmap for large blocks, no "
            "trim), so a prefill's large activations are not page-faulted in again every layer; the process keeps its "
            "peak memory. 0: glibc's defaults (as with an allocator such as tcmalloc preloaded instead)."),
+    EnvVar("GRAPHINFER_MLA_EXPAND_MIN_QUERY_LEN", None,
+           "MLA (DeepSeek): the query rows per request from which a step runs attention in the expanded form rather "
+           "than the absorbed one (passes/absorb_mla.py; unset: where the expanded form does fewer multiply-adds, 187 "
+           "for DeepSeek-V3's shapes). Read when a model is compiled; an artifact keeps the value it was compiled with."),
     EnvVar("GRAPHINFER_ENGINE_READY_TIMEOUT_S", "1800",
            "Seconds an engine-core process (`graphinfer serve`, data-parallel replicas) may take to build its engine "
            "(load, compile, capture) before the front end gives up with an error naming this variable (vLLM: "

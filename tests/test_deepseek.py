@@ -26,6 +26,55 @@ def test_gives_hf_greedy_tokens_through_chunks_and_prefix_hits(deepseek_checkpoi
     assert engine.stats()["kv_usage"] == 0
 
 
+def test_mla_attention_auto_gives_the_expanded_op_in_both_forms():
+    """The per-step op absorb_mla writes, on a mixed batch (a chunk over a cached prefix, a whole prompt, decodes, a
+    padded row) in fp32: with the expanded form allowed (threshold 1) and not (threshold and workspace bounds), both
+    equal the model's expanded op, which reads kv_b_proj's weight directly."""
+    import torch
+
+    from graphinfer import ops
+
+    torch.manual_seed(0)
+    H, N, R, V, L, bs = 3, 16, 8, 12, 32, 4
+    lens, q_lens = [9, 5, 13, 1, 0], [4, 5, 1, 1, 1]  # chunk over 5 cached, prompt, decode, decode, padding
+    tables = torch.arange(5 * 4, dtype=torch.int32).view(5, 4)
+    cache = torch.randn(20, bs, 1, L + R)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), H, N + R)
+    kv_b = torch.randn(H * (N + V), L) / L ** 0.5
+    args = (tables, qsl, torch.tensor(lens, dtype=torch.int32), 0.3)
+    expected = ops.mla_attention(q, cache, kv_b, *args, N, V)
+    w = kv_b.view(H, N + V, L)
+    w_uk, w_uv = w[:, :N].contiguous(), w[:, N:].transpose(1, 2).contiguous()
+    for min_query_len, max_tokens in ((1, 1 << 20), (1, 4), (100, 1 << 20)):  # expanded, then absorbed twice
+        got = ops.mla_attention_auto(q[..., :N], q[..., N:], cache, w_uk, w_uv, *args, min_query_len, max_tokens)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_expanded_form_for_prefill_chunks_gives_hf_greedy_tokens(deepseek_checkpoint, monkeypatch):
+    """GRAPHINFER_MLA_EXPAND_MIN_QUERY_LEN=4: the prompt chunks (32-token steps over cached prefixes) run expanded,
+    the decodes absorbed, in the same engine; HF's greedy tokens either way."""
+    import graphinfer.ops.mla as mla
+
+    forms = {"expanded": 0, "absorbed": 0}
+
+    def counted(form, fn):
+        def call(*args):
+            forms[form] += form == "absorbed" or args[1] is not args[2]  # the latent attention's K and V are one cache
+            return fn(*args)
+        return call
+
+    monkeypatch.setenv("GRAPHINFER_MLA_EXPAND_MIN_QUERY_LEN", "4")
+    monkeypatch.setattr(mla, "paged_attention", counted("expanded", mla.paged_attention))
+    monkeypatch.setattr(mla, "mla_latent_attention", counted("absorbed", mla.mla_latent_attention))
+    path = deepseek_checkpoint("deepseek_v3")
+    llm = LLM(path, **KW)
+    nodes = [n for n in llm.llm_engine.worker.compiled.graph.graph.nodes if "mla_attention_auto" in str(n.target)]
+    assert len(nodes) == 3 and all(n.args[9] == 4 for n in nodes)
+    assert_engine_matches_hf(llm, path, hf_greedy(path, ZOO_PROMPTS, NEW))
+    assert forms["expanded"] > 0 and forms["absorbed"] > 0, forms
+
+
 def test_absorbed_form_equals_the_expanded_one(deepseek_checkpoint):
     """absorb_mla's numeric check (the graph before it, on a prefill + a mixed decode step) in fp32."""
     from graphinfer.compiler.pass_tools import verify

@@ -22,8 +22,9 @@ from torch import fx, nn
 from graphinfer.compiler.trace import node_target_name
 from graphinfer.errors import InvalidConfigError
 
-# attention: paged, and MLA's two forms (the model's expanded op, the absorbed form's latent attention)
-DEFAULT_SPLITTING_OPS = ("graphinfer::paged_attention", "graphinfer::mla_attention", "graphinfer::mla_latent_attention")
+# attention: paged, and MLA's (the model's expanded op, the per-step form absorb_mla writes, the latent attention)
+DEFAULT_SPLITTING_OPS = ("graphinfer::paged_attention", "graphinfer::mla_attention", "graphinfer::mla_attention_auto",
+                         "graphinfer::mla_latent_attention")
 
 # Metadata fields a piece may read: indexed by token, so padding the token count pads them too.
 TOKEN_INDEXED_FIELDS = ("slot_mapping",)

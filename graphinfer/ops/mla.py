@@ -82,3 +82,42 @@ def mla_latent_attention(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block
 @register_fake(mla_latent_attention)
 def _(q_latent, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale):
     return torch.empty_like(q_latent)
+
+
+@graphinfer_op()
+def mla_attention_auto(q_nope: Tensor, q_pe: Tensor, kv_cache: Tensor, w_uk: Tensor, w_uv: Tensor,
+                       block_tables: Tensor, query_start_loc: Tensor, seq_lens: Tensor, scale: float,
+                       expand_min_query_len: int, expand_max_tokens: int) -> Tensor:
+    """MLA from the split weights W_UK [H, N, L] and W_UV [H, L, V] (what absorb_mla writes), in the form that does
+    fewer FLOPs for the step, chosen from shapes alone (no host read: capture-safe, and a captured decode graph holds
+    the absorbed form only). q_nope [T, H, N], q_pe [T, H, R] -> [T, H, V].
+
+      - absorbed (decode, short chunks): q_nope x W_UK, mla_latent_attention over the latent rows, x W_UV;
+      - expanded (T >= expand_min_query_len per request, i.e. long prefill chunks, and the context of the batch's
+        block tables <= expand_max_tokens rows): every latent row the block tables reach goes through W_UK / W_UV once
+        into a temporary per-head K [N + R] / V cache (V zero-padded to K's width: vLLM pads V for flash attention
+        the same way), then plain paged_attention. The workspace is bounded by expand_max_tokens, not the prompt."""
+    T, B = q_nope.shape[0], seq_lens.shape[0]
+    W = block_tables.shape[1]
+    bs = kv_cache.shape[1]
+    if T < expand_min_query_len * B or B * W * bs > expand_max_tokens:
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        o = mla_latent_attention(q_latent, q_pe, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+        return torch.bmm(o.transpose(0, 1), w_uv).transpose(0, 1)
+    H, N, L = w_uk.shape
+    R, V = q_pe.shape[-1], w_uv.shape[-1]
+    rows = kv_cache.view(-1, bs, L + R)[block_tables.long().clamp_min(0).flatten()].to(q_nope.dtype)  # [B*W, bs, L+R]
+    c, k_pe = rows[..., :L], rows[..., L:]
+    k = torch.cat((torch.einsum("xsl,hnl->xshn", c, w_uk), k_pe.unsqueeze(2).expand(-1, -1, H, -1)), dim=-1)
+    v = torch.einsum("xsl,hlv->xshv", c, w_uv)
+    D = max(N + R, V)
+    k, v = (torch.nn.functional.pad(t, (0, D - t.shape[-1])) for t in (k, v))
+    query = torch.nn.functional.pad(torch.cat((q_nope, q_pe.to(q_nope.dtype)), dim=-1), (0, D - N - R))
+    tables = torch.arange(B * W, dtype=block_tables.dtype, device=block_tables.device).view(B, W)
+    return paged_attention(query, k, v, tables, query_start_loc, seq_lens, scale)[..., :V]
+
+
+@register_fake(mla_attention_auto)
+def _(q_nope, q_pe, kv_cache, w_uk, w_uv, block_tables, query_start_loc, seq_lens, scale, expand_min_query_len,
+      expand_max_tokens):
+    return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[-1])
