@@ -483,6 +483,30 @@ def make_torch_npu(soc_version: int = 223):
         key_cache.view(-1, *key.shape[1:]).index_copy_(0, slots, key)
         value_cache.view(-1, *value.shape[1:]).index_copy_(0, slots, value)
 
+    # [REF] section 4 / [OP] torch_npu-npu_scatter_nd_update_: in place, self[indices[i]] = updates[i]; here the form
+    # the MLA cache write uses: self [N, D], indices int32/int64 [T, 1] (rows of self), updates [T, D] of self's dtype.
+    # Indices must be in range (no documented skip of -1); duplicates with different data refused (order undefined).
+    @traced("npu_scatter_nd_update_")
+    def _(self_, indices, updates):
+        if self_.dim() != 2 or indices.dim() != 2 or indices.shape[1] != 1 or updates.shape != (indices.shape[0],
+                                                                                               self_.shape[1]):
+            raise NotImplementedError("emulation covers self [N, D], indices [T, 1], updates [T, D] only")
+        if indices.dtype not in (torch.int32, torch.int64) or updates.dtype != self_.dtype:
+            raise ValueError("npu_scatter_nd_update_: int32/int64 indices, updates of self's dtype")
+        if not (self_.is_contiguous() and indices.is_contiguous() and updates.is_contiguous()):
+            raise ValueError("npu_scatter_nd_update_: contiguous tensors")
+        rows = indices[:, 0].long()
+        if st.capturing is None:  # value checks read the data: only outside capture
+            if bool(((rows < 0) | (rows >= self_.shape[0])).any()):
+                raise ValueError(f"indices must be in [0, {self_.shape[0] - 1}] (no documented skip of -1)")
+            order = torch.argsort(rows, stable=True)
+            r, u = rows[order], updates[order]
+            same = r[1:] == r[:-1]
+            if bool(same.any()) and not torch.equal(u[1:][same], u[:-1][same]):
+                raise ValueError("duplicate indices with different data: result undefined")
+        self_.index_copy_(0, rows, updates)
+        return self_
+
     # [OP] torch_npu-npu_moe_gating_top_k_softmax: softmaxOut = softmax(x, -1); y, expert_idx = topK(softmaxOut, k);
     # row_idx = arange(N*k).reshape(k, N).T; y in x's dtype, expert_idx/row_idx int32; 0 < k <= min(E, 1024).
     @traced("npu_moe_gating_top_k_softmax")

@@ -4,9 +4,11 @@ import torch
 
 import graphinfer.ops as ref_ops
 from graphinfer.ops.cpu import attention as cpu_attention, ext
-from graphinfer.ops.cpu.attention import _decode_groups, paged_attention_cpu, reshape_and_cache_cpu
+from graphinfer.ops.cpu.attention import (_decode_groups, mla_latent_attention_cpu, paged_attention_cpu,
+                                         reshape_and_cache_cpu)
 from attention_cases import FEATURES, dense_paged_attention, feature_cases, poison_outside_windows
 from conftest import need_cpu_kernels
+from test_mla_kernels import dense_oracle, make_batch
 from test_triton_kernels import DECODE_LENS, MIXED_L, MIXED_Q, TOL, _paged_batch
 
 # decodes of widely different lengths (several decode groups, one padded row), a fresh prefill, chunks over a
@@ -178,3 +180,19 @@ def test_window_skips_blocks(decode_impl):
     assert args[1].isnan().any()
     torch.testing.assert_close(paged_attention_cpu(*args, 0.125, sliding_window=5).double(), expected,
                                **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lens,seq_lens,pad", [([1] * 5, [1, 16, 0, 33, 70], 0),
+                                                 ([1, 7, 1, 3, 2], [9, 40, 0, 20, 0], 2)],
+                         ids=["decode", "mixed"])
+def test_mla_latent_attention(q_lens, seq_lens, pad, dtype):
+    """MLA's latent attention on the cpu platform (the paged attention above with the concatenated query, the latent
+    cache as key and value): equal to the reference op and a dense oracle; padded rows 0. Strided q_latent / q_pe."""
+    args = make_batch(q_lens, seq_lens, pad=pad, heads=8, latent=64, rope=32, dtype=dtype)
+    out = mla_latent_attention_cpu(*args)
+    assert out.dtype == dtype and out.shape == args[0].shape
+    ref = ref_ops.mla_latent_attention.reference(*args)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    torch.testing.assert_close(out.double(), dense_oracle(*args), **TOL[dtype])
+    assert not out[args[4][2]].any() and not out[sum(q_lens):].any()  # request 2 has seq_len 0

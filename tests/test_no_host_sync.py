@@ -212,6 +212,25 @@ def test_triton_attention_under_the_guard():
     assert mixed.shape == q.shape and decode.shape == (2, 4, 16)
 
 
+
+def test_triton_mla_attention_under_the_guard():
+    """The Triton mla_latent_attention (a mixed batch: rows find their requests on the device; a pure decode batch,
+    split and not) reads nothing on the host."""
+    from graphinfer.ops.triton.mla_attention import mla_latent_attention_impl
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(3, 16, 1, 48, generator=g).to(device)
+    q_latent, q_pe = torch.randn(3, 16, 32, generator=g).to(device), torch.randn(3, 16, 16, generator=g).to(device)
+    tables = torch.tensor([[0, 2], [1, 0]], dtype=torch.int32, device=device)
+    qsl, lens = (torch.tensor(v, dtype=torch.int32, device=device) for v in ([0, 2, 3], [20, 4]))
+    with no_host_sync():
+        mixed = mla_latent_attention_impl(q_latent, q_pe, cache, tables, qsl, lens, 0.2)
+        for splits in (1, 2):
+            decode = mla_latent_attention_impl(q_latent[:2], q_pe[:2], cache, tables, qsl[:3] * 0 + torch.arange(
+                3, dtype=torch.int32, device=device), lens, 0.2, num_splits=splits)
+    assert mixed.shape == q_latent.shape and decode.shape == (2, 16, 32)
+
 # ---- whole models ---------------------------------------------------------------------------------------------------
 
 SCRIPT = """

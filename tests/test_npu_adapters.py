@@ -145,6 +145,69 @@ def test_paged_attention_features_run_the_triton_kernel(ops):
     assert ops.torch_npu.emulation_state.calls == []
 
 
+def _mla_batch(heads=4, latent=32, rope=16, block_size=16, q_lens=(5, 1, 1, 1, 3), seq_lens=(21, 20, 0, 3, 3)):
+    """The mixed batch above as MLA sees it: a latent cache [blocks, block_size, 1, L + R], strided q_latent."""
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(8, block_size, 1, latent + rope, generator=g)
+    block_tables = torch.tensor([[2, 6, 0], [4, 1, 0], [0, 0, 0], [5, 0, 0], [7, 0, 0]],
+                                dtype=torch.int32)[:len(q_lens)]
+    qsl = torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32)
+    T = sum(q_lens)
+    q_latent = torch.randn(heads, T, latent, generator=g).transpose(0, 1)
+    q_pe = torch.randn(T, heads, rope, generator=g)
+    return q_latent, q_pe, cache, block_tables, qsl, torch.tensor(seq_lens, dtype=torch.int32), (latent + rope) ** -0.5
+
+
+def test_mla_latent_attention_mixed_batch_padded_rows(ops):
+    """FIA (plain form, one KV head of L + R) through the paged_attention adapter, sliced to L."""
+    args = _mla_batch()
+    got = ops.mla_latent_attention(*args)
+    torch.testing.assert_close(got, ref.mla_latent_attention(*args))
+    assert got.shape == args[0].shape and not got[6].any()
+    assert ops.torch_npu.emulation_state.calls == ["npu_fused_infer_attention_score"]
+
+
+def test_mla_latent_attention_fia_capture_update_replay():
+    """A FULL_DECODE_ONLY decode graph with the MLA adapter (kernels="torch_npu"): FIA captured behind an
+    ExternalEvent, each step's lengths and queries flow in before replay."""
+    platform = NpuPlatform(make_torch_npu())
+    ops = platform.ops
+    q_latent, q_pe, cache, bt, _, _, scale = _mla_batch(q_lens=(1, 1, 1), seq_lens=(21, 3, 0))
+    q_latent, q_pe = q_latent[:3].clone(), q_pe[:3].clone()
+    qsl, lens = torch.arange(4, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)  # static buffers
+    args = (q_latent, q_pe, cache, bt[:3], qsl, lens, scale)
+    ops.mla_latent_attention(*args)  # warm-up, as DecodeGraphs does
+    graph = platform.graph_class()()
+    with platform.graph_capture(graph, platform.graph_pool_handle(), platform.new_stream()):
+        out = ops.mla_latent_attention(*args)
+    assert len(ops.graph_params.tasks[graph]) == 1
+    for step in ([21, 3, 0], [7, 16, 1]):
+        q_latent.copy_(torch.randn_like(q_latent))
+        lens.copy_(torch.tensor(step))
+        platform.before_graph_replay(graph, np.array(step))
+        graph.replay()
+        torch.testing.assert_close(out, ref.mla_latent_attention(*args))
+
+
+@pytest.mark.parametrize("slots", [[3, 17, 40], [-1, 9, -1], [-1, -1, -1]])
+def test_concat_and_cache_mla(ops, slots):
+    """npu_scatter_nd_update_ on the cache's rows; padded rows (-1) leave the cache as the reference does."""
+    kv_c, k_pe = torch.randn(3, 32), torch.randn(3, 16)
+    cache = torch.randn(4, 16, 1, 48)
+    expected = cache.clone()
+    slot_mapping = torch.tensor(slots)
+    ref.concat_and_cache_mla(kv_c, k_pe, expected, slot_mapping)
+    ops.concat_and_cache_mla(kv_c, k_pe, cache, slot_mapping)
+    torch.testing.assert_close(cache, expected, rtol=0, atol=0)
+    assert ops.torch_npu.emulation_state.calls == ["npu_scatter_nd_update_"]
+
+
+def test_emulated_scatter_nd_update_refuses_slot_minus_one():
+    tnpu = make_torch_npu()
+    with pytest.raises(ValueError, match="indices must be in"):
+        tnpu.npu_scatter_nd_update_(torch.zeros(4, 8), torch.tensor([[-1], [2]]), torch.ones(2, 8))
+
+
 def test_emulated_fia_checks_the_length_conventions():
     """TND wants cumulative query lengths and host lists; per-request lengths or device tensors fail."""
     tnpu = make_torch_npu()
@@ -184,12 +247,13 @@ def _triton():
 
 def test_kernel_choice_parsing():
     default = parse_kernels(None, NPU_OPS)
-    assert default["paged_attention"] == "triton" and all(default[op] == "torch_npu" for op in NPU_OPS
-                                                          if op != "paged_attention")
+    triton_default = ("paged_attention", "mla_latent_attention")
+    assert all(default[op] == "triton" for op in triton_default)
+    assert all(default[op] == "torch_npu" for op in NPU_OPS if op not in triton_default)
     assert parse_kernels("torch_npu", NPU_OPS) == {op: "torch_npu" for op in NPU_OPS}
     assert parse_kernels("triton", NPU_OPS) == {op: "triton" for op in _triton()}
     assert parse_kernels("reference", NPU_OPS) == {}
-    assert parse_kernels("torch_npu,paged_attention=triton", NPU_OPS) == default
+    assert parse_kernels("torch_npu,paged_attention=triton,mla_latent_attention=triton", NPU_OPS) == default
     rms = parse_kernels(" rms_norm=triton ", NPU_OPS)
     assert rms["rms_norm"] == "triton" and rms["paged_attention"] == "triton" and rms["fused_moe"] == "torch_npu"
     assert "fused_moe" not in parse_kernels("torch_npu,fused_moe=reference", NPU_OPS)

@@ -73,7 +73,9 @@ def mla_latent_attention(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block
     """The absorbed form's attention: causal multi-query attention of H query heads over the latent rows
     [c (L), k_pe (R)] of the paged cache [num_blocks, block_size, 1, L + R], with score q_latent . c + q_pe . k_pe
     (q_latent [T, H, L], q_pe [T, H, R]) and value c, the rows' first L columns -> [T, H, L]. vLLM's FlashMLA /
-    Triton MLA decode computes the same. Reference: paged_attention with the cache as key and value, sliced."""
+    Triton MLA decode computes the same. Reference: paged_attention with the cache as key and value, sliced.
+    Platform impls: Triton (ops/triton/mla_attention.py: each latent row read once per head tile, split-K), cpu (the
+    C++ paged attention, ops/cpu/attention.py), torch_npu (FIA through the paged_attention adapter, ops/npu/ops.py)."""
     L = q_latent.shape[-1]
     query = torch.cat((q_latent, q_pe.to(q_latent.dtype)), dim=-1)
     return paged_attention(query, kv_cache, kv_cache, block_tables, query_start_loc, seq_lens, scale)[..., :L]

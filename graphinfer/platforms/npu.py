@@ -7,8 +7,8 @@ torch.backends): with torch_npu installed but CANN not sourced, `import torch` i
 TORCH_DEVICE_BACKEND_AUTOLOAD=0; graphinfer then still loads torch_npu explicitly when npu is selected.
 
 Kernels (CompileConfig.kernels / --kernels): None = torch_npu fused ops for every op they cover except
-paged_attention, which stays the Triton kernel (Triton-Ascend): it reads its lengths on device, so plain
-capture works. "torch_npu" puts attention on FIA too (FULL_DECODE_ONLY then patches FIA's host lengths
+paged_attention and mla_latent_attention, which stay the Triton kernels (Triton-Ascend): they read their lengths on
+device, so plain capture works. "torch_npu" puts attention on FIA too (FULL_DECODE_ONLY then patches FIA's host lengths
 before each replay, see graphinfer.ops.npu.ops.FiaGraphParams); "triton"; "reference"; or per-op overrides:
 "torch_npu,paged_attention=triton", "rms_norm=triton". The sampler uses the fused Triton sampling kernel
 whenever some op runs on Triton (the default), see Sampler.
@@ -26,6 +26,9 @@ from graphinfer.platforms.interface import Platform
 
 CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")  # set by CANN's set_env.sh
 KERNEL_CHOICES = ("torch_npu", "triton", "reference")
+# Attention stays on the Triton kernels by default: they read the lengths on device (plain capture works), and
+# mla_latent_attention's FIA mapping is unverified (docs/ascend.md, MLA).
+DEFAULT_TRITON_OPS = ("paged_attention", "mla_latent_attention")
 
 
 def import_torch_npu():
@@ -77,7 +80,7 @@ def parse_kernels(spec: str | None, npu_ops: tuple[str, ...], triton_ops: Callab
         else:
             overrides[name] = choice
     if base is None:  # the default: torch_npu fused ops, attention on the Triton kernel (device-side lengths)
-        chosen = {op: "torch_npu" for op in npu_ops} | {"paged_attention": "triton"}
+        chosen = {op: "torch_npu" for op in npu_ops} | {op: "triton" for op in DEFAULT_TRITON_OPS}
     elif base == "reference":
         chosen = {}
     else:

@@ -12,6 +12,8 @@
   padding stays small, each group's K/V gathered by whole blocks (index_select, a memcpy per block) and attended
   by one SDPA call; every prefill chunk takes the flash path.
 Rows with seq_len 0 (padding) and cache writes to slot -1 are skipped, as in the reference.
+MLA's latent attention (mla_latent_attention) runs as this paged attention with the concatenated query and the latent
+cache as key and value.
 
 The op's optional arguments (sliding window, softcap, sinks; graphinfer/ops/attention.py) are native in the C++ kernel,
 which then takes every chunk, however long: ATen's flash kernel has none of them, and under a window the kernel reads
@@ -166,6 +168,21 @@ def _decode_rows(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_ta
     return out
 
 
+def mla_latent_attention_cpu(q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tables: Tensor,
+                             query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+    """MLA's absorbed attention (graphinfer/ops/mla.py) as paged_attention_cpu with the query [q_latent, q_pe] and the
+    latent cache as both key and value (one KV head of L + R), its output's first L columns: every decode row and short
+    chunk on the C++ kernel, reading the cache in place. Against the reference op (gather + SDPA) at DeepSeek-V3's
+    shape (H 16, L 512, R 64, batch 8 decode over 512 tokens; 2-vCPU AMD EPYC, AVX-512, 2 threads): bf16 24-30 ms vs
+    145-197, fp32 6-11 ms vs 36-82 (tools/mla_attention_cpu_bench.py, docs/benchmarks.md "CPU: MLA latent attention
+    alone"). It still reads each row twice (K and V) and computes the value's R-column tail only to drop it; a
+    dedicated loop reading each row once would save that (not written)."""
+    query = torch.cat((q_latent, q_pe.to(q_latent.dtype)), dim=-1)
+    out = paged_attention_cpu(query, kv_cache, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+    return out[..., :q_latent.shape[-1]]
+
+
 CPU_OPS = {"reshape_and_cache": reshape_and_cache_cpu, "paged_attention": paged_attention_cpu,
+           "mla_latent_attention": mla_latent_attention_cpu,
            # its cache write as reshape_and_cache_cpu (no boolean-mask host sync unless there are padded rows)
            "qk_norm_rope_cache": chain_cache_write(qk_norm_rope.reference, reshape_and_cache_cpu, __name__)}

@@ -26,7 +26,7 @@ from graphinfer.ops.npu.quant import QUANT_NPU_OPS, NpuQuantOps
 from graphinfer.ops.qk_norm_rope import chain_cache_write
 
 NPU_OPS = ("rms_norm", "add_rms_norm", "rotary_embedding", "qk_norm_rope", "qk_norm_rope_cache", "silu_and_mul",
-           "reshape_and_cache", "paged_attention", "fused_moe", "fused_experts", "ep_dispatch", "ep_combine",
+           "reshape_and_cache", "paged_attention", "concat_and_cache_mla", "mla_latent_attention", "fused_moe", "fused_experts", "ep_dispatch", "ep_combine",
            *QUANT_NPU_OPS)  # quantization: ops/npu/quant.py
 MASK_SIZE = 2048  # FIA sparse_mode 2/3/4 take this fixed-size compressed causal mask
 A2_SOCS, A3_SOCS = range(220, 226), range(250, 256)  # torch_npu.npu.get_soc_version(), mapped as vllm-ascend does
@@ -196,6 +196,36 @@ class NpuOps(NpuQuantOps):
         if rows < query.shape[0]:
             out = torch.cat((out, out.new_zeros(query.shape[0] - rows, *out.shape[1:])))
         return out
+
+    # ----- MLA (DeepSeek): the latent cache [num_blocks, block_size, 1, L + R] -----
+    def concat_and_cache_mla(self, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+        # npu_scatter_nd_update_ on the cache viewed as rows [slots, L + R]: row slot_mapping[i] = [kv_c[i], k_pe[i]].
+        # Indices must be in range (no documented skip of -1): padded rows are redirected on device as
+        # reshape_and_cache's are (the first real row's slot and row again, or slot 0 with what it holds).
+        rows_cache = kv_cache.view(-1, kv_cache.shape[-1])
+        rows = torch.cat((kv_c, k_pe), dim=-1).to(kv_cache.dtype)
+        valid = slot_mapping >= 0
+        first = torch.argmax(valid.to(torch.int32))
+        any_real = valid[first]
+        pad_slot = torch.where(any_real, slot_mapping[first], torch.zeros_like(slot_mapping[first]))
+        pad_row = torch.where(any_real, rows[first], rows_cache[0])
+        slots = torch.where(valid, slot_mapping, pad_slot).to(torch.int64).view(-1, 1)
+        self.torch_npu.npu_scatter_nd_update_(rows_cache, slots.contiguous(),
+                                              torch.where(valid[:, None], rows, pad_row).contiguous())
+
+    def mla_latent_attention(self, q_latent: Tensor, q_pe: Tensor, kv_cache: Tensor, block_tables: Tensor,
+                             query_start_loc: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+        """FIA in its plain form through the paged_attention adapter: query [q_latent, q_pe] (T, H, L + R), the latent
+        cache as key and value with one KV head of L + R, the output's first L columns.
+
+        vllm-ascend calls FIA's MLA form instead (query_rope / key_rope, key = value = the nope cache), but with the
+        nope and rope parts in two cache tensors: FIA documents no non-contiguous key, and graphinfer's latent cache
+        is one [num_blocks, block_size, 1, L + R] tensor, whose parts are strided views. So this reads the rope tail
+        as value too, as the reference does. UNVERIFIED: that FIA takes a head dim of L + R (576 for DeepSeek-V3);
+        the default kernel choice for this op is graphinfer's Triton kernel (docs/ascend.md, MLA)."""
+        query = torch.cat((q_latent, q_pe.to(q_latent.dtype)), dim=-1)
+        return self.paged_attention(query, kv_cache, kv_cache, block_tables, query_start_loc, seq_lens,
+                                    scale)[..., :q_latent.shape[-1]]
 
     def _causal_mask(self, device: torch.device) -> Tensor:
         if device not in self._masks:  # 1 = masked (the strict upper triangle), int8 as vllm-ascend passes it

@@ -41,6 +41,7 @@ from graphinfer.ops.triton.attention import paged_attention  # noqa: E402
 from graphinfer.ops.triton.bitmask import apply_token_bitmask  # noqa: E402
 from graphinfer.ops.triton.fused_moe import fused_experts_op, fused_moe  # noqa: E402
 from graphinfer.ops.triton.kv_cache import concat_and_cache_mla, reshape_and_cache  # noqa: E402
+from graphinfer.ops.triton.mla_attention import mla_latent_attention  # noqa: E402
 from graphinfer.ops.triton.norm import add_rms_norm, rms_norm  # noqa: E402
 from graphinfer.ops.triton.qk_norm_rope import qk_norm_rope, qk_norm_rope_cache  # noqa: E402
 from graphinfer.ops.triton.quant import QUANT_OPS  # noqa: E402
@@ -58,6 +59,7 @@ TRITON_OPS: dict[str, Callable] = {
     "reshape_and_cache": reshape_and_cache,
     "concat_and_cache_mla": concat_and_cache_mla,
     "paged_attention": paged_attention,
+    "mla_latent_attention": mla_latent_attention,
     "fused_moe": fused_moe,
     "fused_experts": fused_experts_op,
     "rejection_sample": rejection_sample,
@@ -65,5 +67,5 @@ TRITON_OPS: dict[str, Callable] = {
     **QUANT_OPS,  # dynamic_quant, scaled_mm, wo_linear and the fused norm / activation + quant ops
 }
 
-__all__ = ["TRITON_OPS", "add_rms_norm", "apply_token_bitmask", "concat_and_cache_mla", "fused_moe", "gelu_and_mul", "paged_attention", "qk_norm_rope", "qk_norm_rope_cache",
+__all__ = ["TRITON_OPS", "add_rms_norm", "apply_token_bitmask", "concat_and_cache_mla", "fused_moe", "gelu_and_mul", "mla_latent_attention", "paged_attention", "qk_norm_rope", "qk_norm_rope_cache",
            "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]
