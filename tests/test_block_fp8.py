@@ -310,6 +310,23 @@ def _run_steps(path, prompts, n, check_kept=False):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
+def test_kept_model_artifact_round_trip(fp8_checkpoint, keep_fp8, tmp_path):
+    """An artifact of the kept model records each layer's block scheme and serves the fp8 codes, same tokens."""
+    from graphinfer.compiler.artifact import read_manifest
+
+    fp8, _ = fp8_checkpoint()
+    prompts, greedy = [{"prompt_token_ids": p} for p in ZOO_PROMPTS[:2]], SamplingParams(temperature=0, max_tokens=2)
+    with LLM(fp8, **KW) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        llm.llm_engine.save_artifact(str(tmp_path / "art"))
+    layers = read_manifest(str(tmp_path / "art"))["quantization"]["layers"]
+    assert layers["model.layers.0.self_attn.o_proj"]["weight_block"] == [16, 16]
+    with LLM(artifact=str(tmp_path / "art")) as served:
+        o_proj = served.llm_engine.worker.model.model.layers[0].self_attn.o_proj
+        assert o_proj.weight.dtype == torch.float8_e4m3fn and o_proj.scheme.weight_block == (16, 16)
+        assert [o.outputs[0].token_ids for o in served.generate(prompts, greedy, use_tqdm=False)] == expected
+
+
 @pytest.mark.parametrize("platform,capability,env,keep", [
     (CpuPlatform, None, None, False), (NpuPlatform, None, None, False),
     (CudaPlatform, (8, 0), None, False), (CudaPlatform, (8, 9), None, True), (CudaPlatform, (9, 0), None, True),
