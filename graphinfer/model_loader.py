@@ -21,7 +21,8 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
     parallelism the model is this rank's shard, and only its slices are read. `quantization`
     (graphinfer.quantization): an online scheme quantizes the linear layers once loaded; "gguf" keeps a GGUF's
     quantized blocks; a compressed-tensors checkpoint is always read in its quantized form, a block-FP8 one
-    (DeepSeek-V3's) kept in fp8 where the platform has an fp8 GEMM, else dequantized to `dtype` (_block_fp8). `model_impl`: whose modeling code (models/__init__.py:
+    (DeepSeek-V3's) kept in fp8 where the platform has an fp8 GEMM, else dequantized to `dtype` (_block_fp8).
+    `model_impl`: whose modeling code (models/__init__.py:
     resolve_model_impl; "transformers": models/transformers.py)."""
     preset = preset_config(path)
     if model_impl == "transformers" and (path.endswith(".gguf") or preset is not None):

@@ -270,8 +270,9 @@ def test_kept_model_holds_the_checkpoints_codes(fp8_checkpoint, keep_fp8, tp):
 
 def test_kept_tp_split_that_cuts_blocks_is_refused(fp8_checkpoint, keep_fp8):
     fp8, _ = fp8_checkpoint((16, 24))
-    with pytest.raises(InvalidConfigError, match=r"mlp\.down_proj\.weight.*: tensor_parallel_size=2 splits dim 1 \(128\) "
-                                                 r"into parts of 64, which cut a block of weight_block_size \[16, 24\]"):
+    with pytest.raises(InvalidConfigError, match=r"mlp\.down_proj\.weight.*: tensor_parallel_size=2 splits dim 1 "
+                                                 r"\(128\) into parts of 64, which cut a block of weight_block_size "
+                                                 r"\[16, 24\]"):
         _params(fp8, 0, 2)
 
 
@@ -330,7 +331,8 @@ def test_kept_model_artifact_round_trip(fp8_checkpoint, keep_fp8, tmp_path):
 @pytest.mark.parametrize("platform,capability,env,keep", [
     (CpuPlatform, None, None, False), (NpuPlatform, None, None, False),
     (CudaPlatform, (8, 0), None, False), (CudaPlatform, (8, 9), None, True), (CudaPlatform, (9, 0), None, True),
-    (CpuPlatform, None, "fp8", True), (CudaPlatform, (9, 0), "dequantize", False), (CudaPlatform, (8, 0), "auto", False),
+    (CpuPlatform, None, "fp8", True), (CudaPlatform, (9, 0), "dequantize", False),
+    (CudaPlatform, (8, 0), "auto", False),
 ], ids=["cpu", "npu", "a100", "ada", "h200", "cpu-forced", "h200-dequantize", "a100-auto"])
 def test_platform_decides_where_block_fp8_stays_fp8(monkeypatch, platform, capability, env, keep):
     """Kept in fp8 on cuda with compute capability 8.9+ (H100 / H200: 9.0); dequantized at load on cpu, npu (Atlas A2

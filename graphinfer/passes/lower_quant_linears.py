@@ -3,7 +3,8 @@
 Matches: a call of a QuantizedLinear module (quantization/linear.py); it runs after fuse_qkv / fuse_gate_up,
 which fuse quantized projections as module calls.
 Produces: block FP8 (DeepSeek's checkpoints kept in fp8): graphinfer::block_fp8_linear(x, weight, weight_scale,
-bn, bk, bias), the activation quantization inside it (per token-group scales); weight-only schemes: graphinfer::wo_linear(x, weight, weight_scale, weight_zero, bits, bias);
+bn, bk, bias), the activation quantization inside it (per token-group scales); weight-only schemes:
+graphinfer::wo_linear(x, weight, weight_scale, weight_zero, bits, bias);
 activation-quantized ones (w8a8, fp8): graphinfer::dynamic_quant(x, act_dtype, input_scale) and
 graphinfer::scaled_mm(codes, scale, weight, weight_scale, bias, dtype), the tensors read with get_attr. With the
 quantization of x a node of its own, fuse_rmsnorm_quant / fuse_silu_mul_quant can fuse it into x's producer.
