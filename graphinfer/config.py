@@ -71,7 +71,7 @@ class ModelConfig:
     quantization: str | None = setting(
         None, "w8a8 | fp8 (cuda) | int8_wo | int4_wo: quantize the weights at load; gguf: keep a GGUF's quantized "
               "blocks; a compressed-tensors checkpoint is read quantized anyway, a block-FP8 one (DeepSeek-V3) "
-              "dequantized; none (default)",
+              "kept in fp8 on cuda sm_89+, dequantized elsewhere; none (default)",
         aliases=["-q"], parse=lambda v: None if v == "none" else v)
     model_impl: str = setting("auto", "which modeling code runs the model (vLLM's): auto (graphinfer's own where it has "
                                       "one, else transformers'), graphinfer, transformers",

@@ -22,6 +22,10 @@ class EnvVar:
 
 
 _VARS = [
+    EnvVar("GRAPHINFER_BLOCK_FP8", "auto",
+           "Block-FP8 checkpoints (DeepSeek-V3's): auto (kept in fp8 where the platform has an fp8 GEMM: cuda with "
+           "compute capability 8.9+; dequantized at load elsewhere), fp8 (kept in fp8 on any platform: cpu runs the "
+           "reference op; for tests), dequantize (dequantized at load everywhere)."),
     EnvVar("GRAPHINFER_CACHE_DIR", "~/.cache/graphinfer",
            "Where graphinfer caches converted GGUF tokenizers and weight-file hashes."),
     EnvVar("GRAPHINFER_CPU_KERNELS", None,

@@ -1,6 +1,8 @@
 """load_model: a model with its weights, quantized as asked, from an HF checkpoint directory, a .gguf file or a
 named preset (vLLM's model_loader). It puts graphinfer/models/loader.py's pieces together with graphinfer/quantization/,
 whose quantized layers it installs: above both, so that models never imports quantization."""
+import logging
+
 import torch
 from torch import nn
 
@@ -10,6 +12,8 @@ from graphinfer.models import resolve_model_impl
 from graphinfer.models.loader import _check_path, _safetensors_weights, build_model, load_hf_config, load_weights
 from graphinfer.models.presets import init_random_weights, preset_config
 
+logger = logging.getLogger(__name__)
+
 
 def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0,
                quantization: str | None = None, model_impl: str = "auto"):
@@ -17,7 +21,8 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
     parallelism the model is this rank's shard, and only its slices are read. `quantization`
     (graphinfer.quantization): an online scheme quantizes the linear layers once loaded; "gguf" keeps a GGUF's
     quantized blocks; a compressed-tensors checkpoint is always read in its quantized form, a block-FP8 one
-    (DeepSeek-V3's) dequantized to `dtype`. `model_impl`: whose modeling code (models/__init__.py:
+    (DeepSeek-V3's) kept in fp8 where the platform has an fp8 GEMM, else dequantized to `dtype` (_block_fp8).
+    `model_impl`: whose modeling code (models/__init__.py:
     resolve_model_impl; "transformers": models/transformers.py)."""
     preset = preset_config(path)
     if model_impl == "transformers" and (path.endswith(".gguf") or preset is not None):
@@ -66,13 +71,13 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
         weights = _safetensors_weights(path)
         if (qc := getattr(config, "quantization_config", None)) is not None:
             from graphinfer.quantization.compressed_tensors import compressed_tensors_weights
-            from graphinfer.quantization.fp8 import block_fp8_weights, is_fp8_config
+            from graphinfer.quantization.fp8 import is_fp8_config
 
-            if is_fp8_config(qc):  # block FP8 (DeepSeek-V3's), dequantized as it loads: the model stays float
-                weights = block_fp8_weights(weights, qc)
+            if is_fp8_config(qc):  # block FP8 (DeepSeek-V3's): kept in fp8 where the platform can, else dequantized
+                weights, schemes = _block_fp8(model, weights, qc, device)
                 if quantization is not None:
-                    raise InvalidConfigError(f"{path!r} is a block-FP8 checkpoint (quant_method 'fp8'), read "
-                                             f"dequantized to {dtype}; quantization={quantization!r} cannot apply to "
+                    raise InvalidConfigError(f"{path!r} is a block-FP8 checkpoint (quant_method 'fp8'), read in "
+                                             f"its own block-FP8 form; quantization={quantization!r} cannot apply to "
                                              f"it. Leave quantization unset.")
             else:
                 weights, schemes = compressed_tensors_weights(weights, qc)
@@ -90,6 +95,25 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
         raise InvalidConfigError(f"{path!r} has no compressed-tensors quantization_config in its config.json.")
     load_weights(model, weights, config.tie_word_embeddings)
     return (model if schemes else _quantize_online(model, quantization, path)), config
+
+
+def _block_fp8(model: nn.Module, weights, quant_config, device):
+    """(weights, schemes) of a block-FP8 checkpoint: the platform's block_fp8_plan decides whether the model's
+    quantizable linears keep fp8 (graphinfer::block_fp8_linear) or everything is dequantized at load; logged."""
+    from graphinfer.platforms import platform_for_device
+    from graphinfer.quantization import quantizable_linears
+    from graphinfer.quantization.fp8 import block_fp8_checkpoint
+
+    device = torch.device(device)
+    keep, why = platform_for_device(device.type).block_fp8_plan(device)
+    names = frozenset(n for n, _ in quantizable_linears(model)) if keep else frozenset()
+    weights, schemes = block_fp8_checkpoint(weights, quant_config, names)
+    if keep:
+        logger.info("block-FP8 checkpoint: %d linear layers kept in float8_e4m3fn (block_fp8_linear, %s); MoE experts "
+                    "and the other quantized weights dequantized at load", len(schemes), why)
+    else:
+        logger.info("block-FP8 checkpoint: weights dequantized at load (%s)", why)
+    return weights, schemes
 
 
 def _load_transformers_model(path: str, dtype: torch.dtype, device, quantization: str | None) -> nn.Module:

@@ -38,8 +38,9 @@ def test_registry_has_every_op():
     # The unfused MoE pieces stay on the reference ops: fuse_moe replaces them with fused_moe. The expert-load
     # count is one scatter_add, capture-safe as it is.
     unfused_moe = {"moe_dispatch", "moe_grouped_mlp", "moe_combine", "moe_count_experts"}
-    # MLA's expanded form stays on the reference: absorb_mla (default) replaces it with paged_attention.
-    expanded_mla = {"mla_attention"}
+    # MLA's expanded op stays on the reference (absorb_mla, a default pass, replaces it); mla_attention_auto is
+    # composed of ops that have kernels (bmm, mla_latent_attention, paged_attention).
+    expanded_mla = {"mla_attention", "mla_attention_auto"}
     assert set(TRITON_OPS) == set(ref_ops.__all__) - unfused_moe - expanded_mla
     assert "fused_moe" in TRITON_OPS and "paged_attention" in TRITON_OPS
 

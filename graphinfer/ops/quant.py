@@ -8,6 +8,10 @@ The packed weight forms every implementation reads (graphinfer/quantization/ bui
   codes q in [0, 15], w = q * scales[n, k // g] + zeros[n, k // g]. scales / zeros [N, K // g] fp32, g the
   group size (g = K: per channel). GGUF blocks map onto these forms with their codes unchanged
   (quantization/gguf.py).
+- block FP8 (`block_fp8_linear`, DeepSeek-V3's checkpoints, vLLM's w8a8_block_fp8_matmul): weight float8_e4m3fn
+  [N, K], weight_scale fp32 [ceil(N / bn), ceil(K / bk)], w[n, k] = weight[n, k] * weight_scale[n // bn, k // bk]
+  (edge blocks ragged); activations quantized to float8_e4m3fn per token per group of bk columns (the last group
+  ragged where bk does not divide K), scale = max(max|x_group| / 448, 1e-10).
 The references below dequantize and compute in fp32 (fp64 for the int8 GEMM, exact): they are the oracle of every
 kernel. The fused norm / activation + quant ops exist for the passes (fuse_rmsnorm_quant, fuse_silu_mul_quant);
 their references are the unfused composition, so a pass's check is exact on reference kernels.
@@ -59,6 +63,30 @@ def dequantize_weight(qweight: Tensor, scales: Tensor, zeros: Tensor | None, bit
     if zeros is not None:
         w = w + zeros.float().unsqueeze(-1)
     return w.view(n, k)
+
+
+def quantize_per_token_group(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """x [T, K] -> (float8_e4m3fn codes [T, K], fp32 scales [T, ceil(K / group)]): quantize_per_token's fp8 math on
+    each group of `group` columns (vLLM's per_token_group_quant_fp8 with graphinfer's 1e-10 floor; the last group
+    holds K % group columns where group does not divide K)."""
+    T, K = x.shape
+    G = -(-K // group)
+    xf = x.new_zeros((T, G * group), dtype=torch.float32)  # the ragged last group padded with zeros, then cut
+    xf[:, :K] = x
+    groups = xf.view(T, G, group)
+    scale = (groups.abs().amax(-1) / FP8_MAX).clamp(min=_MIN_SCALE)  # [T, G]
+    q = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).view(T, G * group)[:, :K]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_blocks(codes: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
+    """fp32 codes[i, j] * scale[i // b0, j // b1] of [N, K] codes with per-block scales (ragged edge blocks)."""
+    b0, b1 = block
+    (N, K), (nb, kb) = codes.shape, scale.shape
+    w = codes.new_zeros((nb * b0, kb * b1), dtype=torch.float32)  # whole blocks (ragged edges padded), then cut
+    w[:N, :K] = codes
+    w.view(nb, b0, kb, b1).mul_(scale.float()[:, None, :, None])
+    return w[:N, :K]
 
 
 @graphinfer_op()
@@ -147,3 +175,26 @@ def silu_and_mul_quant(x: Tensor, quant_dtype: str, input_scale: Tensor | None =
 def _(x, quant_dtype, input_scale=None):
     shape = (*x.shape[:-1], x.shape[-1] // 2)
     return x.new_empty(shape, dtype=QUANT_DTYPES[quant_dtype]), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+
+
+@graphinfer_op()
+def block_fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, block_n: int, block_k: int,
+                     bias: Tensor | None) -> Tensor:
+    """x [..., K] @ W.T + bias in x's dtype, W the block-FP8 weight (module docstring): x is quantized to fp8 per
+    token per group of block_k columns (quantize_per_token_group) and the product taken on the codes with fp32
+    accumulation, scaled per (token group, weight block). The reference computes exactly that math, in the
+    dequantized form: (codes * their group's scale) @ (weight * its block's scale).T in fp32; fp8 x fp8 products
+    are exact in fp32, so a kernel that sums each group's code products in fp32 and scales them differs from it
+    by fp32 summation order alone."""
+    K = x.shape[-1]
+    q, scale = quantize_per_token_group(x.reshape(-1, K), block_k)
+    xd = dequantize_blocks(q, scale, (1, block_k))
+    out = xd @ dequantize_blocks(weight, weight_scale, (block_n, block_k)).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@register_fake(block_fp8_linear)
+def _(x, weight, weight_scale, block_n, block_k, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

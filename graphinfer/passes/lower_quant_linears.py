@@ -2,7 +2,9 @@
 
 Matches: a call of a QuantizedLinear module (quantization/linear.py); it runs after fuse_qkv / fuse_gate_up,
 which fuse quantized projections as module calls.
-Produces: weight-only schemes: graphinfer::wo_linear(x, weight, weight_scale, weight_zero, bits, bias);
+Produces: block FP8 (DeepSeek's checkpoints kept in fp8): graphinfer::block_fp8_linear(x, weight, weight_scale,
+bn, bk, bias), the activation quantization inside it (per token-group scales); weight-only schemes:
+graphinfer::wo_linear(x, weight, weight_scale, weight_zero, bits, bias);
 activation-quantized ones (w8a8, fp8): graphinfer::dynamic_quant(x, act_dtype, input_scale) and
 graphinfer::scaled_mm(codes, scale, weight, weight_scale, bias, dtype), the tensors read with get_attr. With the
 quantization of x a node of its own, fuse_rmsnorm_quant / fuse_silu_mul_quant can fuse it into x's producer.
@@ -23,7 +25,7 @@ def _read(graph: fx.Graph, target: str, module, name: str):
 
 class LowerQuantLinearsPass(Pass):
     name = "lower_quant_linears"
-    description = "QuantizedLinear modules -> dynamic_quant + scaled_mm, or wo_linear"
+    description = "QuantizedLinear modules -> dynamic_quant + scaled_mm, wo_linear, or block_fp8_linear"
 
     def apply(self, gm: fx.GraphModule) -> int:
         matches = 0
@@ -34,7 +36,10 @@ class LowerQuantLinearsPass(Pass):
             x, s = node.args[0], m.scheme
             with graph.inserting_before(node):
                 w, w_scale, bias = (_read(graph, node.target, m, n) for n in ("weight", "weight_scale", "bias"))
-                if s.weight_only:
+                if s.block_fp8:
+                    out = graph.call_function(GRAPHINFER.block_fp8_linear.default,
+                                              (x, w, w_scale, *s.weight_block, bias))
+                elif s.weight_only:
                     zero = _read(graph, node.target, m, "weight_zero")
                     out = graph.call_function(GRAPHINFER.wo_linear.default, (x, w, w_scale, zero, s.bits, bias))
                 else:

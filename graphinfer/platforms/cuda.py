@@ -55,6 +55,10 @@ class CudaPlatform(Platform):
 
         return dict(TRITON_OPS)
 
+    def has_fp8_gemm(self, device: torch.device) -> bool:
+        """float8e4nv tl.dot needs compute capability 8.9+ (Ada, Hopper: H100 / H200 are 9.0)."""
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+
     def supports_skinny_gemm(self, kernels: str | None = None) -> bool:
         return kernels != "reference"
 

@@ -143,6 +143,26 @@ class Platform:
         (compiler/skinny_gemm.py decides where, by measurement). Default: no."""
         return False
 
+    def has_fp8_gemm(self, device: torch.device) -> bool:
+        """Whether fp8 x fp8 GEMMs run on `device` (tensor cores for float8_e4m3fn): block-FP8 checkpoints are then
+        kept in fp8 (graphinfer::block_fp8_linear), else dequantized at load. Default: no."""
+        return False
+
+    def block_fp8_plan(self, device: torch.device) -> tuple[bool, str]:
+        """(keep block-FP8 weights in fp8?, why): has_fp8_gemm, unless GRAPHINFER_BLOCK_FP8 forces either way."""
+        from graphinfer import envs
+
+        choice = envs.GRAPHINFER_BLOCK_FP8
+        if choice not in ("auto", "fp8", "dequantize"):
+            from graphinfer.errors import InvalidConfigError
+
+            raise InvalidConfigError(f"GRAPHINFER_BLOCK_FP8={choice!r}: use auto, fp8 or dequantize.")
+        if choice != "auto":
+            return choice == "fp8", f"GRAPHINFER_BLOCK_FP8={choice}"
+        if self.has_fp8_gemm(device):
+            return True, f"the {self.name} platform has an fp8 GEMM on {device}"
+        return False, f"the {self.name} platform has no fp8 GEMM on {device}"
+
     def prepacks_linear_weights(self, kernels: str | None = None) -> bool:
         """Whether the graph's float linears run on weights prepacked for the platform's GEMM library (cpu: oneDNN,
         compiler/cpu_packed_linear.py), a lowering step of the compile pipeline. Default: no."""

@@ -1,6 +1,6 @@
 """Quantized weights: schemes (scheme.py), the quantized linear layer and online quantizers (linear.py), and the
-readers of pre-quantized checkpoints (gguf.py, compressed_tensors.py; fp8.py: DeepSeek's block FP8, dequantized as it
-loads, so no quantized layer).
+readers of pre-quantized checkpoints (gguf.py, compressed_tensors.py; fp8.py: DeepSeek's block FP8, kept in fp8 as
+block-scheme QuantizedLinears where the platform has an fp8 GEMM, else dequantized as it loads).
 
 `quantization=` (LLM, --quantization; vLLM's names): an online scheme ("w8a8", "fp8", "int8_wo", "int4_wo")
 quantizes an unquantized checkpoint's linear layers after loading; "gguf" keeps a GGUF file's quantized blocks;

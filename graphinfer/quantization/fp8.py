@@ -7,11 +7,14 @@ ceil(K / bk)]: W[i, j] = weight[i, j] * weight_scale_inv[i // bn, j // bk] (Deep
 weight_dequant: the code in fp32 times its block's scale; the edge blocks may be ragged). Norms, embeddings, the MoE
 router (`mlp.gate`) and lm_head are stored unquantized, without a weight_scale_inv.
 
-graphinfer dequantizes these weights at load, on every platform: graphinfer::scaled_mm scales the weight per output
-row and the activation per token, not per 128 x 128 weight block with per-token-group activation scales (vLLM's
-w8a8_block_fp8_matmul), so no FP8 GEMM runs them yet (docs/quantization.md). A rank reads only its slice of weight
-and the blocks of weight_scale_inv under it; the product is fp32, cast to the engine's dtype as it is copied into the
-parameter (weight_dequant likewise stores its fp32 product in the default dtype). Refused, naming the field or the
+Where the platform has an fp8 GEMM (Platform.block_fp8_plan: cuda with compute capability 8.9+, or forced with
+GRAPHINFER_BLOCK_FP8=fp8), the linears a QuantizedLinear replaces keep their codes and block scales (scheme
+weight_block; graphinfer::block_fp8_linear, vLLM's w8a8_block_fp8_matmul: activations quantized per token per bk
+columns). Everything else, and every weight where the platform has no fp8 GEMM (cpu, npu, older GPUs), is dequantized
+at load: MoE experts (no block-FP8 fused_moe yet) and layers an op reads itself (MLA's kv_b_proj) or that are plain
+nn.Linear (DeepSeek's q_a_proj / kv_a_proj_with_mqa, replicated). A rank reads only its slice of weight and the
+blocks of weight_scale_inv under it; a dequantized product is fp32, cast to the engine's dtype as it is copied into
+the parameter (weight_dequant likewise stores its fp32 product in the default dtype). Refused, naming the field or the
 tensor: other FP8 layouts (per-tensor weight_scale / input_scale, static activations, e5m2), a weight without its
 scale or the reverse, a scale of the wrong shape, a tensor-parallel slice that cuts a block.
 """
@@ -20,6 +23,7 @@ from torch import Tensor
 
 from graphinfer.errors import InvalidConfigError, UnsupportedQuantizationError
 from graphinfer.models.checkpoint_tensor import CheckpointTensor, as_checkpoint_tensor
+from graphinfer.ops.quant import dequantize_blocks
 from graphinfer.quantization.compressed_tensors import _Passthrough, _read
 
 SUPPORTED = ("block-wise FP8 (DeepSeek-V3's): quant_method 'fp8', fmt 'e4m3', activation_scheme 'dynamic', "
@@ -70,12 +74,7 @@ def _stored_dtype(t) -> torch.dtype | str | None:
 def dequantize_block_fp8(weight: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> Tensor:
     """fp32 weight[i, j] * scale_inv[i // bn, j // bk] of a float8 [N, K] weight whose first row and column start a
     block; the last block of each dim may be ragged."""
-    bn, bk = block
-    (N, K), (nb, kb) = weight.shape, scale_inv.shape
-    w = weight.new_zeros((nb * bn, kb * bk), dtype=torch.float32)  # whole blocks (ragged edges padded), then cut
-    w[:N, :K] = weight
-    w.view(nb, bn, kb, bk).mul_(scale_inv.float()[:, None, :, None])
-    return w[:N, :K]
+    return dequantize_blocks(weight, scale_inv, block)
 
 
 class BlockFP8Tensor(CheckpointTensor):
@@ -134,10 +133,20 @@ def _check(prefix: str, parts: dict, block: tuple[int, int]) -> None:
 
 
 def block_fp8_weights(named_tensors, quant_config):
-    """A block-FP8 checkpoint's (name, tensor) pairs -> (name, tensor) pairs of a float checkpoint: each quantized
-    `P.weight` becomes a BlockFP8Tensor (read dequantized; `P.weight_scale_inv` is consumed by it), every other tensor
-    passes unread. All names are read first (a weight and its scale may sit in different files) and checked before
-    anything loads."""
+    """A block-FP8 checkpoint's (name, tensor) pairs -> (name, tensor) pairs of a float checkpoint: every quantized
+    weight dequantized (block_fp8_checkpoint with nothing kept)."""
+    return block_fp8_checkpoint(named_tensors, quant_config)[0]
+
+
+def block_fp8_checkpoint(named_tensors, quant_config, keep=frozenset()):
+    """A block-FP8 checkpoint's (name, tensor) pairs -> ((name, tensor) pairs in our names, {module prefix:
+    QuantScheme}). A quantized module named in `keep` (the linears a QuantizedLinear can replace, where the platform
+    keeps fp8: platforms' block_fp8_plan) stays fp8: `P.weight` unread, its `P.weight_scale_inv` as `P.weight_scale`,
+    scheme block_fp8_scheme(block). Every other quantized `P.weight` becomes a BlockFP8Tensor (read dequantized;
+    `P.weight_scale_inv` is consumed by it): MoE experts, layers an op reads itself. Other tensors pass unread. All
+    names are read first (a weight and its scale may sit in different files) and checked before anything loads."""
+    from graphinfer.quantization.scheme import block_fp8_scheme
+
     block = weight_block_size(quant_config)
     entries, modules = [], {}
     for name, t in named_tensors:
@@ -146,15 +155,21 @@ def block_fp8_weights(named_tensors, quant_config):
         modules.setdefault(prefix, {})[suffix] = t
     for prefix, parts in modules.items():
         _check(prefix, parts, block)
+    kept = {p: block_fp8_scheme(block) for p, parts in modules.items() if "weight_scale_inv" in parts and p in keep}
+
+    def passed(t):
+        return t if isinstance(t, Tensor) else _Passthrough(t)
 
     def weights():
         for name, prefix, suffix in entries:
             parts, t = modules[prefix], modules[prefix][suffix]
             if suffix == "weight_scale_inv":
+                if prefix in kept:
+                    yield f"{prefix}.weight_scale", passed(t)
                 continue
-            if suffix == "weight" and "weight_scale_inv" in parts:
+            if suffix == "weight" and "weight_scale_inv" in parts and prefix not in kept:
                 yield name, BlockFP8Tensor(name, t, parts["weight_scale_inv"], block)
             else:
-                yield name, t if isinstance(t, Tensor) else _Passthrough(t)
+                yield name, passed(t)
 
-    return weights()
+    return weights(), kept

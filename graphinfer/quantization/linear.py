@@ -37,7 +37,11 @@ class QuantizedLinear(nn.Module):
         else:
             codes = torch.empty(N, K // 2 if scheme.bits == 4 else K, dtype=torch.uint8 if scheme.bits == 4
                                 else torch.int8, device=device)
-        scale_shape = (N, groups) if scheme.weight_only else (N,)
+        if scheme.block_fp8:
+            bn, bk = scheme.weight_block
+            scale_shape = (-(-N // bn), -(-K // bk))
+        else:
+            scale_shape = (N, groups) if scheme.weight_only else (N,)
         self.weight = _frozen(codes)
         self.weight_scale = _frozen(torch.empty(scale_shape, dtype=torch.float32, device=device))
         self.weight_zero = _frozen(torch.empty(N, groups, dtype=torch.float32, device=device)) \
@@ -51,7 +55,9 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         bias = None if self.has_collective else self.bias
-        if self.scheme.weight_only:
+        if self.scheme.block_fp8:
+            y = ops.block_fp8_linear(x, self.weight, self.weight_scale, *self.scheme.weight_block, bias)
+        elif self.scheme.weight_only:
             y = ops.wo_linear(x, self.weight, self.weight_scale, self.weight_zero, self.scheme.bits, bias)
         else:
             xq, x_scale = ops.dynamic_quant(x, self.scheme.act_dtype, self.input_scale)
@@ -81,8 +87,11 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def concat(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear | None":
         """One layer whose outputs are the layers' outputs concatenated (fuse_qkv / fuse_gate_up): every scheme
-        keeps its scales per output row, so the tensors stack along N. None if the layers cannot be stacked."""
+        keeps its scales per output row (block FP8: per row of bn-row blocks, so every layer but the last must have
+        whole blocks), so the tensors stack along N. None if the layers cannot be stacked."""
         first = layers[0]
+        if first.scheme.block_fp8 and any(m.out_features % first.scheme.weight_block[0] for m in layers[:-1]):
+            return None  # a ragged block inside the stack would shift every later layer's block rows
         if any(m.scheme != first.scheme or m.in_features != first.in_features or (m.bias is None) != (first.bias is None)
                or m.has_collective or m.input_scale is not None for m in layers):
             return None  # static input scales differ per layer: one shared quantization of x cannot serve them all
@@ -101,6 +110,8 @@ class QuantizedLinear(nn.Module):
         from graphinfer.models.parallel_layers import _load_slice
 
         tp = ps.tp_size()
+        if self.scheme.block_fp8 and tp > 1 and name in ("weight", "weight_scale"):
+            return self._load_block_slice(name, param, src, label, tp)
         if tp == 1 or name in ("input_scale",) or (name == "bias" and self.reduce_results):
             return _load_slice(label, param, src, None)
         if not self.reduce_results:  # column parallel: this rank's output rows
@@ -112,6 +123,21 @@ class QuantizedLinear(nn.Module):
             raise InvalidConfigError(f"{label}: tensor_parallel_size={tp} splits {K} input features into parts of "
                                      f"{K // tp}, not a multiple of the quantization group {self.scheme.group(K)}.")
         _load_slice(label, param, src, 1, ps.tp_rank(), tp)
+
+
+    def _load_block_slice(self, name: str, param: Tensor, src, label: str, tp: int) -> None:
+        """Block FP8 at tp > 1: this rank's rows (column parallel) or columns (row parallel) of the codes, and the
+        whole blocks of weight_scale under them; a part that does not start and end on a block is refused."""
+        from graphinfer.models.parallel_layers import _load_slice
+
+        dim = 1 if self.reduce_results else 0
+        part = self.in_features if dim else self.out_features
+        block = self.scheme.weight_block[dim]
+        if part % block:
+            raise InvalidConfigError(f"{label}: tensor_parallel_size={tp} splits dim {dim} ({part * tp}) into parts of "
+                                     f"{part}, which cut a block of weight_block_size {list(self.scheme.weight_block)};"
+                                     f" use a tensor_parallel_size whose parts of this layer are multiples of {block}.")
+        _load_slice(label, param, src, dim, ps.tp_rank(), tp)
 
 
 def fit_group(scheme: QuantScheme, in_features: int) -> QuantScheme:

@@ -4,7 +4,8 @@ A quantized linear `P` holds, in place of its float weight (names as compressed-
 - `P.weight`: the codes: int8 [N, K] (bits 8), uint8 [N, K // 2] (bits 4, two codes a byte, see ops/quant.py)
   or float8_e4m3fn [N, K] (fp8);
 - `P.weight_scale`: fp32 [N] for the activation-quantized schemes (per output channel), [N, K // group_size] for
-  weight-only ones;
+  weight-only ones, [ceil(N / bn), ceil(K / bk)] for block FP8 (weight_block (bn, bk): DeepSeek-V3's
+  weight_scale_inv, kept in fp8 where the platform has an fp8 GEMM, quantization/fp8.py);
 - `P.weight_zero`: fp32 [N, K // group_size] (weight-only, asymmetric: w = q * scale + zero), absent otherwise;
 - `P.input_scale`: fp32 [1], a static activation scale (compressed-tensors' static W8A8), absent when dynamic;
 - `P.bias`: as the float layer's.
@@ -15,13 +16,24 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class QuantScheme:
     """act_dtype None: weight-only (graphinfer::wo_linear, activations stay float); "int8" / "fp8": activations
-    quantized per token (graphinfer::dynamic_quant) and the GEMM on codes (graphinfer::scaled_mm)."""
+    quantized per token (graphinfer::dynamic_quant) and the GEMM on codes (graphinfer::scaled_mm); with
+    weight_block, per token per bk-column group inside graphinfer::block_fp8_linear."""
     bits: int                     # weight code width: 8 (int8 or fp8) or 4
     group_size: int | None = None  # weight-only: K elements per scale (None = the whole row, per channel)
     act_dtype: str | None = None  # None (weight-only), "int8" or "fp8"
     has_zero: bool = False        # weight-only: a per-group zero (Q4_1, Q4_K, asymmetric int4)
     static_input: bool = False    # act_dtype set: a checkpoint's static input_scale instead of per-token scales
     weight_fp8: bool = False      # codes are float8_e4m3fn (the fp8 scheme)
+    weight_block: tuple[int, int] | None = None  # block FP8: (bn, bk) weight blocks, activations per bk-column group
+
+    def __post_init__(self):
+        if self.weight_block is not None:  # a manifest's JSON list -> the tuple (hashable, comparable)
+            object.__setattr__(self, "weight_block", tuple(int(b) for b in self.weight_block))
+
+    @property
+    def block_fp8(self) -> bool:
+        """Block-scaled FP8 (graphinfer::block_fp8_linear), not per-channel scaled_mm."""
+        return self.weight_block is not None
 
     @property
     def weight_only(self) -> bool:
@@ -41,3 +53,8 @@ ONLINE_SCHEMES = {
     "int8_wo": QuantScheme(bits=8),                           # int8 per-channel weights (torchao's int8_weight_only)
     "int4_wo": QuantScheme(bits=4, group_size=128, has_zero=True),  # asymmetric int4, group 128
 }
+
+
+def block_fp8_scheme(block: tuple[int, int]) -> QuantScheme:
+    """A block-FP8 checkpoint's layers kept in fp8 (quantization/fp8.py)."""
+    return QuantScheme(bits=8, act_dtype="fp8", weight_fp8=True, weight_block=tuple(block))

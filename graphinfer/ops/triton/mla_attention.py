@@ -29,8 +29,8 @@ Which rows (decided from shapes only, no host reads: capture-safe, as attention.
     counting the entries of query_start_loc[1:] at or below its row (one vector load per BLOCK_R requests), and row j
     of a q_len-row chunk sees the positions 0 .. seq_len - q_len + j (causal mask = a per-row context length). Rows
     past query_start_loc[-1] and rows of seq_len-0 requests write zeros. Rows of one chunk do not share KV tiles, so a
-    long prefill reads its context once per row: right for decode, spec-verify and short chunks; for long prefills
-    vLLM runs the expanded (non-absorbed) form, which absorb_mla does not write yet (graphinfer/passes/absorb_mla.py).
+    long prefill reads its context once per row: right for decode, spec-verify and short chunks; steps of long prefills
+    take the expanded form instead (graphinfer::mla_attention_auto, which absorb_mla writes).
 Splits: attention.py's `_num_splits` on (rows, head tiles, the block table's width): shapes only.
 
 Triton-Ascend (see attention.py): 1-D grids; every ragged access masked; tl.dot operands >= 16 in every dimension
