@@ -341,9 +341,18 @@ def _bench_moe_balance(args) -> None:
 
 
 def _bench_accuracy(args) -> None:
+    if args.lm_eval:
+        from graphinfer.bench.lm_eval_harness import run as run_lm_eval
+
+        tasks = None if args.lm_eval == "default" else _csv(args.lm_eval)
+        schemes = _csv(args.schemes) if args.schemes else []
+        run_lm_eval(args.model, tasks, _csv(args.backends), args.limit, args.dtype,
+                    {"max_model_len": args.max_model_len} if args.max_model_len else {}, schemes,
+                    _csv(args.also_dtypes) if args.also_dtypes else [], args.output_json)
+        return
     from graphinfer.bench.accuracy import run
 
-    run(args.model, schemes=_csv(args.schemes), dtype=args.dtype, device=args.device,
+    run(args.model, schemes=_csv(args.schemes or "int8_wo,int4_wo,w8a8"), dtype=args.dtype, device=args.device,
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed, output_json=args.output_json,
         kernels=args.kernels)
 
@@ -520,13 +529,25 @@ def build_parser() -> argparse.ArgumentParser:
         description="Scores a fixed prompt set (teacher-forced on the unquantized model's greedy continuation) and a "
                     "fixed text with the unquantized model and with each --quantization scheme: greedy-token "
                     "agreement, mean KL of the next-token distributions, perplexity, and the weights' bytes.")
-    ba.add_argument("--quantization", dest="schemes", default="int8_wo,int4_wo,w8a8",
-                    help="comma-separated schemes to compare with the unquantized model (gguf: a .gguf kept quantized)")
+    ba.add_argument("--quantization", dest="schemes", default=None,
+                    help="comma-separated schemes to compare with the unquantized model (gguf: a .gguf kept quantized; "
+                         "default int8_wo,int4_wo,w8a8; with --lm-eval: none unless given)")
     # float32: the unquantized reference the schemes are scored against
     engine_args.add_cli_args(ba, ["model", "dtype", "device", "kernels", "seed"], defaults={"dtype": "float32"})
     ba.add_argument("--num-prompts", type=int, default=8)
     ba.add_argument("--max-tokens", type=int, default=32, help="greedy continuation scored per prompt")
     ba.add_argument("--output-json", default=None)
+    ba.add_argument("--lm-eval", default=None, metavar="TASKS",
+                    help="run lm-eval instead: comma-separated task names, or 'default' (graphinfer's shipped tasks: "
+                         "graphinfer/bench/lm_eval_tasks); per backend (--backends), then the offline engine per "
+                         "--quantization scheme given and per --also-dtypes")
+    ba.add_argument("--backends", default="server,llm,hf",
+                    help="lm-eval: server (local-completions against graphinfer serve), chat "
+                         "(local-chat-completions), llm (lm-eval's Python API over graphinfer.LLM), hf (lm-eval's hf "
+                         "backend, the reference)")
+    ba.add_argument("--limit", type=int, default=None, help="lm-eval: items per task")
+    ba.add_argument("--also-dtypes", default=None, help="lm-eval: more dtypes for the offline engine (bfloat16)")
+    ba.add_argument("--max-model-len", type=int, default=None)
     ba.set_defaults(func=_bench_accuracy)
 
     bm = bench.add_parser(
