@@ -74,7 +74,8 @@
 #               256, native vs transformers path twice each in one run. Target: the transformers path within 10% of
 #               the native model                                                          (~6 min, not in the default)
 #   deepseek    issue 49: tests/test_deepseek.py on the GPU (tiny DeepSeek-V2/V3 vs HF; the gpu-marked test: every
-#               capturing mode), then deepseek-v3-4l (DeepSeek-V3's MLA and routing, 4 layers) bf16, 64 prompts,
+#               capturing mode), the MLA latent-attention kernel compiled (tests/test_mla_kernels.py) and the
+#               block-FP8 GEMM kept in fp8 (tests/test_block_fp8.py, its gpu tests time it vs bf16), then deepseek-v3-4l (DeepSeek-V3's MLA and routing, 4 layers) bf16, 64 prompts,
 #               FULL_AND_PIECEWISE + async, MLA absorbed vs expanded twice each in one run, and NONE absorbed: the
 #               KV bytes per token and tok/s. Target: absorbed faster than expanded at decode  (~6 min, not in the default)
 #   round       issue 31: the pending checks that fit ONE 10-minute call (a 15-minute device lease), each part
@@ -446,7 +447,7 @@ step_transformers() {  # issue 48: the transformers path in every graph mode (gp
 }
 
 step_deepseek() {  # issue 49: DeepSeek natively (MLA + MoE): its tests on the GPU, then absorbed vs expanded throughput
-    local model=deepseek-v3-4l n=64 mode="${PIECEWISE_MODES##*,}" files=(tests/test_deepseek.py)
+    local model=deepseek-v3-4l n=64 mode="${PIECEWISE_MODES##*,}" files=(tests/test_deepseek.py tests/test_mla_kernels.py tests/test_block_fp8.py)
     if [ "${SMOKE:-0}" = 1 ]; then model=tiny-deepseek-v3 n=4 files=(tests/test_deepseek.py::test_absorbed_form_equals_the_expanded_one); fi
     set -o pipefail
     echo "=== deepseek: pytest ${files[*]}"
