@@ -132,7 +132,8 @@ class _Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"graphinfer serve exited with {self.proc.returncode}; see {log_path}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                    self.model_name = json.load(r)["data"][0]["id"]  # what requests must name
                     return
             except OSError:
                 time.sleep(0.5)
@@ -230,7 +231,7 @@ def evaluate(backend: str, model: str, tasks: list[str], limit: int | None = Non
         if backend in ("server", "chat"):
             server = _Server(model, ["--dtype", dtype, *_flags(engine_kwargs)], _free_port(), os.path.join(work, "serve.log"))
             endpoint = "/v1/completions" if backend == "server" else "/v1/chat/completions"
-            model_args = dict(base_url=server.url + endpoint, model=model, num_concurrent=4, max_retries=1,
+            model_args = dict(base_url=server.url + endpoint, model=server.model_name, num_concurrent=4, max_retries=1,
                               tokenizer_backend="huggingface", tokenizer=_tokenizer_dir(model, work), timeout=600)
             if backend == "chat":
                 model_args.update(tokenizer_backend=None, tokenized_requests=False)

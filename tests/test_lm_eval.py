@@ -1,0 +1,30 @@
+"""lm-eval (EleutherAI's harness, pinned in the Makefile) as a client of graphinfer: `local-completions` against
+`graphinfer serve` and lm-eval's Python API over graphinfer.LLM (graphinfer/bench/lm_eval_harness.py) choose the same
+answer as lm-eval's own hf backend on every item of a shipped multiple-choice task (SmolLM2, fp32), and
+`local-chat-completions` runs a shipped generation task to the end."""
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from graphinfer.bench.lm_eval_harness import disagreements, evaluate  # noqa: E402
+
+TASK, LIMIT = "graphinfer_capitals", 24  # 24 questions x 4 choices: 96 loglikelihood requests per backend
+
+
+@pytest.fixture(scope="module")
+def hf_run(smollm2_path):
+    return evaluate("hf", smollm2_path, [TASK], limit=LIMIT)
+
+
+@pytest.mark.parametrize("backend", ["server", "llm"])
+def test_multiple_choice_answers_equal_the_hf_backend(smollm2_path, hf_run, backend, tmp_path):
+    run = evaluate(backend, smollm2_path, [TASK], limit=LIMIT, work_dir=str(tmp_path))
+    assert len(run["answers"][TASK]) == LIMIT
+    assert disagreements(run, hf_run) == {TASK: 0}, (run["answers"], hf_run["answers"])
+    assert run["metrics"][TASK]["acc,none"] == hf_run["metrics"][TASK]["acc,none"] > 0.5  # SmolLM2 knows capitals
+
+
+def test_chat_completions_run_a_generation_task(smollm2_path, tmp_path):
+    run = evaluate("chat", smollm2_path, ["graphinfer_arith_gen"], limit=8, work_dir=str(tmp_path))
+    assert len(run["answers"]["graphinfer_arith_gen"]) == 8
+    assert "exact_match,first_number" in run["metrics"]["graphinfer_arith_gen"]
