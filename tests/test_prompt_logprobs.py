@@ -266,3 +266,86 @@ def test_step_message_carries_the_prompt_rows():
     got = step_encoding.decode(step_encoding.encode(step_encoding.StepMessage(3, h, False))).inputs
     assert got.prompt_lp_indices.tolist() == [0, 1, 2, 3] and got.prompt_lp_k == -1
     assert got.prompt_lp_targets is None and not got.decode_graphs
+
+
+# ----- the server: /v1/completions echo (lm-eval's local-completions), prompt_logprobs, refusals -----
+
+def test_completions_echo_logprobs_match_hf(openai_client, hf_smollm2):
+    """lm-eval's loglikelihood request: a batch of prompts (texts, or token ids), echo, logprobs 1, max_tokens 1 or
+    0, temperature 0; every prompt token's logprob is HF's, the first is None, text offsets index the echoed text."""
+    tok = hf_smollm2[1]
+    ids = [tok(p).input_ids for p in PROMPTS]
+    for prompt, max_tokens in ((PROMPTS, 1), (ids, 0)):
+        r = openai_client.completions.create(model="smol", prompt=prompt, echo=True, logprobs=1,
+                                             max_tokens=max_tokens, temperature=0)
+        assert len(r.choices) == len(PROMPTS)
+        for choice, text, prompt_ids in zip(r.choices, PROMPTS, ids):
+            lp, P = choice.logprobs, len(prompt_ids)
+            assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == \
+                P + max_tokens
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            ref = _hf_logprobs(hf_smollm2[0], prompt_ids)
+            got = torch.tensor(lp.token_logprobs[1:P])
+            assert (got - ref[torch.arange(P - 1), prompt_ids[1:]]).abs().max() < TOL
+            for i in range(1, P):  # the token itself and the top 1
+                assert lp.tokens[i] in lp.top_logprobs[i] and 1 <= len(lp.top_logprobs[i]) <= 2
+                assert max(lp.top_logprobs[i].values()) == pytest.approx(ref[i - 1].max().item(), abs=TOL)
+            # offsets index the echoed text: the prompt's, then the generated token's
+            assert lp.text_offset[0] == 0 and all(b - a == len(t) for a, b, t in
+                                                  zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+            assert "".join(lp.tokens) == choice.text and choice.text.startswith(text)
+            if max_tokens == 0:
+                assert choice.text == text  # the prompt alone
+
+
+def test_prompt_logprobs_field_token_ids_chat_and_streamed_echo(openai_server, hf_smollm2):
+    url = f"{openai_server.url}/v1"
+    ids = hf_smollm2[1](PROMPTS[0]).input_ids
+    ref = _hf_logprobs(hf_smollm2[0], ids)
+    body = httpx.post(f"{url}/completions", json={"model": "smol", "prompt": PROMPTS[0], "max_tokens": 2,
+                                                  "temperature": 0, "logprobs": 1, "prompt_logprobs": 2,
+                                                  "return_tokens_as_token_ids": True}, timeout=120).json()
+    choice = body["choices"][0]
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for i, t in enumerate(ids[1:]):
+        entry = plp[i + 1]
+        assert abs(entry[str(t)]["logprob"] - ref[i, t].item()) < TOL and len(entry) in (2, 3)
+        assert {e["rank"] for k, e in entry.items() if k != str(t)} <= {1, 2}
+    assert choice["text"] and all(t.startswith("token_id:") for t in choice["logprobs"]["tokens"])
+    assert len(choice["logprobs"]["tokens"]) == 2  # no echo: the generated tokens only
+
+    chat = httpx.post(f"{url}/chat/completions", json={"model": "smol", "max_tokens": 2, "prompt_logprobs": 0,
+                                                       "messages": [{"role": "user", "content": "Hi"}]},
+                      timeout=120).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 3
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+    lines = httpx.post(f"{url}/completions", json={"model": "smol", "prompt": PROMPTS[0], "max_tokens": 3,
+                                                   "temperature": 0, "echo": True, "logprobs": 1, "stream": True},
+                       timeout=120).text.splitlines()
+    chunks = [__import__("json").loads(x[6:]) for x in lines if x.startswith("data: {")]
+    first = chunks[0]["choices"][0]["logprobs"]
+    assert chunks[0]["choices"][0]["text"].startswith(PROMPTS[0])
+    assert first["token_logprobs"][0] is None and len(first["tokens"]) >= len(ids)
+    assert first["token_logprobs"][1:len(ids)] == pytest.approx(ref[torch.arange(len(ids) - 1), ids[1:]].tolist(),
+                                                                abs=TOL)
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"]) == len(ids) + 3
+    lines = httpx.post(f"{url}/completions", json={"model": "smol", "prompt": PROMPTS[0], "max_tokens": 0,
+                                                   "echo": True, "logprobs": 0, "stream": True},
+                       timeout=120).text.splitlines()
+    chunks = [__import__("json").loads(x[6:])["choices"][0] for x in lines if x.startswith("data: {")]
+    assert "".join(c["text"] for c in chunks) == PROMPTS[0]  # max_tokens 0 streamed: the prompt alone
+    assert sum(len(c["logprobs"]["tokens"]) for c in chunks) == len(ids) and chunks[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"prompt_logprobs": -2}, "prompt_logprobs"),
+    ({"prompt_logprobs": 2, "stream": True}, "not available when `stream=True`"),
+    ({"prompt_logprobs": -1}, "max_logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"echo": True, "logprobs": 21}, "logprobs"),
+])
+def test_server_refuses_bad_values(openai_server, body, match):
+    r = httpx.post(f"{openai_server.url}/v1/completions", json={"model": "smol", "prompt": "Hi", **body}, timeout=60)
+    assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
