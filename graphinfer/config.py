@@ -79,6 +79,8 @@ class ModelConfig:
     logprobs_mode: str = setting("raw_logprobs", "what logprobs report (vLLM's): raw_logprobs, the log_softmax of the "
                                                  "logits before any processing; raw_logits, the logits themselves",
                                  choices=["raw_logprobs", "raw_logits"])
+    max_logprobs: int = setting(20, "the most logprobs / prompt_logprobs a request may ask for per token (vLLM's); "
+                                    "-1: no limit (prompt_logprobs=-1, the whole vocabulary per prompt token)")
 
     def __post_init__(self):
         self.model = os.path.expanduser(self.model) if self.model else bundled_model_path()

@@ -32,3 +32,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)  # spec decoding counters; n > 1: "num_cached_tokens" per child
+    # SamplingParams.prompt_logprobs (vLLM's): None for the first prompt token, then per prompt token a dict of that
+    # token's Logprob and the top N's; None when the request asked for none
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

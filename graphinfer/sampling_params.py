@@ -70,6 +70,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
+    # top-N logprobs per prompt token (plus the prompt's own token; -1: the whole vocabulary), vLLM's: the
+    # RequestOutput's prompt_logprobs (None for the first prompt token, which nothing predicts)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -120,6 +123,10 @@ class SamplingParams:
             bad(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}.")
         if self.logprobs is not None and self.logprobs < 0:
             bad(f"logprobs={self.logprobs} must be >= 0 (the number of top alternatives to return).")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or
+                                                 isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < -1):
+            bad(f"prompt_logprobs={self.prompt_logprobs!r} must be an integer >= 0 (the number of top alternatives "
+                f"to return per prompt token), or -1 for the whole vocabulary.")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             bad(f"stop={self.stop!r} must be a non-empty string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

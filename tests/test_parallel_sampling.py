@@ -98,8 +98,13 @@ def test_server_echo(client, smollm2_llm):
     from_ids = client.completions.create(prompt=ids, n=2, **kw).choices
     assert [c.text for c in from_ids] == [smollm2_llm.get_tokenizer().decode(ids) + plain] * 2
     assert _stream(client.completions.create(prompt=PROMPT, stream=True, **kw)) == {0: (text, "length")}
-    with pytest.raises(openai.BadRequestError, match="prompt tokens' logprobs"):
-        client.completions.create(prompt=PROMPT, logprobs=1, **kw)
+    # echo + logprobs: the prompt's logprobs (computed by child 0 alone) before each choice's own
+    both = [c.logprobs for c in client.completions.create(prompt=PROMPT, n=2, logprobs=1, **kw).choices]
+    assert both[0].token_logprobs[0] is None and len(both[0].tokens) == len(ids) + 5
+    assert both[0].tokens == both[1].tokens  # greedy twins
+    P = len(ids)
+    assert both[0].token_logprobs[:P] == both[1].token_logprobs[:P]  # the same prompt logprobs
+    assert both[0].token_logprobs[P:] == pytest.approx(both[1].token_logprobs[P:], abs=1e-5)  # (child 1: cache hits)
 
 
 # ----- offline -----

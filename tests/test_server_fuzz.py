@@ -76,7 +76,7 @@ IN_RANGE = {  # (None last: hypothesis favours a one_of's first branches)
     "stream_options": st.sampled_from([None, None, {"include_usage": True}]),  # only with stream: else a 400
     "ignore_eos": st.booleans(),
     "n": st.integers(1, 3),
-    # mostly combinations that run: echo refuses logprobs, best_of > n refuses stream and temperature 0
+    # mostly combinations that run: best_of > n refuses stream and temperature 0 (echo + logprobs: prompt logprobs)
     "echo": st.sampled_from([False, False, True]),
     "best_of": st.sampled_from([None, None, 3]),
     "suffix": st.none(),

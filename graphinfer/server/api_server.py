@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import graphinfer
 from graphinfer.errors import GraphinferError
-from graphinfer.outputs import CompletionOutput
+from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from graphinfer.runtime.entrypoints.async_llm import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError,
                                                       RequestStream, ServerShuttingDownError)
 from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -274,7 +274,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         params = req.to_sampling_params()
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = engine.submit(await pre.run(pre.completion, req.prompts(), params, rid, req.echo))
-        fmt = _CompletionFormat(rid, served_model_name, params, req.echo)
+        fmt = _CompletionFormat(rid, served_model_name, params, req.echo, req.echo_only, engine.tokenizer,
+                                bool(req.return_tokens_as_token_ids))
         if req.stream:
             return _sse(streams, fmt, params, req.include_usage, metrics)
         return await _collect(streams, fmt, raw, metrics)
@@ -290,7 +291,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         messages = [m.to_template() for m in req.messages]
         streams = engine.submit(await pre.run(pre.chat, messages, req.add_generation_prompt, params, rid,
                                               _tool_dicts(req.tools)))  # rendered for tool_choice "none" too
-        fmt = _ChatFormat(rid, served_model_name, params, tools)
+        fmt = _ChatFormat(rid, served_model_name, params, tools, engine.tokenizer, bool(req.return_tokens_as_token_ids))
         if req.stream:
             return _sse(streams, fmt, params, req.include_usage, metrics)
         return await _collect(streams, fmt, raw, metrics)
@@ -309,9 +310,14 @@ def _tool_dicts(tools) -> list[dict] | None:
 class _CompletionFormat:
     object, chunk_object = "text_completion", "text_completion"
 
-    def __init__(self, rid: str, model: str, params, echo: bool = False):
+    def __init__(self, rid: str, model: str, params, echo: bool = False, echo_only: bool = False, tokenizer=None,
+                 token_ids_as_tokens: bool = False):
+        """echo: each choice's text (and, with logprobs, its tokens) starts with its prompt's (RequestOutput.prompt,
+        prompt_token_ids, prompt_logprobs); echo_only: max_tokens 0, the prompt alone (the token the engine sampled
+        is left out); token_ids_as_tokens: vLLM's return_tokens_as_token_ids, tokens as "token_id:<id>"."""
         self.rid, self.model, self.created, self.params = rid, model, int(time.time()), params
-        self.echo = echo  # completions: each choice's text starts with its prompt's (RequestOutput.prompt)
+        self.echo, self.echo_only = echo, echo_only
+        self.tokenizer, self.token_ids_as_tokens = tokenizer, token_ids_as_tokens
 
     def head(self, obj: str, choices: list, usage=None) -> dict:
         body = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -319,26 +325,64 @@ class _CompletionFormat:
             body["usage"] = usage
         return body
 
-    def logprobs(self, c: CompletionOutput, start: int, offset: int):
+    def token(self, token_id: int, logprob: Logprob | None = None) -> str:
+        """A token as logprobs show it: its decoded text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+        if self.token_ids_as_tokens:
+            return f"token_id:{token_id}"
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
+    def logprobs(self, c: CompletionOutput, start: int, offset: int, prompt: RequestOutput | None = None):
+        """OpenAI's completion logprobs of c's tokens from `start` on, text offsets from `offset`; prompt: echo, the
+        prompt's tokens first (the first with no logprob, as vLLM returns it)."""
         if c.logprobs is None:
             return None
+        ids, entries = [], []
+        if prompt is not None:
+            ids += prompt.prompt_token_ids
+            entries += prompt.prompt_logprobs or [None] * len(prompt.prompt_token_ids)
+        if not self.echo_only:
+            ids += c.token_ids[start:]
+            entries += c.logprobs[start:]
         tokens, lps, tops, offsets = [], [], [], []
-        for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            tokens.append(entry[tid].decoded_token)
-            lps.append(_json_logprob(entry[tid].logprob))
-            # the top N plus the sampled token, as vLLM returns them
-            tops.append({e.decoded_token: _json_logprob(e.logprob) for t, e in entry.items()
-                         if t == tid or e.rank <= self.params.logprobs})
+        n = self.params.logprobs
+        for tid, entry in zip(ids, entries):
+            if entry is None:
+                tok, lp, top = self.token(tid), None, None
+            else:
+                tok, lp = self.token(tid, entry[tid]), _json_logprob(entry[tid].logprob)
+                # the top N plus the token itself, as vLLM returns them
+                top = {self.token(t, e): _json_logprob(e.logprob) for t, e in entry.items() if t == tid or e.rank <= n}
+            tokens.append(tok)
+            lps.append(lp)
+            tops.append(top)
             offsets.append(offset)
-            offset += len(entry[tid].decoded_token or "")
+            offset += len(tok)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def choice(self, index: int, text: str, c: CompletionOutput) -> dict:
-        return {"index": index, "text": text, "logprobs": self.logprobs(c, 0, 0), "finish_reason": _finish(c),
-                "stop_reason": c.stop_reason}
+    def text(self, c: CompletionOutput, out: RequestOutput) -> str:
+        """A finished choice's text: its prompt's first when echoed (alone with max_tokens 0)."""
+        if not self.echo:
+            return c.text
+        return (out.prompt or "") + ("" if self.echo_only else c.text)
 
-    def chunk(self, index: int, text: str, c: CompletionOutput, start: int, offset: int, finish: str | None) -> dict:
-        return self.head(self.chunk_object, [{"index": index, "text": text, "logprobs": self.logprobs(c, start, offset),
+    def choice(self, index: int, c: CompletionOutput, out: RequestOutput) -> dict:
+        body = {"index": index, "text": self.text(c, out),
+                "logprobs": self.logprobs(c, 0, 0, out if self.echo else None), "finish_reason": _finish(c),
+                "stop_reason": c.stop_reason}
+        if out.prompt_logprobs is not None:  # vLLM's extra field (also with echo + logprobs, as there)
+            body["prompt_logprobs"] = _json_prompt_logprobs(out.prompt_logprobs)
+        return body
+
+    def extra(self, outs: list[RequestOutput]) -> dict:
+        """Fields of the response body beyond OpenAI's (chat: prompt_logprobs)."""
+        return {}
+
+    def chunk(self, index: int, text: str, c: CompletionOutput, start: int, offset: int, finish: str | None,
+              prompt: RequestOutput | None = None) -> dict:
+        return self.head(self.chunk_object, [{"index": index, "text": text,
+                                              "logprobs": self.logprobs(c, start, offset, prompt),
                                               "finish_reason": finish,
                                               "stop_reason": c.stop_reason if finish else None}])
 
@@ -349,33 +393,40 @@ class _CompletionFormat:
 class _ChatFormat(_CompletionFormat):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, rid: str, model: str, params, tools: ToolCalling | None = None):
-        super().__init__(rid, model, params)
+    def __init__(self, rid: str, model: str, params, tools: ToolCalling | None = None, tokenizer=None,
+                 token_ids_as_tokens: bool = False):
+        super().__init__(rid, model, params, tokenizer=tokenizer, token_ids_as_tokens=token_ids_as_tokens)
         self.tools, self.tool_streams = tools, {}  # tool_streams: one per streamed choice
 
-    def logprobs(self, c: CompletionOutput, start: int, offset: int):
+    def logprobs(self, c: CompletionOutput, start: int, offset: int, prompt: RequestOutput | None = None):
         if c.logprobs is None:
             return None
 
-        def item(e):
-            tok = e.decoded_token or ""
+        def item(t, e):
+            tok = self.token(t, e)
             return {"token": tok, "logprob": _json_logprob(e.logprob), "bytes": list(tok.encode())}
 
         content = []
         for tid, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            top = sorted((e for e in entry.values() if e.rank <= (self.params.logprobs or 0)), key=lambda e: e.rank)
-            content.append({**item(entry[tid]), "top_logprobs": [item(e) for e in top]})
+            top = sorted(((t, e) for t, e in entry.items() if e.rank <= (self.params.logprobs or 0)),
+                         key=lambda te: te[1].rank)
+            content.append({**item(tid, entry[tid]), "top_logprobs": [item(t, e) for t, e in top]})
         return {"content": content}
 
-    def choice(self, index: int, text: str, c: CompletionOutput) -> dict:
-        message, finish = {"role": "assistant", "content": text}, _finish(c)
+    def choice(self, index: int, c: CompletionOutput, out: RequestOutput) -> dict:
+        message, finish = {"role": "assistant", "content": c.text}, _finish(c)
         if self.tools is not None:
-            message, finish = self.tools.message(text, finish)
+            message, finish = self.tools.message(c.text, finish)
         return {"index": index, "message": message, "logprobs": self.logprobs(c, 0, 0), "finish_reason": finish,
                 "stop_reason": c.stop_reason}
 
+    def extra(self, outs: list[RequestOutput]) -> dict:
+        # vLLM's ChatCompletionResponse.prompt_logprobs (one prompt per chat request)
+        plp = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+        return {} if plp is None else {"prompt_logprobs": _json_prompt_logprobs(plp)}
+
     def chunk(self, index: int, text: str, c: CompletionOutput, start: int, offset: int,
-              finish: str | None) -> dict | None:
+              finish: str | None, prompt: RequestOutput | None = None) -> dict | None:
         """None: nothing to send (a tool parser holds the text back)."""
         delta = {"content": text}
         if self.tools is not None:
@@ -395,6 +446,14 @@ class _ChatFormat(_CompletionFormat):
 def _json_logprob(logprob: float) -> float:
     """vLLM's clamp: a token the grammar forbids (structured outputs) has logprob -inf, which JSON cannot carry."""
     return max(logprob, -9999.0)
+
+
+def _json_prompt_logprobs(prompt_logprobs: list) -> list:
+    """RequestOutput.prompt_logprobs as vLLM's server returns them: None, then per prompt token {token id: {logprob,
+    rank, decoded_token}} (logprobs clamped as _json_logprob does)."""
+    return [None if entry is None else
+            {str(t): {"logprob": _json_logprob(e.logprob), "rank": e.rank, "decoded_token": e.decoded_token}
+             for t, e in entry.items()} for entry in prompt_logprobs]
 
 
 def _finish(c: CompletionOutput) -> str | None:
@@ -475,7 +534,7 @@ async def _collect(streams: list[RequestStream], fmt, raw: Request, metrics: Met
 
     watcher = asyncio.create_task(watch())
     n = fmt.params.n
-    done, first, prompts = {}, {}, {}  # done: choice index -> its final CompletionOutput
+    done, first, finals = {}, {}, {}  # done: choice index -> its final CompletionOutput; finals: by prompt
     try:
         async for i, out in _merge(streams):
             first.setdefault(i, time.monotonic())
@@ -483,13 +542,15 @@ async def _collect(streams: list[RequestStream], fmt, raw: Request, metrics: Met
                 if c.finished():
                     done[i * n + c.index] = c
             if out.finished:
-                prompts[i] = out.prompt or ""
+                finals[i] = out
                 _record(metrics, streams[i], [done[i * n + k] for k in range(n)], first[i])
     finally:
         watcher.cancel()
         _close(streams, metrics)
-    choices = [fmt.choice(k, (prompts[k // n] if fmt.echo else "") + c.text, c) for k, c in sorted(done.items())]
-    return fmt.head(fmt.object, choices, _usage(streams, sum(len(c.token_ids) for c in done.values())))
+    choices = [fmt.choice(k, c, finals[k // n]) for k, c in sorted(done.items())]
+    body = fmt.head(fmt.object, choices, _usage(streams, sum(len(c.token_ids) for c in done.values())))
+    body.update(fmt.extra([finals[i] for i in sorted(finals)]))
+    return body
 
 
 def _sse(streams: list[RequestStream], fmt, params, include_usage: bool, metrics: Metrics) -> StreamingResponse:
@@ -499,6 +560,7 @@ def _sse(streams: list[RequestStream], fmt, params, include_usage: bool, metrics
 
     async def events():
         sent_text, sent_tokens, first = {}, {}, {}  # by choice index: chars and tokens sent; by prompt: first output
+        echoed: dict[int, int] = {}  # echo: by choice index, the length of the prompt text its first chunk carried
         done: dict[int, CompletionOutput] = {}
         try:
             for chunk in fmt.first_chunks(len(streams) * n):
@@ -507,15 +569,23 @@ def _sse(streams: list[RequestStream], fmt, params, include_usage: bool, metrics
                 first.setdefault(i, time.monotonic())
                 for c in out.outputs:
                     k = i * n + c.index
-                    echo = (out.prompt or "") if fmt.echo and k not in sent_text else ""  # before its first text
+                    # echo: the first chunk carries the prompt (its tokens and logprobs first, as vLLM's)
+                    prompt = out if fmt.echo and k not in echoed else None
+                    echo = (out.prompt or "") if prompt is not None else ""
+                    if prompt is not None:
+                        echoed[k] = len(echo)
                     sent, ntok = sent_text.get(k, 0), sent_tokens.get(k, 0)
                     finish = _finish(c)
-                    upto = len(c.text) if finish else max(sent, len(c.text) - hold)
-                    if echo or upto > sent or len(c.token_ids) > ntok or finish:
-                        chunk = fmt.chunk(k, echo + c.text[sent:upto], c, ntok, sent, finish)
+                    if fmt.echo_only:  # max_tokens 0: the prompt alone, then the finish
+                        upto, ntok_now = 0, 0
+                    else:
+                        upto, ntok_now = (len(c.text) if finish else max(sent, len(c.text) - hold)), len(c.token_ids)
+                    if echo or upto > sent or ntok_now > ntok or finish:
+                        offset = 0 if prompt is not None else echoed.get(k, 0) + sent
+                        chunk = fmt.chunk(k, echo + c.text[sent:upto], c, ntok, offset, finish, prompt)
                         if chunk is not None:
                             yield f"data: {json.dumps(chunk)}\n\n"
-                        sent_text[k], sent_tokens[k] = upto, len(c.token_ids)
+                        sent_text[k], sent_tokens[k] = upto, ntok_now
                     if finish:
                         done[k] = c
                 if out.finished:

@@ -63,6 +63,8 @@ class _SamplingRequest(StructuredOutputsFields, _UnicodeChecked):  # + structure
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    prompt_logprobs: int | None = None  # vLLM extension: the response's prompt_logprobs (-1: the whole vocabulary)
+    return_tokens_as_token_ids: bool | None = None  # vLLM extension: logprobs' tokens as "token_id:<id>"
 
     @model_validator(mode="before")
     @classmethod
@@ -72,11 +74,26 @@ class _SamplingRequest(StructuredOutputsFields, _UnicodeChecked):  # + structure
             raise ValueError("stream_options can only be given when stream=true.")
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_prompt_logprobs(cls, data):
+        # vLLM's checks and messages
+        if isinstance(data, dict) and isinstance(plp := data.get("prompt_logprobs"), int) and \
+                not isinstance(plp, bool):
+            if data.get("stream") and (plp > 0 or plp == -1):
+                raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+            if plp < -1:
+                raise ValueError("`prompt_logprobs` must be a positive value or -1.")
+        return data
+
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
     def _logprobs(self) -> int | None:
         return None
+
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def _best_of(self) -> int | None:
         return None
@@ -92,6 +109,7 @@ class _SamplingRequest(StructuredOutputsFields, _UnicodeChecked):  # + structure
             frequency_penalty=pick(self.frequency_penalty, 0.0), repetition_penalty=pick(self.repetition_penalty, 1.0),
             seed=self.seed, max_tokens=self._max_tokens(), min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=self._logprobs(),
+            prompt_logprobs=self._prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_outputs_params())
 
@@ -110,9 +128,6 @@ class CompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _parallel_sampling(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs would need the prompt tokens' logprobs, which graphinfer does not "
-                             "compute; drop logprobs, or echo.")
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise ValueError(f"best_of={self.best_of} > n={self.n} cannot be streamed (as in OpenAI's API: the best "
                              f"are known only once all candidates finished); set stream=false, or best_of=n.")
@@ -123,6 +138,21 @@ class CompletionRequest(_SamplingRequest):
 
     def _best_of(self) -> int | None:
         return self.best_of
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (OpenAI's, vLLM's): the prompt scored, nothing generated (the engine samples one
+        token, which the response leaves out)."""
+        return self.echo and self.max_tokens == 0
+
+    def _max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
+    def _prompt_logprobs(self) -> int | None:
+        # echo with logprobs: the prompt's tokens come back with theirs (vLLM's rule)
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list:
         """A single prompt or a batch, each a string or token ids."""

@@ -195,7 +195,7 @@ class EngineCore:
                 self.executor.execute_model(None, dp_step=dp)
             return []
         out = self._execute(sched, dp_step=dp, mask_logits=self._mask_logits)
-        return self.scheduler.update_from_output(sched, out.wait())
+        return self._land(sched, out)
 
     def _step_async(self) -> list[EngineCoreOutput]:
         outputs = []
@@ -207,11 +207,13 @@ class EngineCore:
         if not sched.scheduled and dp is not None:
             self.executor.execute_model(None, dp_step=dp)
         if sched.scheduled:
-            prev = self._in_flight.output.sampled.sampled_token_ids if self._in_flight is not None else None
+            in_flight = self._in_flight.output.sampled if self._in_flight is not None else None
+            prev = in_flight.sampled_token_ids if in_flight is not None else None
             out = self._execute(sched, prev, share_sampled=True, dp_step=dp, mask_logits=self._mask_logits)
             outputs += self._early_outputs
             self._early_outputs = []
-            if out.sampled is not None:
+            # a step of prompt-logprob rows only stays in flight too: its rows land after the previous step's
+            if out.sampled is not None or out.prompt_logprobs is not None:
                 launched = _InFlight(sched, out)
         outputs += self._finish_in_flight()
         self._in_flight = launched
@@ -229,7 +231,13 @@ class EngineCore:
         step, self._in_flight = self._in_flight, None
         if step is None:
             return []
-        return self.scheduler.update_from_output(step.sched, step.output.wait())
+        return self._land(step.sched, step.output)
+
+    def _land(self, sched: SchedulerOutput, out: ModelOutput) -> list[EngineCoreOutput]:
+        """A step's results into the scheduler, once on the host: its prompt logprobs, then its sampled tokens."""
+        if out.prompt_logprobs is not None:
+            self.scheduler.update_prompt_logprobs(sched, out.wait_prompt_logprobs())
+        return self.scheduler.update_from_output(sched, out.wait())
 
     def _schedule(self, in_flight: bool = False) -> SchedulerOutput:
         sched = self.scheduler.schedule()

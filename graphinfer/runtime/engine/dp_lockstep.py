@@ -16,7 +16,9 @@ from graphinfer.runtime.worker.inputs import DPStep
 def agree(sched: SchedulerOutput | None, stop: bool = False) -> DPStep:
     """This replica's step shape against every other's (leaders only; every leader calls it once per step)."""
     counts = [s.num_tokens for s in sched.scheduled] if sched is not None else []
-    nonuniform = int(any(n != 1 for n in counts))
+    # a step with prompt-logprob rows cannot replay a full decode graph (it returns the last tokens' rows only)
+    nonuniform = int(any(n != 1 for n in counts) or
+                     any(s.prompt_logprobs is not None for s in (sched.scheduled if sched is not None else [])))
     T, B, nonuniform, stop = ps.dp_all_reduce_max([sum(counts), len(counts), nonuniform, int(stop)])
     return DPStep(T, B, not nonuniform, bool(stop))
 

@@ -3,6 +3,8 @@ process or over a connection (engine/core_client.py): a validated, tokenized req
 new tokens out (vLLM v1's EngineCoreRequest / EngineCoreOutput)."""
 from dataclasses import dataclass
 
+import numpy as np
+
 from graphinfer.sampling_params import SamplingParams
 
 
@@ -17,10 +19,31 @@ class EngineCoreRequest:
 
 
 @dataclass
+class PromptLogprobs:
+    """A request's prompt logprobs, row i for prompt token i + 1 (given tokens 0..i): its logprob and rank (1 = most
+    likely) under the raw logits, and the top k ids and logprobs (k = SamplingParams.prompt_logprobs)."""
+    logprobs: np.ndarray  # [P - 1] float32
+    ranks: np.ndarray  # [P - 1] int64
+    topk_ids: np.ndarray  # [P - 1, k] int64
+    topk_logprobs: np.ndarray  # [P - 1, k] float32
+
+    @staticmethod
+    def concat(parts: list["PromptLogprobs"], k: int) -> "PromptLogprobs":
+        if not parts:
+            return PromptLogprobs(np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros((0, k), np.int64),
+                                  np.zeros((0, k), np.float32))
+        if len(parts) == 1:
+            return parts[0]
+        return PromptLogprobs(*(np.concatenate([getattr(p, f) for p in parts])
+                                for f in ("logprobs", "ranks", "topk_ids", "topk_logprobs")))
+
+
+@dataclass
 class EngineCoreOutput:
     """One request's tokens from one step. new_logprobs: per new token (sampled logprob, its rank, top-k ids, top-k
     logprobs), when the request asked for logprobs. finish_reason: set on its last output ("stop", "length",
-    "abort"); stop_reason: the stop token id that ended it."""
+    "abort"); stop_reason: the stop token id that ended it. prompt_logprobs: the whole prompt's, on the request's
+    first output, when it asked for them (SamplingParams.prompt_logprobs)."""
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
@@ -29,6 +52,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     num_draft_tokens: int = 0  # speculative decoding: verified / accepted so far
     num_accepted_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -29,6 +29,14 @@ them: step_failed.)
 With async scheduling a sequence may have a token still on its way from the device (num_pending): it is scheduled as
 a decode all the same, except when that token is its last (max_tokens), and after a preemption it is not re-admitted
 before the token lands.
+
+Prompt logprobs (SamplingParams.prompt_logprobs): a step that computes prompt positions [lo, hi) of such a request
+names them (ScheduledRequest.prompt_logprobs), for the model runner to put their hidden states through the LM head;
+position p's row is the logprob of prompt token p + 1, so the last prompt position (it samples) has none. Each
+position's row is scheduled once (seq.num_prompt_logprobs: a recompute after a preemption skips those done), and a
+prefix-cache hit never covers a position still owed (vLLM drops the hit for such a request; here the hit is kept up
+to the positions already done, i.e. none at admission). The rows land in update_prompt_logprobs and leave with the
+request's first output (EngineCoreOutput.prompt_logprobs).
 """
 import logging
 from collections import deque
@@ -36,7 +44,7 @@ from dataclasses import dataclass, field
 
 from graphinfer.config import CacheConfig, SchedulerConfig
 from graphinfer.runtime.engine.block_manager import BlockManager
-from graphinfer.runtime.engine.request import EngineCoreOutput
+from graphinfer.runtime.engine.request import EngineCoreOutput, PromptLogprobs
 from graphinfer.runtime.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -49,6 +57,8 @@ class ScheduledRequest:
     start: int  # its computed tokens before the step: the first position computed
     samples: bool  # the step completes its known tokens: it samples a token (drafts: one per draft position, + 1)
     pending_row: int = 0  # async scheduling: the in-flight step's sampler row that holds its input token, if pending
+    # prompt logprobs: the prompt positions [lo, hi) whose next token's logprob this step computes (None: none)
+    prompt_logprobs: tuple[int, int] | None = None
 
 
 @dataclass
@@ -135,6 +145,8 @@ class Scheduler:
             if seq.num_pending:  # preempted with a token on its way (async scheduling): admit it once it lands
                 break
             cached = self.block_manager.find_cached_blocks(seq)
+            if seq.wants_prompt_logprobs:  # prompt logprobs need the hidden states of the positions still owed
+                cached = cached[:seq.num_prompt_logprobs // self.block_manager.block_size]
             n = seq.num_tokens - len(cached) * self.block_manager.block_size
             if n > budget and not self.config.enable_chunked_prefill:
                 break
@@ -156,7 +168,13 @@ class Scheduler:
         a step that completes seq's known tokens holds a placeholder for the token it samples."""
         start = seq.num_computed_tokens
         samples = start + n == seq.num_tokens + len(seq.spec_token_ids)
-        out.scheduled.append(ScheduledRequest(seq, n, start, samples, seq.pending_row))
+        prompt_lp = None
+        if seq.wants_prompt_logprobs:  # rows of positions not yet scheduled (a recompute skips the earlier ones)
+            lo, hi = max(start, seq.num_prompt_logprobs), min(start + n, seq.num_prompt_tokens - 1)
+            if hi > lo:
+                prompt_lp = (lo, hi)
+                seq.num_prompt_logprobs = hi
+        out.scheduled.append(ScheduledRequest(seq, n, start, samples, seq.pending_row, prompt_lp))
         if samples:
             seq.pending_row = out.num_rows
             out.num_rows += 1
@@ -176,6 +194,23 @@ class Scheduler:
         self.block_manager.uncache(out.cached_blocks)
 
     # ----- update -----
+    def update_prompt_logprobs(self, out: SchedulerOutput, plp) -> None:
+        """Land the step's prompt logprobs (plp: the host PromptLogprobs of its rows, in scheduling order, with the
+        step's largest k; the model runner's prompt_logprobs): each request keeps its part until its first output.
+        Call it before update_from_output of the same step."""
+        row = 0
+        for s in out.scheduled:
+            if s.prompt_logprobs is None:
+                continue
+            lo, hi = s.prompt_logprobs
+            first, row = row, row + hi - lo
+            seq = s.seq
+            if seq.is_finished:
+                continue
+            k = _prompt_k(seq.sampling_params.prompt_logprobs, plp.topk_ids.shape[1])
+            seq.prompt_logprobs_parts.append(PromptLogprobs(plp.logprobs[first:row], plp.ranks[first:row],
+                                                            plp.topk_ids[first:row, :k], plp.topk_logprobs[first:row, :k]))
+
     def update_from_output(self, out: SchedulerOutput, sampled) -> list[EngineCoreOutput]:
         """Land the step's sampled tokens (sampled: the host SamplerOutput of out.rows; None when no row sampled) and
         return an output for each row still running, or finished by them."""
@@ -204,8 +239,18 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 seq.request_id, new, _logprobs(sampled, first, len(new), seq.sampling_params.logprobs)
                 if seq.sampling_params.logprobs is not None else None, seq.finish_reason, seq.stop_reason, seq.num_cached_tokens, seq.num_draft_tokens,
-                seq.num_accepted_tokens))
+                seq.num_accepted_tokens, self._take_prompt_logprobs(seq)))
         return outputs
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> PromptLogprobs | None:
+        """The whole prompt's logprobs, once (on the request's first output), if it asked for them."""
+        k = seq.sampling_params.prompt_logprobs
+        if k is None or seq.prompt_logprobs_sent:
+            return None
+        seq.prompt_logprobs_sent = True
+        parts, seq.prompt_logprobs_parts = seq.prompt_logprobs_parts, []
+        return PromptLogprobs.concat(parts, _prompt_k(k, parts[0].topk_ids.shape[1] if parts else 0))
 
     def _accept_drafts(self, seq: Sequence, emitted: list[int]) -> list[int]:
         """The tokens a verified row emits (its -1 padding cut); its rejected drafts' KV is taken back."""
@@ -273,3 +318,8 @@ def _logprobs(sampled, first: int, n: int, k: int) -> list[tuple[float, int, lis
         return [(float(lps[r]), int(ranks[r]), [], []) for r in rows]
     ids, top = sampled.topk_token_ids, sampled.topk_logprobs
     return [(float(lps[r]), int(ranks[r]), ids[r, :k].tolist(), top[r, :k].tolist()) for r in rows]
+
+
+def _prompt_k(asked: int, available: int) -> int:
+    """The top-k columns a request's prompt logprobs keep: what it asked for (-1: all the step computed)."""
+    return available if asked == -1 else min(asked, available)

@@ -43,6 +43,12 @@ class Sequence:
         self.grammar = None  # structured outputs: the request's grammar matcher (runtime/structured_output/)
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None  # the stop token id that ended it
+        # Prompt logprobs (SamplingParams.prompt_logprobs): position p's row is the logprob of prompt token p + 1.
+        # Rows of positions < num_prompt_logprobs are scheduled (a recompute after a preemption skips them); the
+        # landed ones wait here (engine/request.py's PromptLogprobs) until the request's first output carries them.
+        self.num_prompt_logprobs = 0
+        self.prompt_logprobs_parts: list = []
+        self.prompt_logprobs_sent = False
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +61,12 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt positions whose logprob rows are still to be scheduled."""
+        return self.sampling_params.prompt_logprobs is not None and \
+            self.num_prompt_logprobs < len(self.prompt_token_ids) - 1
 
     @property
     def is_finished(self) -> bool:

@@ -4,7 +4,8 @@ it (the server does, on its preprocessing threads)."""
 import itertools
 from dataclasses import dataclass
 
-from graphinfer.errors import InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
+from graphinfer.errors import (InvalidRequestError, InvalidSamplingParamsError, KVCacheTooSmallError,
+                               PromptTooLongError)
 from graphinfer.runtime.structured_output import StructuredOutputManager
 from graphinfer.sampling_params import SamplingParams
 
@@ -26,8 +27,10 @@ class Request:
 
 class InputProcessor:
     def __init__(self, model_name: str, tokenizer, vocab_size: int, max_model_len: int, block_size: int,
-                 num_blocks: int, structured_output: StructuredOutputManager):
+                 num_blocks: int, structured_output: StructuredOutputManager, max_logprobs: int = 20):
+        """max_logprobs: the most logprobs / prompt_logprobs per token a request may ask for (-1: no limit)."""
         self.model_name, self.tokenizer, self.vocab_size = model_name, tokenizer, vocab_size
+        self.max_logprobs = max_logprobs
         self.max_model_len, self.block_size, self.num_blocks = max_model_len, block_size, num_blocks
         self.structured_output = structured_output
         self._ids = itertools.count()
@@ -52,6 +55,7 @@ class InputProcessor:
             raise InvalidRequestError(f"Prompt token ids must be integers in [0, {vocab}).")
         if any(t >= vocab for t in params.stop_token_ids):  # the sampler masks them by index (min_tokens)
             raise InvalidRequestError(f"stop_token_ids must be token ids in [0, {vocab}).")
+        self._check_logprobs(params)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"The prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}, which must leave "
@@ -69,3 +73,19 @@ class InputProcessor:
         if params.structured_outputs is not None:  # compiled once (the server: on its preprocessing threads)
             grammar = self.structured_output.compile(params.structured_outputs)
         return Request(request_id, text, ids, params, max_tokens, grammar)
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's max_logprobs: logprobs and prompt_logprobs (-1: the whole vocabulary) within the engine's limit."""
+        limit = self.max_logprobs
+        if limit == -1:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is None:
+                continue
+            n = self.vocab_size if asked == -1 else asked
+            if n > limit:
+                what = f"{name}=-1 (the whole vocabulary: {n} per token)" if asked == -1 else f"{name}={asked}"
+                raise InvalidSamplingParamsError(
+                    f"{what} is more than this engine's max_logprobs={limit}. Ask for at most {limit}, or start the "
+                    f"engine with a larger limit: --max-logprobs N (LLM(max_logprobs=N)), -1 for none.")

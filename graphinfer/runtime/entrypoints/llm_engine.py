@@ -55,7 +55,8 @@ class LLMEngine:
         self.max_model_len, self.hf_config, self.eos_token_ids = info.max_model_len, info.hf_config, info.eos_token_ids
         self.structured_output = structured_output
         self.input_processor = InputProcessor(config.model_config.model, self.tokenizer, self.hf_config.vocab_size,
-                                              self.max_model_len, info.block_size, info.num_blocks, structured_output)
+                                              self.max_model_len, info.block_size, info.num_blocks, structured_output,
+                                              config.model_config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer, spec_metrics=info.spec_decode)
 
     # ----- in-process introspection (tests, tools): the core, rank 0's worker -----

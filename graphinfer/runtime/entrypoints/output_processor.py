@@ -1,12 +1,12 @@
 """Tokens out (vLLM v1's OutputProcessor): the engine core's per-step EngineCoreOutputs turned into RequestOutputs.
-Per request it keeps what the user sees: the text (detokenized incrementally), logprob dicts with decoded tokens,
-the cumulative logprob, stop strings, and a parallel-sampling request's children gathered back (ParentRequest). It
-never changes a request's progress in the core: a stop string it finds ends the request here and is returned as an
-abort for the core."""
+Per request it keeps what the user sees: the text (detokenized incrementally), logprob dicts with decoded tokens (the
+prompt's too: RequestOutput.prompt_logprobs), the cumulative logprob, stop strings, and a parallel-sampling request's
+children gathered back (ParentRequest). It never changes a request's progress in the core: a stop string it finds
+ends the request here and is returned as an abort for the core."""
 from dataclasses import dataclass, field
 
 from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from graphinfer.runtime.engine.request import EngineCoreOutput, EngineCoreRequest
+from graphinfer.runtime.engine.request import EngineCoreOutput, EngineCoreRequest, PromptLogprobs
 from graphinfer.runtime.entrypoints.detokenizer import IncrementalDetokenizer, find_stop_string
 from graphinfer.runtime.entrypoints.input_processor import Request
 from graphinfer.runtime.entrypoints.parallel_sampling import ParentRequest, child_params, child_request_id
@@ -31,6 +31,7 @@ class RequestState:
     metrics: dict = field(default_factory=dict)  # speculative decoding's per-request counters
     parent: ParentRequest | None = None
     index: int = 0  # its CompletionOutput.index (a child's place among its siblings)
+    prompt_logprobs: list[dict | None] | None = None  # RequestOutput.prompt_logprobs, once the core sent them
 
 
 class OutputProcessor:
@@ -85,6 +86,8 @@ class OutputProcessor:
             if state is None:
                 continue
             params = state.sampling_params
+            if eco.prompt_logprobs is not None:
+                state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids, eco.prompt_logprobs)
             for j, token in enumerate(eco.new_token_ids):
                 state.output_token_ids.append(token)
                 if state.logprobs is not None:
@@ -136,6 +139,29 @@ class OutputProcessor:
                 logprob.decoded_token = self.tokenizer.decode([tid])
         state.logprobs.append(entry)
 
+    def _prompt_logprobs(self, prompt_token_ids: list[int], plp: PromptLogprobs) -> list[dict | None]:
+        """vLLM's shape: None for the first prompt token, then per prompt token {its id: Logprob, and the top k's},
+        each with its decoded token."""
+        decoded: dict[int, str] = {}
+
+        def decode(tid: int) -> str | None:
+            if self.tokenizer is None:
+                return None
+            if tid not in decoded:
+                decoded[tid] = self.tokenizer.decode([tid])
+            return decoded[tid]
+
+        out: list[dict | None] = [None]
+        lps, ranks = plp.logprobs.tolist(), plp.ranks.tolist()
+        top_ids, top_lps = plp.topk_ids.tolist(), plp.topk_logprobs.tolist()
+        for i, token in enumerate(prompt_token_ids[1:]):
+            entry = {token: Logprob(lps[i], ranks[i], decode(token))}
+            for r, (tid, tlp) in enumerate(zip(top_ids[i], top_lps[i]), start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(tlp, r, decode(tid))
+            out.append(entry)
+        return out
+
     @staticmethod
     def _output(state: RequestState) -> RequestOutput:
         completion = CompletionOutput(
@@ -144,4 +170,4 @@ class OutputProcessor:
             logprobs=state.logprobs, finish_reason=state.finish_reason, stop_reason=state.stop_reason)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
                              finished=state.finish_reason is not None, num_cached_tokens=state.num_cached_tokens,
-                             metrics=dict(state.metrics))
+                             metrics=dict(state.metrics), prompt_logprobs=state.prompt_logprobs)

@@ -18,16 +18,18 @@ from graphinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params child `index` samples with: n = 1, its own seed, and what ranking needs."""
+    """The params child `index` samples with: n = 1, its own seed, and what ranking needs. Prompt logprobs are child
+    0's alone (the prompt is the same; the others take its blocks from the prefix cache)."""
     seed = params.seed
     if seed is not None:
         seed += index
         if seed >= 2**64:  # wraps: still the 64-bit seed range SamplingParams accepts
             seed -= 2**64
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
     if params.num_candidates == params.n:
-        return replace(params, n=1, best_of=None, seed=seed)
+        return replace(params, n=1, best_of=None, seed=seed, prompt_logprobs=prompt_logprobs)
     return replace(params, n=1, best_of=None, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
-                   logprobs=0 if params.logprobs is None else params.logprobs)
+                   logprobs=0 if params.logprobs is None else params.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -47,6 +49,7 @@ class ParentRequest:
         self.streaming = params.output_kind != RequestOutputKind.FINAL_ONLY and not self.ranked
         self.unfinished = len(self.children)
         self.finals: dict[int, RequestOutput] = {}  # child index -> its final output (FINAL_ONLY, ranked)
+        self.prompt_logprobs = None  # child 0's (the only child that computes them)
         for child in self.children:
             child.parent = self
 
@@ -58,8 +61,11 @@ class ParentRequest:
         """child's output (under child's id) as the request's; None while a FINAL_ONLY request still runs."""
         if out.finished:
             self.unfinished -= 1
+        if child.index == 0 and out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if self.streaming:
-            return replace(out, request_id=self.request_id, prompt=self.prompt, finished=self.finished)
+            return replace(out, request_id=self.request_id, prompt=self.prompt, finished=self.finished,
+                           prompt_logprobs=self.prompt_logprobs)
         self.finals[child.index] = out
         if not self.finished:
             return None
@@ -76,4 +82,5 @@ class ParentRequest:
         metrics["num_cached_tokens"] = [c.num_cached_tokens for c in self.children]  # per child, in child order
         # the prompt as first computed: its later siblings took it from the prefix cache
         return replace(out, request_id=self.request_id, prompt=self.prompt, outputs=completions, finished=True,
-                       num_cached_tokens=min(c.num_cached_tokens for c in self.children), metrics=metrics)
+                       num_cached_tokens=min(c.num_cached_tokens for c in self.children), metrics=metrics,
+                       prompt_logprobs=self.prompt_logprobs)

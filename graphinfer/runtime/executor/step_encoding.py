@@ -1,8 +1,8 @@
 """The one encoding of what rank 0 sends the other tensor-parallel ranks: a message as one int64 array (a header,
 then the step's host arrays packed end to end: input ids, positions, slots, block tables, query starts, context
-lengths, logits rows, pending ids), not a pickle per field. Control calls (save this rank's weights) carry a pickle;
-shutdown is a header alone. The transport (executor/step_channel.py) moves the arrays; this module knows nothing of
-it, so each side is tested apart."""
+lengths, logits rows, pending ids, prompt-logprob rows), not a pickle per field. Control calls (save this rank's
+weights) carry a pickle; shutdown is a header alone. The transport (executor/step_channel.py) moves the arrays; this
+module knows nothing of it, so each side is tested apart."""
 import pickle
 from dataclasses import dataclass
 
@@ -11,8 +11,9 @@ import numpy as np
 from graphinfer.runtime.worker.inputs import HostInputs
 
 STEP, CALL, SHUTDOWN = 1, 2, 4  # 3 is the transport's (step_channel.GROW)
-# kind, payload length, then the kind's fields: step, T, B, W, R, P, share sampled, no decode graphs, padding
-HEADER = 11
+# kind, payload length, then the kind's fields: step, T, B, W, R, P, share sampled, no decode graphs, padding,
+# prompt-logprob rows L and their top k
+HEADER = 13
 
 
 @dataclass
@@ -37,11 +38,14 @@ def encode(msg) -> np.ndarray:
     if isinstance(msg, StepMessage):
         h = msg.inputs
         B, W = h.block_tables.shape
+        plp = h.prompt_lp_indices if h.prompt_lp_indices is not None else np.zeros(0, dtype=np.int64)
         parts = [h.input_ids, h.positions, h.slot_mapping, h.block_tables.ravel(), h.query_start_loc, h.seq_lens,
-                 h.logits_indices, np.asarray(h.pending_dst, dtype=np.int64), np.asarray(h.pending_src, dtype=np.int64)]
+                 h.logits_indices, np.asarray(h.pending_dst, dtype=np.int64), np.asarray(h.pending_src, dtype=np.int64),
+                 plp]
         payload = np.concatenate([p.astype(np.int64, copy=False) for p in parts])
         return _pack(STEP, [msg.step, len(h.input_ids), B, W, len(h.logits_indices), len(h.pending_dst),
-                            int(msg.share_sampled), int(not h.decode_graphs), h.num_pad], payload)
+                            int(msg.share_sampled), int(not h.decode_graphs), h.num_pad, len(plp), h.prompt_lp_k],
+                     payload)
     if isinstance(msg, CallMessage):
         data = pickle.dumps((msg.method, msg.args))
         padded = bytearray(data + bytes(-len(data) % 8))  # writable: torch.from_numpy warns on a read-only array
@@ -70,10 +74,11 @@ def decode(buf: np.ndarray):
         return CallMessage(*pickle.loads(payload.view(np.uint8)[:head[0]].tobytes()))
     if kind != STEP:
         raise ValueError(f"not a step message: kind {kind}")
-    step, T, B, W, R, P, share, no_graphs, num_pad = head[:9]
-    sizes = [T, T, T, B * W, B + 1, B, R, P, P]
+    step, T, B, W, R, P, share, no_graphs, num_pad, L, k = head[:11]
+    sizes = [T, T, T, B * W, B + 1, B, R, P, P, L]
     a = np.split(payload, np.cumsum(sizes)[:-1])
     inputs = HostInputs(a[0].copy(), a[1].copy(), a[2].copy(), a[3].reshape(B, W).astype(np.int32),
                         a[4].astype(np.int32), a[5].astype(np.int32), a[6].copy(), [], a[7].tolist(), a[8].tolist(),
-                        decode_graphs=not no_graphs, num_pad=num_pad)
+                        decode_graphs=not no_graphs, num_pad=num_pad, prompt_lp_indices=a[9].copy() if L else None,
+                        prompt_lp_k=k)
     return StepMessage(step, inputs, bool(share))

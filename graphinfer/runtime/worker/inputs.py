@@ -30,6 +30,13 @@ class HostInputs:
     # An MTP drafter (spec_decode/mtp_proposer.py): per request, the token after its last scheduled one when that is
     # a prompt token (mid-prompt chunks), else -1 (the step samples it); None without one
     next_token_ids: np.ndarray | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs): the flat rows whose hidden states go through the LM head for
+    # the logprob of the next prompt token (every rank runs the LM head on them: it all-gathers under tensor
+    # parallel), that token's id for each (rank 0 only; None on the other ranks: they only run the LM head), and
+    # the largest top-k asked (-1: the whole vocabulary). None: no such row.
+    prompt_lp_indices: np.ndarray | None = None
+    prompt_lp_targets: np.ndarray | None = None
+    prompt_lp_k: int = 0
 
     def pending_index(self) -> np.ndarray | None:
         """[2, P] int64 (dst; src), or None when the pending ids are simply the first P sampled ones, in order."""

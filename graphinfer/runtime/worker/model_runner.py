@@ -27,6 +27,8 @@ from graphinfer.runtime.worker.sampler import Sampler, SamplerOutput
 logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_BYTES = 1 << 30
+# Prompt logprobs: hidden rows per LM-head call, so a step holds at most this many rows of logits (x vocab) at once
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 def kv_cache_budget(gpu_memory_utilization: float, free: int, total: int, unused_cache: int, engine_bytes: int,
@@ -63,6 +65,7 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.drafter, self.last_hidden = drafter, None  # the step's hidden states, every row: what the drafter reads
+        self.prompt_logprobs_out = None  # the last step's prompt logprobs (prompt_logprobs), until taken
         # MoE models: the step's real token count, read by every MoE layer's expert-load count (worker/expert_load.py)
         # at a fixed address, so captured graphs see each step's value and their padded rows count nothing.
         self.moe_layers = moe_layers(self.model)
@@ -197,8 +200,16 @@ class ModelRunner:
         input_ids, positions, query_start_loc, seq_lens, logits_indices = [], [], [0], [], []
         tables, pending_dst, pending_src, spec_lens = [], [], [], []
         next_ids = [] if self.drafter is not None else None
+        plp_rows, plp_targets, plp_k = [], [], 0
         for s in out.scheduled:  # plain lists: per-row numpy calls cost more than they save at batch 256
             seq, n, start = s.seq, s.num_tokens, s.start
+            if s.prompt_logprobs is not None:  # position p's row predicts prompt token p + 1
+                lo, hi = s.prompt_logprobs
+                first = len(input_ids) - start
+                plp_rows.extend(range(first + lo, first + hi))
+                plp_targets.extend(seq.token_ids[lo + 1:hi + 1])
+                k = seq.sampling_params.prompt_logprobs
+                plp_k = -1 if k == -1 or plp_k == -1 else max(plp_k, k)
             k = len(seq.spec_token_ids)  # drafts: the scheduled tokens' last k, after the sequence's own
             if n == 1:
                 if start == len(seq.token_ids):  # sampled by the in-flight step: the device fills it in
@@ -234,7 +245,12 @@ class ModelRunner:
         return HostInputs(np.array(input_ids, dtype=np.int64), positions, slot_mapping, block_tables, query_start_loc,
                           np.array(seq_lens, dtype=np.int32), np.array(logits_indices, dtype=np.int64), out.rows,
                           pending_dst, pending_src, spec_lens=spec_lens if any(spec_lens) else None,
-                          next_token_ids=None if next_ids is None else np.array(next_ids, dtype=np.int64))
+                          next_token_ids=None if next_ids is None else np.array(next_ids, dtype=np.int64),
+                          # a full decode graph returns the last tokens' rows only: prompt rows take the pieces
+                          decode_graphs=not plp_rows,
+                          prompt_lp_indices=np.array(plp_rows, dtype=np.int64) if plp_rows else None,
+                          prompt_lp_targets=np.array(plp_targets, dtype=np.int64) if plp_rows else None,
+                          prompt_lp_k=plp_k)
 
     def prepare_inputs(self, out: SchedulerOutput | None, dp_step=None) -> HostInputs:
         """The step's host inputs; dp_step: the shape the data-parallel replicas agreed on (engine/dp_lockstep.py),
@@ -302,12 +318,55 @@ class ModelRunner:
             hidden = self.graph(input_ids, t(h.positions), md)
         if self.drafter is not None:
             self.last_hidden = hidden
+        if h.prompt_lp_indices is not None:
+            assert run.kind != FULL, "a step with prompt-logprob rows never replays a full decode graph"
+            self.prompt_logprobs_out = self.prompt_logprobs(hidden, h)
         rows = len(h.logits_indices)
         if not rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet
             return None
         if rows < len(h.input_ids):  # some rows are not the last of their sequence's scheduled tokens
             hidden = hidden[self.to_device(h.logits_indices)]
         return hidden if run.kind == FULL and self.dispatcher.lm_head_in_graph else self.compute_logits(hidden)
+
+
+    def prompt_logprobs(self, hidden: torch.Tensor, h: HostInputs) -> tuple[torch.Tensor, ...] | None:
+        """(logprob of the next prompt token [L], its rank [L], top-k ids [L, k], top-k logprobs [L, k]) for the
+        step's prompt-logprob rows, on the device: their hidden states through the LM head PROMPT_LOGPROBS_CHUNK rows
+        at a time, so the logits held at once are chunk x vocab whatever the prompt's length; raw log_softmax in fp32
+        (logprobs_mode raw_logits: the logits), as the sampler reports. Ranks other than 0 (no targets) only run the
+        LM head, whose all-gather pairs with rank 0's; they return None."""
+        idx = self.to_device(h.prompt_lp_indices)
+        targets = self.to_device(h.prompt_lp_targets) if h.prompt_lp_targets is not None else None
+        n, out = len(idx), None
+        for lo in range(0, n, PROMPT_LOGPROBS_CHUNK):
+            hi = min(lo + PROMPT_LOGPROBS_CHUNK, n)
+            logits = self.compute_logits(hidden[idx[lo:hi]])
+            if targets is None:
+                continue
+            if out is None:
+                vocab = logits.shape[-1]
+                k = vocab if h.prompt_lp_k == -1 else min(h.prompt_lp_k, vocab)
+                dev = logits.device
+                out = (torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.int64, device=dev),
+                       torch.empty(n, k, dtype=torch.int64, device=dev), torch.empty(n, k, dtype=torch.float32, device=dev))
+            if self.sampler.logprobs_mode == "raw_logprobs":
+                lp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            else:
+                lp = logits.float()
+            del logits
+            target_lp = lp.gather(1, targets[lo:hi, None])
+            out[0][lo:hi] = target_lp[:, 0]
+            out[1][lo:hi] = torch.count_nonzero(lp > target_lp, dim=-1) + 1
+            if k:
+                top_lp, top_ids = torch.topk(lp, k, dim=-1)
+                out[2][lo:hi], out[3][lo:hi] = top_ids, top_lp
+            del lp
+        return out
+
+    def take_prompt_logprobs(self) -> tuple[torch.Tensor, ...] | None:
+        """The last step's prompt logprobs (prompt_logprobs), once."""
+        out, self.prompt_logprobs_out = self.prompt_logprobs_out, None
+        return out
 
 
 def dummy_inputs(lens: list[int], block_size: int, device: torch.device):

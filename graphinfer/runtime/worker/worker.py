@@ -24,6 +24,7 @@ from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import InvalidConfigError
 from graphinfer.models.layers import allocate_kv_cache
 from graphinfer.platforms import KernelBackend, Platform
+from graphinfer.runtime.engine.request import PromptLogprobs
 from graphinfer.runtime.spec_decode.mtp_proposer import MTPProposer
 from graphinfer.runtime.startup_timer import StartupTimer
 from graphinfer.runtime.worker.graph_dispatcher import GraphDispatcher, resolve_graph_mode
@@ -37,16 +38,27 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ModelOutput:
     """A launched step's sampled tokens: on the device, and their host copy, valid once `event` has completed (None:
-    the work was done when the step returned, as on cpu). None fields: no row sampled."""
+    the work was done when the step returned, as on cpu). None fields: no row sampled. prompt_logprobs: the host copy
+    of the step's prompt logprobs (ModelRunner.prompt_logprobs: logprobs, ranks, top-k ids, top-k logprobs), valid
+    once `event` has completed too; None: the step had no prompt-logprob row."""
     sampled: SamplerOutput | None
     host: SamplerOutput | None
     event: object = None
+    prompt_logprobs: tuple | None = None
 
     def wait(self) -> SamplerOutput | None:
         """The host copy, once it has landed."""
         if self.event is not None:
             self.event.synchronize()
         return self.host
+
+    def wait_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The step's prompt logprobs on the host, once they have landed (None: the step computed none)."""
+        if self.prompt_logprobs is None:
+            return None
+        if self.event is not None:
+            self.event.synchronize()
+        return PromptLogprobs(*(t.numpy() for t in self.prompt_logprobs))
 
 
 class Worker:
@@ -112,11 +124,15 @@ class Worker:
         """Run the step h and sample; nothing here waits for the device. prev_tokens: the in-flight step's sampled
         ids (async scheduling); mask_logits: structured outputs' hook (ModelRunner.execute)."""
         sampled = self.model_runner.execute(h, prev_tokens, mask_logits)
-        if sampled is None:
+        plp = self.model_runner.take_prompt_logprobs()
+        if sampled is None and plp is None:
             return ModelOutput(None, None)
         if self.device.type == "cpu":
-            return ModelOutput(sampled, sampled)
-        return ModelOutput(sampled, sampled.to_host(non_blocking=True), self.platform.record_event(self.device))
+            return ModelOutput(sampled, sampled, prompt_logprobs=plp)
+        host = sampled.to_host(non_blocking=True) if sampled is not None else None
+        if plp is not None:
+            plp = tuple(t.to("cpu", non_blocking=True) for t in plp)
+        return ModelOutput(sampled, host, self.platform.record_event(self.device), plp)
 
     def save_rank_files(self, out_dir: str) -> None:
         """This rank's part of a `graphinfer compile` artifact (compiler/artifact_export.py)."""
