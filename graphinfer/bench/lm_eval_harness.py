@@ -270,7 +270,7 @@ def run(model: str | None, tasks: list[str] | None = None, backends: list[str] |
     other dtype, on the same tasks; answers compared with the hf backend's where it ran."""
     from graphinfer.bench import common
 
-    if model is None:
+    if not model:  # the CLI's default: the bundled SmolLM2
         from graphinfer.config import bundled_model_path
 
         model = bundled_model_path()
