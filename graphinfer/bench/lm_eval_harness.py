@@ -11,6 +11,7 @@ The tasks default to graphinfer's own (graphinfer/bench/lm_eval_tasks: built in 
 name works where its data is at hand. Scores and, per item, the chosen answer of every backend go to the JSON, with
 the commit; items where two backends chose differently are counted.
 """
+import functools
 import json
 import os
 import subprocess
@@ -36,8 +37,10 @@ def _lm_eval():
     return lm_eval
 
 
+@functools.cache
 def graphinfer_lm_class():
-    """GraphinferLM, defined on first use so that importing this module does not import lm-eval."""
+    """GraphinferLM, defined (and registered with lm-eval) on first use, so that importing this module does not
+    import lm-eval."""
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
     from lm_eval.models.utils import handle_stop_sequences
