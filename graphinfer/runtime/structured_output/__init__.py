@@ -15,12 +15,13 @@ goes with the sequence (Scheduler.finish drops it).
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
 
 from graphinfer.errors import InvalidStructuredOutputError
-from graphinfer.runtime.structured_output.request import structured_output_key
+from graphinfer.runtime.structured_output.request import CompileTimeout, structured_output_key
 from graphinfer.sampling_params import StructuredOutputsParams
 
 
@@ -56,6 +57,14 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._stats = StructuredOutputStats()
         self._timings: deque = deque()  # (start, end) device events of copies + applies not yet read
+        self.compile_timeout: float | None = None  # bound_compiles
+        self._compile_pool: ThreadPoolExecutor | None = None
+
+    def bound_compiles(self, timeout: float, max_compiles: int) -> None:
+        """Compile constraints on a pool of max_compiles threads, each request waiting at most `timeout` s for its
+        own (queue included): EngineConfig.structured_outputs_compile_timeout / structured_outputs_max_compiles."""
+        self.compile_timeout = timeout
+        self._compile_pool = ThreadPoolExecutor(max_compiles, thread_name_prefix="graphinfer-grammar-compile")
 
     # ----- requests -----
     def compile(self, params: StructuredOutputsParams):
@@ -67,7 +76,15 @@ class StructuredOutputManager:
                 "backend; leave it out (JSON may then hold any whitespace) or set disable_any_whitespace=true for "
                 "compact JSON.")
         kind, spec = structured_output_key(params)
-        return self._get_backend().compile(kind, spec, any_whitespace=not params.disable_any_whitespace)
+        try:
+            return self._get_backend().compile(kind, spec, any_whitespace=not params.disable_any_whitespace,
+                                               executor=self._compile_pool, timeout=self.compile_timeout)
+        except CompileTimeout:
+            raise InvalidStructuredOutputError(
+                f"structured outputs: the {kind} constraint did not compile within {self.compile_timeout:g} s "
+                f"(--structured-outputs-compile-timeout / structured_outputs_compile_timeout; compiles wait for one "
+                f"of --structured-outputs-max-compiles slots). Simplify it (a JSON schema this deep or large is "
+                f"costly to turn into a grammar), or raise the limit.") from None
 
     def matcher(self, grammar):
         """A fresh matcher (seq.grammar) over a compiled grammar, or over serialize_grammar's form of one."""
