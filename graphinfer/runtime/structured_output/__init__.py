@@ -12,6 +12,7 @@ nothing). Each appended token is accepted by its request's matcher (accept_token
 allows only the stop (EOS) tokens, and having accepted one it is terminated: the request ends "stop". The matcher
 goes with the sequence (Scheduler.finish drops it).
 """
+import os
 import threading
 import time
 from collections import deque
@@ -64,7 +65,8 @@ class StructuredOutputManager:
         """Compile constraints on a pool of max_compiles threads, each request waiting at most `timeout` s for its
         own (queue included): EngineConfig.structured_outputs_compile_timeout / structured_outputs_max_compiles."""
         self.compile_timeout = timeout
-        self._compile_pool = ThreadPoolExecutor(max_compiles, thread_name_prefix="graphinfer-grammar-compile")
+        self._compile_pool = ThreadPoolExecutor(max_compiles, thread_name_prefix="graphinfer-grammar-compile",
+                                                initializer=_lower_priority)
 
     # ----- requests -----
     def compile(self, params: StructuredOutputsParams):
@@ -168,6 +170,19 @@ class StructuredOutputManager:
             self._stats.compiles, self._stats.cache_hits = backend.num_compiles, backend.num_cache_hits
             self._stats.compile_s = backend.compile_s
         return StructuredOutputStats(**asdict(self._stats))
+
+
+COMPILE_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """A compile thread runs at a lower CPU priority (Linux: a thread's own nice value) than the engine's and the
+    server's threads: where the CPUs are busy, running streams keep their pace and compiles take longer (within their
+    time-out)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
+        pass
 
 
 def serialize_grammar(compiled) -> str:
