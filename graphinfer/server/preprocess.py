@@ -123,7 +123,8 @@ class Preprocessor:
     def _tokenize(self, text: str, add_special_tokens: bool = True, truncating: bool = False) -> list[int]:
         """truncating: truncate_prompt_tokens keeps the prompt's end, so its length proves nothing."""
         cpt = self.chars_per_token
-        if cpt and not truncating and len(text) > cpt * (self.max_model_len - 1):  # at least max_model_len tokens: no room to generate
+        # at least max_model_len tokens: no room to generate
+        if cpt and not truncating and len(text) > cpt * (self.max_model_len - 1):
             raise PromptTooLongError(
                 f"The prompt has {len(text)} characters, so at least {math.ceil(len(text) / cpt)} tokens, but "
                 f"max_model_len is {self.max_model_len}, which must leave room for at least one generated token. "

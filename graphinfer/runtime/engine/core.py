@@ -199,7 +199,8 @@ class EngineCore:
 
     def _step_async(self) -> list[EngineCoreOutput]:
         outputs = []
-        if self._in_flight is not None and any(s.sampling_params.reads_output_tokens for s in self._in_flight.sched.rows):
+        in_flight = self._in_flight
+        if in_flight is not None and any(s.sampling_params.reads_output_tokens for s in in_flight.sched.rows):
             outputs = self._finish_in_flight()  # penalties, bad words: they read output tokens, on the host
         sched = self._schedule(in_flight=self._in_flight is not None)
         dp = self.lockstep.agree(sched)
