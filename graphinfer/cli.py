@@ -99,7 +99,7 @@ def _serve(args) -> None:
     serve(args.target, args.host, args.port, args.api_key, args.served_model_name, args.max_waiting_requests,
           shutdown_timeout=args.shutdown_timeout, max_request_body_bytes=args.max_request_body_bytes,
           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-          **_engine_kwargs(args))
+          trust_request_chat_template=args.trust_request_chat_template, **_engine_kwargs(args))
 
 
 def _generate(args) -> None:
@@ -422,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                      help="how tool calls are written in the model's output: hermes (Hermes, Qwen2.5, Qwen3: "
                           "<tool_call>{...}</tool_call>) or llama3_json / llama4_json (Llama 3.x / 4 JSON)")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="render a chat_template sent with a chat request (vLLM's flag; without it such a request "
+                          "gets 400); chat_template_kwargs reach the model's template either way")
     _add_engine_args(srv, with_model=False, serving=True)
     srv.set_defaults(func=_serve)
 

@@ -81,6 +81,9 @@ class ModelConfig:
                                  choices=["raw_logprobs", "raw_logits"])
     max_logprobs: int = setting(20, "the most logprobs / prompt_logprobs a request may ask for per token (vLLM's); "
                                     "-1: no limit (prompt_logprobs=-1, the whole vocabulary per prompt token)")
+    max_logprob_entries: int = setting(
+        262144, "per request: candidates (n or best_of) x max_tokens x (logprobs + 1), the logprob entries its output "
+                "carries, at most (each is tens of bytes of JSON and ~0.5 KB of memory while it runs); 0: no limit")
 
     def __post_init__(self):
         self.model = os.path.expanduser(self.model) if self.model else bundled_model_path()
@@ -91,6 +94,10 @@ class ModelConfig:
         self.torch_dtype = resolve_dtype(self.dtype, self.device)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidConfigError(f"max_model_len={self.max_model_len} must be >= 2.")
+        if self.max_logprobs < -1:
+            raise InvalidConfigError(f"max_logprobs={self.max_logprobs} must be >= 0, or -1 for no limit.")
+        if self.max_logprob_entries < 0:
+            raise InvalidConfigError(f"max_logprob_entries={self.max_logprob_entries} must be >= 0 (0: no limit).")
         if self.model_impl not in ("auto", "graphinfer", "transformers"):
             raise InvalidConfigError(f"model_impl={self.model_impl!r}: use auto, graphinfer or transformers.")
         if self.quantization is not None:
@@ -331,11 +338,24 @@ class EngineConfig:
         None, 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4}\', \'{"model": DRAFT, "num_speculative_tokens": 3}\' or (DeepSeek-V3 checkpoints '
               'with MTP layers) \'{"method": "mtp", "num_speculative_tokens": 1}\'', parse=_json_object)
+    structured_outputs_compile_timeout: float = setting(
+        10.0, "seconds a request's structured-output constraint (JSON schema, regex, grammar) may take to compile, "
+              "waiting for a compile slot included; a constraint that takes longer is refused (a 400 when serving), "
+              "and its compile finishes in the background into the cache")
+    structured_outputs_max_compiles: int = setting(
+        1, "structured-output constraints compiled at once (each on one thread); others wait their turn, so running "
+           "streams keep their CPU")
 
     def __post_init__(self):
         # derived defaults, computed here only (None = derive)
         if self.compile_config.max_capture_size is None:
             self.compile_config.max_capture_size = derived_max_capture_size(self.scheduler_config.max_num_seqs)
+        if not self.structured_outputs_compile_timeout > 0:
+            raise InvalidConfigError(f"structured_outputs_compile_timeout={self.structured_outputs_compile_timeout} "
+                                     f"must be > 0 (seconds).")
+        if self.structured_outputs_max_compiles < 1:
+            raise InvalidConfigError(f"structured_outputs_max_compiles={self.structured_outputs_max_compiles} must be "
+                                     f">= 1.")
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 

@@ -15,6 +15,11 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+# Bounds on the per-request logits processors' sizes (each costs host work in every step of the request).
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_BAD_WORDS = 1024  # bad_words strings
+LOGIT_BIAS_CLAMP = 100.0  # OpenAI's range of a bias: the server clamps to it, as vLLM does
+
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
@@ -74,10 +79,19 @@ class SamplingParams:
     # RequestOutput's prompt_logprobs (None for the first prompt token, which nothing predicts)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's; with a fast (Rust) tokenizer, which graphinfer's detokenizer always decodes with, it changes nothing (as
+    # in vLLM's fast-tokenizer path)
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
+    # bad_words as token ids (InputProcessor: update_from_tokenizer); an init field so that replace() keeps it
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -131,6 +145,29 @@ class SamplingParams:
             bad(f"stop={self.stop!r} must be a non-empty string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids={self.stop_token_ids!r} must be non-negative token ids.")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases; got "
+                    f"{len(self.logit_bias) if isinstance(self.logit_bias, dict) else type(self.logit_bias).__name__}.")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    bad(f"logit_bias: {t!r} is not a token id (a non-negative integer).")
+                if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b):
+                    bad(f"logit_bias[{t}]={b!r} must be a finite number.")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                bad("allowed_token_ids must be a non-empty list of token ids (leave it out to allow every token).")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids):
+                bad("allowed_token_ids must be non-negative token ids.")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS:
+                bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} strings.")
+            if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                bad("bad_words must be non-empty strings.")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens == 0
+                or self.truncate_prompt_tokens < -1):
+            bad(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {self.truncate_prompt_tokens!r}.")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             bad(f"seed={self.seed!r} must be an integer in [-2**63, 2**64).")
 
@@ -138,6 +175,32 @@ class SamplingParams:
     def num_candidates(self) -> int:
         """Sequences sampled per prompt: best_of, or n where best_of is unset."""
         return self.n if self.best_of is None else self.best_of
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """bad_words -> token id sequences, as vLLM: each word (leading spaces stripped) alone and after a space, the
+        latter kept where it tokenizes to as many tokens as the former but starts with another token."""
+        if not self.bad_words:
+            return
+        words: list[list[int]] = []
+        for word in self.bad_words:
+            for prefix in ("", " "):
+                ids = tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if not ids:
+                    continue
+                if not prefix or (words and ids[0] != words[-1][0] and len(ids) == len(words[-1])):
+                    words.append(ids)
+        self._bad_words_token_ids = words
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether the sampler masks or biases this request's logits (logit_bias, allowed_token_ids, bad_words)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self._bad_words_token_ids)
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Whether sampling reads the generated tokens (so async scheduling must have them on the host): penalties,
+        and bad words of more than one token."""
+        return self.has_penalties or any(len(w) > 1 for w in self._bad_words_token_ids or ())
 
     @property
     def greedy(self) -> bool:

@@ -102,7 +102,6 @@ HERMES_NO_CALLS = [  # (id, output): the whole output stays content (the first t
     ("no-name", 'Sure. <tool_call>{"arguments": {"city": "Paris"}}</tool_call>'),
     ("malformed-json", 'Sure. <tool_call>{"name": "get_weather", "arguments": {city: Paris}}</tool_call>'),
     ("no-arguments", '<tool_call>{"name": "f"}</tool_call>'),
-    ("cut-off", '<tool_call>{"name": "f", "arguments": {"x": '),
     ("text-after-json", '<tool_call>{"name": "f", "arguments": {}} and more</tool_call>'),
 ]
 
@@ -156,7 +155,8 @@ def test_required_and_named_outputs():
     assert calls_of(info) == [call("get_weather", {"city": "Oslo"}), call("get_time", {"tz": "CET"})]
     assert info.content is None
     cut = '[{"name": "get_weather", "parameters": {"city": "Os'  # e.g. max_tokens reached
-    assert RequiredToolParser().extract_tool_calls(cut).content == cut
+    cut_info = RequiredToolParser().extract_tool_calls(cut)  # as far as it goes, as streamed (and as OpenAI)
+    assert calls_of(cut_info) == [("get_weather", '{"city": "Os')] and cut_info.content is None
     named = NamedToolParser("get_time").extract_tool_calls('{"tz": "CET"}')
     assert calls_of(named) == [("get_time", '{"tz": "CET"}')]  # as written, as vLLM returns it
 
@@ -168,10 +168,23 @@ def test_registry_names_the_cli_offers():
         ToolParserManager.get_tool_parser("nope")
 
 
+CUT_OFF = 'Sure. <tool_call>{"name": "f", "arguments": {"x": 1, "y": "ab'  # max_tokens reached inside a call
+
+
+def test_hermes_cut_off_call_as_far_as_it_goes():
+    """As OpenAI (and a stream, which cannot take back what it sent): the call with the arguments' certain part."""
+    info = Hermes2ProToolParser().extract_tool_calls(CUT_OFF)
+    assert info.tools_called and calls_of(info) == [("f", '{"x": 1, "y": "ab')] and info.content == "Sure. "
+    cut_before_name = 'Sure. <tool_call>{"name": "f'
+    info = Hermes2ProToolParser().extract_tool_calls(cut_before_name)
+    assert not info.tools_called and info.content == cut_before_name  # no call begun: all content
+
+
 # ----- streaming: every way of cutting the text gives the one-shot result -----
 # (Except where a call turns malformed after its name was sent: a stream cannot take it back, as in vLLM.)
 
 STREAMED = [(Hermes2ProToolParser, c[1]) for c in HERMES + HERMES_NO_CALLS[:3]] + \
+    [(Hermes2ProToolParser, CUT_OFF), (Hermes2ProToolParser, 'Sure. <tool_call>{"name": "f')] + \
     [(Llama3JsonToolParser, c[1]) for c in LLAMA[1:]] + \
     [(RequiredToolParser, '[{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}, {"name": '
                           '"get_time", "parameters": {"tz": "Asia/Tokyo"}}]')]

@@ -11,6 +11,7 @@ On shutdown the Gate answers 503 to new requests while those in flight drain (se
 """
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
@@ -30,6 +31,7 @@ from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
 from graphinfer.server.metrics import Metrics
 from graphinfer.server.preprocess import Preprocessor
 from graphinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from graphinfer.server.request_limits import body_error_message, check_chat_template
 from graphinfer.server.tool_calling import ToolCalling
 from graphinfer.server.tool_parsers import ToolParserManager
 
@@ -84,7 +86,7 @@ class Gate:
             return await refuse(error_response(503, "The server is shutting down and takes no new requests.",
                                                headers={"Connection": "close"}))
         headers = Headers(scope=scope)
-        if self.api_key and api and headers.get("authorization") != f"Bearer {self.api_key}":
+        if self.api_key and api and not _key_matches(headers.get("authorization"), self.api_key):
             return await refuse(error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'."))
         # Connection: close, after the body is read and dropped (up to a cap): closing a socket with unread data
         # resets the connection, and a client still uploading (urllib, curl) would see the reset, not the 413.
@@ -138,6 +140,11 @@ class Gate:
                 return messages
 
 
+def _key_matches(authorization: str | None, api_key: str) -> bool:
+    """In constant time (hmac.compare_digest): how much of a guessed key matches must not show in the timing."""
+    return hmac.compare_digest((authorization or "").encode(), f"Bearer {api_key}".encode())
+
+
 # An over-limit body is read and dropped up to this size before the 413 goes out; a larger one is refused at once
 # (the client may then see a reset instead of the answer: a sender of over 64 MiB gets no courtesy read).
 _DRAIN_CAP_BYTES = 64 * 2**20
@@ -164,9 +171,10 @@ def _replay(messages: list, receive):
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, trust_request_chat_template: bool = False) -> FastAPI:
     """enable_auto_tool_choice / tool_call_parser: vLLM's --enable-auto-tool-choice / --tool-call-parser, which
-    tool_choice "auto" needs (tool_calling.py)."""
+    tool_choice "auto" needs (tool_calling.py). trust_request_chat_template: vLLM's --trust-request-chat-template,
+    without which a request's own chat_template is refused."""
     if tool_call_parser is not None:
         ToolParserManager.get_tool_parser(tool_call_parser)  # an unknown name fails now, not per request
     auto_tool_parser = tool_call_parser if enable_auto_tool_choice else None
@@ -200,7 +208,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def on_http(_, exc: StarletteHTTPException):  # unknown routes, methods, bodies that are not UTF-8
         message = str(exc.detail)
         if exc.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's, e.g. not UTF-8
-            message = "The request body could not be read: send JSON encoded as UTF-8."
+            message = body_error_message(exc.__cause__)
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(APIError)
@@ -289,8 +297,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
             params = tools.constrain(params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         messages = [m.to_template() for m in req.messages]
+        check_chat_template(req.chat_template, trust_request_chat_template)
         streams = engine.submit(await pre.run(pre.chat, messages, req.add_generation_prompt, params, rid,
-                                              _tool_dicts(req.tools)))  # rendered for tool_choice "none" too
+                                              _tool_dicts(req.tools),  # rendered for tool_choice "none" too
+                                              req.chat_template, req.chat_template_kwargs))
         fmt = _ChatFormat(rid, served_model_name, params, tools, engine.tokenizer, bool(req.return_tokens_as_token_ids))
         if req.stream:
             return _sse(streams, fmt, params, req.include_usage, metrics)

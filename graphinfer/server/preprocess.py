@@ -81,7 +81,8 @@ class Preprocessor:
     # ----- on a worker thread -----
     def completion(self, prompts: list, params: SamplingParams, request_id: str, echo: bool = False) -> list[Request]:
         self.async_engine.check_batch_size(len(prompts), params.num_candidates)
-        ids = [self._tokenize(p) if isinstance(p, str) else p for p in prompts]
+        truncating = params.truncate_prompt_tokens is not None
+        ids = [self._tokenize(p, truncating=truncating) if isinstance(p, str) else p for p in prompts]
         seqs = self._sequences(ids, prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))])
         if echo:  # the text echoed: a token-id prompt's is its decoded text (vLLM's; "" without a tokenizer)
             for seq in seqs:
@@ -90,10 +91,12 @@ class Preprocessor:
         return seqs
 
     def chat(self, messages: list[dict], add_generation_prompt: bool, params: SamplingParams,
-             request_id: str, tools: list[dict] | None = None) -> list[Request]:
+             request_id: str, tools: list[dict] | None = None, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[Request]:
         self.async_engine.check_batch_size(1, params.num_candidates)
-        text = chat_prompt_text(self.tokenizer, messages, add_generation_prompt, tools=tools)
-        ids = self._tokenize(text, add_special_tokens=False)
+        text = chat_prompt_text(self.tokenizer, messages, add_generation_prompt, chat_template, tools,
+                                chat_template_kwargs)
+        ids = self._tokenize(text, add_special_tokens=False, truncating=params.truncate_prompt_tokens is not None)
         return self._sequences([ids], [None], params, [request_id])
 
     def tokenize(self, prompt: str | None, messages: list[dict] | None, add_generation_prompt: bool,
@@ -117,9 +120,11 @@ class Preprocessor:
             raise InvalidRequestError(f"tokens must be token ids in [0, {vocab}).")
         return self.tokenizer.decode(ids)
 
-    def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def _tokenize(self, text: str, add_special_tokens: bool = True, truncating: bool = False) -> list[int]:
+        """truncating: truncate_prompt_tokens keeps the prompt's end, so its length proves nothing."""
         cpt = self.chars_per_token
-        if cpt and len(text) > cpt * (self.max_model_len - 1):  # at least max_model_len tokens: no room to generate
+        # at least max_model_len tokens: no room to generate
+        if cpt and not truncating and len(text) > cpt * (self.max_model_len - 1):
             raise PromptTooLongError(
                 f"The prompt has {len(text)} characters, so at least {math.ceil(len(text) / cpt)} tokens, but "
                 f"max_model_len is {self.max_model_len}, which must leave room for at least one generated token. "

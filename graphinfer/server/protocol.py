@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI API as vLLM serves it (pydantic; unknown fields are ignored).
+"""Request bodies of the OpenAI API as vLLM serves it (pydantic; unknown fields are accepted and logged once per name:
+request_fields.py, with vLLM's own fields beyond OpenAI's).
 
 Validated as vLLM validates them: a failure here is a 400 with OpenAI's error body (BadRequestError).
 The checks that need the prompt's token count (max_tokens + prompt within max_model_len) are the server's.
@@ -9,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from graphinfer.sampling_params import SamplingParams
+from graphinfer.server.request_fields import ChatTemplateFields, IgnoredFieldsLogged, VllmSamplingFields
 from graphinfer.server.structured_outputs import StructuredOutputsFields
 
 
@@ -40,9 +42,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(StructuredOutputsFields, _UnicodeChecked):  # + structured_outputs, guided_*, response_format
+class _SamplingRequest(StructuredOutputsFields, VllmSamplingFields, IgnoredFieldsLogged, _UnicodeChecked):
+    # + structured_outputs, guided_*, response_format; logit_bias, allowed_token_ids, bad_words, ...
     # NaN / Infinity (Python's json reads them) slip through SamplingParams' range checks and poison sampling.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     temperature: float | None = None
@@ -111,7 +114,7 @@ class _SamplingRequest(StructuredOutputsFields, _UnicodeChecked):  # + structure
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=self._logprobs(),
             prompt_logprobs=self._prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.structured_outputs_params())
+            structured_outputs=self.structured_outputs_params(), **self.vllm_sampling_kwargs())
 
     @property
     def include_usage(self) -> bool:
@@ -121,7 +124,7 @@ class _SamplingRequest(StructuredOutputsFields, _UnicodeChecked):  # + structure
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (input_processor.py)
     echo: bool = False  # the prompt's text before each choice's
     best_of: int | None = Field(None, ge=1, le=20)  # OpenAI's range; None: n
     suffix: None = None  # insertion is not supported
@@ -274,12 +277,12 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(ChatTemplateFields, _SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs
     add_generation_prompt: bool = True
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = "none"

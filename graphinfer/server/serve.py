@@ -176,8 +176,9 @@ async def drain(app, timeout: float, stop_now: asyncio.Event) -> tuple[int, int]
             w.cancel()
     remaining = gate.in_flight
     if remaining:
-        engine.end_all(f"The server is shutting down: the request did not finish within the shutdown timeout "
-                       f"({timeout:g} s) and was ended.")
+        why = ("a second Ctrl-C / SIGTERM ended the drain before the request finished" if stop_now.is_set() else
+               f"the request did not finish within the shutdown timeout ({timeout:g} s)")
+        engine.end_all(f"The server is shutting down: {why}, so it was ended.")
         with contextlib.suppress(asyncio.TimeoutError):  # their error events / 503s go out
             await asyncio.wait_for(gate.idle.wait(), 10)
     return in_flight - remaining, remaining
@@ -186,7 +187,7 @@ async def drain(app, timeout: float, stop_now: asyncio.Event) -> tuple[int, int]
 def serve(target: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_waiting_requests: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, enable_auto_tool_choice: bool = False,
-          tool_call_parser: str | None = None, **engine_args) -> None:
+          tool_call_parser: str | None = None, trust_request_chat_template: bool = False, **engine_args) -> None:
     from graphinfer.engine_args import create_engine_config
     from graphinfer.runtime.entrypoints.llm_engine import LLMEngine
     from graphinfer.server.tool_parsers import ToolParserManager
@@ -210,7 +211,8 @@ def serve(target: str, host: str, port: int, api_key: str | None, served_model_n
         engine = LLMEngine(create_engine_config(engine_args), core_process=True)
         name = served_model_name or _model_name(engine.config.model_config.model)
         async_engine = AsyncLLMEngine(engine, max_waiting_requests)
-        app = build_app(async_engine, name, api_key, max_request_body_bytes, enable_auto_tool_choice, tool_call_parser)
+        app = build_app(async_engine, name, api_key, max_request_body_bytes, enable_auto_tool_choice, tool_call_parser,
+                        trust_request_chat_template)
         logger.info("serving with max_num_batched_tokens=%d, max_num_seqs=%d",
                     engine.config.scheduler_config.max_num_batched_tokens, engine.config.scheduler_config.max_num_seqs)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)

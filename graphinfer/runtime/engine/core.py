@@ -199,8 +199,9 @@ class EngineCore:
 
     def _step_async(self) -> list[EngineCoreOutput]:
         outputs = []
-        if self._in_flight is not None and any(s.sampling_params.has_penalties for s in self._in_flight.sched.rows):
-            outputs = self._finish_in_flight()  # penalties count output tokens: they must be on the host
+        in_flight = self._in_flight
+        if in_flight is not None and any(s.sampling_params.reads_output_tokens for s in in_flight.sched.rows):
+            outputs = self._finish_in_flight()  # penalties, bad words: they read output tokens, on the host
         sched = self._schedule(in_flight=self._in_flight is not None)
         dp = self.lockstep.agree(sched)
         launched = None

@@ -95,14 +95,15 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
-             tools: list[dict] | None = None):
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None):
         """messages: one conversation (a list of {"role", "content"} dicts; assistant messages may carry
         "tool_calls", tool results come as {"role": "tool", "tool_call_id", "content"}) or a list of them.
         tools: OpenAI's [{"type": "function", "function": {"name", "description", "parameters"}}], rendered by
-        chat templates that have a tools block (Qwen, Llama 3.x), as in vLLM's LLM.chat."""
+        chat templates that have a tools block (Qwen, Llama 3.x), as in vLLM's LLM.chat. chat_template_kwargs: more
+        variables the template reads (e.g. enable_thinking for Qwen3)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": chat_prompt_ids(self.get_tokenizer(), conv, add_generation_prompt, chat_template,
-                                                        tools)} for conv in conversations]
+                                                        tools, chat_template_kwargs)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:

@@ -54,9 +54,12 @@ class LLMEngine:
         self.info = info
         self.max_model_len, self.hf_config, self.eos_token_ids = info.max_model_len, info.hf_config, info.eos_token_ids
         self.structured_output = structured_output
-        self.input_processor = InputProcessor(config.model_config.model, self.tokenizer, self.hf_config.vocab_size,
+        structured_output.bound_compiles(config.structured_outputs_compile_timeout,
+                                         config.structured_outputs_max_compiles)
+        mc = config.model_config
+        self.input_processor = InputProcessor(mc.model, self.tokenizer, self.hf_config.vocab_size,
                                               self.max_model_len, info.block_size, info.num_blocks, structured_output,
-                                              config.model_config.max_logprobs)
+                                              mc.max_logprobs, mc.max_logprob_entries)
         self.output_processor = OutputProcessor(self.tokenizer, spec_metrics=info.spec_decode)
 
     # ----- in-process introspection (tests, tools): the core, rank 0's worker -----

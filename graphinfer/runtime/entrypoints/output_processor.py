@@ -88,12 +88,16 @@ class OutputProcessor:
             params = state.sampling_params
             if eco.prompt_logprobs is not None:
                 state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids, eco.prompt_logprobs)
+            # vLLM: the token that stopped the request (EOS, a stop_token_id) is in token_ids but not in the text,
+            # unless include_stop_str_in_output
+            last_unread = len(eco.new_token_ids) - 1 if eco.finish_reason == "stop" and \
+                not params.include_stop_str_in_output else -1
             for j, token in enumerate(eco.new_token_ids):
                 state.output_token_ids.append(token)
                 if state.logprobs is not None:
                     self._record_logprobs(state, token, eco.new_logprobs[j])
                 delta = ""
-                if state.detokenizer is not None:
+                if state.detokenizer is not None and j != last_unread:
                     delta = state.detokenizer.add_token(token)
                     state.output_text = state.detokenizer.output_text
                 if params.stop_strings and delta and len(state.output_token_ids) >= params.min_tokens:

@@ -12,15 +12,17 @@ nothing). Each appended token is accepted by its request's matcher (accept_token
 allows only the stop (EOS) tokens, and having accepted one it is terminated: the request ends "stop". The matcher
 goes with the sequence (Scheduler.finish drops it).
 """
+import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
 
 from graphinfer.errors import InvalidStructuredOutputError
-from graphinfer.runtime.structured_output.request import structured_output_key
+from graphinfer.runtime.structured_output.request import CompileTimeout, structured_output_key
 from graphinfer.sampling_params import StructuredOutputsParams
 
 
@@ -56,6 +58,15 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._stats = StructuredOutputStats()
         self._timings: deque = deque()  # (start, end) device events of copies + applies not yet read
+        self.compile_timeout: float | None = None  # bound_compiles
+        self._compile_pool: ThreadPoolExecutor | None = None
+
+    def bound_compiles(self, timeout: float, max_compiles: int) -> None:
+        """Compile constraints on a pool of max_compiles threads, each request waiting at most `timeout` s for its
+        own (queue included): EngineConfig.structured_outputs_compile_timeout / structured_outputs_max_compiles."""
+        self.compile_timeout = timeout
+        self._compile_pool = ThreadPoolExecutor(max_compiles, thread_name_prefix="graphinfer-grammar-compile",
+                                                initializer=_lower_priority)
 
     # ----- requests -----
     def compile(self, params: StructuredOutputsParams):
@@ -67,7 +78,15 @@ class StructuredOutputManager:
                 "backend; leave it out (JSON may then hold any whitespace) or set disable_any_whitespace=true for "
                 "compact JSON.")
         kind, spec = structured_output_key(params)
-        return self._get_backend().compile(kind, spec, any_whitespace=not params.disable_any_whitespace)
+        try:
+            return self._get_backend().compile(kind, spec, any_whitespace=not params.disable_any_whitespace,
+                                               executor=self._compile_pool, timeout=self.compile_timeout)
+        except CompileTimeout:
+            raise InvalidStructuredOutputError(
+                f"structured outputs: the {kind} constraint did not compile within {self.compile_timeout:g} s "
+                f"(--structured-outputs-compile-timeout / structured_outputs_compile_timeout; compiles wait for one "
+                f"of --structured-outputs-max-compiles slots). Simplify it (a JSON schema this deep or large is "
+                f"costly to turn into a grammar), or raise the limit.") from None
 
     def matcher(self, grammar):
         """A fresh matcher (seq.grammar) over a compiled grammar, or over serialize_grammar's form of one."""
@@ -151,6 +170,19 @@ class StructuredOutputManager:
             self._stats.compiles, self._stats.cache_hits = backend.num_compiles, backend.num_cache_hits
             self._stats.compile_s = backend.compile_s
         return StructuredOutputStats(**asdict(self._stats))
+
+
+COMPILE_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """A compile thread runs at a lower CPU priority (Linux: a thread's own nice value) than the engine's and the
+    server's threads: where the CPUs are busy, running streams keep their pace and compiles take longer (within their
+    time-out)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
+        pass
 
 
 def serialize_grammar(compiled) -> str:

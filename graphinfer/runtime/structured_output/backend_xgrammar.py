@@ -7,11 +7,12 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 import xgrammar as xgr
 
 from graphinfer.errors import InvalidStructuredOutputError
+from graphinfer.runtime.structured_output.request import CompileTimeout
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
          "grammar": "grammar", "structural_tag": "structural tag"}
@@ -54,9 +55,13 @@ class XgrammarBackend:
         self.num_compiles = self.num_cache_hits = 0
         self.compile_s = 0.0
 
-    def compile(self, kind: str, spec: str, any_whitespace: bool = True) -> "xgr.CompiledGrammar":
+    def compile(self, kind: str, spec: str, any_whitespace: bool = True, executor=None,
+                timeout: float | None = None) -> "xgr.CompiledGrammar":
         """The compiled grammar, from the cache or compiled now (thread-safe: concurrent requests for one key wait for
-        a single compile). Raises InvalidStructuredOutputError naming the problem."""
+        a single compile). Raises InvalidStructuredOutputError naming the problem. executor: where the compile runs
+        (a bounded pool: StructuredOutputManager.bound_compiles), else on this thread; timeout: seconds to wait for
+        it, raising CompileTimeout past them (the compile, once started, still finishes into the cache; one still
+        queued is dropped)."""
         key = (kind, spec, any_whitespace)
         with self._lock:
             future = self._cache.get(key)
@@ -68,22 +73,41 @@ class XgrammarBackend:
             else:
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
-        if not owner:
-            return future.result()
+        task = None
+        if owner:
+            if executor is None:
+                self._run(key, future)
+            else:
+                task = executor.submit(self._run, key, future)
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeout:
+            if task is not None and task.cancel():  # never started: nobody else will start it
+                self._forget(key, future)
+                future.set_exception(CompileTimeout(timeout))
+            raise CompileTimeout(timeout) from None
+
+    def _run(self, key: tuple, future: Future) -> None:
+        """Compile key's grammar into future (its error too; a failure is not cached: the error reaches each waiter
+        once)."""
+        if future.done():
+            return
         started = time.perf_counter()
         try:
-            compiled = self._compile(kind, spec, any_whitespace)
+            compiled = self._compile(*key)
         except BaseException as e:
-            with self._lock:
-                if self._cache.get(key) is future:
-                    del self._cache[key]  # a failure is not cached: the error reaches each waiter once
+            self._forget(key, future)
             future.set_exception(e)
-            raise
+            return
         with self._lock:
             self.num_compiles += 1
             self.compile_s += time.perf_counter() - started
         future.set_result(compiled)
-        return compiled
+
+    def _forget(self, key: tuple, future: Future) -> None:
+        with self._lock:
+            if self._cache.get(key) is future:
+                del self._cache[key]
 
     def matcher(self, grammar: "xgr.CompiledGrammar | str") -> XgrammarGrammar:
         """A request's matcher over a compiled grammar, or over its serialization (serialize_json) from another

@@ -30,3 +30,12 @@ def choice_as_grammar(choice: list[str]) -> str:
     """root ::= "a" | "b" ... (vLLM's), each choice a JSON string literal, which xgrammar's EBNF reads with the same
     escapes (quotes, backslashes, newlines)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
+
+
+class CompileTimeout(Exception):
+    """A constraint did not compile within the time a request waits (StructuredOutputManager turns it into
+    InvalidStructuredOutputError naming the setting)."""
+
+    def __init__(self, timeout: float | None):
+        super().__init__(f"not compiled within {timeout} s")
+        self.timeout = timeout

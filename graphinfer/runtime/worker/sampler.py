@@ -1,8 +1,12 @@
 """Batched next-token sampler, following vLLM v1's Sampler.
 
-Order: raw logprobs (or raw logits: logprobs_mode) -> min_tokens mask -> penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p
+Order: raw logprobs (or raw logits: logprobs_mode) -> allowed_token_ids mask -> bad words -> min_tokens mask ->
+logit_bias -> penalties -> greedy argmax | temperature -> min_p -> top_k -> top_p
 -> exponential-race sampling. Logprobs are computed only when some row asks for them. Structured outputs' grammar
-mask is applied to the logits before any of it (model runner), so every path reads masked logits.
+mask is applied to the logits before any of it (model runner), so every path reads masked logits. The
+request's own logits processors (allowed_token_ids, bad_words, logit_bias: vLLM's) are tensors built per step from
+the rows' params (a bitmask through graphinfer::apply_token_bitmask, index lists for the bans and biases), applied to
+the fp32 copy of the logits; like everything here they run after the forward, outside any captured graph.
 
 Where the platform has the fused sampling kernel (graphinfer/ops/triton/sampling.py: CUDA, Ascend with
 Triton-Ascend, cpu with kernels="triton"), a batch whose rows ask for nothing but a temperature (no logprobs,
@@ -18,6 +22,7 @@ yields therefore differ between the two (as they already differ between torch's 
 import random
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from graphinfer.errors import InvalidConfigError
@@ -82,7 +87,11 @@ class Sampler:
         if asked:
             raw_lp = torch.log_softmax(x, dim=-1) if self.logprobs_mode == "raw_logprobs" else x.clone()
 
+        if any(p.has_logits_processors for p in params):
+            _apply_allowed_token_ids(x, params)
+            _apply_bad_words(x, rows, params)
         self._apply_min_tokens(x, rows, params)
+        _apply_logit_bias(x, params)
         self._apply_penalties(x, rows, params)
 
         rand = [i for i, p in enumerate(params) if not p.greedy]
@@ -183,6 +192,62 @@ class Sampler:
             x -= torch.tensor(pres, device=dev)[:, None] * (counts > 0)
 
 
+def _allowed_bitmask(p, V: int) -> np.ndarray:
+    """The request's allowed_token_ids as an int32 bitmask row (apply_token_bitmask's layout), made once per params."""
+    words = getattr(p, "_allowed_words", None)
+    if words is None or words.shape[0] != -(-V // 32):
+        ids = np.asarray(p.allowed_token_ids, dtype=np.int64)
+        ids = ids[ids < V]
+        bits = np.zeros(-(-V // 32), dtype=np.uint32)
+        np.bitwise_or.at(bits, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+        words = bits.view(np.int32)
+        p._allowed_words = words
+    return words
+
+
+def _apply_allowed_token_ids(x, params) -> None:
+    """-inf wherever a row with allowed_token_ids does not allow the token (other rows: all bits set)."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return
+    B, V = x.shape
+    mask = np.full((B, -(-V // 32)), -1, dtype=np.int32)
+    for i in rows:
+        mask[i] = _allowed_bitmask(params[i], V)
+    torch.ops.graphinfer.apply_token_bitmask(x, torch.from_numpy(mask).to(x.device))
+
+
+def _apply_bad_words(x, rows, params) -> None:
+    """vLLM's bad words: a word's last token is banned (-inf) where the row's generated tokens end with its others."""
+    r_idx, t_idx = [], []
+    for i, (row, p) in enumerate(zip(rows, params)):
+        words = p._bad_words_token_ids
+        if not words:
+            continue
+        out = row.output_token_ids
+        for word in words:
+            k = len(word) - 1
+            if k == 0 or (k <= len(out) and list(out[len(out) - k:]) == word[:-1]):
+                r_idx.append(i)
+                t_idx.append(word[-1])
+    if r_idx:
+        x[torch.tensor(r_idx, device=x.device), torch.tensor(t_idx, device=x.device)] = float("-inf")
+
+
+def _apply_logit_bias(x, params) -> None:
+    """logit_bias added to the logits (vLLM: after the masks; a banned token stays -inf)."""
+    r_idx, t_idx, vals = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            r_idx += [i] * len(p.logit_bias)
+            t_idx += list(p.logit_bias)
+            vals += list(p.logit_bias.values())
+    if r_idx:
+        dev = x.device
+        x.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                     torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
+
+
 def tokens_before(row) -> int:
     """Output tokens before the one a row samples: its scheduled placeholder for this token (engine/scheduler.py)
     counts in num_output_tokens, as do tokens still on their way to the host from earlier steps."""
@@ -198,13 +263,14 @@ def _min_tokens_in_force(row, p) -> bool:
 
 def _argmax_only(row, p) -> bool:
     """Greedy, no logprobs, no penalties, no min_tokens mask in force: the token is the logits' argmax."""
-    return p.greedy and p.logprobs is None and not p.has_penalties and not _min_tokens_in_force(row, p)
+    return (p.greedy and p.logprobs is None and not p.has_penalties and not p.has_logits_processors
+            and not _min_tokens_in_force(row, p))
 
 
 def _temperature_only(row, p) -> bool:
     """Nothing but a temperature to apply: the fused kernel samples the row from the logits as they are."""
-    return (p.logprobs is None and not p.has_penalties and not _min_tokens_in_force(row, p)
-            and (p.greedy or (p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0)))
+    return (p.logprobs is None and not p.has_penalties and not p.has_logits_processors
+            and not _min_tokens_in_force(row, p) and (p.greedy or (p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0)))
 
 
 def _token_counts(token_lists: list[list[int]], V: int, device) -> torch.Tensor:

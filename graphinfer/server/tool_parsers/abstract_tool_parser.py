@@ -62,11 +62,10 @@ class ToolParser(ABC):
         return request
 
     def extract_tool_calls(self, model_output: str, request=None) -> ExtractedToolCallInformation:
-        """The calls in a complete output; malformed calls leave the whole output as content."""
-        try:
-            parsed = self.parse(model_output, final=True)
-        except MalformedJSON:
-            parsed = None
+        """The calls in a complete output; malformed calls leave the whole output as content. An output that ends
+        inside a call (max_tokens, EOS) gives its calls as far as they are certain, as OpenAI does and as a stream
+        sends them (finish_streaming)."""
+        parsed = self._parse_final(model_output)
         if parsed is None or not parsed.calls:
             return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
         return ExtractedToolCallInformation(
@@ -85,11 +84,25 @@ class ToolParser(ABC):
     def finish_streaming(self, current_text: str) -> DeltaMessage | None:
         """At the end of the output: the rest (held-back text; the whole output as content where the calls turned
         out malformed and no call was sent)."""
-        try:
-            parsed = self.parse(current_text, final=True)
-        except MalformedJSON:
+        parsed = self._parse_final(current_text)
+        if parsed is None:
             parsed = ParsedText(content=current_text) if not self._ids else None
         return self._delta(parsed) if parsed is not None else None
+
+    def _parse_final(self, text: str) -> ParsedText | None:
+        """The complete text's parse; where it ends inside a call (a valid beginning of one: the parse of an
+        unfinished text succeeds), its calls as far as they go (those whose name is known); None where it is
+        malformed or no call's name is known yet."""
+        try:
+            return self.parse(text, final=True)
+        except MalformedJSON:
+            pass
+        try:
+            parsed = self.parse(text, final=False)
+        except MalformedJSON:
+            return None
+        parsed.calls = [c for c in parsed.calls if c.name is not None]
+        return parsed if parsed.calls else None  # no call begun: the whole text is content
 
     @property
     def tools_streamed(self) -> bool:
