@@ -13,7 +13,7 @@ import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
 from graphinfer.compiler.compile import check_inputs
 from graphinfer.runtime.worker.graph_dispatcher import fit_graph_budget
-from graphinfer.compiler.split import split_graph
+from graphinfer.compiler.split import DEFAULT_SPLITTING_OPS, split_graph
 from graphinfer.compiler.trace import node_target_name
 from graphinfer.errors import InvalidConfigError
 from capture_standin import OpTapePlatform
@@ -174,7 +174,7 @@ def test_artifact_records_the_split_and_serves_piecewise(tape, tmp_path):
     llm = LLM("tiny-qwen3", graph_mode="PIECEWISE", capture_sizes=[4, 8, 32], **kw)
     manifest = llm.llm_engine.save_artifact(str(tmp_path / "art"))
     assert manifest["graph_mode"] == "PIECEWISE"
-    assert manifest["split"]["num_pieces"] == 3 and manifest["split"]["splitting_ops"] == ["graphinfer::paged_attention"]
+    assert manifest["split"]["num_pieces"] == 3 and manifest["split"]["splitting_ops"] == list(DEFAULT_SPLITTING_OPS)
     assert "Piecewise split" in (tmp_path / "art" / "report.txt").read_text()
     expected = _tokens(llm, PROMPTS, _greedy())
     served = LLM(artifact=str(tmp_path / "art"), **kw)  # graph.py re-traced and split the same way
