@@ -266,6 +266,15 @@ def disagreements(a: dict, b: dict) -> dict:
             for task in a["answers"]}
 
 
+def _commit() -> str | None:
+    """The graphinfer checkout's commit (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def run(model: str | None, tasks: list[str] | None = None, backends: list[str] | None = None, limit: int | None = None,
         dtype: str = "float32", engine_kwargs: dict | None = None, schemes: list[str] = (),
         dtypes: list[str] = (), output_json: str | None = None) -> dict:
@@ -286,11 +295,12 @@ def run(model: str | None, tasks: list[str] | None = None, backends: list[str] |
     for other in dtypes:
         runs[f"llm {other}"] = evaluate("llm", model, tasks, limit, other, engine_kwargs)
     result = {"bench": "lm_eval", "model": model, "dtype": dtype, "engine_kwargs": engine_kwargs, "tasks": tasks,
-              "limit": limit, "environment": common.environment("cpu"), "runs": runs}
+              "limit": limit, "commit": _commit(), "environment": common.environment("cpu"), "runs": runs}
     if "hf" in runs:
         result["disagreements_with_hf"] = {name: disagreements(r, runs["hf"]) for name, r in runs.items()
                                            if name != "hf"}
-    metric = {t: next(iter(runs[next(iter(runs))]["metrics"].get(t, {"-": None}))) for t in tasks}
+    first = runs[next(iter(runs))]["metrics"]
+    metric = {t: next((k for k in first.get(t, {}) if k != "sample_len"), "-") for t in tasks}
     rows = [[name, *(r["metrics"].get(t, {}).get(metric[t]) for t in tasks), r["seconds"]] for name, r in runs.items()]
     print(common.markdown_table(["run", *(f"{t} {metric[t]}" for t in tasks), "seconds"], rows))
     if "disagreements_with_hf" in result:
