@@ -6,9 +6,18 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from graphinfer.bench.lm_eval_harness import disagreements, evaluate  # noqa: E402
+from graphinfer.bench.lm_eval_harness import _free_port, _Server, disagreements, evaluate  # noqa: E402
 
-TASK, LIMIT = "graphinfer_capitals", 24  # 24 questions x 4 choices: 96 loglikelihood requests per backend
+TASK, LIMIT = "graphinfer_capitals", 16  # 16 questions x 4 choices: 64 loglikelihood requests per backend
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, tmp_path_factory):
+    """One `graphinfer serve` (fp32) for the completions and the chat runs."""
+    log = tmp_path_factory.mktemp("lm_eval") / "serve.log"
+    s = _Server(smollm2_path, ["--dtype", "float32"], _free_port(), str(log))
+    yield s
+    s.close()
 
 
 @pytest.fixture(scope="module")
@@ -17,14 +26,15 @@ def hf_run(smollm2_path):
 
 
 @pytest.mark.parametrize("backend", ["server", "llm"])
-def test_multiple_choice_answers_equal_the_hf_backend(smollm2_path, hf_run, backend, tmp_path):
-    run = evaluate(backend, smollm2_path, [TASK], limit=LIMIT, work_dir=str(tmp_path))
+def test_multiple_choice_answers_equal_the_hf_backend(smollm2_path, hf_run, backend, request, tmp_path):
+    served = request.getfixturevalue("server") if backend == "server" else None
+    run = evaluate(backend, smollm2_path, [TASK], limit=LIMIT, work_dir=str(tmp_path), server=served)
     assert len(run["answers"][TASK]) == LIMIT
     assert disagreements(run, hf_run) == {TASK: 0}, (run["answers"], hf_run["answers"])
     assert run["metrics"][TASK]["acc,none"] == hf_run["metrics"][TASK]["acc,none"] > 0.5  # SmolLM2 knows capitals
 
 
-def test_chat_completions_run_a_generation_task(smollm2_path, tmp_path):
-    run = evaluate("chat", smollm2_path, ["graphinfer_arith_gen"], limit=8, work_dir=str(tmp_path))
-    assert len(run["answers"]["graphinfer_arith_gen"]) == 8
+def test_chat_completions_run_a_generation_task(smollm2_path, server, tmp_path):
+    run = evaluate("chat", smollm2_path, ["graphinfer_arith_gen"], limit=4, work_dir=str(tmp_path), server=server)
+    assert len(run["answers"]["graphinfer_arith_gen"]) == 4
     assert "exact_match,first_number" in run["metrics"]["graphinfer_arith_gen"]

@@ -209,6 +209,7 @@ def _deep_schema(depth: int, name: str) -> dict:
     return s
 
 
+@pytest.mark.slow  # ~30 s, and a pace ratio that two busy CI workers can disturb: make test-slow runs it
 def test_a_slow_schema_times_out_while_a_stream_keeps_its_pace(client, http):
     """Three schemas that each take seconds to compile: each is a 400 after the time-out, and, compiled one at a time
     on one thread, they leave a running stream's per-token time within a small factor of what it was."""

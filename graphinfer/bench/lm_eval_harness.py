@@ -123,7 +123,7 @@ def graphinfer_lm_class():
 
 
 class _Server:
-    """`graphinfer serve` in a child process, ended with the run."""
+    """`graphinfer serve` in a child process, ended with close()."""
 
     def __init__(self, model: str, args: list[str], port: int, log_path: str, timeout: float = 600.0):
         self.url = f"http://127.0.0.1:{port}"
@@ -217,8 +217,10 @@ def _flags(engine_kwargs: dict) -> list[str]:
 
 
 def evaluate(backend: str, model: str, tasks: list[str], limit: int | None = None, dtype: str = "float32",
-             engine_kwargs: dict | None = None, batch_size: int = 16, work_dir: str | None = None) -> dict:
-    """One backend's lm-eval run: {"metrics": {task: {metric: value}}, "answers": {task: [per item]}, "seconds"}."""
+             engine_kwargs: dict | None = None, batch_size: int = 16, work_dir: str | None = None,
+             server: "_Server | None" = None) -> dict:
+    """One backend's lm-eval run: {"metrics": {task: {metric: value}}, "answers": {task: [per item]}, "seconds"}.
+    server / chat: against `server` (a _Server) if given, else a `graphinfer serve` started for the run."""
     lm_eval = _lm_eval()
     from lm_eval.tasks import TaskManager
 
@@ -229,10 +231,12 @@ def evaluate(backend: str, model: str, tasks: list[str], limit: int | None = Non
     task_manager = TaskManager(include_path=TASKS_DIR)
     kwargs = dict(tasks=list(tasks), task_manager=task_manager, limit=limit, log_samples=True)
     start = time.perf_counter()
-    server = None
+    started = None
     try:
         if backend in ("server", "chat"):
-            server = _Server(model, ["--dtype", dtype, *_flags(engine_kwargs)], _free_port(), os.path.join(work, "serve.log"))
+            if server is None:
+                server = started = _Server(model, ["--dtype", dtype, *_flags(engine_kwargs)], _free_port(),
+                                           os.path.join(work, "serve.log"))
             endpoint = "/v1/completions" if backend == "server" else "/v1/chat/completions"
             model_args = dict(base_url=server.url + endpoint, model=server.model_name, num_concurrent=4, max_retries=1,
                               tokenizer_backend="huggingface", tokenizer=_tokenizer_dir(model, work), timeout=600)
@@ -254,8 +258,8 @@ def evaluate(backend: str, model: str, tasks: list[str], limit: int | None = Non
         else:
             res = lm_eval.simple_evaluate(model=_hf_lm(model, dtype, batch_size), **kwargs)
     finally:
-        if server is not None:
-            server.close()
+        if started is not None:
+            started.close()
     return {"metrics": _metrics(res["results"]), "answers": _per_item(res["samples"]),
             "seconds": round(time.perf_counter() - start, 1)}
 
