@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from graphinfer.ops.triton.launch import Launcher, cdiv, next_power_of_2
-from graphinfer.ops.triton.quant import _cast, _gemm_tiles, _interpreted, _refuse_fp8_on_npu, _round_to_e4m3, _rows
+from graphinfer.ops.triton.quant import _gemm_tiles, _interpreted, _refuse_fp8_on_npu, _round_to_e4m3, _rows, _store_tile
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -94,10 +94,7 @@ def _block_fp8_mm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, 
         else:
             d = tl.dot(a, tl.trans(b))  # float8e4nv x float8e4nv, fp32 accumulation (sm_89+)
         acc += d * a_s[:, None] * b_s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], _cast(acc, out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    _store_tile(acc, out_ptr, bias_ptr, rows, cols, row_mask, col_mask, stride_om, HAS_BIAS)
 
 
 _GROUP_QUANT = Launcher(_group_quant_kernel)

@@ -75,6 +75,16 @@ def _cast(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _store_tile(acc, out_ptr, bias_ptr, rows, cols, row_mask, col_mask, stride_om, HAS_BIAS: tl.constexpr):
+    """A GEMM's fp32 tile (+ bias [N]) stored in out_ptr's dtype: the epilogue the GEMM kernels share."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], _cast(acc, out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+
+@triton.jit
 def _round_to_e4m3(v):
     """Round fp32 |v| <= 448 to the nearest float8_e4m3fn value (ties to even), still as fp32."""
     bits = v.to(tl.int32, bitcast=True)
@@ -215,10 +225,7 @@ def _scaled_mm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr, M, N, K, 
     a_scale = tl.load(as_ptr + rows, mask=row_mask, other=0.0)
     b_scale = tl.load(bs_ptr + cols, mask=col_mask, other=0.0)
     out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], _cast(out, out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    _store_tile(out, out_ptr, bias_ptr, rows, cols, row_mask, col_mask, stride_om, HAS_BIAS)
 
 
 @triton.jit
@@ -282,10 +289,7 @@ def _wo_linear_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, G,
                             GROUP_TILE)
             acc += _fdot(x_even, tl.trans(w_lo), DOT_F32)
             acc += _fdot(x_odd, tl.trans(w_hi), DOT_F32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], _cast(acc, out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    _store_tile(acc, out_ptr, bias_ptr, rows, cols, row_mask, col_mask, stride_om, HAS_BIAS)
 
 
 _DYNAMIC_QUANT = Launcher(_dynamic_quant_kernel)
