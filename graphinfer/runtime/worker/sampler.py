@@ -87,11 +87,13 @@ class Sampler:
         if asked:
             raw_lp = torch.log_softmax(x, dim=-1) if self.logprobs_mode == "raw_logprobs" else x.clone()
 
-        if any(p.has_logits_processors for p in params):
+        processors = any(p.has_logits_processors for p in params)  # a plain batch pays this check only
+        if processors:
             _apply_allowed_token_ids(x, params)
             _apply_bad_words(x, rows, params)
         self._apply_min_tokens(x, rows, params)
-        _apply_logit_bias(x, params)
+        if processors:
+            _apply_logit_bias(x, params)
         self._apply_penalties(x, rows, params)
 
         rand = [i for i, p in enumerate(params) if not p.greedy]
