@@ -452,6 +452,9 @@ step_deepseek() {  # issue 49: DeepSeek natively (MLA + MoE): its tests on the G
     set -o pipefail
     echo "=== deepseek: pytest ${files[*]}"
     "$PY" -m pytest -q -p no:cacheprovider -rfE -m "gpu or not slow" "${files[@]}" 2>&1 | tee "$OUT_DIR/pytest_deepseek.log"
+    echo "=== deepseek: block-FP8 GEMM (kept fp8) vs bf16 on DeepSeek-V3's shapes (skips without an sm_89+ GPU)"
+    "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_block_fp8.py -k compiled_kernel 2>&1 \
+        | tee "$OUT_DIR/block_fp8_gemm.log"
     bench deepseek_throughput throughput --model "$model" --dtype "${DTYPE:-bfloat16}" --num-prompts "$n" \
         --min-len 128 --max-len 512 --max-num-seqs "$n" --graph-mode "$mode" --async-scheduling \
         --sweep mla-form=absorbed,expanded,absorbed,expanded --output-json "$OUT_DIR/deepseek_throughput.json"
