@@ -239,11 +239,12 @@ def evaluate(backend: str, model: str, tasks: list[str], limit: int | None = Non
                                            os.path.join(work, "serve.log"))
             endpoint = "/v1/completions" if backend == "server" else "/v1/chat/completions"
             model_args = dict(base_url=server.url + endpoint, model=server.model_name, num_concurrent=4, max_retries=1,
-                              tokenizer_backend="huggingface", tokenizer=_tokenizer_dir(model, work), timeout=600)
-            if backend == "chat":  # chat requests carry one conversation each
+                              timeout=600)
+            if backend == "chat":  # chat requests carry one conversation each, as text
                 model_args.update(tokenizer_backend=None, tokenized_requests=False)
-            else:  # lm-eval sends batch_size prompts per completions request, as the server batches them
-                model_args.update(batch_size=batch_size)
+            else:  # token ids, batch_size prompts per completions request (the server batches them)
+                model_args.update(tokenizer_backend="huggingface", tokenizer=_tokenizer_dir(model, work),
+                                  batch_size=batch_size)
             res = lm_eval.simple_evaluate(model="local-completions" if backend == "server" else
                                           "local-chat-completions", model_args=model_args,
                                           apply_chat_template=backend == "chat", **kwargs)
