@@ -86,9 +86,9 @@ class MultiprocExecutor(Executor):
         if self.channel is None:
             return self.driver_worker.execute(h, prev_tokens, mask_logits)
         share = share_sampled and len(h.logits_indices) > 0
-        self.channel.send_step(h, share)  # the other ranks run the same step on the same inputs
-        ps.set_phase(f"step {self.channel.steps}")
-        try:
+        try:  # sending the step fails too when a rank died (gloo): it gets the same grace to name the rank
+            self.channel.send_step(h, share)  # the other ranks run the same step on the same inputs
+            ps.set_phase(f"step {self.channel.steps}")
             out = self.driver_worker.execute(h, prev_tokens, mask_logits)
             if share:
                 ps.broadcast_from_rank0(out.sampled.sampled_token_ids)
