@@ -54,3 +54,10 @@ class InvalidStructuredOutputError(InvalidRequestError):
 class CpuKernelsMissingError(GraphinferError, RuntimeError):
     """The cpu platform's default kernels need their C++ library (graphinfer/ops/cpu/_cpu_kernels.so), and it is
     missing, stale or failed to load while GRAPHINFER_REQUIRE_CPU_KERNELS=1 refuses the PyTorch fallbacks."""
+
+
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter cannot be loaded: its directory or files are missing, its adapter_config.json asks for
+    something graphinfer does not run (DoRA, LoRA on the embeddings or LM head, modules_to_save, bias), or its
+    weights do not fit the base model or --max-lora-rank; the message names the adapter path, the field or module,
+    and the fix."""
