@@ -256,6 +256,28 @@ class ParallelConfig:
         return self.data_parallel_rank * self.tensor_parallel_size
 
 
+@dataclass
+class LoRAConfig:
+    """LoRA adapters (vLLM's names and defaults): a compiler pass adds graphinfer::lora_shrink / lora_expand beside each
+    projection (passes/lora.py); adapters are PEFT directories loaded into max_loras device slots while serving."""
+    enable_lora: bool = setting(False, "serve LoRA adapters (PEFT format) next to the base model, per request")
+    max_loras: int = setting(1, "adapters one step may use (device slots); requests of other adapters wait their turn")
+    max_lora_rank: int = setting(16, "the largest adapter rank accepted (the slots' rank)")
+    max_cpu_loras: int | None = setting(None, "adapters kept loaded in host memory, least recently used evicted "
+                                              "(default: max_loras)")
+
+    def __post_init__(self):
+        if self.max_loras < 1:
+            raise InvalidConfigError(f"max_loras={self.max_loras} must be >= 1.")
+        if self.max_lora_rank < 1:
+            raise InvalidConfigError(f"max_lora_rank={self.max_lora_rank} must be >= 1.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise InvalidConfigError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras} "
+                                     f"(vLLM's rule).")
+
+
 SPEC_METHODS = ("ngram", "draft_model", "mtp")
 # vLLM's other spellings of a method (it normalises "deepseek_mtp" and its kin to "mtp" as well)
 SPEC_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
@@ -333,6 +355,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     compile_config: CompileConfig = field(default_factory=CompileConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     artifact: str | None = setting(None, "start from a `graphinfer compile` output directory")
     speculative_config: SpeculativeConfig | None = setting(
         None, 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 3, '

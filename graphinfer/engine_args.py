@@ -16,11 +16,13 @@ import functools
 import types
 import typing
 
-from graphinfer.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from graphinfer.config import (CacheConfig, CompileConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                               SchedulerConfig)
 from graphinfer.errors import InvalidConfigError
 
 SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
-            "compile_config": CompileConfig, "parallel_config": ParallelConfig}
+            "compile_config": CompileConfig, "parallel_config": ParallelConfig,
+            "lora_config": LoRAConfig}
 
 # EngineConfig fields that are neither LLM keyword arguments nor CLI flags, and why.
 NOT_ARGUMENTS = {

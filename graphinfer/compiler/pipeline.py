@@ -37,6 +37,7 @@ from graphinfer.model_loader import load_model
 from graphinfer.models.loader import load_config, release_tensors
 from graphinfer.models.presets import PRESET_NAMES
 from graphinfer.passes import PassReports, resolve_passes
+from graphinfer.passes.lora import LoRAPass
 from graphinfer.passes.utils import release_fused_sources
 from graphinfer.platforms import KernelBackend, Platform
 
@@ -98,7 +99,7 @@ class CompilePipeline:
         return CompiledModel(model, hf_config, graph, reports, self.capture_sizes)
 
     def _run_passes(self, model: nn.Module):
-        graph, reports = compile_model(model, resolve_passes(self.config.compile_config.passes))
+        graph, reports = compile_model(model, configured_passes(self.config))
         if not reports.passed:  # `compile` refuses such a graph; here it runs, loudly
             logger.warning("passes changed the model's outputs beyond the check's tolerances: %s",
                            "; ".join(reports.failures()))
@@ -182,6 +183,35 @@ class CompilePipeline:
             raise InvalidConfigError(f"npu_compiler={spec!r} needs the npu platform; this engine runs on "
                                      f"{self.platform.name}. Drop npu_compiler or use device='npu'.")
         return compile_with_torchair(graph, spec.partition(":")[2] or "npugraph_ex", kernels=self.platform.kernels)
+
+
+def lora_max_num_tokens(config: EngineConfig) -> int:
+    """The most tokens one forward runs: the LoRA index buffer's length (a step, or the largest captured graph)."""
+    spec = config.speculative_config
+    per_row = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    return max(config.scheduler_config.max_num_batched_tokens, config.compile_config.max_capture_size * per_row)
+
+
+_AFTER_LORA = ("fuse_add_rmsnorm", "fuse_allreduce_add_rmsnorm", "fuse_moe", "absorb_mla", "lower_quant_linears",
+               "fuse_rmsnorm_quant", "fuse_silu_mul_quant", "cleanup")
+
+
+def configured_passes(config: EngineConfig) -> list:
+    """The configured passes; with enable_lora, the lora pass among them (added, if the list lacks it, after the
+    projections are fused and before anything fuses around their outputs: the all-reduce of a row-parallel layer must
+    still follow its F.linear, and quantized linears are not lowered yet) with the slots' sizes."""
+    passes = resolve_passes(config.compile_config.passes)
+    lc = config.lora_config
+    if lc.enable_lora:
+        lora = next((p for p in passes if isinstance(p, LoRAPass)), None)
+        if lora is None:
+            names = [p.name for p in passes]
+            at = next((i for i, n in enumerate(names) if n in _AFTER_LORA), len(passes))
+            lora = LoRAPass()
+            passes.insert(at, lora)
+        lora.max_loras, lora.max_lora_rank = lc.max_loras, lc.max_lora_rank
+        lora.max_num_tokens = lora_max_num_tokens(config)
+    return passes
 
 
 def _fx(graph: nn.Module) -> fx.GraphModule:

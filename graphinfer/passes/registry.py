@@ -30,17 +30,19 @@ from graphinfer.passes.fuse_qknorm_rope import FuseQKNormRopePass
 from graphinfer.passes.fuse_qkv import FuseQKVPass
 from graphinfer.passes.fuse_rmsnorm_quant import FuseRMSNormQuantPass
 from graphinfer.passes.fuse_silu_mul_quant import FuseSiluMulQuantPass
+from graphinfer.passes.lora import LoRAPass
 from graphinfer.passes.lower_quant_linears import LowerQuantLinearsPass
 
 GROUP = "graphinfer.passes"
 BUILTIN_PASSES: tuple[type[Pass], ...] = (CanonRMSNormPass, CanonRotaryPass, CanonTransposePass, FuseQKVPass, FuseQKNormRopePass, FuseGateUpPass, FuseAddRMSNormPass,
-                                          FuseAllReduceAddRMSNormPass, FuseMoEPass, AbsorbMLAPass, LowerQuantLinearsPass,
+                                          FuseAllReduceAddRMSNormPass, FuseMoEPass, AbsorbMLAPass, LoRAPass, LowerQuantLinearsPass,
                                           FuseRMSNormQuantPass, FuseSiluMulQuantPass, CleanupPass)
 # fuse_qknorm_rope matches only where q and k are RMSNormed per head (Qwen3), fuse_allreduce_add_rmsnorm only at
 # tp > 1, absorb_mla only in an MLA model (DeepSeek), the quantization passes only in a quantized model; elsewhere
 # they find no candidate.
 # The canonicalisation passes (canon_*) bring transformers' spellings (model_impl="transformers") to graphinfer's ops
 # first; on a native model's graph they find nothing.
+# lora is not a default: the pipeline adds it, configured, with enable_lora (compiler/pipeline.py configured_passes).
 DEFAULT_PASSES = ("canon_rms_norm", "canon_rotary", "canon_transpose", "fuse_qkv", "fuse_qknorm_rope", "fuse_gate_up", "fuse_add_rmsnorm", "fuse_allreduce_add_rmsnorm",
                   "fuse_moe", "absorb_mla", "lower_quant_linears", "fuse_rmsnorm_quant", "fuse_silu_mul_quant", "cleanup")
 

@@ -51,7 +51,7 @@ class BlockManager:
         so at least one token is always left to compute (its logits are what we sample from)."""
         if not self.enable_prefix_caching:
             return []
-        hits, parent = [], None
+        hits, parent = [], seq.cache_key
         bs = self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -109,7 +109,7 @@ class BlockManager:
         offered = []
         for i in range(len(seq.block_hashes), upto):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash((seq.block_hashes[-1] if seq.block_hashes else None, tokens))
+            h = hash((seq.block_hashes[-1] if seq.block_hashes else seq.cache_key, tokens))
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self.hash_to_block_id:  # else another sequence already caches this prefix

@@ -24,7 +24,7 @@ from graphinfer.compiler import artifact
 from graphinfer.compiler.artifact_export import export_artifact
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import parallel_state as ps
-from graphinfer.errors import GraphinferError
+from graphinfer.errors import GraphinferError, LoRAAdapterError
 from graphinfer.models.layers import rope_parameters
 from graphinfer.models.loader import load_tokenizer
 from graphinfer.platforms import Platform, platform_for_device
@@ -126,7 +126,8 @@ class EngineCore:
         self.proposer, self.spec_stats = make_proposer(config.speculative_config, self)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, worker.num_blocks, self.max_model_len,
                                    self.structured_output, self.spec_stats,
-                                   use_eagle=getattr(self.proposer, "use_eagle", False))
+                                   use_eagle=getattr(self.proposer, "use_eagle", False),
+                                   max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else 0)
         # MoE + expert parallel over several replicas: their MoE layers share all-to-alls, so they step together
         self.dp_lockstep = ps.dp_size() > 1 and ps.ep_size() > 1 and bool(worker.model_runner.moe_layers)
         self.lockstep = dp_lockstep.Lockstep(self.dp_lockstep)
@@ -157,7 +158,8 @@ class EngineCore:
 
     # ----- requests -----
     def add_request(self, req: EngineCoreRequest) -> None:
-        seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling_params, req.max_tokens, self.eos_token_ids)
+        seq = Sequence(req.request_id, req.prompt_token_ids, req.sampling_params, req.max_tokens, self.eos_token_ids,
+                       req.lora_request)
         if req.grammar is not None:
             seq.grammar = self.structured_output.matcher(req.grammar)
         if (seed := req.sampling_params.seed) is not None:
@@ -167,6 +169,27 @@ class EngineCore:
     def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
         for req in reqs:
             self.add_request(req)
+
+    # ----- LoRA adapters (never raise: a core process answers them on its reader thread) -----
+    def add_lora(self, request) -> str | None:
+        """Read and check the adapter (rank 0's worker; the other tensor-parallel ranks read it when a step first
+        uses it) into the host cache; None, or why it was refused."""
+        lora = self.worker.model_runner.lora
+        if lora is None:
+            return "LoRA is not enabled: start the engine with enable_lora=True (--enable-lora)."
+        try:
+            lora.add_lora(request)
+        except LoRAAdapterError as e:
+            return str(e)
+        return None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        lora = self.worker.model_runner.lora
+        return lora is not None and lora.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        lora = self.worker.model_runner.lora
+        return [] if lora is None else lora.list_loras()
 
     def abort_requests(self, request_ids) -> None:
         """End unfinished requests (aborts; stop strings the front end found); their blocks are freed now."""

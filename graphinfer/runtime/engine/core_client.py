@@ -47,6 +47,7 @@ class CoreProcClient:
         self.proc = launch.start_ranks(CORE_PROC_MODULE, [rank], spec)[0]
         self.conn = None
         self._send_lock = threading.Lock()
+        self._call_lock = threading.Lock()  # one call() at a time: replies come back in order, unlabelled
         self._connected = threading.Event()
         self._info: EngineCoreInfo | None = None
         self._ready = threading.Event()
@@ -184,16 +185,26 @@ class CoreProcClient:
     def spec_decode_stats(self) -> dict:
         return self.call("spec_decode_stats")
 
+    def add_lora(self, request) -> str | None:
+        return self.call("add_lora", request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.call("remove_lora", lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.call("list_loras")
+
     def wait_for_kv_cache_pages(self) -> None:
         """The core's process commits its pages in its idle time (as a server does)."""
 
     def call(self, method: str, *args, timeout: float = 60):
         """core.<method>(*args) in the core's process (answered on its reader thread, also while it steps)."""
-        self._send("call", method, args)
-        try:
-            reply = self.replies.get(timeout=timeout)
-        except queue.Empty:
-            raise GraphinferError(f"{self.name} did not answer {method}() within {timeout:g} s") from None
+        with self._call_lock:
+            self._send("call", method, args)
+            try:
+                reply = self.replies.get(timeout=timeout)
+            except queue.Empty:
+                raise GraphinferError(f"{self.name} did not answer {method}() within {timeout:g} s") from None
         self.check()
         return reply
 

@@ -160,9 +160,19 @@ class DPEngineCore:
         total = {k: sum(e[k] for e in engines) for k in ("running", "waiting", "preemptions", "kv_blocks_in_use")}
         return {**total, "kv_usage": sum(e["kv_usage"] for e in engines) / len(engines), "engines": engines}
 
-    def _call_all(self, method: str) -> list:
-        """core.<method>() on every replica (a side thread answers it there, also while it waits for a round)."""
-        return [getattr(self.local, method)()] + [self.replicas[d].call(method) for d in range(1, self.dp_size)]
+    def _call_all(self, method: str, *args) -> list:
+        """core.<method>(*args) on every replica (a side thread answers it there, also while it waits for a round)."""
+        return [getattr(self.local, method)(*args)] + [self.replicas[d].call(method, *args)
+                                                       for d in range(1, self.dp_size)]
+
+    def add_lora(self, request) -> str | None:
+        return next((e for e in self._call_all("add_lora", request) if e is not None), None)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return any(self._call_all("remove_lora", lora_int_id))
+
+    def list_loras(self) -> list[int]:
+        return self.local.list_loras()
 
     def expert_load(self) -> dict[int, list[int]]:
         """Every replica's tokens per expert, summed (each replica counts the tokens it scheduled)."""

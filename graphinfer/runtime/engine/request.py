@@ -16,6 +16,7 @@ class EngineCoreRequest:
     max_tokens: int  # resolved against max_model_len
     # structured outputs: the compiled grammar (in process), or its xgrammar serialization (to another process)
     grammar: object = None
+    lora_request: object = None  # its LoRA adapter (lora/request.py's LoRARequest), or None
 
 
 @dataclass

@@ -49,6 +49,9 @@ from graphinfer.runtime.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
+# Steps a request may be held back by max_loras while requests of running adapters pass it (then none may)
+LORA_MAX_WAITS = 64
+
 
 @dataclass
 class ScheduledRequest:
@@ -80,10 +83,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, structured_output=None, spec_stats=None, use_eagle: bool = False):
+                 max_model_len: int, structured_output=None, spec_stats=None, use_eagle: bool = False,
+                 max_loras: int = 0):
         """structured_output: the StructuredOutputManager whose matchers accept the sampled tokens (None: no
         grammars); spec_stats: speculative decoding's counters (SpecDecodingStats; None: it is off); use_eagle: the
-        proposer keeps cache rows that depend on the next block (MTP: BlockManager.find_cached_blocks)."""
+        proposer keeps cache rows that depend on the next block (MTP: BlockManager.find_cached_blocks); max_loras:
+        the LoRA adapters a step may use (vLLM's rule; 0: LoRA is off)."""
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.structured_output, self.spec_stats = structured_output, spec_stats
@@ -93,6 +98,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.max_loras = max_loras
 
     def add_request(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
@@ -140,10 +146,21 @@ class Scheduler:
             break
         if out.preempted:  # memory is short: don't admit anyone this step
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        loras = {s.lora_request.lora_int_id for s in self.running if s.lora_request is not None}
+        i = 0  # waiting[:i]: held back by max_loras this step
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
             if seq.num_pending:  # preempted with a token on its way (async scheduling): admit it once it lands
                 break
+            lora = seq.lora_request.lora_int_id if seq.lora_request is not None else None
+            if lora is not None and lora not in loras and len(loras) >= self.max_loras:
+                # vLLM's rule: a step holds at most max_loras adapters; later requests of running ones may pass it,
+                # until it has waited LORA_MAX_WAITS steps: then nobody passes it, the running adapters drain
+                seq.lora_waits += 1
+                if seq.lora_waits > LORA_MAX_WAITS:
+                    break
+                i += 1
+                continue
             cached = self.block_manager.find_cached_blocks(seq)
             if seq.wants_prompt_logprobs:  # prompt logprobs need the hidden states of the positions still owed
                 cached = cached[:seq.num_prompt_logprobs // self.block_manager.block_size]
@@ -155,7 +172,10 @@ class Scheduler:
                 break
             self.block_manager.allocate(seq, cached, n)
             out.cached_blocks += self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
-            self.waiting.popleft()
+            del self.waiting[i]
+            if lora is not None:
+                loras.add(lora)
+                seq.lora_waits = 0
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._scheduled(out, seq, n)

@@ -15,13 +15,15 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 max_tokens: int, eos_token_ids: set[int] = frozenset()):
+                 max_tokens: int, eos_token_ids: set[int] = frozenset(), lora_request=None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output, the tokens whose KV gets computed
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # resolved against max_model_len
+        self.lora_request = lora_request  # its LoRA adapter (lora/request.py's LoRARequest), or None
+        self.lora_waits = 0  # steps its admission was held back by max_loras (the scheduler's starvation guard)
         self.eos_token_ids = eos_token_ids  # the model's
         # what min_tokens masks (vLLM's SamplingParams.all_stop_token_ids): the request's stop ids and the model's EOS
         self.all_stop_token_ids = frozenset(sampling_params.stop_token_ids) | frozenset(eos_token_ids)
@@ -49,6 +51,12 @@ class Sequence:
         self.num_prompt_logprobs = 0
         self.prompt_logprobs_parts: list = []
         self.prompt_logprobs_sent = False
+
+    @property
+    def cache_key(self):
+        """The root of its blocks' chained prefix-cache hashes: blocks computed with one LoRA adapter are never hits
+        for another (or for the base model)."""
+        return None if self.lora_request is None else ("lora", self.lora_request.lora_int_id)
 
     @property
     def num_tokens(self) -> int:

@@ -141,10 +141,12 @@ class AsyncLLMEngine:
         self.abort(request_id)
 
     # ----- requests -----
-    def make_requests(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> list[Request]:
-        """Validate and tokenize every prompt (typed errors); touches no engine state, so any thread may call it."""
+    def make_requests(self, prompts: list, params: SamplingParams, request_ids: list[str],
+                      lora_request=None) -> list[Request]:
+        """Validate and tokenize every prompt (typed errors; an adapter not read yet is read and checked here); any
+        thread may call it."""
         self.check_batch_size(len(prompts))
-        return [self.engine.make_request(p, params, rid) for p, rid in zip(prompts, request_ids)]
+        return [self.engine.make_request(p, params, rid, lora_request) for p, rid in zip(prompts, request_ids)]
 
     def submit(self, seqs: list[Request]) -> list["RequestStream"]:
         """Queue validated requests (all or none); call on the event loop. Each returned stream yields that
@@ -168,9 +170,10 @@ class AsyncLLMEngine:
         self.engine.wake()
         return streams
 
-    def add_requests(self, prompts: list, params: SamplingParams, request_ids: list[str]) -> list["RequestStream"]:
+    def add_requests(self, prompts: list, params: SamplingParams, request_ids: list[str],
+                     lora_request=None) -> list["RequestStream"]:
         """make_requests + submit, on the event loop."""
-        return self.submit(self.make_requests(prompts, params, request_ids))
+        return self.submit(self.make_requests(prompts, params, request_ids, lora_request))
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ class Request:
     sampling_params: SamplingParams
     max_tokens: int  # resolved against max_model_len
     grammar: object = None  # structured outputs: the compiled constraint
+    lora_request: object = None  # its LoRA adapter (lora/request.py's LoRARequest), or None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -28,13 +29,13 @@ class Request:
 class InputProcessor:
     def __init__(self, model_name: str, tokenizer, vocab_size: int, max_model_len: int, block_size: int,
                  num_blocks: int, structured_output: StructuredOutputManager, max_logprobs: int = 20,
-                 max_logprob_entries: int = 0):
+                 max_logprob_entries: int = 0, enable_lora: bool = False):
         """max_logprobs (vLLM's; -1: no limit), max_logprob_entries (0: no limit): the budgets of
         check_logprobs."""
         self.model_name, self.tokenizer, self.vocab_size = model_name, tokenizer, vocab_size
         self.max_logprobs, self.max_logprob_entries = max_logprobs, max_logprob_entries
         self.max_model_len, self.block_size, self.num_blocks = max_model_len, block_size, num_blocks
-        self.structured_output = structured_output
+        self.structured_output, self.enable_lora = structured_output, enable_lora
         self._ids = itertools.count()
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -43,9 +44,12 @@ class InputProcessor:
         return self.tokenizer(prompt).input_ids
 
     def make_request(self, prompt: str | list[int] | dict, params: SamplingParams | None,
-                     request_id: str | None = None) -> Request:
+                     request_id: str | None = None, lora_request=None) -> Request:
         """Validate and tokenize one request without queueing it (so a batch can be checked first)."""
         params = params or SamplingParams()
+        if lora_request is not None and not self.enable_lora:
+            raise InvalidRequestError(f"The request names LoRA adapter {lora_request.lora_name!r}, but LoRA is not "
+                                      f"enabled: start the engine with enable_lora=True (--enable-lora).")
         if isinstance(prompt, dict):  # vLLM's TokensPrompt / TextPrompt
             prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
         text = prompt if isinstance(prompt, str) else None
@@ -88,7 +92,7 @@ class InputProcessor:
         grammar = None
         if params.structured_outputs is not None:  # compiled once (the server: on its preprocessing threads)
             grammar = self.structured_output.compile(params.structured_outputs)
-        return Request(request_id, text, ids, params, max_tokens, grammar)
+        return Request(request_id, text, ids, params, max_tokens, grammar, lora_request)
 
     def check_logprobs(self, params: SamplingParams, max_tokens: int) -> None:
         """vLLM's max_logprobs (logprobs and prompt_logprobs; -1: the whole vocabulary), then the request's logprob

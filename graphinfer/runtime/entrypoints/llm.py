@@ -77,9 +77,11 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or
-        vLLM-style dicts ({"prompt": ...} / {"prompt_token_ids": [...]}). Outputs come in prompt order."""
+        vLLM-style dicts ({"prompt": ...} / {"prompt_token_ids": [...]}). Outputs come in prompt order.
+        lora_request: a LoRARequest (graphinfer.lora) for every prompt, or a list with one (or None) per prompt
+        (needs enable_lora=True)."""
         if not self.llm_engine.is_running:
             raise GraphinferError("This LLM was shut down (shutdown(), or its `with` block ended): create a new one.")
         prompts = _as_prompt_list(prompts)
@@ -91,11 +93,16 @@ class LLM:
                 raise InvalidConfigError(f"Got {len(prompts)} prompts but {len(params)} SamplingParams; "
                                          f"pass one SamplingParams or one per prompt.")
         params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]  # only the ends are read
-        return self._run([self.llm_engine.make_request(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidConfigError(f"Got {len(prompts)} prompts but {len(loras)} LoRA requests; pass one "
+                                     f"LoRARequest or one (or None) per prompt.")
+        return self._run([self.llm_engine.make_request(p, sp, lora_request=lr)
+                          for p, sp, lr in zip(prompts, params, loras)], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None):
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None, lora_request=None):
         """messages: one conversation (a list of {"role", "content"} dicts; assistant messages may carry
         "tool_calls", tool results come as {"role": "tool", "tool_call_id", "content"}) or a list of them.
         tools: OpenAI's [{"type": "function", "function": {"name", "description", "parameters"}}], rendered by
@@ -104,7 +111,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": chat_prompt_ids(self.get_tokenizer(), conv, add_generation_prompt, chat_template,
                                                         tools, chat_template_kwargs)} for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         # Every prompt was validated before any was queued: a bad one leaves nothing behind.

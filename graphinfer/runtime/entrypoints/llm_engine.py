@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterable
 
 from graphinfer.config import EngineConfig
-from graphinfer.errors import InvalidRequestError
+from graphinfer.errors import InvalidRequestError, LoRAAdapterError
 from graphinfer.outputs import RequestOutput
 from graphinfer.platforms import Platform, platform_for_device
 from graphinfer.runtime.engine.core import EngineCore, engine_tokenizer
@@ -59,7 +59,8 @@ class LLMEngine:
         mc = config.model_config
         self.input_processor = InputProcessor(mc.model, self.tokenizer, self.hf_config.vocab_size,
                                               self.max_model_len, info.block_size, info.num_blocks, structured_output,
-                                              mc.max_logprobs, mc.max_logprob_entries)
+                                              mc.max_logprobs, mc.max_logprob_entries, config.lora_config.enable_lora)
+        self._loras: dict[int, str] = {}  # adapters the core has read and accepted: id -> path
         self.output_processor = OutputProcessor(self.tokenizer, spec_metrics=info.spec_decode)
 
     # ----- in-process introspection (tests, tools): the core, rank 0's worker -----
@@ -89,9 +90,12 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.input_processor.tokenize(prompt)
 
-    def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+    def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                     lora_request=None) -> Request:
         """Validate and tokenize one request without queueing it (any thread may call this)."""
-        req = self.input_processor.make_request(prompt, params, request_id)
+        req = self.input_processor.make_request(prompt, params, request_id, lora_request)
+        if lora_request is not None and self._loras.get(lora_request.lora_int_id) != lora_request.lora_path:
+            self.add_lora(lora_request)
         if self.output_processor.in_use(req.request_id):
             raise InvalidRequestError(f"Request id {req.request_id!r} is already in use.")
         return req
@@ -110,10 +114,27 @@ class LLMEngine:
             self.output_processor.abort_request(req.request_id)
             raise
 
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> str:
-        req = self.make_request(prompt, params, request_id)
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    lora_request=None) -> str:
+        req = self.make_request(prompt, params, request_id, lora_request)
         self.add(req)
         return req.request_id
+
+    # ----- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -----
+    def add_lora(self, lora_request) -> bool:
+        """Read and check the adapter now (a request naming it loads it too); LoRAAdapterError if it is refused."""
+        error = self.engine_core.add_lora(lora_request)
+        if error is not None:
+            raise LoRAAdapterError(error)
+        self._loras[lora_request.lora_int_id] = lora_request.lora_path
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._loras.pop(lora_int_id, None)
+        return self.engine_core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.engine_core.list_loras())
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (every child of a parallel-sampling one) and free its blocks."""

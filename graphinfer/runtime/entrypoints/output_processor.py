@@ -61,7 +61,8 @@ class OutputProcessor:
             self.parents[req.request_id] = ParentRequest(req, states)
         for state in states:
             self.requests[state.request_id] = state
-        return [EngineCoreRequest(s.request_id, req.prompt_token_ids, s.sampling_params, req.max_tokens, req.grammar)
+        return [EngineCoreRequest(s.request_id, req.prompt_token_ids, s.sampling_params, req.max_tokens, req.grammar,
+                                  req.lora_request)
                 for s in states]
 
     def _state(self, request_id: str, req: Request, params: SamplingParams, index: int) -> RequestState:

@@ -37,6 +37,10 @@ class HostInputs:
     prompt_lp_indices: np.ndarray | None = None
     prompt_lp_targets: np.ndarray | None = None
     prompt_lp_k: int = 0
+    # LoRA (runtime/worker/lora_manager.py): each token's adapter slot (-1: none; None: no token has one), and the
+    # (slot, LoRARequest) writes every rank makes before the forward
+    lora_slots: np.ndarray | None = None
+    lora_loads: list | None = None
 
     def pending_index(self) -> np.ndarray | None:
         """[2, P] int64 (dst; src), or None when the pending ids are simply the first P sampled ones, in order."""

@@ -22,6 +22,7 @@ from graphinfer.runtime.worker.device_graphs import staged
 from graphinfer.runtime.worker.expert_load import moe_layers
 from graphinfer.runtime.worker.graph_dispatcher import FULL, PIECEWISE, GraphDispatcher
 from graphinfer.runtime.worker.inputs import HostInputs, empty_inputs, pad_inputs
+from graphinfer.runtime.worker.lora_manager import LoRAManager
 from graphinfer.runtime.worker.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,9 @@ class ModelRunner:
             drafter.bind(self)
         self.sampler = Sampler(seed=config.model_config.seed, device=device, kernel=backend.sample_kernel,
                                logprobs_mode=config.model_config.logprobs_mode)
+        # LoRA: the graph's adapter slots (passes/lora.py), filled per step from the step's plan
+        self.lora = LoRAManager(compiled.graph, config.lora_config, activation_dtype(self.model)) \
+            if config.lora_config.enable_lora else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         return self.graph(input_ids, positions, md)
@@ -182,7 +186,7 @@ class ModelRunner:
         self.drafter = self.last_hidden = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
-        self.kv_cache = self.graph = self.model = self.compute_logits = self.sampler = self.num_tokens = None
+        self.kv_cache = self.graph = self.model = self.compute_logits = self.sampler = self.num_tokens = self.lora = None
         self.attn_layers, self.moe_layers = [], {}
 
     def wait_for_kv_cache_pages(self) -> None:
@@ -235,6 +239,7 @@ class ModelRunner:
                 else:
                     logits_indices.append(end - 1)
                 spec_lens.append(k)
+        lora_slots, lora_loads = self._lora_plan(out) if self.lora is not None else (None, None)
         block_tables = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
         for i, table in enumerate(tables):
             block_tables[i, :len(table)] = table
@@ -250,7 +255,17 @@ class ModelRunner:
                           decode_graphs=not plp_rows,
                           prompt_lp_indices=np.array(plp_rows, dtype=np.int64) if plp_rows else None,
                           prompt_lp_targets=np.array(plp_targets, dtype=np.int64) if plp_rows else None,
-                          prompt_lp_k=plp_k)
+                          prompt_lp_k=plp_k, lora_slots=lora_slots, lora_loads=lora_loads)
+
+    def _lora_plan(self, out: SchedulerOutput) -> tuple[np.ndarray | None, list | None]:
+        """Rank 0: the step's slot per token and the adapter writes it needs first (LoRAManager.plan)."""
+        requests = {s.seq.lora_request.lora_int_id: s.seq.lora_request for s in out.scheduled
+                    if s.seq.lora_request is not None}
+        if not requests:
+            return None, None
+        slot_of, loads = self.lora.plan(requests)
+        slots = [-1 if s.seq.lora_request is None else slot_of[s.seq.lora_request.lora_int_id] for s in out.scheduled]
+        return np.repeat(np.array(slots, dtype=np.int64), [s.num_tokens for s in out.scheduled]), loads
 
     def prepare_inputs(self, out: SchedulerOutput | None, dp_step=None) -> HostInputs:
         """The step's host inputs; dp_step: the shape the data-parallel replicas agreed on (engine/dp_lockstep.py),
@@ -303,6 +318,8 @@ class ModelRunner:
         fill_pending = lambda ids: self.fill_pending(ids, h, prev_tokens)  # noqa: E731
         if self.num_tokens is not None:  # the real rows: a padded bucket's others count no expert load
             self.num_tokens.fill_(len(h.input_ids) - h.num_pad)
+        if self.lora is not None:
+            self.lora.apply(h.lora_slots, h.lora_loads or [])
         run = self.dispatcher.dispatch(h)
         t = self.to_device
         if run.kind == FULL:
