@@ -60,7 +60,7 @@ test-slow: venv
 test-triton-ascend: venv-ascend
 	TRITON_INTERPRET=1 PYTHONPATH=. $(ASCEND_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_fused_moe.py tests/test_triton_qk_norm_rope.py \
 		tests/test_triton_prefill_attention.py tests/test_triton_sampling.py tests/test_triton_skinny_gemm.py \
-		tests/test_triton_quant.py tests/test_rejection_sampler.py tests/test_mla_kernels.py
+		tests/test_triton_quant.py tests/test_rejection_sampler.py tests/test_mla_kernels.py tests/test_lora_kernels.py
 
 # .torch: the stamp before it recorded the sources; graphinfer/ops/_cpu_kernels.so*: the library's place before ops/cpu/
 clean:

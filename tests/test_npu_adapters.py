@@ -247,13 +247,14 @@ def _triton():
 
 def test_kernel_choice_parsing():
     default = parse_kernels(None, NPU_OPS)
-    triton_default = ("paged_attention", "mla_latent_attention")
+    triton_default = ("paged_attention", "mla_latent_attention", "lora_shrink", "lora_expand")  # LoRA: no torch_npu op
     assert all(default[op] == "triton" for op in triton_default)
     assert all(default[op] == "torch_npu" for op in NPU_OPS if op not in triton_default)
     assert parse_kernels("torch_npu", NPU_OPS) == {op: "torch_npu" for op in NPU_OPS}
     assert parse_kernels("triton", NPU_OPS) == {op: "triton" for op in _triton()}
     assert parse_kernels("reference", NPU_OPS) == {}
-    assert parse_kernels("torch_npu,paged_attention=triton,mla_latent_attention=triton", NPU_OPS) == default
+    assert parse_kernels("torch_npu,paged_attention=triton,mla_latent_attention=triton,lora_shrink=triton,"
+                         "lora_expand=triton", NPU_OPS) == default
     rms = parse_kernels(" rms_norm=triton ", NPU_OPS)
     assert rms["rms_norm"] == "triton" and rms["paged_attention"] == "triton" and rms["fused_moe"] == "torch_npu"
     assert "fused_moe" not in parse_kernels("torch_npu,fused_moe=reference", NPU_OPS)

@@ -207,9 +207,10 @@ class CpuPlatform(Platform):
             from graphinfer.ops.cpu.attention import CPU_OPS
             from graphinfer.ops.cpu.bitmask import CPU_BITMASK_OPS
             from graphinfer.ops.cpu.elementwise import CPU_ELEMENTWISE_OPS
+            from graphinfer.ops.cpu.lora import CPU_LORA_OPS
             from graphinfer.ops.cpu.quant import CPU_QUANT_OPS
 
-            return {**CPU_OPS, **CPU_ELEMENTWISE_OPS, **CPU_QUANT_OPS, **CPU_BITMASK_OPS}
+            return {**CPU_OPS, **CPU_ELEMENTWISE_OPS, **CPU_QUANT_OPS, **CPU_BITMASK_OPS, **CPU_LORA_OPS}
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise InvalidConfigError("kernels='triton' on cpu runs Triton's interpreter: set TRITON_INTERPRET=1 "
                                      "in the environment before starting graphinfer.")

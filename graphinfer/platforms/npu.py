@@ -8,7 +8,7 @@ TORCH_DEVICE_BACKEND_AUTOLOAD=0; graphinfer then still loads torch_npu explicitl
 
 Kernels (CompileConfig.kernels / --kernels): None = torch_npu fused ops for every op they cover except
 paged_attention and mla_latent_attention, which stay the Triton kernels (Triton-Ascend): they read their lengths on
-device, so plain capture works. "torch_npu" puts attention on FIA too (FULL_DECODE_ONLY then patches FIA's host lengths
+device, so plain capture works; lora_shrink / lora_expand run their Triton kernels too (torch_npu has no LoRA op). "torch_npu" puts attention on FIA too (FULL_DECODE_ONLY then patches FIA's host lengths
 before each replay, see graphinfer.ops.npu.ops.FiaGraphParams); "triton"; "reference"; or per-op overrides:
 "torch_npu,paged_attention=triton", "rms_norm=triton". The sampler uses the fused Triton sampling kernel
 whenever some op runs on Triton (the default), see Sampler.
@@ -27,8 +27,9 @@ from graphinfer.platforms.interface import Platform
 CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")  # set by CANN's set_env.sh
 KERNEL_CHOICES = ("torch_npu", "triton", "reference")
 # Attention stays on the Triton kernels by default: they read the lengths on device (plain capture works), and
-# mla_latent_attention's FIA mapping is unverified (docs/ascend.md, MLA).
-DEFAULT_TRITON_OPS = ("paged_attention", "mla_latent_attention")
+# mla_latent_attention's FIA mapping is unverified (docs/ascend.md, MLA). The LoRA ops run Triton-Ascend by default:
+# torch_npu has no LoRA op (vllm-ascend's are AscendC kernels of its own).
+DEFAULT_TRITON_OPS = ("paged_attention", "mla_latent_attention", "lora_shrink", "lora_expand")
 
 
 def import_torch_npu():

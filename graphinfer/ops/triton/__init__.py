@@ -42,6 +42,7 @@ from graphinfer.ops.triton.bitmask import apply_token_bitmask  # noqa: E402
 from graphinfer.ops.triton.block_fp8 import BLOCK_FP8_OPS  # noqa: E402
 from graphinfer.ops.triton.fused_moe import fused_experts_op, fused_moe  # noqa: E402
 from graphinfer.ops.triton.kv_cache import concat_and_cache_mla, reshape_and_cache  # noqa: E402
+from graphinfer.ops.triton.lora import LORA_OPS  # noqa: E402
 from graphinfer.ops.triton.mla_attention import mla_latent_attention  # noqa: E402
 from graphinfer.ops.triton.norm import add_rms_norm, rms_norm  # noqa: E402
 from graphinfer.ops.triton.qk_norm_rope import qk_norm_rope, qk_norm_rope_cache  # noqa: E402
@@ -67,6 +68,7 @@ TRITON_OPS: dict[str, Callable] = {
     "apply_token_bitmask": apply_token_bitmask,
     **QUANT_OPS,  # dynamic_quant, scaled_mm, wo_linear and the fused norm / activation + quant ops
     **BLOCK_FP8_OPS,  # block_fp8_linear (DeepSeek's block-FP8 weights kept in fp8)
+    **LORA_OPS,  # lora_shrink, lora_expand (BGMV-style; npu's only kernels for them: torch_npu has no LoRA op)
 }
 
 __all__ = ["TRITON_OPS", "add_rms_norm", "apply_token_bitmask", "concat_and_cache_mla", "fused_moe", "gelu_and_mul", "mla_latent_attention", "paged_attention", "qk_norm_rope", "qk_norm_rope_cache",
