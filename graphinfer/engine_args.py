@@ -88,7 +88,7 @@ def check_names(names, what: str = "LLM()") -> None:
 
 def with_artifact_defaults(kwargs: dict) -> dict:
     """kwargs with the settings an artifact was compiled with where they were not given (model, dtype, quantization,
-    graph mode, capture sizes, splitting ops, speculative config, tensor / expert parallel); the rest as given."""
+    graph mode, capture sizes, splitting ops, speculative config, tensor / expert parallel, LoRA); the rest as given."""
     art = kwargs.get("artifact")
     if not art:
         return dict(kwargs)
@@ -104,6 +104,7 @@ def with_artifact_defaults(kwargs: dict) -> dict:
         "speculative_config": manifest.get("speculative_config"),
         "tensor_parallel_size": artifacts.tensor_parallel_size(manifest),
         "enable_expert_parallel": artifacts.expert_parallel(manifest),
+        "enable_lora": manifest.get("enable_lora", False),
     }
     return {**kwargs, **{k: v for k, v in derived.items() if k not in given}}
 

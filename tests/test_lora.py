@@ -5,6 +5,7 @@ each request its own adapter's tokens: in NONE, under the capture stand-in (full
 the index buffer changing between steps), at tp 2, through preemption, with more adapters queued than max_loras, and
 with prefix-cache hits that never cross adapters."""
 import copy
+import os
 import functools
 
 import pytest
@@ -14,7 +15,7 @@ from hf_zoo import greedy_of
 
 import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
-from graphinfer.errors import InvalidRequestError, LoRAAdapterError
+from graphinfer.errors import ArtifactMismatchError, InvalidRequestError, LoRAAdapterError
 from graphinfer.lora import LoRARequest
 
 KW = dict(device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=96, max_num_seqs=8,
@@ -162,3 +163,21 @@ def test_bad_adapters_and_requests_are_refused(lora_case, tmp_path, tiny_checkpo
     with LLM(path, **{k: v for k, v in KW.items() if "lora" not in k}) as llm:
         with pytest.raises(InvalidRequestError, match="enable_lora"):
             llm.generate([PROMPTS[0]], _params(), use_tqdm=False, lora_request=requests["a1"])
+
+
+def test_artifact_keeps_the_lora_graph_and_sizes_slots_at_load(lora_case, tmp_path):
+    """An artifact compiled with enable_lora holds the lora nodes and empty slots (none of their zeros on disk); served
+    with another max_loras it gives each request its adapter's tokens. enable_lora on an artifact compiled without it
+    is refused naming the recompile command."""
+    path, requests, expected = lora_case("llama")
+    art, plain = str(tmp_path / "art"), str(tmp_path / "plain")
+    with LLM(path, **{**KW, "max_loras": 4, "max_lora_rank": 64}) as llm:
+        manifest = llm.llm_engine.save_artifact(art)
+    assert manifest["enable_lora"] and os.path.getsize(os.path.join(art, "added_modules.pt")) < 200_000
+    with LLM(artifact=art, **{k: v for k, v in KW.items() if k != "enable_lora"}) as llm:  # enable_lora from the artifact
+        assert llm.llm_engine.worker.model_runner.lora.modules[0].lora_a.shape[0] == KW["max_loras"]
+        assert _mixed(llm, requests) == _expected(expected)
+    with LLM(path, **{k: v for k, v in KW.items() if "lora" not in k}) as llm:
+        llm.llm_engine.save_artifact(plain)
+    with pytest.raises(ArtifactMismatchError, match="--enable-lora"):
+        LLM(artifact=plain, **KW)

@@ -47,6 +47,7 @@ from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import ArtifactMismatchError, InvalidConfigError
 from graphinfer.models.layers import init_buffers
 from graphinfer.models.loader import PlainConfig, load_fast_tokenizer, meta_model
+from graphinfer.lora.slots import LoRASlots
 from graphinfer.passes import CheckResult, PassError, PassReport, PassReports
 from graphinfer.passes.utils import release_fused_sources
 from graphinfer.quantization import install_quantized_linears, model_schemes
@@ -157,6 +158,7 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
         "split": dataclasses.asdict(split) if split is not None else None,  # PIECEWISE: the pieces around attention
         "speculative_config": speculative_config,  # the default of `serve ART` (verify graphs captured for its k)
         "model_impl": model_impl,  # "transformers": the module tree is transformers' (models/transformers.py)
+        "enable_lora": any(isinstance(m, LoRASlots) for m in gm.modules()),  # LoRA slots: sized when loaded
     }
     with open(os.path.join(out_dir, CONFIG), "w") as f:
         json.dump(hf_config.to_dict(), f, indent=2, sort_keys=True, default=str)

@@ -37,6 +37,7 @@ from graphinfer.model_loader import load_model
 from graphinfer.models.loader import load_config, release_tensors
 from graphinfer.models.presets import PRESET_NAMES
 from graphinfer.passes import PassReports, resolve_passes
+from graphinfer.lora.slots import fit_lora_slots
 from graphinfer.passes.lora import LoRAPass
 from graphinfer.passes.utils import release_fused_sources
 from graphinfer.platforms import KernelBackend, Platform
@@ -94,6 +95,7 @@ class CompilePipeline:
             if self.manifest is not None:
                 graph = artifact.load_graph(self.config.artifact, self.manifest, model)
                 reports = artifact.load_reports(self.manifest)
+                self._fit_lora_slots(graph)
             else:
                 graph, reports = self._run_passes(model)
         return CompiledModel(model, hf_config, graph, reports, self.capture_sizes)
@@ -105,6 +107,19 @@ class CompilePipeline:
                            "; ".join(reports.failures()))
         release_fused_sources(model, graph.meta.get("fused_linears", {}))
         return graph, reports
+
+    def _fit_lora_slots(self, graph: nn.Module) -> None:
+        """An artifact's LoRA slots (saved empty) sized for this engine; without enable_lora, one rank-1 slot no token
+        uses. enable_lora on an artifact compiled without it is refused."""
+        lc = self.config.lora_config
+        on = lc.enable_lora
+        found = fit_lora_slots(graph, lc.max_loras if on else 1, lc.max_lora_rank if on else 1,
+                               lora_max_num_tokens(self.config), self.device)
+        if on and not found:
+            raise ArtifactMismatchError(
+                f"Artifact {self.config.artifact!r} was compiled without LoRA, so it has no adapter slots; serve it "
+                f"without enable_lora (--enable-lora), or recompile: graphinfer compile "
+                f"{self.manifest['model']['path']} -o {self.config.artifact} --enable-lora")
 
     def _load_artifact_model(self):
         """(model, hf_config) with the artifact's final weights, checked against its manifest and against the model

@@ -28,15 +28,28 @@ class LoRASource:
 
 class LoRASlots(nn.Module):
     def __init__(self, sources: list[LoRASource], slice_sizes: list[int], in_features: int, max_loras: int,
-                 max_lora_rank: int, token_indices: Tensor, dtype: torch.dtype, device: torch.device):
+                 max_lora_rank: int, token_indices: Tensor, dtype: torch.dtype):
         super().__init__()
-        self.sources, self.slice_sizes = list(sources), list(slice_sizes)
-        n, out = len(sources), sum(slice_sizes)
-        self.register_buffer("lora_a", torch.zeros(max_loras, n, max_lora_rank, in_features, dtype=dtype,
+        self.sources, self.slice_sizes, self.in_features = list(sources), list(slice_sizes), in_features
+        self.resize(max_loras, max_lora_rank, token_indices, dtype)
+
+    def resize(self, max_loras: int, max_lora_rank: int, token_indices: Tensor, dtype: torch.dtype | None = None):
+        """Empty slots for max_loras adapters of rank <= max_lora_rank, on token_indices' device, reading
+        token_indices: made at compile time, and again when an artifact is loaded (slots are per engine, not
+        compiled in). Before the graph is lowered: lowered copies hold these tensors."""
+        dtype = dtype or self.lora_a.dtype
+        n, out, device = len(self.sources), sum(self.slice_sizes), token_indices.device
+        self.register_buffer("lora_a", torch.zeros(max_loras, n, max_lora_rank, self.in_features, dtype=dtype,
                                                    device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, out, max_lora_rank, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("token_indices", token_indices, persistent=False)
+
+    def __getstate__(self):
+        """Pickled (an artifact's added_modules.pt) without the slots' zeros: the loader resizes them."""
+        state = self.__dict__.copy()
+        state["_buffers"] = {k: torch.empty(0, dtype=v.dtype) for k, v in self._buffers.items()}
+        return state
 
     @torch.no_grad()
     def set_slot(self, slot: int, weights: dict[str, tuple[Tensor, Tensor]]) -> None:
@@ -62,3 +75,14 @@ class LoRASlots(nn.Module):
     def extra_repr(self) -> str:
         return f"sources={[s.path for s in self.sources]}, slice_sizes={self.slice_sizes}, " \
                f"slots={self.lora_a.shape[0]}, rank={self.lora_a.shape[2]}"
+
+
+def fit_lora_slots(graph: nn.Module, max_loras: int, max_lora_rank: int, max_num_tokens: int,
+                   device: torch.device) -> int:
+    """Give every LoRASlots of graph (an artifact's, loaded empty) its slots and one shared index buffer; the number
+    of LoRASlots."""
+    modules = [m for m in graph.modules() if isinstance(m, LoRASlots)]
+    token_indices = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
+    for m in modules:
+        m.resize(max_loras, max_lora_rank, token_indices)
+    return len(modules)

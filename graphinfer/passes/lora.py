@@ -92,8 +92,7 @@ class LoRAPass(Pass):
             in_local = sources[0].in_features // (sources[0].num_shards if sources[0].shard_dim == 1 else 1)
             module = gm.get_submodule(path) if node.op == "call_module" else None
             dtype = module.out_dtype if isinstance(module, QuantizedLinear) else weight.dtype
-            slots = LoRASlots(sources, local, in_local, self.max_loras, self.max_lora_rank, token_indices, dtype,
-                              weight.device)
+            slots = LoRASlots(sources, local, in_local, self.max_loras, self.max_lora_rank, token_indices, dtype)
             target = f"{path}_lora"
             gm.add_submodule(target, slots)
             with gm.graph.inserting_after(node):
