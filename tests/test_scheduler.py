@@ -149,3 +149,38 @@ def test_abort_and_a_finished_rows_late_tokens():
     sched.finish_requests(["0"])  # aborted while its step runs
     assert sched.update_from_output(out, _sampled([5])) == [] and seq.output_token_ids == []
     assert not sched.has_unfinished_requests() and sched.block_manager.num_free_blocks == 64
+
+
+def _lora_seq(i, n, lora_id, max_tokens=8):
+    from graphinfer.lora import LoRARequest
+
+    seq = _seq(i, n, max_tokens)
+    seq.lora_request = LoRARequest(f"a{lora_id}", lora_id, "/adapter") if lora_id else None
+    return seq
+
+
+def test_a_step_holds_at_most_max_loras_adapters_and_a_held_request_is_not_starved():
+    """max_loras=1: requests of the running adapter (and of none) pass one of another adapter, as vLLM's scheduler lets
+    them, until it has waited LORA_MAX_WAITS steps; then nobody passes it, and it runs once the running adapter
+    drains."""
+    from graphinfer.runtime.engine import scheduler as scheduler_module
+
+    sched = _sched(max_loras=1)
+    sched.add_request(_lora_seq(0, 4, 1, max_tokens=30))
+    sched.add_request(_lora_seq(1, 4, 2))
+    sched.add_request(_lora_seq(2, 4, 1))
+    sched.add_request(_lora_seq(3, 4, 0))
+    out, _ = _step(sched)
+    assert [s.seq.request_id for s in out.scheduled] == ["0", "2", "3"]  # 1's adapter does not fit: passed
+    for i in range(4, 4 + scheduler_module.LORA_MAX_WAITS):  # a stream of adapter-1 requests keeps arriving
+        sched.add_request(_lora_seq(i, 4, 1, max_tokens=2))
+        out, _ = _step(sched)
+        ids = {s.seq.lora_request.lora_int_id for s in out.scheduled if s.seq.lora_request is not None}
+        assert ids <= {1}
+    sched.add_request(_lora_seq(99, 4, 1))
+    seen = []
+    while "1" not in seen:
+        out, _ = _step(sched)
+        seen = [s.seq.request_id for s in out.scheduled]
+        assert "99" not in seen or "1" in seen  # held at last: nobody passes request 1 any more
+    assert {s.seq.lora_request.lora_int_id for s in out.scheduled if s.seq.lora_request} == {2}
