@@ -18,7 +18,7 @@ PARALLEL_ARGS = ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "
 GRAPH_ARGS = ("graph_mode", "capture_sizes", "max_capture_size", "splitting_ops")
 # `graphinfer compile`: what shapes the artifact (the KV cache is a placeholder; nothing is served)
 COMPILE_ARGS = ("dtype", "quantization", "model_impl", "device", "passes", "max_num_seqs", *GRAPH_ARGS,
-                "speculative_config", *PARALLEL_ARGS)
+                "speculative_config", "enable_lora", *PARALLEL_ARGS)
 # the offline benchmarks (throughput, latency): the engine settings each run takes from the command line
 OFFLINE_BENCH_ARGS = ("model", "dtype", "quantization", "model_impl", "device", "passes", "capture_sizes",
                       "max_model_len", "seed")
