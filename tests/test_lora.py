@@ -118,12 +118,25 @@ def test_more_adapters_than_slots_wait_their_turn(lora_case):
 
 
 def test_preempted_requests_recompute_with_their_adapter(lora_case):
-    """A KV pool too small for the batch preempts requests; their recompute uses their adapter again."""
+    """A KV pool too small for the batch preempts requests; their recompute uses their adapter again; with async
+    scheduling too (the next step's slots planned while one is in flight)."""
     path, requests, expected = lora_case("llama")
     batch = [(0, "a1"), (1, "a2"), (2, None), (3, "a1"), (0, "a2"), (1, "a1")]
     with LLM(path, **{**KW, "num_gpu_blocks_override": 11}) as llm:
         assert _mixed(llm, requests, batch) == _expected(expected, batch)
-        assert llm.llm_engine.local_core.scheduler.num_preemptions > 0
+        core = llm.llm_engine.local_core
+        assert core.scheduler.num_preemptions > 0
+        core.async_scheduling = True
+        assert _mixed(llm, requests, batch) == _expected(expected, batch)
+
+
+def test_speculative_decoding_verifies_with_the_adapter(lora_case):
+    """ngram drafts are verified by the adapted model: the tokens are the adapter's, and drafts are accepted."""
+    path, requests, expected = lora_case("qwen3")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    with LLM(path, speculative_config=spec, **KW) as llm:
+        assert _mixed(llm, requests) == _expected(expected)
+        assert llm.llm_engine.spec_decode_stats()["num_accepted_tokens"] > 0
 
 
 def test_prefix_cache_hits_stay_within_an_adapter(lora_case):
