@@ -8,6 +8,7 @@ from graphinfer import engine_args, envs
 from graphinfer.config import GRAPH_MODES
 from graphinfer.errors import GraphinferError
 from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, TOOL_CALL_PARSERS
+from graphinfer.server.serving_models import parse_lora_module
 
 
 # Engine settings are EngineConfig's fields (graphinfer/config.py): their flags and defaults come from there
@@ -99,7 +100,8 @@ def _serve(args) -> None:
     serve(args.target, args.host, args.port, args.api_key, args.served_model_name, args.max_waiting_requests,
           shutdown_timeout=args.shutdown_timeout, max_request_body_bytes=args.max_request_body_bytes,
           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-          trust_request_chat_template=args.trust_request_chat_template, **_engine_kwargs(args))
+          trust_request_chat_template=args.trust_request_chat_template, lora_modules=args.lora_modules,
+          **_engine_kwargs(args))
 
 
 def _generate(args) -> None:
@@ -425,6 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="render a chat_template sent with a chat request (vLLM's flag; without it such a request "
                           "gets 400); chat_template_kwargs reach the model's template either way")
+    srv.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories) to serve, each as NAME=PATH or vLLM's JSON "
+                          "'{\"name\": NAME, \"path\": PATH, \"base_model_name\": BASE}' (needs --enable-lora): a "
+                          "request's \"model\": NAME runs with that adapter; each is read and checked at start-up")
     _add_engine_args(srv, with_model=False, serving=True)
     srv.set_defaults(func=_serve)
 

@@ -22,6 +22,12 @@ class EnvVar:
 
 
 _VARS = [
+    EnvVar("GRAPHINFER_ALLOW_RUNTIME_LORA_UPDATING", "0",
+           "1 / true: `graphinfer serve` also answers POST /v1/load_lora_adapter {\"lora_name\", "
+           "\"lora_path\"} and /v1/unload_lora_adapter {\"lora_name\"} (vLLM's endpoints and guard, "
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING; loading needs --enable-lora), so any client may make the server read "
+           "a directory of its disk: for trusted clients only. 0: those endpoints do not exist (404); "
+           "--lora-modules names the adapters."),
     EnvVar("GRAPHINFER_BLOCK_FP8", "auto",
            "Block-FP8 checkpoints (DeepSeek-V3's): auto (kept in fp8 where the platform has an fp8 GEMM: cuda with "
            "compute capability 8.9+; dequantized at load elsewhere), fp8 (kept in fp8 on any platform: cpu runs the "

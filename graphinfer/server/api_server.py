@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP API (FastAPI), as vLLM serves it.
 
 /v1/completions, /v1/chat/completions (both with `stream` as server-sent events), /v1/models, /tokenize,
-/detokenize, /health, /version, /metrics. Errors use OpenAI's body {"error": {"message", "type", "param", "code"}} with vLLM's
-status codes: 400 (BadRequestError) for invalid parameters, malformed JSON and over-long prompts, 401 for a
-bad API key, 404 for an unknown model, 413 for a body over the size limit, 503 when the waiting queue is
-full or the server is shutting down. A client that goes away aborts its requests.
+/detokenize, /health, /version, /metrics; with GRAPHINFER_ALLOW_RUNTIME_LORA_UPDATING, /v1/load_lora_adapter and
+/v1/unload_lora_adapter (serving_models.py: a request's `model` may name a LoRA adapter). Errors use OpenAI's body
+{"error": {"message", "type", "param", "code"}} with vLLM's status codes: 400 (BadRequestError) for invalid
+parameters, malformed JSON and over-long prompts, 401 for a bad API key, 404 for an unknown model, 413 for a body
+over the size limit, 503 when the waiting queue is full or the server is shutting down. A client that goes away
+aborts its requests.
 
 Tokenization and chat templating run on worker threads (preprocess.py), so no request stalls the event loop.
 On shutdown the Gate answers 503 to new requests while those in flight drain (serve.py drives it).
@@ -28,22 +30,16 @@ from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from graphinfer.runtime.entrypoints.async_llm import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError,
                                                       RequestStream, ServerShuttingDownError)
 from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
+from graphinfer.server.errors import ERROR_TYPES as _ERROR_TYPES
+from graphinfer.server.errors import APIError
 from graphinfer.server.metrics import Metrics
 from graphinfer.server.preprocess import Preprocessor
-from graphinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from graphinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from graphinfer.server.request_limits import body_error_message, check_chat_template
+from graphinfer.server.serving_models import ServingModels, runtime_lora_updating
 from graphinfer.server.tool_calling import ToolCalling
 from graphinfer.server.tool_parsers import ToolParserManager
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str):
-        self.status, self.message, self.type = status, message, type_
-
-
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-                422: "UnprocessableEntityError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 def error_response(status: int, message: str, type_: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -171,10 +167,12 @@ def _replay(messages: list, receive):
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None, trust_request_chat_template: bool = False) -> FastAPI:
+              tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
+              models: ServingModels | None = None) -> FastAPI:
     """enable_auto_tool_choice / tool_call_parser: vLLM's --enable-auto-tool-choice / --tool-call-parser, which
     tool_choice "auto" needs (tool_calling.py). trust_request_chat_template: vLLM's --trust-request-chat-template,
-    without which a request's own chat_template is refused."""
+    without which a request's own chat_template is refused. models: the base model and its LoRA adapters (default:
+    the base model alone, named served_model_name)."""
     if tool_call_parser is not None:
         ToolParserManager.get_tool_parser(tool_call_parser)  # an unknown name fails now, not per request
     auto_tool_parser = tool_call_parser if enable_auto_tool_choice else None
@@ -194,6 +192,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     app.state.engine, app.state.metrics, app.state.preprocessor = engine, metrics, pre
     app.state.gate = GateState()
     max_model_len = engine.max_model_len
+    if models is None:
+        models = ServingModels(engine, served_model_name, served_model_name, max_model_len)
+    app.state.models = models
 
     app.add_middleware(Gate, state=app.state.gate, api_key=api_key, metrics=metrics,
                        max_body_bytes=max_request_body_bytes)
@@ -237,10 +238,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def on_unexpected(_, exc: Exception):  # a bug: still answer with OpenAI's error body
         return error_response(500, f"Internal server error: {exc!r}", "InternalServerError")
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
-            raise APIError(404, f"The model `{name}` does not exist. This server serves `{served_model_name}`.",
-                           "NotFoundError")
+    check_model = models.check  # vLLM's 404 for a name that is neither the base model nor an adapter
 
     @app.get("/health")
     async def health():
@@ -258,10 +256,18 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         return Response(await asyncio.to_thread(metrics.render), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "graphinfer", "root": served_model_name,
-                                            "max_model_len": max_model_len}]}
+    async def show_models():
+        return models.show_available_models()
+
+    if runtime_lora_updating():  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: else these routes do not exist (404)
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+            # the engine reads the adapter: off the event loop
+            return Response(await pre.run(models.load_lora_adapter, req.lora_name, req.lora_path), status_code=200)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+            return Response(await pre.run(models.unload_lora_adapter, req.lora_name), status_code=200)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -278,11 +284,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
-        check_model(req.model)
+        lora = models.lora_for(req.model)
         params = req.to_sampling_params()
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = engine.submit(await pre.run(pre.completion, req.prompts(), params, rid, req.echo))
-        fmt = _CompletionFormat(rid, served_model_name, params, req.echo, req.echo_only, engine.tokenizer,
+        streams = engine.submit(await pre.run(pre.completion, req.prompts(), params, rid, req.echo, lora))
+        fmt = _CompletionFormat(rid, models.model_name(lora), params, req.echo, req.echo_only, engine.tokenizer,
                                 bool(req.return_tokens_as_token_ids))
         if req.stream:
             return _sse(streams, fmt, params, req.include_usage, metrics)
@@ -290,7 +296,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        check_model(req.model)
+        lora = models.lora_for(req.model)
         params = req.to_sampling_params()
         tools = ToolCalling.for_request(req, auto_tool_parser)
         if tools is not None:
@@ -300,8 +306,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         check_chat_template(req.chat_template, trust_request_chat_template)
         streams = engine.submit(await pre.run(pre.chat, messages, req.add_generation_prompt, params, rid,
                                               _tool_dicts(req.tools),  # rendered for tool_choice "none" too
-                                              req.chat_template, req.chat_template_kwargs))
-        fmt = _ChatFormat(rid, served_model_name, params, tools, engine.tokenizer, bool(req.return_tokens_as_token_ids))
+                                              req.chat_template, req.chat_template_kwargs, lora))
+        fmt = _ChatFormat(rid, models.model_name(lora), params, tools, engine.tokenizer,
+                          bool(req.return_tokens_as_token_ids))
         if req.stream:
             return _sse(streams, fmt, params, req.include_usage, metrics)
         return await _collect(streams, fmt, raw, metrics)

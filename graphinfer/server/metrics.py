@@ -1,4 +1,6 @@
 """Prometheus metrics, named like vLLM's (`vllm:...` -> `graphinfer:...`), on a registry per server."""
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -70,6 +72,8 @@ class EngineStatsCollector:
 
     def __init__(self, engine, model_name: str):
         self.engine, self.model_name = engine, model_name
+        lora = getattr(getattr(engine, "config", None), "lora_config", None)
+        self.max_loras = lora.max_loras if lora is not None and lora.enable_lora else 0
 
     def describe(self):
         return [GaugeMetricFamily(f"graphinfer:{name}", "") for name, _, _ in self._TOTALS + self._PER_ENGINE]
@@ -82,6 +86,12 @@ class EngineStatsCollector:
         for name, key, help_ in self._TOTALS:
             g = GaugeMetricFamily(f"graphinfer:{name}", help_, labels=["model_name"])
             g.add_metric([self.model_name], stats[key])
+            yield g
+        if "running_lora_adapters" in stats:  # vLLM's vllm:lora_requests_info: the value is when it was read
+            g = GaugeMetricFamily("graphinfer:lora_requests_info", "Running stats on LoRA requests",
+                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            g.add_metric([str(self.max_loras), ",".join(stats["running_lora_adapters"]),
+                          ",".join(stats["waiting_lora_adapters"])], time.time())
             yield g
         engines = stats.get("engines", [])
         for name, key, help_ in self._PER_ENGINE if engines else ():

@@ -79,11 +79,13 @@ class Preprocessor:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ----- on a worker thread -----
-    def completion(self, prompts: list, params: SamplingParams, request_id: str, echo: bool = False) -> list[Request]:
+    def completion(self, prompts: list, params: SamplingParams, request_id: str, echo: bool = False,
+                   lora_request=None) -> list[Request]:
+        """lora_request: the LoRA adapter every prompt runs with (None: the base model)."""
         self.async_engine.check_batch_size(len(prompts), params.num_candidates)
         truncating = params.truncate_prompt_tokens is not None
         ids = [self._tokenize(p, truncating=truncating) if isinstance(p, str) else p for p in prompts]
-        seqs = self._sequences(ids, prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))])
+        seqs = self._sequences(ids, prompts, params, [f"{request_id}-{i}" for i in range(len(prompts))], lora_request)
         if echo:  # the text echoed: a token-id prompt's is its decoded text (vLLM's; "" without a tokenizer)
             for seq in seqs:
                 if seq.prompt is None:
@@ -92,12 +94,12 @@ class Preprocessor:
 
     def chat(self, messages: list[dict], add_generation_prompt: bool, params: SamplingParams,
              request_id: str, tools: list[dict] | None = None, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None) -> list[Request]:
+             chat_template_kwargs: dict | None = None, lora_request=None) -> list[Request]:
         self.async_engine.check_batch_size(1, params.num_candidates)
         text = chat_prompt_text(self.tokenizer, messages, add_generation_prompt, chat_template, tools,
                                 chat_template_kwargs)
         ids = self._tokenize(text, add_special_tokens=False, truncating=params.truncate_prompt_tokens is not None)
-        return self._sequences([ids], [None], params, [request_id])
+        return self._sequences([ids], [None], params, [request_id], lora_request)
 
     def tokenize(self, prompt: str | None, messages: list[dict] | None, add_generation_prompt: bool,
                  add_special_tokens: bool | None, return_token_strs: bool,
@@ -134,10 +136,11 @@ class Preprocessor:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def _sequences(self, ids: list[list[int]], texts: list, params: SamplingParams,
-                   request_ids: list[str]) -> list[Request]:
+                   request_ids: list[str], lora_request=None) -> list[Request]:
         seqs = []
         for prompt_ids, text, rid in zip(ids, texts, request_ids):
-            seq = self.engine.make_request(prompt_ids, params, rid)  # prompt within max_model_len, token ids, ...
+            # the prompt within max_model_len, token ids, ...; an adapter not read yet is read and checked
+            seq = self.engine.make_request(prompt_ids, params, rid, lora_request)
             n = seq.num_prompt_tokens
             if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
                 raise InvalidRequestError(

@@ -361,3 +361,17 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body (serving_models.py checks that both are given)."""
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter body (lora_int_id accepted as vLLM's, the adapter found by its name)."""
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = ""
+    lora_int_id: int | None = None

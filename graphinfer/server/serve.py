@@ -10,6 +10,8 @@ serve the OpenAI-compatible API with uvicorn.
 - A dead engine (a tensor-parallel rank that exits, or the engine loop on an error) ends the server: requests
   get 503 for a second, then it exits non-zero, naming the cause.
 - Tensor parallel: only node rank 0 serves; other nodes run workers (cli.py).
+- LoRA (--enable-lora --lora-modules NAME=PATH ...): each adapter is read and checked before the server answers;
+  one the engine refuses ends the start-up with its message (serving_models.py).
 """
 import asyncio
 import contextlib
@@ -27,6 +29,8 @@ import uvicorn
 
 from graphinfer.errors import GraphinferError
 from graphinfer.server.api_server import build_app
+from graphinfer.server.errors import APIError
+from graphinfer.server.serving_models import LoRAModulePath, ServingModels
 from graphinfer.runtime.startup_timer import seconds_since_process_start
 from graphinfer.runtime.entrypoints.async_llm import AsyncLLMEngine
 from graphinfer.server.defaults import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
@@ -187,7 +191,9 @@ async def drain(app, timeout: float, stop_now: asyncio.Event) -> tuple[int, int]
 def serve(target: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_waiting_requests: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
           max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, enable_auto_tool_choice: bool = False,
-          tool_call_parser: str | None = None, trust_request_chat_template: bool = False, **engine_args) -> None:
+          tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
+          lora_modules: list[LoRAModulePath] | None = None, **engine_args) -> None:
+    """lora_modules: vLLM's --lora-modules, the adapters served from the start (needs enable_lora)."""
     from graphinfer.engine_args import create_engine_config
     from graphinfer.runtime.entrypoints.llm_engine import LLMEngine
     from graphinfer.server.tool_parsers import ToolParserManager
@@ -208,11 +214,20 @@ def serve(target: str, host: str, port: int, api_key: str | None, served_model_n
         engine_args.update({"artifact": target} if is_artifact(target) else {"model": target})
         # the engine core (scheduler, model) in a process of its own: HTTP, detokenization and the step loop do not
         # share one interpreter lock (vLLM v1's AsyncLLM + EngineCore)
-        engine = LLMEngine(create_engine_config(engine_args), core_process=True)
+        config = create_engine_config(engine_args)
+        if lora_modules and not config.lora_config.enable_lora:  # before the model loads (vLLM fails at start too)
+            raise GraphinferError(f"--lora-modules ({', '.join(m.name for m in lora_modules)}) needs --enable-lora: "
+                                  f"LoRA is not enabled. Use --enable-lora to enable LoRA.")
+        engine = LLMEngine(config, core_process=True)
         name = served_model_name or _model_name(engine.config.model_config.model)
         async_engine = AsyncLLMEngine(engine, max_waiting_requests)
+        models = ServingModels(async_engine, name, target or engine.config.model_config.model, engine.max_model_len)
+        try:
+            models.load_static(lora_modules or [])
+        except APIError as e:
+            raise GraphinferError(f"--lora-modules: {e.message}") from None
         app = build_app(async_engine, name, api_key, max_request_body_bytes, enable_auto_tool_choice, tool_call_parser,
-                        trust_request_chat_template)
+                        trust_request_chat_template, models)
         logger.info("serving with max_num_batched_tokens=%d, max_num_seqs=%d",
                     engine.config.scheduler_config.max_num_batched_tokens, engine.config.scheduler_config.max_num_seqs)
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)

@@ -158,7 +158,9 @@ class DPEngineCore:
         for d, e in enumerate(engines):
             e["requests"] = self.requests_routed[d]
         total = {k: sum(e[k] for e in engines) for k in ("running", "waiting", "preemptions", "kv_blocks_in_use")}
-        return {**total, "kv_usage": sum(e["kv_usage"] for e in engines) / len(engines), "engines": engines}
+        loras = {k: sorted({n for e in engines for n in e.get(k, ())})  # adapter names: over every replica
+                 for k in ("running_lora_adapters", "waiting_lora_adapters") if k in engines[0]}
+        return {**total, **loras, "kv_usage": sum(e["kv_usage"] for e in engines) / len(engines), "engines": engines}
 
     def _call_all(self, method: str, *args) -> list:
         """core.<method>(*args) on every replica (a side thread answers it there, also while it waits for a round)."""

@@ -106,9 +106,13 @@ class Scheduler:
 
     def stats(self) -> dict:
         """The load, for /metrics and the data-parallel front end."""
-        return {"running": len(self.running), "waiting": len(self.waiting), "kv_usage": self.block_manager.usage,
-                "kv_blocks_in_use": self.block_manager.num_blocks - self.block_manager.num_free_blocks,
-                "preemptions": self.num_preemptions}
+        stats = {"running": len(self.running), "waiting": len(self.waiting), "kv_usage": self.block_manager.usage,
+                 "kv_blocks_in_use": self.block_manager.num_blocks - self.block_manager.num_free_blocks,
+                 "preemptions": self.num_preemptions}
+        if self.max_loras:  # the adapters of running / waiting requests, by name (vLLM's lora_requests_info)
+            for key, seqs in (("running_lora_adapters", self.running), ("waiting_lora_adapters", self.waiting)):
+                stats[key] = sorted({s.lora_request.lora_name for s in seqs if s.lora_request is not None})
+        return stats
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

@@ -116,8 +116,19 @@ class AsyncLLMEngine:
                                       f"requests in flight; send at most {self.request_limit}.")
 
     # ----- EngineClient -----
-    def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
-        return self.engine.make_request(prompt, params, request_id)
+    def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                     lora_request=None) -> Request:
+        return self.engine.make_request(prompt, params, request_id, lora_request)
+
+    # LoRA adapters (LLMEngine's; they block while the engine reads an adapter: call them off the event loop)
+    def add_lora(self, lora_request) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.engine.tokenize(prompt)

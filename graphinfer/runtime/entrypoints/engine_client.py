@@ -14,8 +14,17 @@ class EngineClient(Protocol):
     hf_config: object  # the model's config (vocab_size, ...)
     info: object  # the core's EngineCoreInfo: KV blocks, EOS ids, MoE layers, speculative decoding, start-up
 
-    def make_request(self, prompt, params=None, request_id: str | None = None):
-        """Validate and tokenize one request (typed errors) without queueing it; any thread may call it."""
+    def make_request(self, prompt, params=None, request_id: str | None = None, lora_request=None):
+        """Validate and tokenize one request (typed errors) without queueing it; any thread may call it.
+        lora_request: its LoRA adapter (graphinfer.lora.LoRARequest), read and checked first if new."""
+
+    def add_lora(self, lora_request) -> bool:
+        """Read and check a LoRA adapter now (LoRAAdapterError if refused); blocks while it is read."""
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its host copy and slot); False if it was not loaded."""
+
+    def list_loras(self) -> set[int]: ...
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (every child of a parallel-sampling one) and free its KV blocks."""
