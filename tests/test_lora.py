@@ -4,14 +4,13 @@ adapter merged by peft (merge_and_unload: W + scaling B A). One mixed batch (ada
 each request its own adapter's tokens: in NONE, under the capture stand-in (full decode graphs and pieces replayed with
 the index buffer changing between steps), at tp 2, through preemption, with more adapters queued than max_loras, and
 with prefix-cache hits that never cross adapters."""
-import copy
 import os
 import functools
 
 import pytest
-import torch
 from capture_standin import OpTapePlatform
 from hf_zoo import greedy_of
+from lora_utils import make_peft_adapter
 
 import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
@@ -37,23 +36,13 @@ def _params():
 @pytest.fixture(scope="module")
 def lora_case(tiny_checkpoint, tmp_path_factory):
     """arch -> (checkpoint dir, {name: LoRARequest}, {name or None: HF's greedy tokens of PROMPTS with it merged})."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
     @functools.cache
     def make(arch: str):
         path, hf = tiny_checkpoint(arch)
         requests, expected = {}, {None: greedy_of(hf, PROMPTS, NEW)}
         for i, (name, (kwargs, seed)) in enumerate(ADAPTERS.items()):
-            torch.manual_seed(seed)
-            peft_model = get_peft_model(copy.deepcopy(hf), LoraConfig(init_lora_weights=False, **kwargs))
-            with torch.no_grad():  # peft's random B is small: make each adapter change the greedy tokens
-                for n, p in peft_model.named_parameters():
-                    if "lora_B" in n:
-                        p.mul_(4.0)
             out = str(tmp_path_factory.mktemp(f"lora-{arch}-{name}"))
-            peft_model.save_pretrained(out)
-            merged = PeftModel.from_pretrained(copy.deepcopy(hf), out).merge_and_unload().eval()
-            expected[name] = greedy_of(merged, PROMPTS, NEW)
+            expected[name] = greedy_of(make_peft_adapter(hf, out, seed, **kwargs), PROMPTS, NEW)
             requests[name] = LoRARequest(name, i + 1, out)
         assert expected["a1"] != expected[None] and expected["a2"] != expected[None] != expected["a1"]
         return path, requests, expected

@@ -9,14 +9,13 @@ refuses (it must exit with the engine's message). The app without the variable i
 alone are checked), and the CLI's own refusals (--lora-modules without --enable-lora, a malformed entry) come before
 any model loads, so they run in this process too.
 """
-import copy
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import torch
 from hf_zoo import greedy_of
+from lora_utils import make_peft_adapter
 from server_utils import Server, assert_openai_error, metric, metric_samples
 
 from graphinfer import cli
@@ -39,21 +38,11 @@ LORA = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16"]
 @pytest.fixture(scope="module")
 def case(tiny_checkpoint, tmp_path_factory):
     """(checkpoint dir, {adapter: its PEFT dir}, {adapter or None: HF's greedy tokens of PROMPTS with it merged})."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
     path, hf = tiny_checkpoint("llama")
     paths, expected = {}, {None: greedy_of(hf, PROMPTS, NEW)}
     for name, (kwargs, seed) in ADAPTERS.items():
-        torch.manual_seed(seed)
-        peft_model = get_peft_model(copy.deepcopy(hf), LoraConfig(init_lora_weights=False, **kwargs))
-        with torch.no_grad():  # peft's random B is small: make each adapter change the greedy tokens
-            for n, p in peft_model.named_parameters():
-                if "lora_B" in n:
-                    p.mul_(4.0)
-        out = str(tmp_path_factory.mktemp(f"lora-server-{name}"))
-        peft_model.save_pretrained(out)
-        merged = PeftModel.from_pretrained(copy.deepcopy(hf), out).merge_and_unload().eval()
-        paths[name], expected[name] = out, greedy_of(merged, PROMPTS, NEW)
+        paths[name] = str(tmp_path_factory.mktemp(f"lora-server-{name}"))
+        expected[name] = greedy_of(make_peft_adapter(hf, paths[name], seed, **kwargs), PROMPTS, NEW)
     assert len({str(v) for v in expected.values()}) == len(expected)  # every adapter changes the tokens
     return path, paths, expected
 
