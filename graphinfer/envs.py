@@ -45,7 +45,9 @@ _VARS = [
     EnvVar("GRAPHINFER_CPU_RETAIN_FREED_MEMORY", "1",
            "1: on the cpu platform, glibc malloc keeps freed memory in the process (no mmap for large blocks, no "
            "trim), so a prefill's large activations are not page-faulted in again every layer; the process keeps its "
-           "peak memory. 0: glibc's defaults (as with an allocator such as tcmalloc preloaded instead)."),
+           "peak memory. 0: glibc's defaults (as with an allocator such as tcmalloc preloaded instead), and the server's "
+           "processes hand freed memory back to the OS (malloc_trim) as they go idle, so a costly request's spike does "
+           "not stay."),
     EnvVar("GRAPHINFER_MLA_EXPAND_MIN_QUERY_LEN", None,
            "MLA (DeepSeek): the query rows per request from which a step runs attention in the expanded form rather "
            "than the absorbed one (passes/absorb_mla.py; unset: where the expanded form does fewer multiply-adds, 187 "

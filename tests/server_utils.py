@@ -22,8 +22,10 @@ def free_port() -> int:
 class Server:
     """`graphinfer serve ARGS` on 127.0.0.1. launch() returns at once; wait_ready() blocks until /health is 200."""
 
-    def __init__(self, args: list[str], log_path):
+    def __init__(self, args: list[str], log_path, env: dict | None = None):
+        """env: variables set for the server process on top of this one's."""
         self.args, self.log_path = args, str(log_path)
+        self.env = None if env is None else {**os.environ, **env}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -32,7 +34,8 @@ class Server:
     def launch(self) -> "Server":
         self._log = open(self.log_path, "w+")
         self.proc = subprocess.Popen([GRAPHINFER, "serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                     stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=self.env)
         return self
 
     def log(self) -> str:

@@ -155,8 +155,26 @@ def retain_freed_memory() -> bool:
     chunk's gate_up output is 100 MB in fp32) is page-faulted in and zeroed by the kernel again, on every layer.
     Here large blocks come from the heap, and the heap is never trimmed: the process keeps its peak. Returns whether
     glibc took the settings (False elsewhere: another C library, or an allocator preloaded in its place)."""
+    global _retaining
     mallopt = _libc_function("mallopt")
-    return mallopt is not None and bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    _retaining = mallopt is not None and bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    return _retaining
+
+
+_retaining = False  # whether retain_freed_memory took in this process
+
+
+def release_freed_memory() -> bool:
+    """Hand the C heap's free memory back to the kernel now (glibc's malloc_trim(0): the free pages of every arena,
+    not only the heap's top), unless this process retains it (retain_freed_memory). glibc's own trimming leaves most
+    of a spike in place: it trims only a heap's top, and its dynamic mmap threshold moves large blocks into the
+    heap once one has been freed, so after a large response (tens of thousands of logprob entries) a server
+    process kept ~100 MB it no longer used. Called where a process goes idle (the server's engine core and front
+    end); a few ms. Returns whether anything was released (False elsewhere: another C library, or retained)."""
+    if _retaining:
+        return False
+    trim = _libc_function("malloc_trim")
+    return trim is not None and bool(trim(0))
 
 
 class PagePopulator(threading.Thread):

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import graphinfer
 from graphinfer.errors import GraphinferError
 from graphinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from graphinfer.platforms.cpu import release_freed_memory
 from graphinfer.runtime.entrypoints.async_llm import (AsyncLLMEngine, EngineDeadError, EngineOverloadedError,
                                                       RequestStream, ServerShuttingDownError)
 from graphinfer.server.defaults import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -121,6 +122,7 @@ class Gate:
                 state.in_flight -= 1
                 if not state.in_flight:
                     state.idle.set()
+                    release_freed_memory()  # a large response's objects and JSON, freed: back to the kernel
 
     async def _read_limited(self, receive) -> list | None:
         messages, size = [], 0

@@ -21,6 +21,7 @@ from multiprocessing.connection import Client
 from graphinfer import envs
 from graphinfer.config import EngineConfig
 from graphinfer.errors import GraphinferError
+from graphinfer.platforms.cpu import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,13 @@ logger = logging.getLogger(__name__)
 def serve(core, send, inbox: queue.Queue) -> None:
     """The step loop: take new requests and aborts, step, report outputs and load, until told to stop."""
     lockstep = getattr(core, "dp_lockstep", False)
+    busy = False
     while True:
         # idle and on its own: sleep until a message comes; else take what has come
-        msgs = [] if lockstep or core.has_unfinished_requests() else [inbox.get()]
+        idle = not lockstep and not core.has_unfinished_requests()
+        if idle and busy:  # the work just ended: return its spike's freed memory (unless retained on purpose)
+            release_freed_memory()
+        msgs = [inbox.get()] if idle else []
         while not inbox.empty():
             msgs.append(inbox.get_nowait())
         for msg in msgs:
