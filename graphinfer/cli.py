@@ -27,6 +27,9 @@ BENCH_DEFAULTS = {
     "model": "qwen3-0.6b",  # nano-vllm's workload model (random weights of its shape: no download)
     "max_model_len": 4096,  # the workload's longest request (clamped to the model's context)
     "graph_mode": "NONE",  # the eager baseline; the graph modes are compared with --sweep graph-mode=...
+    # bench throughput --num-adapters: None = derived, max_loras from the largest N, max_lora_rank from the adapters
+    "max_loras": None,
+    "max_lora_rank": None,
 }
 
 
@@ -558,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "reused under new ids when fewer are given), 0 = none, in an enable_lora engine; first the "
                          "base model in an engine without enable_lora (default with --lora-modules: 0,<their count>)")
     engine_args.add_cli_args(lg, ["max_loras", "max_lora_rank", "max_cpu_loras"],
-                             defaults={"max_loras": None, "max_lora_rank": None},
+                             defaults=BENCH_DEFAULTS,
                              helps={"max_loras": "device slots (default: the largest --num-adapters)",
                                     "max_lora_rank": "the slots' rank (default: the adapters' largest r)"})
     _add_parallel_args(bt)
