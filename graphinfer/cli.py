@@ -28,6 +28,9 @@ BENCH_DEFAULTS = {
     "model": "qwen3-0.6b",  # nano-vllm's workload model (random weights of its shape: no download)
     "max_model_len": 4096,  # the workload's longest request (clamped to the model's context)
     "graph_mode": "NONE",  # the eager baseline; the graph modes are compared with --sweep graph-mode=...
+    # bench throughput --num-adapters: None = derived, max_loras from the largest N, max_lora_rank from the adapters
+    "max_loras": None,
+    "max_lora_rank": None,
 }
 
 
@@ -330,7 +333,33 @@ def _bench_throughput(args) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, temperature=args.temperature, seed=args.seed,
         compare_hf=args.compare == "hf", hf_cuda_graph=args.hf_cuda_graph, output_json=args.output_json,
         plot_path=args.plot, hf_dtype=args.hf_dtype, kernels=args.kernels, block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching)
+        enable_prefix_caching=args.enable_prefix_caching, lora_modules=_lora_modules(args.lora_modules),
+        num_adapters=args.num_adapters, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras, command=_command_line(args))
+
+
+def _lora_modules(specs: list[str] | None) -> dict[str, str] | None:
+    """vLLM's --lora-modules name=path ... as {name: path} (a bare path is named after its directory)."""
+    if not specs:
+        return None
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = os.path.basename(os.path.normpath(spec)), spec
+        if not name or not path:
+            raise GraphinferError(f"--lora-modules {spec!r}: use name=path (a PEFT adapter directory).")
+        if name in out:
+            raise GraphinferError(f"--lora-modules: the name {name!r} is given twice.")
+        out[name] = path
+    return out
+
+
+def _command_line(args) -> str:
+    """The command as typed (for a benchmark's JSON): `graphinfer` and the arguments main() parsed."""
+    import shlex
+
+    return shlex.join(["graphinfer", *getattr(args, "argv", sys.argv[1:])])
 
 
 def _bench_moe_balance(args) -> None:
@@ -530,6 +559,17 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--hf-cuda-graph", action="store_true", help="HF: use_cuda_graph=True, max_memory_percent=0.5")
     bt.add_argument("--hf-dtype", default=None, help="dtype of the HF run (default: --dtype); the CPU comparison "
                                                     "of docs/benchmarks.md runs HF in float32")
+    lg = bt.add_argument_group("LoRA (issue 52): the workload over N distinct adapters vs the base model")
+    lg.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="PEFT adapter directories (vLLM's syntax; tools/make_lora_adapter.py writes random ones)")
+    lg.add_argument("--num-adapters", type=lambda v: _csv(v, int), default=None, metavar="N1,N2",
+                    help="e.g. 0,1,4,8: per N the requests round-robin over N distinct adapters (ids 1..N; paths "
+                         "reused under new ids when fewer are given), 0 = none, in an enable_lora engine; first the "
+                         "base model in an engine without enable_lora (default with --lora-modules: 0,<their count>)")
+    engine_args.add_cli_args(lg, ["max_loras", "max_lora_rank", "max_cpu_loras"],
+                             defaults=BENCH_DEFAULTS,
+                             helps={"max_loras": "device slots (default: the largest --num-adapters)",
+                                    "max_lora_rank": "the slots' rank (default: the adapters' largest r)"})
     _add_parallel_args(bt)
     bt.set_defaults(func=_bench_throughput)
 
@@ -609,6 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     # Start-up facts (KV cache size, decode-graph capture time and memory) are INFO logs, on stderr.
     logging.basicConfig(level=envs.GRAPHINFER_LOG_LEVEL,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -78,6 +78,13 @@
 #               block-FP8 GEMM kept in fp8 (tests/test_block_fp8.py, its gpu tests time it vs bf16), then deepseek-v3-4l (DeepSeek-V3's MLA and routing, 4 layers) bf16, 64 prompts,
 #               FULL_AND_PIECEWISE + async, MLA absorbed vs expanded twice each in one run, and NONE absorbed: the
 #               KV bytes per token and tok/s. Target: absorbed faster than expanded at decode  (~6 min, not in the default)
+#   lora        issue 52 item 5: 8 random rank-16 PEFT adapters for $MODEL (tools/make_lora_adapter.py, all seven
+#               projections, bf16, written to $LORA_DIR, default /tmp/graphinfer-lora-adapters, not $OUT), then the
+#               standard workload at max_num_seqs 256, FULL_AND_PIECEWISE + async, in one run: an engine without
+#               enable_lora, then enable_lora (max_loras 8) with the requests round-robin over 0 / 1 / 4 / 8 distinct
+#               adapters (bench throughput --num-adapters 0,1,4,8): output and total tok/s, each vs the engine
+#               without LoRA; then `pytest -m gpu tests/test_lora_kernels.py` where that file has gpu tests (skipped
+#               with a message otherwise)                                                   (~5 min, not in the default)
 #   round       issue 31: the pending checks that fit ONE 10-minute call (a 15-minute device lease), each part
 #               time-boxed so the call always ends with results: in parallel (correctness only) every GPU test over
 #               pytest-xdist workers and NONE vs every capturing mode (gpu_check, tie-aware); then, serially (timings),
@@ -516,6 +523,29 @@ tune() {  # tune prefill|decode: gpu_check part 4b / 4c, a tile sweep of an atte
 }
 step_prefill_tune() { tune prefill; }
 step_decode_tune() { tune decode; }
+
+step_lora() {  # issue 52 item 5: tok/s with 0 / 1 / 4 / 8 distinct LoRA adapters in the batch vs the base model
+    set -o pipefail
+    local model=$MODEL dtype=bfloat16 mode="${PIECEWISE_MODES##*,}" modules
+    local dir=${LORA_DIR:-/tmp/graphinfer-lora-adapters}
+    if [ "${SMOKE:-0}" = 1 ]; then model=${MODEL/qwen3-0.6b/tiny-llama} dtype=float32; fi
+    echo "=== lora: tools/make_lora_adapter.py $model $dir --rank 16 --count 8 --dtype $dtype"
+    modules=$("$PY" tools/make_lora_adapter.py "$model" "$dir" --rank 16 --count 8 --dtype "$dtype" \
+        2> "$OUT_DIR/lora_adapters.log")
+    # shellcheck disable=SC2086  # modules: name=path words
+    bench lora throughput "${COMMON[@]}" --max-num-seqs 256 --graph-mode "$mode" --async-scheduling \
+        --lora-modules $modules --num-adapters 0,1,4,8 --output-json "$OUT_DIR/lora.json" --plot "$OUT_DIR/lora.png"
+    local tests=tests/test_lora_kernels.py
+    if [ -f "$tests" ] && "$PY" -m pytest -q -p no:cacheprovider --collect-only -m gpu "$tests" 2>/dev/null \
+        | grep -q "::"; then
+        echo "=== lora: pytest -m gpu $tests"
+        "$PY" -m pytest -q -p no:cacheprovider -rfE -m gpu "$tests" 2>&1 | tee "$OUT_DIR/pytest_lora_kernels.log" \
+            || echo "=== pytest failed (see pytest_lora_kernels.log)"
+    else
+        echo "=== lora: skipped pytest -m gpu $tests: no such file, no gpu-marked tests in it, or it does not collect" \
+            | tee "$OUT_DIR/pytest_lora_kernels.log"
+    fi
+}
 
 step_round() {
     export ROUND_PART=1 RUNS=${RUNS:-1} SKIP_SMOLLM2=${SKIP_SMOLLM2:-1}

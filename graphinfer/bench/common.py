@@ -5,6 +5,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -63,6 +64,42 @@ def environment(device: torch.device | str) -> dict:
             "graphinfer": graphinfer.__version__, "threads": torch.get_num_threads(),
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,  # shared machines: others' load
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+# CPU features a CPU benchmark depends on (the VM's host changes: AVX2 only, AVX-512 with avx512_bf16, AMX)
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine() -> dict:
+    """The host: cpu model, the CPU_FLAGS it has, logical cores (from /proc/cpuinfo where there is one)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == (platform.processor() or platform.machine()):
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_flags": [f for f in CPU_FLAGS if f in flags], "cpu_count": os.cpu_count()}
+
+
+def git_commit() -> dict:
+    """The graphinfer checkout's commit (None outside a git checkout) and whether tracked files differ from it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return {"commit": None, "dirty": None}
+        return {"commit": head.stdout.strip(), "dirty": git("diff", "--quiet", "HEAD").returncode != 0}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
 
 
 @dataclass

@@ -32,7 +32,14 @@ output_lens and the roofline count what was generated), a preset's (random weigh
 timed run, besides the usual warm-up, up to 4 copy prompts of another seed, asked in other words (no prefix-cache
 hits on the timed prompts past the chat template's opening) and cut at 48 tokens, so steps that verify drafts are
 warm too.
+LoRA (--lora-modules name=path ... --num-adapters 0,1,4,8; issue 52): the same workload once per N with its requests
+spread round-robin over N distinct adapters (ids 1..N; with fewer paths than N the paths are reused under distinct ids,
+as vLLM's benchmark does: to the slots and the scheduler a distinct id is a distinct adapter), N = 0 sending no adapter,
+all in an enable_lora engine with max_loras = the largest N (unless given), and first the base model in an engine
+without enable_lora, the reference each row's vs_base divides by. The warm-up runs with the row's adapters too, so they
+are read and in their slots before the timed run (max_cpu_loras >= max_loras keeps them in host memory).
 """
+import json
 import os
 import random
 import time
@@ -90,11 +97,12 @@ def warmup_workload(num: int, min_len: int, vocab_size: int, max_model_len: int,
 
 
 def timed_generate(llm, workload: Workload, temperature: float,
-                   structured_output: str | None = None) -> tuple[dict, common.StepLog]:
+                   structured_output: str | None = None, adapters: list | None = None) -> tuple[dict, common.StepLog]:
     """LLM.generate(prompts, params) timed as a whole and per engine step. With data parallel (a DPEngine) also per
     replica: the requests routed to it, their prompt / output tokens and its preemptions (log.replicas: each
     request's replica). structured_output "json": every request constrained to bench/structured_output.py's schema,
-    and the structured-output counters of the run in stats["structured_output"]."""
+    and the structured-output counters of the run in stats["structured_output"]. adapters: LoRARequests, request i
+    running with adapters[i % len(adapters)] (None / empty: none)."""
     from graphinfer import SamplingParams
     from graphinfer.sampling_params import RequestOutputKind
 
@@ -109,8 +117,9 @@ def timed_generate(llm, workload: Workload, temperature: float,
     start = time.perf_counter()
     seqs = [engine.make_request(p, SamplingParams(temperature=temperature, ignore_eos=workload.ignore_eos,
                                                    max_tokens=m, output_kind=RequestOutputKind.FINAL_ONLY,
-                                                   structured_outputs=constraint))  # as LLM.generate
-            for p, m in zip(workload.prompts, workload.max_tokens)]
+                                                   structured_outputs=constraint),  # as LLM.generate
+                                lora_request=adapters[i % len(adapters)] if adapters else None)
+            for i, (p, m) in enumerate(zip(workload.prompts, workload.max_tokens))]
     for seq in seqs:
         engine.add(seq)
     if dp > 1:
@@ -203,7 +212,8 @@ def collective_measure(engine) -> str:
 
 
 def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature: float, bandwidth: float,
-               min_len: int, extra_warmup: Workload | None = None, structured_output: str | None = None) -> dict:
+               min_len: int, extra_warmup: Workload | None = None, structured_output: str | None = None,
+               adapters: list | None = None) -> dict:
     from graphinfer import LLM
 
     t = time.perf_counter()
@@ -218,13 +228,14 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
         warm = warmup_workload(min(len(workload.prompts), engine.config.scheduler_config.max_num_seqs), min_len,
                                engine.hf_config.vocab_size, engine.max_model_len)
         t = time.perf_counter()
-        timed_generate(llm, warm, temperature, structured_output)  # structured: the grammar compiles here
+        # structured: the grammar compiles here; LoRA: the adapters are read and put in their slots here
+        timed_generate(llm, warm, temperature, structured_output, adapters)
         if extra_warmup is not None:  # the copy workload: steps that verify drafts run before the timed ones too
-            timed_generate(llm, extra_warmup, temperature, structured_output)
+            timed_generate(llm, extra_warmup, temperature, structured_output, adapters)
         row["warmup_s"] = time.perf_counter() - t
         engine.reset_expert_load()  # the timed run's routing only
         spec_before = common.spec_decode_snapshot(engine)
-        stats, log = timed_generate(llm, workload, temperature, structured_output)
+        stats, log = timed_generate(llm, workload, temperature, structured_output, adapters)
         shape = ModelShape.from_engine(engine)  # at tp > 1: rank 0's shard
         row.update(stats, **log.collective_summary(), collective_measure=collective_measure(engine),
                    tokens_per_step=stats["output_tokens"] / max(1, stats["num_steps"]),
@@ -244,7 +255,15 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
 def _mode(r: dict) -> str:
     return r["graph_mode"] + (" + async" if r.get("async_scheduling") else "") + (
         f" {r['quantization']}" if r.get("quantization") else "") + _spec(r) + (
-        f" + {r['structured_output']} outputs" if r.get("structured_output") not in (None, "none") else "")
+        f" + {r['structured_output']} outputs" if r.get("structured_output") not in (None, "none") else "") + _lora(r)
+
+
+def _lora(r: dict) -> str:
+    """" + LoRA x4" (an enable_lora engine, 4 adapters in the batch), " + LoRA x0" (no adapter sent), " (no LoRA)" (the
+    reference engine of a LoRA run); "" outside a LoRA run."""
+    if "enable_lora" not in r:
+        return ""
+    return f" + LoRA x{r['num_adapters']}" if r["enable_lora"] else " (no LoRA)"
 
 
 def _spec(r: dict) -> str:
@@ -347,6 +366,33 @@ def table(result: dict) -> str:
     return common.markdown_table(headers, rows)
 
 
+def lora_table(result: dict) -> str:
+    """A LoRA run (--num-adapters): one row per engine and adapter count; output and total (prompt + output) tok/s,
+    and the ratio of output tok/s to the engine without enable_lora (of the same other settings)."""
+    runs = result["runs"]
+    label = _label(runs)
+    base = lambda r: {k: v for k, v in r.items() if k != "enable_lora"}  # noqa: E731 (its settings less LoRA's)
+    other = len({_mode(base(r)) for r in runs}) > 1 or _tp(runs) or _dp(runs)
+    headers = (["configuration"] if other else []) + ["engine", "adapters", "time (s)", "output tok/s", "total tok/s",
+                                                      "vs base"]
+    rows = []
+    for r in runs:
+        lead = [label(base(r))] if other else []
+        if r["enable_lora"]:
+            engine = f"enable_lora (max_loras {r['max_loras']}, max_lora_rank {r['max_lora_rank']})"
+            adapters = "0 (base model)" if r["num_adapters"] == 0 else str(r["num_adapters"])
+        else:
+            engine, adapters = "without LoRA", "-"
+        if "unavailable" in r:
+            rows.append(lead + [engine, adapters, "failed" if r["unavailable"].startswith("failed") else "unavailable",
+                                None, None, None])
+            continue
+        vs = r.get("vs_base")
+        rows.append(lead + [engine, adapters, f"{r['total_s']:.2f}", f"{r['output_tok_s']:,.2f}",
+                            f"{r['total_tok_s']:,.2f}", f"{vs:.3f}x" if vs is not None else None])
+    return common.markdown_table(headers, rows)
+
+
 def _ep_cell(r: dict) -> str:
     """The EP column: off, or on with the expert-parallel size it ran at (1: nothing to split over, e.g. tp 1 dp 1)."""
     if not r.get("enable_expert_parallel"):
@@ -359,6 +405,8 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")  # headless: no display on servers / CI
     import matplotlib.pyplot as plt
 
+    if result.get("lora"):
+        return _plot_lora(result, path)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     runs = [r for r in result["runs"] if "unavailable" not in r]
     xs = sorted({r["max_num_seqs"] for r in runs})
@@ -377,6 +425,33 @@ def plot(result: dict, path: str) -> None:
                        f"graphinfer bench throughput: {result['model']} {result['dtype']} on "
                        f"{result['env']['device_name']}\n{w['num_prompts']} prompts, {w['prompt_tokens']:,} prompt / "
                        f"{w['output_tokens']:,} output tokens", path)
+
+
+def _plot_lora(result: dict, path: str) -> None:
+    """A LoRA run: output tok/s per row (bars), the engine without LoRA first; vs base over each bar."""
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result["runs"] if "unavailable" not in r]
+    label = _label(runs)
+    names = [label(r).replace(" + LoRA x", "\nLoRA x").replace(" (no LoRA)", "\nno LoRA") for r in runs]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(runs) + 2), 4.5))
+    bars = ax.bar(range(len(runs)), [r["output_tok_s"] for r in runs],
+                  color=["gray" if not r["enable_lora"] else "C0" for r in runs])
+    for bar, r in zip(bars, runs):
+        if r.get("vs_base") is not None:
+            ax.annotate(f"{r['vs_base']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(runs)), names, fontsize=8)
+    ax.set(ylabel="output throughput (tok/s)", ylim=(0, None))
+    ax.grid(True, axis="y", alpha=0.3)
+    w, lo = result["workload"], result["lora"]
+    fig.suptitle(f"graphinfer bench throughput, LoRA (rank <= {lo['max_lora_rank']}, max_loras {lo['max_loras']}): "
+                 f"{result['model'] or 'SmolLM2'} {result['dtype']} on {result['env']['device_name']}\n"
+                 f"{w['num_prompts']} prompts, {w['prompt_tokens']:,} prompt / {w['output_tokens']:,} output tokens",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # ----- HF transformers' continuous batching (generate_batch) on the same weights and prompts -----
@@ -460,12 +535,16 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         num_prompts: int = 256, min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
         hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None,
-        hf_dtype: str | None = None, kernels: str | None = None, block_size: int = 16, enable_prefix_caching: bool = True) -> dict:
+        hf_dtype: str | None = None, kernels: str | None = None, block_size: int = 16,
+        enable_prefix_caching: bool = True, lora_modules: dict[str, str] | None = None, num_adapters: list[int] | None = None, max_loras: int | None = None,
+        max_lora_rank: int | None = None, max_cpu_loras: int | None = None, command: str | None = None) -> dict:
     """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size, data_parallel_size, quantization,
     speculative_config, structured_output, model_impl) configuration on the same workload (dataset "random": the standard one; "copy":
     bench/copy_workload.py, num_prompts passages of about min_len tokens to repeat) (the roofline counts unquantized
     weights); optionally HF too. parallel: the other parallel flags (enable_expert_parallel; nnodes, node_rank,
-    master_addr, master_port for tp > 1)."""
+    master_addr, master_port for tp > 1). LoRA: num_adapters (e.g. [0, 1, 4, 8]) with lora_modules {name: PEFT
+    adapter dir}: each configuration without enable_lora, then with it once per N (the module docstring); max_loras
+    defaults to the largest N, max_lora_rank to the adapters' largest rank. command: the command line, for the JSON."""
     import tempfile
 
     from graphinfer.config import resolve_dtype
@@ -474,16 +553,17 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
     if device == "auto":
         device = current_platform().device_type
     torch_dtype = resolve_dtype(dtype, device)
+    lora = _lora_plan(lora_modules, num_adapters, max_loras, max_lora_rank, max_cpu_loras)
     if compare_hf and fixed_output_len is None:  # transformers' generate_batch takes one max_new_tokens
         print("note: --compare hf runs the fixed-output variant; using --fixed-output-len 512")
         fixed_output_len = 512
     with tempfile.TemporaryDirectory(prefix="graphinfer-bench-") as tmp:
         # HF needs a checkpoint with graphinfer's weights; a sweep saves re-drawing a preset's random weights.
         passes = [passes] if isinstance(passes, str) else list(passes)  # a sweep: e.g. MLA absorbed / expanded
-        configs = [(mode, a, mns, tp, dp, q, sd, so, mi, pa) for mode in graph_modes for a in async_scheduling
+        configs = [(mode, a, mns, tp, dp, q, sd, so, mi, pa, n) for mode in graph_modes for a in async_scheduling
                    for mns in max_num_seqs for tp in tensor_parallel_size for dp in data_parallel_size
                    for q in quantization for sd in speculative_config for so in structured_output for mi in model_impl
-                   for pa in passes]
+                   for pa in passes for n in (lora["rows"] if lora else [None])]
         # (the transformers path runs an HF checkpoint directory: a GGUF or a preset is saved as one)
         gi_model = same_weights_checkpoint(model, torch_dtype, seed, tmp) \
             if compare_hf or len(configs) > 1 or "transformers" in model_impl else model
@@ -498,16 +578,19 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         bandwidth = measure_bandwidth(device)  # before any engine: the copy buffers need free memory
         common.release(device)
         result = {"benchmark": "throughput", "model": model, "dtype": str(torch_dtype).replace("torch.", ""),
-                  "env": common.environment(device), "bandwidth": bandwidth, "roofline_model": roofline.MODEL,
+                  "env": common.environment(device), "machine": common.machine(), **common.git_commit(),
+                  "command": command, "bandwidth": bandwidth, "roofline_model": roofline.MODEL,
                   "workload": {"dataset": dataset, "num_prompts": num_prompts, "min_len": min_len, "max_len": max_len,
                                "fixed_output_len": fixed_output_len, "seed": seed, "temperature": temperature,
                                "ignore_eos": workload.ignore_eos, "max_model_len": max_model_len, "kernels": kernels,
                                "block_size": block_size, "enable_prefix_caching": enable_prefix_caching,
                                "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
                   "runs": []}
+        if lora:
+            result["lora"] = {k: v for k, v in lora.items() if k != "rows"}
         print(f"workload: {num_prompts} prompts, {workload.prompt_tokens:,} prompt / {workload.output_tokens:,} output "
               f"tokens; copy bandwidth {bandwidth['bytes_per_s'] / 1e9:,.1f} GB/s on {result['env']['device_name']}")
-        for mode, a, mns, tp, dp, q, sd, so, mi, pa in configs:
+        for mode, a, mns, tp, dp, q, sd, so, mi, pa, n in configs:
             sizes = capture_sizes  # the engine keeps the sizes each kind of graph can use
             kw = dict(dtype=dtype, device=device, graph_mode=mode, max_num_seqs=mns, capture_sizes=sizes,
                       async_scheduling=a, passes=pa, max_model_len=max_model_len,
@@ -518,9 +601,20 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                    "data_parallel_size": dp, "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
                    "quantization": q, "speculative_config": sd, "structured_output": so, "model_impl": mi,
                    "passes": pa, "capture_sizes": sizes}
+            adapters = None
+            if lora:  # n: None = the engine without enable_lora, else the number of adapters in the batch
+                row["enable_lora"] = n is not None
+                if n is not None:
+                    kw.update(lora["engine"])
+                    adapters = lora_requests(lora_modules or {}, n)
+                    row.update(num_adapters=n, max_loras=lora["max_loras"], max_lora_rank=lora["max_lora_rank"],
+                               adapters=[{"name": x.lora_name, "id": x.lora_int_id, "path": x.lora_path}
+                                         for x in adapters])
             try:
                 row.update(run_config(gi_model, kw, workload, temperature, bandwidth["bytes_per_s"], min_len,
-                                      extra_warmup, so))
+                                      extra_warmup, so, adapters))
+                if lora:
+                    row["total_tok_s"] = (workload.prompt_tokens + row["output_tokens"]) / row["total_s"]
             except InvalidConfigError as e:  # e.g. FULL_DECODE_ONLY on CPU: no device graphs there
                 row["unavailable"] = str(e)
             except Exception as e:  # noqa: BLE001 (a sweep keeps going, e.g. past an OOM, and still writes its JSON)
@@ -532,6 +626,8 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
             result["runs"].append(row)
             print(_fmt_row(row), flush=True)
             common.write_json(output_json, result)  # so far: a run cut off by a time limit keeps its results
+        if lora:
+            _vs_base(result["runs"])
         if compare_hf:
             try:
                 hf = run_hf(gi_model, resolve_dtype(hf_dtype or dtype, device), device, workload, temperature, hf_cuda_graph)
@@ -547,11 +643,79 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
             result["hf"] = hf
             common.release(device)
     print("\n" + table(result))
+    if lora:
+        print("\n" + lora_table(result))
     common.write_json(output_json, result)
     if not any("unavailable" not in r for r in result["runs"]):
         raise InvalidConfigError("; ".join(dict.fromkeys(r["unavailable"] for r in result["runs"])))
     common.save_plot(plot, result, plot_path)
     return result
+
+
+# ----- LoRA (issue 52): the same workload over N distinct adapters -----
+def _lora_plan(lora_modules: dict[str, str] | None, num_adapters: list[int] | None, max_loras: int | None,
+               max_lora_rank: int | None, max_cpu_loras: int | None) -> dict | None:
+    """None without num_adapters / lora_modules; else the rows to run (None: the engine without enable_lora, then each
+    N) and the enable_lora engine's settings (max_loras: the largest N unless given; max_lora_rank: the adapters'
+    largest rank unless given)."""
+    if not num_adapters and not lora_modules:
+        return None
+    if not num_adapters:  # --lora-modules alone: the base model, and every adapter given in one batch
+        num_adapters = [0, len(lora_modules)]
+    if any(n < 0 for n in num_adapters):
+        raise InvalidConfigError(f"--num-adapters {','.join(map(str, num_adapters))}: counts must be >= 0.")
+    if max(num_adapters) > 0 and not lora_modules:
+        raise InvalidConfigError(f"--num-adapters {','.join(map(str, num_adapters))} needs adapters: pass "
+                                 f"--lora-modules name=path ... (PEFT adapter directories; tools/make_lora_adapter.py "
+                                 f"writes random ones).")
+    largest = max(num_adapters)
+    if max_loras is None:
+        max_loras = max(1, largest)
+    elif max_loras < largest:
+        raise InvalidConfigError(f"--max-loras {max_loras} < {largest} adapters (--num-adapters): a step holds at most "
+                                 f"max_loras adapters; give --max-loras >= {largest} or leave it unset.")
+    if max_lora_rank is None:
+        max_lora_rank = max([_adapter_rank(p) for p in (lora_modules or {}).values()] or [16])
+    engine = {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": max_lora_rank,
+              **({"max_cpu_loras": max_cpu_loras} if max_cpu_loras is not None else {})}
+    return {"rows": [None, *num_adapters], "num_adapters": list(num_adapters), "max_loras": max_loras,
+            "max_lora_rank": max_lora_rank, "max_cpu_loras": max_cpu_loras, "modules": dict(lora_modules or {}),
+            "engine": engine}
+
+
+def _adapter_rank(path: str) -> int:
+    """The largest rank adapter_config.json gives (r and rank_pattern); 16 where it cannot be read (the engine's
+    loader then says what is wrong with the adapter)."""
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            config = json.load(f)
+        return max([int(config.get("r", 8)), *map(int, (config.get("rank_pattern") or {}).values())])
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 16
+
+
+def lora_requests(lora_modules: dict[str, str], n: int) -> list:
+    """N distinct adapters, ids 1..N, over the given name -> path pairs in order; past the last pair the paths are
+    reused under new ids and names (name-K for id K), as vLLM's benchmark does."""
+    from graphinfer.lora import LoRARequest
+
+    pairs = list(lora_modules.items())
+    out = []
+    for i in range(1, n + 1):
+        name, path = pairs[(i - 1) % len(pairs)]
+        out.append(LoRARequest(name if i <= len(pairs) else f"{name}-{i}", i, path))
+    return out
+
+
+def _vs_base(runs: list[dict]) -> None:
+    """Each measured row's output tok/s over that of the row without enable_lora of the same other settings."""
+    key = lambda r: tuple(str(r.get(k)) for k in ("graph_mode", "async_scheduling", "max_num_seqs",  # noqa: E731
+                                                  "tensor_parallel_size", "data_parallel_size", "quantization",
+                                                  "speculative_config", "structured_output", "model_impl", "passes"))
+    base = {key(r): r["output_tok_s"] for r in runs if not r.get("enable_lora") and "output_tok_s" in r}
+    for r in runs:
+        if "output_tok_s" in r and key(r) in base:
+            r["vs_base"] = r["output_tok_s"] / base[key(r)]
 
 
 def copy_workload(model: str, num_prompts: int, passage_tokens: int, seed: int, vocab_size: int | None,
