@@ -37,7 +37,8 @@ SLICES = {"n1": (48,), "qkv": (64, 16, 16)}
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}  # bf16: one rounding
 
 IMPLS = {
-    "cpu": (cpu_lora.lora_shrink_cpu, cpu_lora.lora_expand_cpu),
+    "cpu": (cpu_lora.shrink_segments, cpu_lora.expand_segments),
+    "cpu_capture_safe": (cpu_lora.lora_shrink_capture_safe, cpu_lora.lora_expand_capture_safe),
     "cpu_gather": (cpu_lora.shrink_gather, cpu_lora.expand_gather),
     "cpu_all_slots": (cpu_lora.shrink_all_slots, cpu_lora.expand_one_hot),
     "triton": None,
@@ -231,10 +232,19 @@ def test_fx_trace_gives_one_node_per_op():
 
 
 def test_cpu_platform_registers_the_cpu_forms():
+    """The cpu platform (never captures) takes the segment forms (host reads of the index); a cpu platform that
+    captures (the tests' stand-in for device graphs) the capture-safe ones."""
     cpu_platform = pytest.importorskip("graphinfer.platforms.cpu")  # (the Ascend venv may lack its imports)
+
+    class Capturing(cpu_platform.CpuPlatform):
+        supports_graph_capture = True
+
     for kernels in ("eager", "inductor"):
         impls = cpu_platform.CpuPlatform().op_impls(kernels)
-        assert impls["lora_shrink"] is cpu_lora.lora_shrink_cpu and impls["lora_expand"] is cpu_lora.lora_expand_cpu
+        assert impls["lora_shrink"] is cpu_lora.shrink_segments and impls["lora_expand"] is cpu_lora.expand_segments
+        impls = Capturing().op_impls(kernels)
+        assert impls["lora_shrink"] is cpu_lora.lora_shrink_capture_safe
+        assert impls["lora_expand"] is cpu_lora.lora_expand_capture_safe
 
 
 @pytest.mark.gpu

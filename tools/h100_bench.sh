@@ -539,7 +539,7 @@ step_lora() {  # issue 52 item 5: tok/s with 0 / 1 / 4 / 8 distinct LoRA adapter
     if [ -f "$tests" ] && "$PY" -m pytest -q -p no:cacheprovider --collect-only -m gpu "$tests" 2>/dev/null \
         | grep -q "::"; then
         echo "=== lora: pytest -m gpu $tests"
-        "$PY" -m pytest -q -p no:cacheprovider -rfE -m gpu "$tests" 2>&1 | tee "$OUT_DIR/pytest_lora_kernels.log" \
+        "$PY" -m pytest -q -p no:cacheprovider -rfE -s -m gpu "$tests" 2>&1 | tee "$OUT_DIR/pytest_lora_kernels.log" \
             || echo "=== pytest failed (see pytest_lora_kernels.log)"
     else
         echo "=== lora: skipped pytest -m gpu $tests: no such file, no gpu-marked tests in it, or it does not collect" \
