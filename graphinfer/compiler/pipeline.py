@@ -217,6 +217,11 @@ def configured_passes(config: EngineConfig) -> list:
     still follow its F.linear, and quantized linears are not lowered yet) with the slots' sizes."""
     passes = resolve_passes(config.compile_config.passes)
     lc = config.lora_config
+    if lc.enable_lora and config.model_config.quantization and config.parallel_config.tensor_parallel_size > 1:
+        raise InvalidConfigError(
+            f"enable_lora with quantization={config.model_config.quantization!r} at tensor_parallel_size > 1 is not "
+            f"supported: the lora pass finds a row-parallel projection by its F.linear before the all-reduce, and a "
+            f"quantized one is traced to its quantized ops. Use tensor_parallel_size=1, or an unquantized model.")
     if lc.enable_lora:
         lora = next((p for p in passes if isinstance(p, LoRAPass)), None)
         if lora is None:
