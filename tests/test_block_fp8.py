@@ -87,7 +87,9 @@ def _run(path, **kw):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+# tp 2 (a worker process, ~15 s) is slow-marked to keep the default suite in its budget; the tp-2 loading of the codes
+# is covered by the default suite's shard tests
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_generates_the_twins_greedy_tokens_and_logprobs(fp8_checkpoint, tp):
     """The engine (absorb_mla, fused MoE; tp 2: gloo ranks) on the FP8 checkpoint gives the twin's tokens and top-3
     logprobs exactly in fp32: dequantization is deterministic (bf16 loads the twin's weights too: above)."""

@@ -25,7 +25,7 @@ def hf_run(smollm2_path):
     return evaluate("hf", smollm2_path, [TASK], limit=LIMIT)
 
 
-@pytest.mark.parametrize("backend", ["server", "llm"])
+@pytest.mark.parametrize("backend", ["server", pytest.param("llm", marks=pytest.mark.slow)])  # llm: ~18 s, same answers path
 def test_multiple_choice_answers_equal_the_hf_backend(smollm2_path, hf_run, backend, request, tmp_path):
     served = request.getfixturevalue("server") if backend == "server" else None
     run = evaluate(backend, smollm2_path, [TASK], limit=LIMIT, work_dir=str(tmp_path), server=served)

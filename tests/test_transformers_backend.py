@@ -135,7 +135,7 @@ def test_compile_then_serve_the_artifact_to_the_openai_client(hf_zoo_checkpoint,
 
 # ----- tensor parallel: transformers' base_model_tp_plan on graphinfer's parallel layers (gloo, a worker process) -----
 
-@pytest.mark.parametrize("name", ["gemma3", "phi3_rope"])
+@pytest.mark.parametrize("name", ["gemma3", pytest.param("phi3_rope", marks=pytest.mark.slow)])  # budget: one in the default suite
 def test_tp2_gives_hf_greedy_tokens(hf_zoo_checkpoint, name):
     """tp 2 by the config's plan, chunked prefill beside decodes, then prefix-cache hits. Gemma 3 ("colwise" /
     "rowwise"): q/k/v and gate/up split by columns, o/down by rows, two all-reduces a layer; its scaled embedding and
