@@ -13,7 +13,7 @@ Declines: a targeted projection whose input is not one tensor node (reason in th
 """
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import fx
 
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.lora.slots import LoRASlots, LoRASource
