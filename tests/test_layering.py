@@ -17,8 +17,9 @@ LAYERS = [
     {"ops", "distributed"},  # the op vocabulary, collectives included (communication_op registers graphinfer:: ops)
     {"platforms"},  # which implementation each op gets, device graphs, streams: plugins that name, never import, a compiler
     {"models"},  # plain PyTorch models, their parallel layers, and the pieces of reading a checkpoint into them
-    {"quantization", "lora"},  # quantized layers, built on the models' parallel layers and checkpoint readers;
-    # LoRA adapters (PEFT's format) read into per-module A / B weights
+    {"quantization", "lora", "eplb"},  # quantized layers, built on the models' parallel layers and checkpoint readers;
+    # LoRA adapters (PEFT's format) read into per-module A / B weights; EPLB's balancing policy and expert-map
+    # file (pure host code on torch / numpy: the runtime that counts load and moves expert weights builds on it)
     {"model_loader"},  # load_model: a model with its weights, quantized layers installed where asked
     {"passes"},  # graph rewrites over the op vocabulary
     {"compiler"},  # trace -> passes -> lowering -> split (compiler/pipeline.py), artifacts
