@@ -173,6 +173,9 @@ class CompileConfig:
     npu_compiler: str | None = setting(
         None, "npu: hand the fused graph to torchair (ACL graphs; use with --graph-mode NONE)",
         choices=["torchair", "torchair:npugraph_ex", "torchair:reduce-overhead"])
+    keep_failed_passes: bool = setting(
+        False, "run a pass whose numeric check failed (default: the graph is compiled without it, the reason logged and "
+               "recorded in its pass report); `graphinfer compile` keeps it and judges the check itself")
     max_capture_size: int | None = setting(None, "largest default capture size (default: min(2 * max-num-seqs, 512))")
     splitting_ops: list[str] | None = setting(
         None, "comma-separated ops that run eagerly between the pieces (default: graphinfer::paged_attention; from an "

@@ -194,11 +194,27 @@ def test_compile_refuses_a_failing_artifact_unless_overridden(wrong_plugin, tmp_
     assert manifest["check"] == {"passed": True, "failures": [], "atol": 1e-4, "rtol": 10.0, "overridden": False}
 
 
-def test_llm_warns_when_its_passes_fail_the_check(wrong_plugin, caplog):
-    with caplog.at_level(logging.WARNING, logger="graphinfer.runtime.entrypoints.llm_engine"):
+def test_llm_declines_a_pass_that_fails_its_check(wrong_plugin, caplog):
+    """A failed check is not served silently: the graph is compiled without the pass, which its report records as
+    declined (issue 55); keep_failed_passes=True runs it anyway, loudly, as before."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [3, 14, 15, 92, 65]}]
+    with caplog.at_level(logging.WARNING, logger="graphinfer.compiler.pipeline"):
         llm = LLM("tiny-qwen3", passes="default,swap_qk_norm", num_gpu_blocks_override=64)
+    reports = llm.llm_engine.worker.compiled.pass_reports
+    swap = reports[-1]
+    assert reports.passed and swap.name == "swap_qk_norm" and swap.matches == 0 and swap.passed is None
+    assert swap.declined and "numeric check failed" in swap.declined[0] and "max abs error" in swap.declined[0]
+    assert "pass swap_qk_norm declined: its numeric check failed" in caplog.text
+    assert "beyond the check's tolerances" not in caplog.text
+    got = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    want = LLM("tiny-qwen3", num_gpu_blocks_override=64).generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want  # what the default passes alone give
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="graphinfer.compiler.pipeline"):
+        llm = LLM("tiny-qwen3", passes="default,swap_qk_norm", num_gpu_blocks_override=64, keep_failed_passes=True)
     assert not llm.llm_engine.worker.compiled.pass_reports.passed
-    assert "swap_qk_norm: max abs error" in caplog.text
+    assert "swap_qk_norm: max abs error" in caplog.text and "declined" not in caplog.text
 
 
 def test_end_to_end_and_bf16_tolerances_in_verify():
@@ -236,8 +252,8 @@ def test_presets_generate_from_their_context(preset):
     assert len({tuple(t) for t in tokens}) == len(PROMPTS), tokens  # different prompts, different outputs
     assert all(len(set(t)) > 1 for t in tokens), tokens  # not one token repeated
     assert all(t[0] != p[-1] for t, p in zip(tokens, PROMPTS)), tokens  # not an echo of the last token
-    # A pass that breaks attention changes the greedy tokens (and fails the check).
-    broken = LLM(preset, passes=[_ZeroAttention()], num_gpu_blocks_override=64)
+    # A pass that breaks attention changes the greedy tokens (and fails the check; kept: LLM would decline it).
+    broken = LLM(preset, passes=[_ZeroAttention()], num_gpu_blocks_override=64, keep_failed_passes=True)
     assert not broken.llm_engine.worker.compiled.pass_reports.passed
     assert [o.outputs[0].token_ids for o in broken.generate(PROMPTS, GREEDY, use_tqdm=False)] != tokens
 

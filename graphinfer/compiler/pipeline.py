@@ -37,6 +37,7 @@ from graphinfer.model_loader import load_model
 from graphinfer.models.loader import load_config, release_tensors
 from graphinfer.models.presets import PRESET_NAMES
 from graphinfer.passes import PassReports, resolve_passes
+from graphinfer.passes.base import PassReport
 from graphinfer.lora.slots import fit_lora_slots
 from graphinfer.passes.lora import LoRAPass
 from graphinfer.passes.utils import release_fused_sources
@@ -101,7 +102,33 @@ class CompilePipeline:
         return CompiledModel(model, hf_config, graph, reports, self.capture_sizes)
 
     def _run_passes(self, model: nn.Module):
-        graph, reports = compile_model(model, configured_passes(self.config))
+        """The passes run and checked (compile_model). A pass whose own check fails is declined, as a pass declines
+        a match it cannot make safely: the graph is compiled again without it, the reason logged and recorded in its
+        report (matches 0, unchecked, the failure in `declined`), unless compile_config.keep_failed_passes (then the
+        failed graph runs, with a warning; `graphinfer compile` sets it and refuses or overrides by its own check)."""
+        passes = configured_passes(self.config)
+        dropped: dict[str, str] = {}  # pass name -> why its check failed
+        while True:
+            graph, reports = compile_model(model, passes)
+            if self.config.compile_config.keep_failed_passes:
+                break
+            failed = {r.name: r.check.why() for r in reports if r.check is not None and not r.check.passed}
+            # every tensor-parallel rank drops the same passes (a check on one rank's shard may fail alone)
+            for rank, found in enumerate(ps.all_gather_object(failed)):
+                for name, why in found.items():
+                    failed.setdefault(name, why if rank == ps.tp_rank() else f"on rank {rank}: {why}")
+            if not failed:
+                break
+            for name, why in failed.items():
+                dropped[name] = why
+                logger.warning("pass %s declined: its numeric check failed (%s); the model is compiled without it "
+                               "(keep_failed_passes=True runs it anyway)", name, why)
+            kept = [p for p in passes if (p.name or type(p).__name__) not in failed]
+            if len(kept) == len(passes):  # nothing left to drop (cannot happen: the failed reports name passes run)
+                break
+            passes = kept
+        if dropped:
+            reports = _with_declined(reports, configured_passes(self.config), dropped)
         if not reports.passed:  # `compile` refuses such a graph; here it runs, loudly
             logger.warning("passes changed the model's outputs beyond the check's tolerances: %s",
                            "; ".join(reports.failures()))
@@ -232,6 +259,22 @@ def configured_passes(config: EngineConfig) -> list:
         lora.max_loras, lora.max_lora_rank = lc.max_loras, lc.max_lora_rank
         lora.max_num_tokens = lora_max_num_tokens(config)
     return passes
+
+
+def _with_declined(reports: PassReports, passes: list, dropped: dict[str, str]) -> PassReports:
+    """reports with a report for each dropped pass at its place in the configured order: no matches, unchecked, and
+    why it was declined."""
+    ran = {r.name: r for r in reports}
+    out = []
+    for p in passes:
+        name = p.name or type(p).__name__
+        if name in dropped:
+            out.append(PassReport(name, 0, 0, 0, 0.0, None, [
+                f"declined: its numeric check failed ({dropped[name]}); the graph was compiled without it"]))
+        elif name in ran:
+            out.append(ran.pop(name))
+    out.extend(ran.values())
+    return PassReports(out, reports.end_to_end)
 
 
 def _fx(graph: nn.Module) -> fx.GraphModule:

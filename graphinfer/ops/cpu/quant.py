@@ -10,11 +10,19 @@
 - dynamic_quant (int8) and scaled_mm (int8 x int8, the w8a8 scheme): csrc/cpu/quant_int8.cpp, bit for bit as the
   references: one pass per token row for the quantization, at::_int_mm (oneDNN, exact int32) and one fused
   scale / bias / cast pass for the GEMM (the reference multiplies in fp64). fp8 stays on the references.
+- rms_norm_quant, add_rms_norm_quant, silu_and_mul_quant (made by fuse_rmsnorm_quant / fuse_silu_mul_quant): the
+  cpu rms_norm / add_rms_norm / silu_and_mul kernels (ops/cpu/elementwise.py) followed by dynamic_quant_cpu, i.e.
+  exactly the unfused graph's arithmetic on this platform, so fused and unfused give the same int8 codes and
+  scales bit for bit. Their references (the unfused composition on the *reference* norm) would not: the C++ norm
+  differs from the PyTorch one by fp32 ulps (its sum order), which flips a code wherever x / scale lies at a .5
+  boundary, and the pass check then saw a different model (issue 55, item 4). The fusion saves no pass over x
+  here yet (one C++ kernel doing both is a later step); what it must not do is change the codes.
 """
 import torch
 from torch import Tensor
 
 from graphinfer.ops.cpu import ext
+from graphinfer.ops.cpu.elementwise import add_rms_norm_cpu, rms_norm_cpu, silu_and_mul_cpu
 from graphinfer.ops.quant import dynamic_quant, scaled_mm, wo_linear
 
 _wo_linear_ref = wo_linear.reference
@@ -57,4 +65,22 @@ def scaled_mm_cpu(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: 
     return _scaled_mm_ref(a, a_scale, b, b_scale, bias, out_dtype)
 
 
-CPU_QUANT_OPS = {"wo_linear": wo_linear_cpu, "dynamic_quant": dynamic_quant_cpu, "scaled_mm": scaled_mm_cpu}
+def rms_norm_quant_cpu(x: Tensor, weight: Tensor, eps: float, quant_dtype: str,
+                       input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return dynamic_quant_cpu(rms_norm_cpu(x, weight, eps), quant_dtype, input_scale)
+
+
+def add_rms_norm_quant_cpu(x: Tensor, residual: Tensor, weight: Tensor, eps: float, quant_dtype: str,
+                           input_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    normed, new_residual = add_rms_norm_cpu(x, residual, weight, eps)
+    q, scale = dynamic_quant_cpu(normed, quant_dtype, input_scale)
+    return q, scale, new_residual
+
+
+def silu_and_mul_quant_cpu(x: Tensor, quant_dtype: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return dynamic_quant_cpu(silu_and_mul_cpu(x), quant_dtype, input_scale)
+
+
+CPU_QUANT_OPS = {"wo_linear": wo_linear_cpu, "dynamic_quant": dynamic_quant_cpu, "scaled_mm": scaled_mm_cpu,
+                 "rms_norm_quant": rms_norm_quant_cpu, "add_rms_norm_quant": add_rms_norm_quant_cpu,
+                 "silu_and_mul_quant": silu_and_mul_quant_cpu}
