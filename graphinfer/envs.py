@@ -39,9 +39,15 @@ _VARS = [
            "inductor, reference or triton (unset: eager). The engine setting wins when given.", setting="kernels"),
     EnvVar("GRAPHINFER_CPU_POPULATE_KV_CACHE", "1",
            "1: on the cpu platform, a thread at idle priority commits the KV cache's pages from start-up on (vLLM-CPU "
-           "zeroes its cache at start-up), so requests do not page-fault them in; LLM.generate waits for it before "
-           "its first step, the server does not. 0: pages are mapped as first written (the tests' many short-lived "
+           "zeroes its cache at start-up), so requests do not page-fault them in; LLM() waits for it before "
+           "returning, the server does not. 0: pages are mapped as first written (the tests' many short-lived "
            "engines)."),
+    EnvVar("GRAPHINFER_CPU_BUSY_THREADS", "1",
+           "1: on the cpu platform, with OMP_NUM_THREADS unset, the CPUs other processes keep busy are sampled for "
+           "0.2 s at start-up (/proc/stat) and the torch threads (one per physical core) are reduced by as many: "
+           "OpenMP threads that share a core with a CPU-bound process spin while they wait for each other (16 greedy "
+           "tokens: 1.6-14 s at two threads beside a hog on 2 cores, 0.66 s at one). 0: one thread per physical "
+           "core whatever the load."),
     EnvVar("GRAPHINFER_CPU_RETAIN_FREED_MEMORY", "1",
            "1: on the cpu platform, glibc malloc keeps freed memory in the process (no mmap for large blocks, no "
            "trim), so a prefill's large activations are not page-faulted in again every layer; the process keeps its "

