@@ -11,6 +11,7 @@ import torch
 from capture_standin import OpTapePlatform
 
 import graphinfer.runtime.entrypoints.llm_engine as llm_engine
+from graphinfer.server.metrics import Metrics
 from graphinfer import LLM, SamplingParams
 from graphinfer.config import EngineConfig
 from graphinfer.eplb import initial_placement, load_expert_map
@@ -51,9 +52,9 @@ def skewed(tiny_checkpoint, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tiny-qwen3-moe-skewed"))
     hf.save_pretrained(out)
     with torch.no_grad():
-        ref = {n: [hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(p):]
-                   .tolist() for p in PROMPTS] for n in (10, 6)}
-    return out, ref
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, len(p):]
+               .tolist() for p in PROMPTS]
+    return out, {10: ref, 6: [r[:6] for r in ref]}  # greedy: 6 tokens are the first 6 of 10
 
 
 def _check_engine(llm, ref):
@@ -73,22 +74,120 @@ def _check_engine(llm, ref):
     return stats
 
 
+def _runner(llm, layout):
+    engine = llm.llm_engine
+    return (engine.local_core if layout == "tp2" else engine.engine_core.local).worker.model_runner
+
+
+def _size(layout) -> dict:
+    return {"tensor_parallel_size": 2} if layout == "tp2" else {"data_parallel_size": 2}
+
+
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_eplb_tokens_match_hf_across_rearrangements_captured(layout, skewed, monkeypatch, tmp_path):
+    """Under the capture stand-in (FULL_AND_PIECEWISE): the decode graphs captured at start replay under several
+    placements; /metrics exports the rearrangements; the placement saved as an expert map is a valid one."""
     path, ref = skewed
     monkeypatch.setattr(llm_engine, "platform_for_device", lambda device_type: OpTapePlatform())
-    size = {"tensor_parallel_size": 2} if layout == "tp2" else {"data_parallel_size": 2}
     kw = dict(KW, graph_mode="FULL_AND_PIECEWISE", capture_sizes=[1, 2, 4, 8])
-    with LLM(path, **size, **EPLB, **kw) as llm:
-        runner = llm.llm_engine.local_core.worker.model_runner if layout == "tp2" else \
-            llm.llm_engine.engine_core.local.worker.model_runner
+    with LLM(path, **_size(layout), **EPLB, **kw) as llm:
+        runner = _runner(llm, layout)
         replays = []
         graphs = runner.dispatcher.decode_graphs
         original = graphs.replay
         monkeypatch.setattr(graphs, "replay", lambda *a, **k: replays.append(runner.eplb.rearrangements) or
                             original(*a, **k))
-        _check_engine(llm, ref)
+        stats = _check_engine(llm, ref)
         assert len(set(replays)) >= 2  # the same decode graphs replayed under several placements
+        metrics = Metrics("m")
+        metrics.watch_eplb(llm.llm_engine)
+        text = metrics.render().decode()
         saved = llm.llm_engine.save_expert_map(str(tmp_path / "map.json"))
+    assert f'graphinfer:eplb_rearrangements_total{{model_name="m"}} {float(stats["rearrangements"])}' in text
+    assert f'graphinfer:eplb_moved_bytes_total{{model_name="m"}} {float(stats["moved_bytes_total"])}' in text
+    assert "graphinfer:eplb_ep_rank_imbalance{" in text and "graphinfer:eplb_ep_rank_imbalance_without_eplb{" in text
     placement = load_expert_map(saved, 8, 2)
     assert placement.shape == (2, 10) and not torch.equal(placement[0], initial_placement(1, 8, 2)[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_eplb_tokens_match_hf_across_rearrangements_none(layout, skewed):
+    """The same in NONE (eager graphs), with async scheduling."""
+    path, ref = skewed
+    with LLM(path, **_size(layout), **EPLB, **KW, async_scheduling=True) as llm:
+        _check_engine(llm, ref)
+
+
+@pytest.mark.slow
+def test_expert_map_path_starts_from_a_saved_placement(skewed, tmp_path):
+    """A placement saved from an EPLB engine, loaded with expert_map_path (static: no EPLB), serves HF's tokens on
+    that placement's replicas."""
+    path, ref = skewed
+    with LLM(path, tensor_parallel_size=2, **EPLB, **KW) as llm:
+        llm.generate(PROMPTS, _params(), use_tqdm=False)
+        saved = llm.llm_engine.save_expert_map(str(tmp_path / "map.json"))
+    placement = load_expert_map(saved, 8, 2)
+    with LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, expert_map_path=saved, **KW) as llm:
+        layers = _runner(llm, "tp2").moe_layers
+        assert [m.placement for m in layers.values()] == placement.tolist()
+        assert llm.llm_engine.eplb_stats() == {"enabled": False}
+        assert _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False)) == ref[10]
+
+
+# ----- pieces, in one process -----
+
+def test_map_op_spreads_replicas_and_counts_real_rows_only():
+    """Slot t*K+k takes replica (t*K+k) % count (vLLM's rule); the physical load counts the first num_tokens rows."""
+    placement = [0, 1, 2, 3, 1, 1]  # expert 1 has three replicas: slots 1, 4, 5
+    log2phy, count = logical_maps_of(placement, 4)
+    assert log2phy.tolist()[1] == [1, 4, 5] and count.tolist() == [1, 3, 1, 1]
+    ids = torch.tensor([[1, 0], [1, 2], [1, 3], [3, 1]])
+    load = torch.zeros(6, dtype=torch.int64)
+    phys = torch.ops.graphinfer.eplb_map_to_physical_and_record(ids, log2phy, count, load, torch.tensor([3]))
+    assert phys.tolist() == [[1, 0], [5, 2], [4, 3], [3, 4]]  # expert 1 at positions 0, 2, 4, 7: replicas 0, 2, 1, 1
+    assert load.tolist() == [1, 1, 1, 1, 1, 1]  # the last row is padding
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_move_plan_turns_the_old_placement_into_the_new(seed):
+    """Applying the planned copies (all reading the old weights) to 'weights' that are their expert's id gives the
+    new placement; experts a rank already held are copied locally, never sent."""
+    from graphinfer.eplb import rebalance_experts
+
+    g = torch.Generator().manual_seed(seed)
+    old = initial_placement(1, 8, 4)[0].tolist()
+    new = rebalance_experts(torch.randint(0, 100, (1, 8), generator=g), 12, 1, 1, 4)[0][0].tolist()
+    per = 3
+    moves = plan_moves(old, new, 4)
+    got = list(old)
+    for m in moves:
+        got[m.dst_rank * per + m.dst_slot] = old[m.src_rank * per + m.src_slot]
+        held_here = old[m.dst_rank * per:(m.dst_rank + 1) * per]
+        assert (m.src_rank == m.dst_rank) == (new[m.dst_rank * per + m.dst_slot] in held_here)
+    assert got == new
+    assert moves == sorted(moves, key=lambda m: (m.dst_rank, m.dst_slot))
+
+
+def test_settings_refuse_what_cannot_work(skewed, tiny_checkpoint):
+    path, _ = skewed
+    with pytest.raises(InvalidConfigError, match="enable_expert_parallel"):
+        EngineConfig.from_kwargs(enable_eplb=True, tensor_parallel_size=2)
+    with pytest.raises(InvalidConfigError, match="tensor_parallel_size x data_parallel_size > 1"):
+        EngineConfig.from_kwargs(enable_eplb=True, enable_expert_parallel=True)
+    with pytest.raises(InvalidConfigError, match="unknown key"):
+        EngineConfig.from_kwargs(eplb_config={"num_redundant": 2})
+    with pytest.raises(InvalidConfigError, match="needs enable_eplb"):
+        EngineConfig.from_kwargs(eplb_config={"num_redundant_experts": 2}, enable_expert_parallel=True,
+                                 tensor_parallel_size=2)
+    # refused before any rank starts: 8 + 1 physical experts over 2 ranks; a dense model
+    with pytest.raises(InvalidConfigError, match="num_redundant_experts=2"):
+        LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+            eplb_config={"num_redundant_experts": 1}, **KW)
+    with pytest.raises(InvalidConfigError, match="dense model"):
+        LLM(tiny_checkpoint("qwen3")[0], tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, **KW)
+    bad = {"moe_layer_count": 1, "layer_list": [{"layer_id": 0, "device_count": 2, "device_list": [
+        {"device_id": 0, "device_expert": [0, 1, 2, 3]}, {"device_id": 1, "device_expert": [4, 5, 6, 0]}]}]}
+    with pytest.raises(InvalidConfigError, match=r"logical experts \[7\] have no replica"):
+        from graphinfer.eplb import placement_from_json
+        placement_from_json(bad, 8, 2)
