@@ -37,18 +37,22 @@ def _tokens(outputs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def skewed(tiny_checkpoint, tmp_path_factory):
-    """(checkpoint dir, HF greedy tokens of PROMPTS for 10 and 6 new tokens): tiny Qwen3-MoE with an offset in one
-    hidden dimension of every embedding and router rows that favour HOT along it, so most tokens go to rank 1."""
+    """(checkpoint dir, HF greedy tokens of PROMPTS for 10 and 6 new tokens): tiny Qwen3-MoE with a small offset in
+    one hidden dimension of every embedding and router rows that favour HOT along it, so ~85% of the routed slots go to
+    rank 1's experts (the plain placement's EP-rank imbalance ~1.7)."""
     from transformers import AutoModelForCausalLM
 
     path, _ = tiny_checkpoint("qwen3_moe")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        hf.model.embed_tokens.weight[:, 0] += 2.0
+        hf.model.embed_tokens.weight[:, 0] += 0.05
         for layer in hf.model.layers:
             if hasattr(layer.mlp, "gate"):
                 for e in HOT:
-                    layer.mlp.gate.weight[e, 0] += 3.0 if e == HOT[0] else 2.0
+                    layer.mlp.gate.weight[e, 0] += 1.05 if e == HOT[0] else 0.7
+                # experts 6x: their outputs steer the tokens, so an expert's weights in a wrong slot change them
+                layer.mlp.experts.gate_up_proj.mul_(6.0)
+                layer.mlp.experts.down_proj.mul_(6.0)
     out = str(tmp_path_factory.mktemp("tiny-qwen3-moe-skewed"))
     hf.save_pretrained(out)
     with torch.no_grad():
