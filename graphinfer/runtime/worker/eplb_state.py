@@ -65,6 +65,7 @@ class EplbState:
         self.num_nodes = max(1, nodes)
         self.rearrangements = 0
         self.moved_bytes_total = 0
+        self.seconds_total = 0.0
         self.last: dict = {}
 
     # ----- every step -----
@@ -126,6 +127,7 @@ class EplbState:
         predicted = rank_imbalance(new, logical, self.ep_size).tolist()
         self.rearrangements += 1
         self.moved_bytes_total += moved
+        self.seconds_total += seconds
         self.last = {
             "window_steps": n, "window_tokens": int(load.sum()) // max(1, len(self.layers)),
             # the window just ended, under the placement it was counted with
@@ -179,7 +181,8 @@ class EplbState:
                 "num_physical_experts": self.num_physical, "ep_size": self.ep_size,
                 "window_size": self.config.window_size, "step_interval": self.config.step_interval,
                 "steps_since_rearrangement": self.steps, "rearrangements": self.rearrangements,
-                "moved_bytes_total": self.moved_bytes_total, "last": dict(self.last)}
+                "moved_bytes_total": self.moved_bytes_total, "seconds_total": self.seconds_total,
+                "last": dict(self.last)}
 
 
 def _mean(values: list[float]) -> float:
