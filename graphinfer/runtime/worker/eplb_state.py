@@ -32,6 +32,8 @@ from graphinfer.models.parallel_layers import MoEExperts
 
 logger = logging.getLogger(__name__)
 
+HISTORY = 100  # rearrangements eplb_stats() lists
+
 
 def _imbalance(load: torch.Tensor) -> list[float]:
     """max / mean of each row of load [layers, ranks] (1.0 for a row with no load)."""
@@ -67,6 +69,7 @@ class EplbState:
         self.moved_bytes_total = 0
         self.seconds_total = 0.0
         self.last: dict = {}
+        self.history: list[dict] = []  # per rearrangement (the last HISTORY): imbalances, bytes, seconds
 
     # ----- every step -----
     def before_step(self) -> None:
@@ -137,6 +140,8 @@ class EplbState:
             # the same load under the new placement, each expert's tokens split evenly over its replicas
             "predicted_rank_imbalance": _mean(predicted),
             "moved_bytes": moved, "copied_bytes": copied, "seconds": seconds}
+        self.history = self.history[-(HISTORY - 1):] + [
+            {k: self.last[k] for k in ("rank_imbalance", "rank_imbalance_without_eplb", "moved_bytes", "seconds")}]
         self.window_steps = self.steps = 0
         if self.ep_rank == 0:
             logger.info("EPLB rearrangement %d: window of %d steps, EP-rank imbalance %.3f (contiguous %s), next "
@@ -182,7 +187,7 @@ class EplbState:
                 "window_size": self.config.window_size, "step_interval": self.config.step_interval,
                 "steps_since_rearrangement": self.steps, "rearrangements": self.rearrangements,
                 "moved_bytes_total": self.moved_bytes_total, "seconds_total": self.seconds_total,
-                "last": dict(self.last)}
+                "last": dict(self.last), "history": list(self.history)}
 
 
 def _mean(values: list[float]) -> float:
