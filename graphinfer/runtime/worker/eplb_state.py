@@ -63,8 +63,6 @@ class EplbState:
         self.w2_buffer = torch.empty_like(first.w2_weight.data)
         self.expert_bytes = (first.w13_weight[0].numel() * first.w13_weight.element_size()
                              + first.w2_weight[0].numel() * first.w2_weight.element_size())
-        nodes = self.ep_size // ps.ranks_per_node() if self.ep_size % max(ps.ranks_per_node(), 1) == 0 else 1
-        self.num_nodes = max(1, nodes)
         self.rearrangements = 0
         self.moved_bytes_total = 0
         self.seconds_total = 0.0
@@ -107,7 +105,8 @@ class EplbState:
         load = load.cpu() // self.tp
         old = self.placement()
         logical = torch.zeros(len(self.layers), self.num_logical, dtype=torch.int64).scatter_add_(1, old, load)
-        new = rebalance_experts(logical, self.num_physical, 1, self.num_nodes, self.ep_size)[0] \
+        # the policy's global form (one expert group, one node): the layers do not know a model's expert groups
+        new = rebalance_experts(logical, self.num_physical, 1, 1, self.ep_size)[0] \
             if self.ep_rank == 0 else torch.empty_like(old)
         new = new.to(self.device)
         ps.collective("EPLB placement broadcast", ps.EP_GROUP, lambda group: dist.broadcast(new, src=0, group=group))
