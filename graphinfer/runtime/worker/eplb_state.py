@@ -122,20 +122,19 @@ class EplbState:
             layer.logical_replica_count.copy_(count[i])
         self.synchronize()
         seconds = time.perf_counter() - start
-        contiguous = logical.view(len(self.layers), self.ep_size, -1).sum(-1) if self.num_logical % self.ep_size \
-            == 0 else None
-        measured = _imbalance(load.view(len(self.layers), self.ep_size, -1).sum(-1))
-        without = _imbalance(contiguous) if contiguous is not None else None
+        L = len(self.layers)
+        measured = _imbalance(load.view(L, self.ep_size, -1).sum(-1))  # physical slots, as placed
+        without = _imbalance(logical.view(L, self.ep_size, -1).sum(-1))  # logical experts, contiguous (E % ep == 0)
         predicted = rank_imbalance(new, logical, self.ep_size).tolist()
         self.rearrangements += 1
         self.moved_bytes_total += moved
         self.seconds_total += seconds
         self.last = {
-            "window_steps": n, "window_tokens": int(load.sum()) // max(1, len(self.layers)),
+            "window_steps": n, "window_routed_slots": int(load.sum()) // L,  # tokens x top_k per MoE layer
             # the window just ended, under the placement it was counted with
             "rank_imbalance": _mean(measured), "rank_imbalance_per_layer": dict(zip(self.layer_ids, measured)),
             # the same logical load under the plain contiguous placement of the logical experts (no EPLB)
-            "rank_imbalance_without_eplb": _mean(without) if without is not None else None,
+            "rank_imbalance_without_eplb": _mean(without),
             # the same load under the new placement, each expert's tokens split evenly over its replicas
             "predicted_rank_imbalance": _mean(predicted),
             "moved_bytes": moved, "copied_bytes": copied, "seconds": seconds}
@@ -143,10 +142,9 @@ class EplbState:
             {k: self.last[k] for k in ("rank_imbalance", "rank_imbalance_without_eplb", "moved_bytes", "seconds")}]
         self.window_steps = self.steps = 0
         if self.ep_rank == 0:
-            logger.info("EPLB rearrangement %d: window of %d steps, EP-rank imbalance %.3f (contiguous %s), next "
+            logger.info("EPLB rearrangement %d: window of %d steps, EP-rank imbalance %.3f (contiguous %.3f), next "
                         "placement %.3f; moved %.2f MiB between ranks (+%.2f MiB within) in %.3f s",
-                        self.rearrangements, n, self.last["rank_imbalance"],
-                        "n/a" if without is None else f"{self.last['rank_imbalance_without_eplb']:.3f}",
+                        self.rearrangements, n, self.last["rank_imbalance"], self.last["rank_imbalance_without_eplb"],
                         self.last["predicted_rank_imbalance"], moved / 2**20, copied / 2**20, seconds)
 
     def _move_layer(self, layer: MoEExperts, old: list[int], new: list[int]) -> tuple[int, int]:
@@ -156,21 +154,19 @@ class EplbState:
             return 0, 0
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         mine = [m for m in moves if m.dst_rank == self.ep_rank]
-        ops = []
+        p2p = []  # (isend / irecv, tensor, peer): posted in plan order on every rank, so the pairs match
         for k, m in enumerate(mine):
             if m.src_rank == self.ep_rank:
                 self.w13_buffer[k].copy_(w13[m.src_slot])
                 self.w2_buffer[k].copy_(w2[m.src_slot])
             else:
-                ops += [dist.P2POp(dist.irecv, self.w13_buffer[k], m.src_rank),
-                        dist.P2POp(dist.irecv, self.w2_buffer[k], m.src_rank)]
+                p2p += [(dist.irecv, self.w13_buffer[k], m.src_rank), (dist.irecv, self.w2_buffer[k], m.src_rank)]
         for m in moves:
             if m.src_rank == self.ep_rank and m.dst_rank != self.ep_rank:
-                ops += [dist.P2POp(dist.isend, w13[m.src_slot], m.dst_rank),
-                        dist.P2POp(dist.isend, w2[m.src_slot], m.dst_rank)]
-        if ops:
+                p2p += [(dist.isend, w13[m.src_slot], m.dst_rank), (dist.isend, w2[m.src_slot], m.dst_rank)]
+        if p2p:
             def exchange(group):
-                for request in dist.batch_isend_irecv([dist.P2POp(o.op, o.tensor, o.peer, group) for o in ops]):
+                for request in dist.batch_isend_irecv([dist.P2POp(op, t, peer, group) for op, t, peer in p2p]):
                     request.wait()
             ps.collective("EPLB expert transfer", ps.EP_GROUP, exchange)
         for k, m in enumerate(mine):
