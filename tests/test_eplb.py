@@ -195,3 +195,20 @@ def test_settings_refuse_what_cannot_work(skewed, tiny_checkpoint):
     with pytest.raises(InvalidConfigError, match=r"logical experts \[7\] have no replica"):
         from graphinfer.eplb import placement_from_json
         placement_from_json(bad, 8, 2)
+
+
+@pytest.mark.slow
+def test_bench_moe_balance_eplb(skewed, tmp_path, capsys):
+    """`bench moe-balance --eplb`: two EP ranks with EPLB on the skewed model; the JSON has the last window's
+    imbalance with and without it and the moved bytes."""
+    from graphinfer.bench.moe_balance import run
+
+    out = tmp_path / "eplb.json"
+    result = run(skewed[0], ep_size=2, dtype="float32", device="cpu", num_prompts=8, min_len=16, max_len=48,
+                 max_model_len=512, eplb=True, eplb_config={"step_interval": 6, "window_size": 4},
+                 output_json=str(out))
+    stats = json.loads(out.read_text())["eplb"]
+    assert stats == json.loads(json.dumps(result["eplb"]))
+    assert stats["rearrangements"] >= 2 and stats["num_physical_experts"] == 10 and stats["moved_bytes_total"] > 0
+    assert len(stats["history"]) == stats["rearrangements"]
+    assert "mean over EPLB-placed windows" in capsys.readouterr().out
