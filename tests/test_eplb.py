@@ -153,6 +153,31 @@ def test_map_op_spreads_replicas_and_counts_real_rows_only():
     assert load.tolist() == [1, 1, 1, 1, 1, 1]  # the last row is padding
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_map_op_in_a_cuda_graph_follows_a_rewritten_map():
+    """The op captured in a CUDA graph reads the maps at their addresses: after they are rewritten in place (a
+    rearrangement) a replay routes by the new placement, and counts into the same load buffer."""
+    dev = "cuda"
+    ids = torch.tensor([[1, 0], [1, 2], [1, 3], [3, 1]], device=dev)
+    log2phy, count = (t.to(dev) for t in logical_maps_of([0, 1, 2, 3, 1, 1], 4))
+    load, n = torch.zeros(6, dtype=torch.int64, device=dev), torch.tensor([4], device=dev)
+    op = torch.ops.graphinfer.eplb_map_to_physical_and_record
+    op(ids, log2phy, count, load, n)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        phys = op(ids, log2phy, count, load, n)
+    load.zero_()
+    graph.replay()
+    assert phys.tolist() == [[1, 0], [5, 2], [4, 3], [3, 4]] and int(load.sum()) == 8
+    new_log2phy, new_count = logical_maps_of([1, 1, 0, 2, 3, 1], 4)  # expert 1 now at slots 0, 1, 5
+    log2phy.copy_(new_log2phy)
+    count.copy_(new_count)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert phys.tolist() == [[0, 2], [5, 3], [1, 4], [4, 1]] and load.tolist() == [2, 3, 2, 3, 4, 2]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_move_plan_turns_the_old_placement_into_the_new(seed):
     """Applying the planned copies (all reading the old weights) to 'weights' that are their expert's id gives the

@@ -48,7 +48,8 @@
 #               --enable-expert-parallel (the replicas step in lockstep, EP 2 over NCCL), NONE and FULL_AND_PIECEWISE;
 #               then $MODEL dense, FULL_AND_PIECEWISE, standard workload: tok/s, requests per replica, the expert
 #               load summed over the replicas                                             (~6 min, not in the default)
-#   eplb        issue 54: needs >= 2 GPUs (refuses on one). `bench moe-balance --eplb` on all GPUs as expert-parallel
+#   eplb        issue 54: the EPLB map op's GPU test (a CUDA graph replayed across a rewritten map), then (needs >= 2
+#               GPUs, refuses on one) `bench moe-balance --eplb` on all GPUs as expert-parallel
 #               ranks (tensor parallel x EP, NCCL), FULL_AND_PIECEWISE: $MOE_MODEL (default: a skewed random Qwen3-MoE
 #               of 64 experts, hidden 2048, expert intermediate 768 (Qwen3-30B-A3B's expert shape), 4 layers, written
 #               by tools/make_skewed_moe.py), 2 redundant experts per GPU, a rearrangement every 20 steps: the last
@@ -302,7 +303,9 @@ step_eplb() {  # issue 54: EPLB's imbalance with and without it, and its cost, o
     if [ "${SMOKE:-0}" = 1 ]; then  # cpu rehearsal: 2 ranks over gloo, a tiny skewed model, NONE
         gpus=2 mode=NONE dev=(--dtype float32 --device cpu) work=(--num-prompts 8 --min-len 16 --max-len 64)
         shape=(--num-experts 8 --hidden-size 64 --moe-intermediate-size 32 --num-layers 2 --hot 6,7)
-    else
+    else  # one GPU suffices for the map op in a CUDA graph across a rewritten map
+        "$PY" -m pytest -q -m gpu tests/test_eplb.py 2>&1 | tee "$OUT_DIR/pytest_eplb.log" \
+            || echo "=== pytest failed (see pytest_eplb.log)"
         gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
         if [ "${gpus:-0}" -lt 2 ]; then
             echo "=== eplb: needs >= 2 GPUs (the experts are placed over expert-parallel ranks, one per GPU);" \
