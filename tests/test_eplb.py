@@ -15,7 +15,7 @@ from graphinfer.server.metrics import Metrics
 from graphinfer import LLM, SamplingParams
 from graphinfer.config import EngineConfig
 from graphinfer.eplb import initial_placement, load_expert_map
-from graphinfer.eplb.transfer import plan_moves
+from graphinfer.eplb.transfer import keep_in_place, plan_moves
 from graphinfer.errors import InvalidConfigError
 from graphinfer.models.parallel_layers import logical_maps_of
 
@@ -196,6 +196,21 @@ def test_move_plan_turns_the_old_placement_into_the_new(seed):
         assert (m.src_rank == m.dst_rank) == (new[m.dst_rank * per + m.dst_slot] in held_here)
     assert got == new
     assert moves == sorted(moves, key=lambda m: (m.dst_rank, m.dst_slot))
+    # the same experts per rank, each one a rank keeps left in its slot: as many slots unchanged as can be, the same
+    # sends; a copy within a rank only for an extra replica of an expert it keeps
+    from collections import Counter
+
+    kept = keep_in_place(old, new, 4)
+    unchanged = 0
+    for r in range(4):
+        o, n = Counter(old[r * per:(r + 1) * per]), Counter(new[r * per:(r + 1) * per])
+        assert Counter(kept[r * per:(r + 1) * per]) == n
+        unchanged += sum((o & n).values())
+    assert sum(a == b for a, b in zip(old, kept)) == unchanged
+    kept_moves = plan_moves(old, kept, 4)
+    assert all(kept[m.src_rank * per + m.src_slot] == old[m.src_rank * per + m.src_slot]
+               for m in kept_moves if m.src_rank == m.dst_rank)
+    assert sum(m.src_rank != m.dst_rank for m in kept_moves) == sum(m.src_rank != m.dst_rank for m in moves)
 
 
 def test_settings_refuse_what_cannot_work(skewed, tiny_checkpoint):

@@ -1,5 +1,6 @@
 """Which expert weights move where when a placement changes (pure host code; runtime/worker/eplb_state.py runs the
 copies). A placement row lists the logical expert of each physical slot; EP rank r holds slots [r*S, (r+1)*S)."""
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -35,3 +36,27 @@ def plan_moves(old: list[int], new: list[int], ep_size: int) -> list[Move]:
         src = here[0] if here else holders[e][rank % len(holders[e])]
         moves.append(Move(rank, p % per, *src))
     return moves
+
+
+def keep_in_place(old: list[int], new: list[int], ep_size: int) -> list[int]:
+    """`new` with each rank's slots reordered (the experts a rank holds, not their order, decide the balance) so that
+    an expert the rank already held stays in its old slot: fewer copies within ranks. Deterministic: the rest fill
+    the freed slots in `new`'s order."""
+    per = len(old) // ep_size
+    out = []
+    for r in range(ep_size):
+        ranks_new = new[r * per:(r + 1) * per]
+        wanted = Counter(ranks_new)
+        row = []
+        for e in old[r * per:(r + 1) * per]:  # an expert still wanted here keeps its slot
+            row.append(e if wanted[e] > 0 else None)
+            if wanted[e] > 0:
+                wanted[e] -= 1
+        rest = []
+        for e in ranks_new:  # the experts new to the rank (or extra replicas), in new's order
+            if wanted[e] > 0:
+                rest.append(e)
+                wanted[e] -= 1
+        rest.reverse()
+        out += [e if e is not None else rest.pop() for e in row]
+    return out

@@ -7,7 +7,8 @@ every rank of the EP group (tensor-parallel ranks step together; data-parallel +
 rearrange at the same step:
   1. the window's physical load, all-reduced over the EP group (each tensor-parallel rank counted its replica's
      tokens: divided by tp), folded into the logical load through the placement it was counted under;
-  2. EP rank 0 runs the policy (eplb/policy.py: vLLM's default) and broadcasts the new placement;
+  2. EP rank 0 runs the policy (eplb/policy.py: vLLM's default), keeps each rank's experts in the slots they
+     already had (eplb/transfer.py: keep_in_place), and broadcasts the new placement;
   3. the experts move, one MoE layer at a time: per layer, plan_moves (eplb/transfer.py) says which slot gets which
      expert from where; this rank's new slots are filled in a staging buffer of one layer's local experts (local
      copies, and torch.distributed point-to-point receives from the ranks that held them, while it sends what others
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from graphinfer.config import EPLBConfig
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.eplb import balancedness, logical_maps, rank_imbalance, rebalance_experts
-from graphinfer.eplb.transfer import plan_moves
+from graphinfer.eplb.transfer import keep_in_place, plan_moves
 from graphinfer.models.parallel_layers import MoEExperts
 
 logger = logging.getLogger(__name__)
@@ -106,8 +107,11 @@ class EplbState:
         old = self.placement()
         logical = torch.zeros(len(self.layers), self.num_logical, dtype=torch.int64).scatter_add_(1, old, load)
         # the policy's global form (one expert group, one node): the layers do not know a model's expert groups
-        new = rebalance_experts(logical, self.num_physical, 1, 1, self.ep_size)[0] \
-            if self.ep_rank == 0 else torch.empty_like(old)
+        if self.ep_rank == 0:
+            new = rebalance_experts(logical, self.num_physical, 1, 1, self.ep_size)[0]
+            new = torch.tensor([keep_in_place(o, n, self.ep_size) for o, n in zip(old.tolist(), new.tolist())])
+        else:
+            new = torch.empty_like(old)
         new = new.to(self.device)
         ps.collective("EPLB placement broadcast", ps.EP_GROUP, lambda group: dist.broadcast(new, src=0, group=group))
         new = new.cpu()
