@@ -114,10 +114,9 @@ def test_eplb_tokens_match_hf_across_rearrangements_captured(layout, skewed, mon
     assert placement.shape == (2, 10) and not torch.equal(placement[0], initial_placement(1, 8, 2)[0])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+@pytest.mark.parametrize("layout", [pytest.param("tp2", marks=pytest.mark.slow), "dp2"])
 def test_eplb_tokens_match_hf_across_rearrangements_none(layout, skewed):
-    """The same in NONE (eager graphs), with async scheduling."""
+    """The same in NONE (eager graphs), with async scheduling (tp 2: slow, the default suite's budget)."""
     path, ref = skewed
     with LLM(path, **_size(layout), **EPLB, **KW, async_scheduling=True) as llm:
         _check_engine(llm, ref)
