@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from graphinfer.config import EPLBConfig
 from graphinfer.distributed import parallel_state as ps
-from graphinfer.eplb import balancedness, logical_maps, rank_imbalance, rebalance_experts
+from graphinfer.eplb import balancedness, rank_imbalance, rebalance_experts
 from graphinfer.eplb.transfer import keep_in_place, plan_moves
-from graphinfer.models.parallel_layers import MoEExperts
+from graphinfer.models.parallel_layers import MoEExperts, logical_maps_of
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +119,11 @@ class EplbState:
         for i, layer in enumerate(self.layers):
             a, b = self._move_layer(layer, old[i].tolist(), new[i].tolist())
             moved, copied = moved + a, copied + b
-        log2phy, count = logical_maps(new, self.num_logical)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):  # the maps as the layer built them, rewritten in place
             layer.placement = new[i].tolist()
-            layer.logical_to_physical_map.copy_(log2phy[i])
-            layer.logical_replica_count.copy_(count[i])
+            log2phy, count = logical_maps_of(layer.placement, self.num_logical)
+            layer.logical_to_physical_map.copy_(log2phy)
+            layer.logical_replica_count.copy_(count)
         self.synchronize()
         seconds = time.perf_counter() - start
         L = len(self.layers)
