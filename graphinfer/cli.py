@@ -369,7 +369,8 @@ def _bench_moe_balance(args) -> None:
     run(args.model, ep_size=args.ep_size, dtype=args.dtype, device=args.device, num_prompts=args.num_prompts,
         min_len=args.min_len, max_len=args.max_len, fixed_output_len=args.fixed_output_len,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, graph_mode=args.graph_mode,
-        temperature=args.temperature, seed=args.seed, output_json=args.output_json, passes=args.passes)
+        temperature=args.temperature, seed=args.seed, output_json=args.output_json, passes=args.passes,
+        eplb=args.eplb, eplb_config=args.eplb_config)
 
 
 def _bench_accuracy(args) -> None:
@@ -609,12 +610,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "It is a statistic of the routing: any --ep-size is evaluated in one process, on one device "
                     "(a CPU works), without starting N ranks.")
     engine_args.add_cli_args(bm, ["model", "dtype", "device", "passes", "max_model_len", "seed", "graph_mode",
-                                  "max_num_seqs"], defaults={**BENCH_DEFAULTS, "model": "tiny-qwen3-moe"},
+                                  "max_num_seqs", "eplb_config"], defaults={**BENCH_DEFAULTS, "model": "tiny-qwen3-moe"},
                              helps={"model": "a MoE model: HF checkpoint dir or a preset (tiny-qwen3-moe, ...)",
                                     "max_model_len": "clamped to the model's context"})
     bm.add_argument("--temperature", type=float, default=0.6)
     bm.add_argument("--output-json", default=None)
     bm.add_argument("--ep-size", type=int, default=1, help="expert-parallel size to partition the experts for")
+    bm.add_argument("--eplb", action="store_true",
+                    help="run on --ep-size expert-parallel ranks with EPLB (--eplb-config; default "
+                         "num_redundant_experts = ep size, a rearrangement every 20 steps from the last 10) and report "
+                         "the last window's EP-rank imbalance with and without it and the moved bytes / seconds")
     bm.add_argument("--num-prompts", type=int, default=64)
     bm.add_argument("--min-len", type=int, default=100, help="shortest prompt and output (tokens)")
     bm.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (tokens)")

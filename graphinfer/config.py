@@ -195,6 +195,48 @@ class CompileConfig:
             raise InvalidConfigError(f"max_capture_size={self.max_capture_size} must be >= 1.")
 
 
+def _json_object(text: str) -> dict:
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+@dataclass
+class EPLBConfig:
+    """Expert-parallel load balancing (vLLM's EPLBConfig, the JSON of --eplb-config): num_redundant_experts extra
+    physical copies of hot experts, re-placed every step_interval steps from the tokens routed over the last
+    window_size steps (runtime/worker/eplb_state.py)."""
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+    log_balancedness: bool = False
+
+    def __post_init__(self):
+        if self.window_size < 1 or self.step_interval < 1:
+            raise InvalidConfigError(f"eplb_config window_size={self.window_size} and step_interval="
+                                     f"{self.step_interval} must be >= 1 (steps).")
+        if self.num_redundant_experts < 0:
+            raise InvalidConfigError(f"eplb_config num_redundant_experts={self.num_redundant_experts} must be >= 0.")
+
+    @classmethod
+    def from_dict(cls, d: "dict | EPLBConfig | None") -> "EPLBConfig":
+        if d is None or isinstance(d, cls):
+            return d or cls()
+        if not isinstance(d, dict):
+            raise InvalidConfigError(f"eplb_config must be a dict (JSON object), got {type(d).__name__}.")
+        if unknown := sorted(set(d) - set(cls.__dataclass_fields__)):
+            raise InvalidConfigError(f"eplb_config: unknown key(s) {unknown}; known: "
+                                     f"{sorted(cls.__dataclass_fields__)}.")
+        return cls(**d)
+
+
 @dataclass
 class ParallelConfig:
     """Tensor, expert and data parallelism over torch.distributed (vLLM's names). One node: graphinfer starts
@@ -219,6 +261,15 @@ class ParallelConfig:
            "the one with the fewest outstanding tokens; MoE + expert parallel replicas step in lockstep (one node)",
         aliases=["-dp"])
     data_parallel_rank: int = 0  # which replica this engine is (set by the front end for the ones it starts)
+    enable_eplb: bool = setting(
+        False, "expert-parallel load balancing (MoE + expert parallel): redundant copies of hot experts, re-placed "
+               "from the measured load while serving (see eplb_config)")
+    eplb_config: EPLBConfig | None = setting(
+        None, 'EPLB, vLLM\'s JSON: \'{"window_size": 1000, "step_interval": 3000, "num_redundant_experts": 0, '
+              '"log_balancedness": false}\' (unset keys: these defaults)', parse=_json_object)
+    expert_map_path: str | None = setting(
+        None, "start from this expert placement (vLLM-Ascend's expert-map JSON: per MoE layer, the experts of each "
+              "EP rank); with enable_eplb it is the first placement, without it a fixed one")
 
     def __post_init__(self):
         if self.tensor_parallel_size is None:  # "derive": LLM / the CLI put an artifact's size here first
@@ -243,6 +294,17 @@ class ParallelConfig:
             self.master_port = 29500
         if self.timeout_s <= 0:
             raise InvalidConfigError(f"timeout_s={self.timeout_s} must be > 0 (seconds).")
+        self.eplb_config = EPLBConfig.from_dict(self.eplb_config)
+        if (self.enable_eplb or self.expert_map_path) and not self.enable_expert_parallel:
+            what = "enable_eplb" if self.enable_eplb else "expert_map_path"
+            raise InvalidConfigError(f"{what} places experts over expert-parallel ranks: add enable_expert_parallel="
+                                     f"True (--enable-expert-parallel) with tensor_parallel_size x "
+                                     f"data_parallel_size > 1.")
+        if (self.enable_eplb or self.expert_map_path) and self.world_size == 1:
+            raise InvalidConfigError("enable_eplb / expert_map_path balance experts over expert-parallel ranks, and "
+                                     "this engine has one: use tensor_parallel_size x data_parallel_size > 1.")
+        if self.eplb_config.num_redundant_experts and not self.enable_eplb and not self.expert_map_path:
+            raise InvalidConfigError("eplb_config num_redundant_experts > 0 needs enable_eplb=True (--enable-eplb).")
 
     @property
     def world_size(self) -> int:
@@ -333,19 +395,6 @@ class SpeculativeConfig:
         elif d.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
             d["method"], d["model"] = "ngram", None
         return cls(**d)
-
-
-def _json_object(text: str) -> dict:
-    import argparse
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
 
 
 @dataclass

@@ -48,6 +48,13 @@
 #               --enable-expert-parallel (the replicas step in lockstep, EP 2 over NCCL), NONE and FULL_AND_PIECEWISE;
 #               then $MODEL dense, FULL_AND_PIECEWISE, standard workload: tok/s, requests per replica, the expert
 #               load summed over the replicas                                             (~6 min, not in the default)
+#   eplb        issue 54: the EPLB map op's GPU test (a CUDA graph replayed across a rewritten map), then (needs >= 2
+#               GPUs, refuses on one) `bench moe-balance --eplb` on all GPUs as expert-parallel
+#               ranks (tensor parallel x EP, NCCL), FULL_AND_PIECEWISE: $MOE_MODEL (default: a skewed random Qwen3-MoE
+#               of 64 experts, hidden 2048, expert intermediate 768 (Qwen3-30B-A3B's expert shape), 4 layers, written
+#               by tools/make_skewed_moe.py), 2 redundant experts per GPU, a rearrangement every 20 steps: the last
+#               window's EP-rank imbalance with and without EPLB, MiB moved and seconds per rearrangement
+#                                                                                        (~4 min, not in the default)
 #   quant       issue 27: the quantization kernels' tests compiled on the GPU, tools/gpu_check.py --quant (each kernel vs
 #               cuBLAS / torch._int_mm / torch._scaled_mm at Qwen3-0.6B shapes, M = 1/64/256), then the standard
 #               workload (FULL_AND_PIECEWISE + async, max_num_seqs 256) for bf16 vs fp8 vs w8a8 vs int4_wo in one run,
@@ -287,6 +294,32 @@ step_dp() {  # issue 26: data parallel 2 vs 1 in the same run, MoE + expert para
         --output-json "$OUT_DIR/dp_moe.json" --plot "$OUT_DIR/dp_moe.png"
     bench dp_dense throughput "${COMMON[@]}" --max-num-seqs 256 --graph-mode $mode --sweep data-parallel-size=1,2 \
         --output-json "$OUT_DIR/dp_dense.json" --plot "$OUT_DIR/dp_dense.png"
+}
+
+step_eplb() {  # issue 54: EPLB's imbalance with and without it, and its cost, over every GPU as EP ranks
+    local moe=${MOE_MODEL:-} mode=FULL_AND_PIECEWISE gpus dev=(--dtype bfloat16 --device cuda)
+    local shape=(--num-experts 64 --hidden-size 2048 --moe-intermediate-size 768 --num-layers 4 --hot 56,57)
+    local work=(--num-prompts 128 --min-len 100 --max-len 500)
+    if [ "${SMOKE:-0}" = 1 ]; then  # cpu rehearsal: 2 ranks over gloo, a tiny skewed model, NONE
+        gpus=2 mode=NONE dev=(--dtype float32 --device cpu) work=(--num-prompts 8 --min-len 16 --max-len 64)
+        shape=(--num-experts 8 --hidden-size 64 --moe-intermediate-size 32 --num-layers 2 --hot 6,7)
+    else  # one GPU suffices for the map op in a CUDA graph across a rewritten map
+        "$PY" -m pytest -q -m gpu tests/test_eplb.py 2>&1 | tee "$OUT_DIR/pytest_eplb.log" \
+            || echo "=== pytest failed (see pytest_eplb.log)"
+        gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+        if [ "${gpus:-0}" -lt 2 ]; then
+            echo "=== eplb: needs >= 2 GPUs (the experts are placed over expert-parallel ranks, one per GPU);" \
+                 "nvidia-smi -L shows ${gpus:-0}. Run it on a machine with >= 2 GPUs; SMOKE=1 rehearses it on CPU." >&2
+            exit 3
+        fi
+    fi
+    if [ -z "$moe" ]; then
+        moe="$OUT_DIR/skewed-moe"
+        [ -d "$moe" ] || "$PY" tools/make_skewed_moe.py "$moe" "${shape[@]}" 2>&1 | tail -n 1
+    fi
+    bench eplb moe-balance --model "$moe" "${dev[@]}" --graph-mode $mode --ep-size "$gpus" --eplb \
+        --eplb-config "{\"num_redundant_experts\": $((2 * gpus)), \"window_size\": 10, \"step_interval\": 20}" \
+        "${work[@]}" --output-json "$OUT_DIR/eplb.json"
 }
 
 step_prefill() {  # issue 19: prefill attention kernel (its tests compiled for the GPU, then TFLOP/s vs SDPA)

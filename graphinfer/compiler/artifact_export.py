@@ -27,6 +27,9 @@ def export_artifact(out_dir: str, c: CompiledModel, config: EngineConfig, tokeni
     its shard (write_rank_files on each, together; default: this rank's alone)."""
     if not isinstance(c.graph, fx.GraphModule):
         raise InvalidConfigError("This engine runs a loaded artifact; compile from the model to write a new one.")
+    if config.parallel_config.enable_eplb or config.parallel_config.expert_map_path:
+        raise InvalidConfigError("An artifact's experts are laid out for the plain placement: compile without "
+                                 "enable_eplb / expert_map_path, and serve the checkpoint with them.")
     reports = c.pass_reports.rejudge(atol, rtol)
     failures = reports.failures()
     if failures and not allow_check_failure:

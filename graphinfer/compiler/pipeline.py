@@ -32,9 +32,11 @@ from graphinfer.compiler.split import DEFAULT_SPLITTING_OPS, SplitGraph, split_g
 from graphinfer.compiler.trace import trace_model
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import parallel_state as ps
+from graphinfer.eplb import starting_placement
 from graphinfer.errors import ArtifactMismatchError, InvalidConfigError
 from graphinfer.model_loader import load_model
 from graphinfer.models.loader import load_config, release_tensors
+from graphinfer.models.parallel_layers import expert_placement, num_experts
 from graphinfer.models.presets import PRESET_NAMES
 from graphinfer.passes import PassReports, resolve_passes
 from graphinfer.passes.base import PassReport
@@ -88,8 +90,13 @@ class CompilePipeline:
         mc = self.config.model_config
         with self.phase("weights"):
             if self.manifest is None:
-                model, hf_config = load_model(mc.model, mc.torch_dtype, self.device, mc.seed, mc.quantization,
-                                              mc.model_impl)
+                rows = eplb_rows(self.config)
+                with expert_placement(rows) as placement:
+                    model, hf_config = load_model(mc.model, mc.torch_dtype, self.device, mc.seed, mc.quantization,
+                                                  mc.model_impl)
+                if rows and len(rows) > 1 and placement.used != len(rows):
+                    raise InvalidConfigError(f"expert map {self.config.parallel_config.expert_map_path}: it places "
+                                             f"{len(rows)} MoE layers, the model has {placement.used}.")
             else:
                 model, hf_config = self._load_artifact_model()
         with self.phase("graph"):
@@ -225,6 +232,16 @@ class CompilePipeline:
             raise InvalidConfigError(f"npu_compiler={spec!r} needs the npu platform; this engine runs on "
                                      f"{self.platform.name}. Drop npu_compiler or use device='npu'.")
         return compile_with_torchair(graph, spec.partition(":")[2] or "npugraph_ex", kernels=self.platform.kernels)
+
+
+def eplb_rows(config: EngineConfig) -> list[list[int]] | None:
+    """The physical expert placement this rank's MoE layers are built with (models/parallel_layers.expert_placement):
+    EPLB's or an expert map's, under expert parallel; None: the plain contiguous layout."""
+    pc = config.parallel_config
+    if not (pc.enable_eplb or pc.expert_map_path) or ps.ep_size() == 1:
+        return None
+    return starting_placement(num_experts(load_config(config.model_config.model)),
+                              pc.eplb_config.num_redundant_experts, ps.ep_size(), pc.expert_map_path)
 
 
 def lora_max_num_tokens(config: EngineConfig) -> int:

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from graphinfer.eplb.policy import initial_placement
 from graphinfer.errors import InvalidConfigError
 
 
@@ -155,3 +156,26 @@ def save_expert_map(path: str | os.PathLike, physical_to_logical_map: torch.Tens
     with open(os.fspath(path), "w") as f:
         json.dump(record, f, indent=4)
         f.write("\n")
+
+
+def starting_placement(num_logical: int, num_redundant: int, ep_size: int,
+                       expert_map_path: str | os.PathLike | None = None) -> list[list[int]]:
+    """The placement a model is built with: the expert-map file's rows (one per MoE layer), else vLLM's initial
+    placement (logical experts in order, then redundant slot i holding expert i % E) as one row for every layer.
+    Refuses (InvalidConfigError) a physical count the EP ranks cannot split, and a file whose redundancy is not
+    num_redundant (unless num_redundant is 0: the file says)."""
+    if expert_map_path:
+        rows = load_expert_map(expert_map_path, num_logical, ep_size)
+        if num_redundant and rows.shape[1] != num_logical + num_redundant:
+            raise _fail(os.fspath(expert_map_path), "", f"it places {rows.shape[1]} physical experts, but eplb_config "
+                        f"asks for {num_logical} + num_redundant_experts={num_redundant}; drop num_redundant_experts "
+                        f"(the file decides) or use a matching file.")
+        return rows.tolist()
+    physical = num_logical + num_redundant
+    if physical % ep_size:
+        fits = [r for r in range(num_redundant, num_redundant + ep_size + 1) if (num_logical + r) % ep_size == 0]
+        raise InvalidConfigError(f"eplb_config num_redundant_experts={num_redundant}: {num_logical} experts + "
+                                 f"{num_redundant} redundant = {physical} physical experts do not split evenly over "
+                                 f"the expert-parallel size {ep_size}; use num_redundant_experts={fits[0]} (any value "
+                                 f"with {num_logical} + R a multiple of {ep_size}).")
+    return initial_placement(1, num_logical, num_redundant).tolist()

@@ -92,7 +92,7 @@ def load_weights(model: nn.Module, weights, tied: bool) -> None:
     missing = set(params)
     pieces: dict[str, set] = {}  # stacked expert weight -> (expert, half) slices loaded so far
     for name, tensor in weights:
-        target, expert_args = name, {}
+        target, calls = name, [{}]
         if name not in params:
             if (found := _expert_target(name, params)) is None:
                 if tied and name == "lm_head.weight":
@@ -103,25 +103,29 @@ def load_weights(model: nn.Module, weights, tied: bool) -> None:
                                          f"the checkpoint does not match its config.")
             target, expert, half = found
             experts = model.get_submodule(target.rpartition(".")[0])
+            slots = [None]  # a stacked tensor: its weight_loader takes this rank's experts
             if expert is not None:
                 total = getattr(experts, "global_num_experts", params[target].shape[0])
                 if expert >= total:
                     raise ModelNotFoundError(f"Checkpoint tensor {name!r} is for expert {expert}, the model has "
                                              f"{total}; the checkpoint does not match its config.")
-                if hasattr(experts, "local_expert") and (expert := experts.local_expert(expert)) is None:
-                    continue  # expert parallel: another rank's expert, never read here
-            expert_args = {"expert": expert, "half": half}
+                # expert parallel: the local slots of this expert (EPLB: one per local replica; none: another rank's)
+                slots = experts.local_slots(expert) if hasattr(experts, "local_slots") else [expert]
+                if not slots:
+                    continue
+            calls = [{"expert": slot, "half": half} for slot in slots]
         param, src = params[target], as_checkpoint_tensor(tensor)
         owner, _, attr = target.rpartition(".")
         loader = getattr(model.get_submodule(owner), "weight_loader", None)
-        if loader is not None:
-            loader(attr, param, src, name, **expert_args)
-        else:
-            _load_slice(name, param, src, None)
-        if expert_args.get("expert") is not None:
+        for kwargs in calls:
+            if loader is not None:
+                loader(attr, param, src, name, **kwargs)
+            else:
+                _load_slice(name, param, src, None)
+        if calls[0].get("expert") is not None:
             got = pieces.setdefault(target, set())
-            got.add((expert_args["expert"], expert_args["half"]))
-            if len(got) < param.shape[0] * (1 if expert_args["half"] is None else 2):
+            got.update((c["expert"], c["half"]) for c in calls)
+            if len(got) < param.shape[0] * (1 if calls[0]["half"] is None else 2):
                 continue
         missing.discard(target)
     if missing:

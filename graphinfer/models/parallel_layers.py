@@ -14,6 +14,8 @@ Layers with a collective are traced through (compiler/trace.py), so graphinfer::
 graphinfer::all_gather are nodes of the graph. Each layer's weight_loader copies its slice of a checkpoint
 tensor (models/checkpoint_tensor.py), so a rank reads only its part.
 """
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -177,6 +179,47 @@ class ParallelLMHead(nn.Linear):
         _load_vocab_rows(label, param, src, self.org_vocab_size)
 
 
+class _Placement:
+    """The physical expert placement of the MoE layers a model build creates, in build (= layer) order."""
+
+    def __init__(self, rows: list[list[int]]):
+        self.rows, self.used = rows, 0
+
+    def next_row(self) -> list[int]:
+        row = self.rows[min(self.used, len(self.rows) - 1)]  # one row: every layer's
+        self.used += 1
+        return row
+
+
+_placement: _Placement | None = None
+
+
+@contextlib.contextmanager
+def expert_placement(rows: list[list[int]] | None):
+    """While building a model under expert parallel: the i-th MoE layer built holds physical placement rows[i] (one
+    row: every layer), a row listing the logical expert of each physical slot, EP rank r holding slots
+    [r * P / ep, (r + 1) * P / ep) (EPLB: runtime/worker/eplb_state.py). Yields the _Placement, whose `used` says
+    how many MoE layers took a row. None: the plain contiguous layout."""
+    global _placement
+    saved, _placement = _placement, _Placement(rows) if rows else None
+    try:
+        yield _placement
+    finally:
+        _placement = saved
+
+
+def logical_maps_of(row: list[int], num_logical: int) -> tuple[Tensor, Tensor]:
+    """(logical_to_physical_map [E, P - E + 1]: each expert's physical slots ascending, -1 padded;
+    logical_replica_count [E]) of one placement row (eplb/policy.logical_maps is the same over many layers)."""
+    slots = [[] for _ in range(num_logical)]
+    for p, e in enumerate(row):
+        slots[e].append(p)
+    width = len(row) - num_logical + 1
+    log2phy = [s + [-1] * (width - len(s)) for s in slots]
+    return (torch.tensor(log2phy, dtype=torch.int64, device="cpu"),
+            torch.tensor([len(s) for s in slots], dtype=torch.int64, device="cpu"))
+
+
 class MoEExperts(nn.Module):
     """num_experts SwiGLU experts as stacked weights (vLLM's FusedMoE names): w13_weight [E, 2I, H] is
     cat(gate_proj, up_proj) per expert (HF's gate_up_proj), w2_weight [E, H, I] the down_proj. Naive on purpose:
@@ -189,6 +232,12 @@ class MoEExperts(nn.Module):
     fused_experts), ep_combine brings the rows back weighted, and all_gather over TP rebuilds [T, H] (no
     all-reduce).
 
+    EPLB (built under expert_placement): P = E + redundant physical experts, rank r holding physical slots
+    [r*P/ep, (r+1)*P/ep) (w13_weight [P/ep, ...]), each the copy of the logical expert placement[p] names.
+    graphinfer::eplb_map_to_physical_and_record turns each routed slot's logical id into one replica's physical id
+    through logical_to_physical_map / logical_replica_count, device buffers rewritten in place when the experts are
+    re-placed (captured graphs stay valid), and counts each physical expert's tokens into expert_load_pass.
+
     Expert load (EPLB's input): expert_counts [E] int64 (all experts, with EP too) accumulates the tokens routed
     to each expert on the device, inside the graph; num_tokens [1] is the step's real token count, the model runner's static tensor
     (set_num_tokens), so the padded rows of a captured bucket count nothing. Both are non-persistent buffers:
@@ -197,22 +246,45 @@ class MoEExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.ep_size, self.ep_rank, self.global_num_experts = ps.ep_size(), ps.ep_rank(), num_experts
-        self.num_experts = num_experts // self.ep_size  # local experts
-        self.expert_start = self.ep_rank * self.num_experts  # global id of local expert 0
+        row = _placement.next_row() if _placement is not None and self.ep_size > 1 else None
+        self.eplb = row is not None
+        self.placement = list(row) if self.eplb else list(range(num_experts))  # logical expert of each physical slot
+        self.num_physical_experts = len(self.placement)
+        self.num_experts = self.num_physical_experts // self.ep_size  # local (physical) experts
+        self.expert_start = self.ep_rank * self.num_experts  # global (physical) id of local expert 0
         self.tp_split = 1 if self.ep_size > 1 else ps.tp_size()  # shards of each expert's intermediate dim
         E, H, I = self.num_experts, hidden_size, intermediate_size // self.tp_split
         self.w13_weight = nn.Parameter(torch.empty(E, 2 * I, H))
         self.w2_weight = nn.Parameter(torch.empty(E, H, I))
         self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("num_tokens", torch.zeros(1, dtype=torch.int64), persistent=False)
+        if self.eplb:
+            self._eplb_buffers("cpu")
+
+    def _eplb_buffers(self, device) -> None:
+        log2phy, count = logical_maps_of(self.placement, self.global_num_experts)
+        for name, value in (("logical_to_physical_map", log2phy), ("logical_replica_count", count),
+                            ("expert_load_pass", torch.zeros(self.num_physical_experts, dtype=torch.int64,
+                                                             device="cpu"))):
+            self.register_buffer(name, value.to(device), persistent=False)
 
     def reset_buffers(self, device) -> None:
         self.expert_counts = torch.zeros(self.global_num_experts, dtype=torch.int64, device=device)
         self.num_tokens = torch.zeros(1, dtype=torch.int64, device=device)
+        if self.eplb:
+            self._eplb_buffers(device)
+
+    def local_placement(self) -> list[int]:
+        """The logical expert of each local slot."""
+        return self.placement[self.expert_start:self.expert_start + self.num_experts]
 
     def forward(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         # Counted on the whole (replicated) batch before any EP chunking: every rank holds the totals.
         ops.moe_count_experts(topk_ids, self.expert_counts, self.num_tokens)
+        if self.eplb:  # logical -> physical ids (one replica each), physical load counted
+            topk_ids = ops.eplb_map_to_physical_and_record(topk_ids, self.logical_to_physical_map,
+                                                           self.logical_replica_count, self.expert_load_pass,
+                                                           self.num_tokens)
         if self.ep_size > 1:
             return self._forward_ep(hidden_states, topk_ids, topk_weights)
         sorted_hidden, expert_offsets, inverse_perm = ops.moe_dispatch(hidden_states, topk_ids, self.num_experts)
@@ -224,11 +296,11 @@ class MoEExperts(nn.Module):
         x, ids, weights = hidden_states, topk_ids, topk_weights
         if tp > 1:  # the replica's tokens are replicated over its TP ranks: each takes a slice
             x, ids, weights = (sequence_parallel_chunk(t, tp, ps.TP_GROUP) for t in (x, ids, weights))
-        rows, local_ids, combine_metadata = ep_dispatch(x, ids, self.global_num_experts, ep, ps.EP_GROUP)
+        rows, local_ids, combine_metadata = ep_dispatch(x, ids, self.num_physical_experts, ep, ps.EP_GROUP)
         # A row with id -1 (a slot of another rank's expert) is a zero row: expert 0 with weight 0 adds exactly 0.
         valid = (local_ids >= 0).unsqueeze(-1)
         out = self._local_experts(rows, local_ids.clamp(min=0).unsqueeze(-1), valid.to(rows.dtype))
-        out = ep_combine(out, ids, weights, combine_metadata, self.global_num_experts, ep, ps.EP_GROUP)
+        out = ep_combine(out, ids, weights, combine_metadata, self.num_physical_experts, ep, ps.EP_GROUP)
         if tp > 1:
             out = all_gather(out, 0, tp, ps.TP_GROUP)[:hidden_states.shape[0]]
         return out
@@ -243,6 +315,10 @@ class MoEExperts(nn.Module):
         """A per-expert tensor (local expert `expert`, half 0 gate / 1 up / None down) or a stacked one (expert
         None: [E, 2I, H] gate_up or [E, H, I] down, transformers' in-memory layout; with expert parallel this
         rank's experts are sliced out of the expert dim)."""
+        if expert is None and self.eplb:  # stacked, EPLB: each local slot's logical expert, whole
+            for slot, logical in enumerate(self.local_placement()):
+                _load_slice(label, param[slot:slot + 1], src, 0, logical, self.global_num_experts)
+            return None
         if expert is None and self.ep_size > 1:  # stacked, expert parallel: this rank's experts, whole
             return _load_slice(label, param, src, 0, self.ep_rank, self.ep_size)
         rank, shards = (0, 1) if self.tp_split == 1 else (ps.tp_rank(), self.tp_split)
@@ -260,10 +336,9 @@ class MoEExperts(nn.Module):
             for h in (0, 1):  # gate rows [0, I), up rows [I, 2I): this rank's part of each
                 param[:, h * I_local:(h + 1) * I_local].copy_(src.read(1, h * I + rank * I_local, I_local))
 
-    def local_expert(self, expert: int) -> int | None:
-        """The local index of global expert `expert`, or None when another EP rank holds it."""
-        local = expert - self.expert_start
-        return local if 0 <= local < self.num_experts else None
+    def local_slots(self, expert: int) -> list[int]:
+        """The local slots holding (a replica of) logical expert `expert`: none when only other EP ranks hold it."""
+        return [slot for slot, logical in enumerate(self.local_placement()) if logical == expert]
 
 
 def local_heads(total: int) -> int:

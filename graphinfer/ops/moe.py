@@ -167,3 +167,30 @@ def fused_moe(hidden: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, to
 @register_fake(fused_moe)
 def _(hidden, router_logits, w13, w2, top_k, renormalize):
     return torch.empty_like(hidden)
+
+
+@graphinfer_op(mutates_args=("expert_load",))
+def eplb_map_to_physical_and_record(topk_ids: Tensor, logical_to_physical_map: Tensor, logical_replica_count: Tensor,
+                                    expert_load: Tensor, num_tokens: Tensor) -> Tensor:
+    """EPLB's routing (vLLM's eplb_map_to_physical_and_record): each slot's logical expert -> one of its physical
+    replicas, and the physical load counted.
+
+    topk_ids [T, K] logical ids; logical_to_physical_map [E, max_replicas] (an expert's physical slots, -1 padded);
+    logical_replica_count [E]; expert_load [P] int64, += the slots of the first num_tokens rows routed to each physical
+    expert (rows past num_tokens[0] are a captured bucket's padding). Slot t*K + k takes replica (t*K + k) % count:
+    a hot expert's tokens spread evenly over its replicas, deterministically (vLLM's rule), so greedy output does not
+    depend on the placement. Reads the maps from the device (no host read, static shapes): a captured graph stays valid
+    when they are rewritten in place. Returns [T, K] int64 physical ids."""
+    T, K = topk_ids.shape
+    ids = topk_ids.long()
+    position = torch.arange(T * K, device=ids.device).view(T, K)
+    replica = position % logical_replica_count[ids]
+    physical = logical_to_physical_map[ids].gather(-1, replica.unsqueeze(-1)).squeeze(-1)
+    real = (torch.arange(T, device=ids.device) < num_tokens).to(expert_load.dtype)
+    expert_load.scatter_add_(0, physical.reshape(-1), real.unsqueeze(1).expand(T, K).reshape(-1))
+    return physical
+
+
+@register_fake(eplb_map_to_physical_and_record)
+def _(topk_ids, logical_to_physical_map, logical_replica_count, expert_load, num_tokens):
+    return topk_ids.new_empty(topk_ids.shape, dtype=torch.int64)

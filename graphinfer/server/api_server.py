@@ -190,6 +190,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     metrics = Metrics(served_model_name)
     metrics.watch_engine(engine)
     metrics.watch_expert_load(engine)
+    metrics.watch_eplb(engine)
     metrics.watch_spec_decode(engine)
     app.state.engine, app.state.metrics, app.state.preprocessor = engine, metrics, pre
     app.state.gate = GateState()

@@ -41,6 +41,11 @@ class Metrics:
         if engine.info.num_moe_layers:
             self.registry.register(ExpertLoadCollector(engine, self._labels["model_name"]))
 
+    def watch_eplb(self, engine) -> None:
+        """Export EPLB's rearrangements, moved bytes and EP-rank imbalance at each scrape, with it on."""
+        if engine.info.num_moe_layers and engine.eplb_stats().get("enabled"):
+            self.registry.register(EplbCollector(engine, self._labels["model_name"]))
+
     def watch_spec_decode(self, engine) -> None:
         """Export speculative decoding's counters (vLLM's spec_decode_* names) at each scrape, with it on."""
         if engine.info.spec_decode:
@@ -167,3 +172,43 @@ class ExpertLoadCollector:
             experts.add_metric([m, layer], v["expert_imbalance"])
             ranks.add_metric([m, layer, str(summary["ep_size"])], v["rank_imbalance"])
         yield from (tokens, experts, ranks)
+
+
+class EplbCollector:
+    """EPLB (runtime/worker/eplb_state.py): rearrangements and bytes moved between EP ranks since start, and of the
+    last rearrangement: its window's EP-rank imbalance (max / mean tokens per rank under the placement in force,
+    measured), the same load's under the plain contiguous placement, and its seconds. Read at scrape time."""
+
+    _NAMES = ("graphinfer:eplb_rearrangements", "graphinfer:eplb_moved_bytes", "graphinfer:eplb_ep_rank_imbalance",
+              "graphinfer:eplb_ep_rank_imbalance_without_eplb", "graphinfer:eplb_rearrangement_seconds")
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def describe(self):
+        return [GaugeMetricFamily(name, "") for name in self._NAMES]
+
+    def collect(self):
+        try:
+            stats = self.engine.eplb_stats()
+        except (AttributeError, RuntimeError, GraphinferError):  # the engine is shutting down
+            return
+        if not stats.get("enabled"):
+            return
+        last, labels = stats["last"], ["model_name"]
+        for name, help_, value in (
+                (self._NAMES[0], "EPLB rearrangements (expert placements computed and applied)", stats["rearrangements"]),
+                (self._NAMES[1], "Expert weight bytes moved between EP ranks by EPLB", stats["moved_bytes_total"])):
+            c = CounterMetricFamily(name, help_, labels=labels)
+            c.add_metric([self.model_name], value)
+            yield c
+        for name, help_, key in (
+                (self._NAMES[2], "Max / mean tokens per EP rank over the last EPLB window (mean over MoE layers), "
+                                 "under the placement in force", "rank_imbalance"),
+                (self._NAMES[3], "The same window's load under the plain contiguous placement (no EPLB)",
+                 "rank_imbalance_without_eplb"),
+                (self._NAMES[4], "Seconds the last EPLB rearrangement took (policy and weight moves)", "seconds")):
+            if last.get(key) is not None:
+                g = GaugeMetricFamily(name, help_, labels=labels)
+                g.add_metric([self.model_name], last[key])
+                yield g

@@ -24,7 +24,8 @@ from graphinfer.compiler import artifact
 from graphinfer.compiler.artifact_export import export_artifact
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import parallel_state as ps
-from graphinfer.errors import GraphinferError, LoRAAdapterError
+from graphinfer.eplb import save_expert_map
+from graphinfer.errors import GraphinferError, InvalidConfigError, LoRAAdapterError
 from graphinfer.models.layers import rope_parameters
 from graphinfer.models.loader import load_tokenizer
 from graphinfer.platforms import Platform, platform_for_device
@@ -289,6 +290,24 @@ class EngineCore:
     def reset_expert_load(self) -> None:
         if self.worker is not None:
             reset_expert_load(self.worker.model_runner.moe_layers)
+
+    def eplb_stats(self) -> dict:
+        """EPLB's rearrangements, moved bytes and the EP-rank imbalance of the last window (EplbState.stats), the
+        same on every rank; {"enabled": False} with EPLB off."""
+        runner = self.worker.model_runner if self.worker is not None else None
+        return runner.eplb.stats() if runner is not None and runner.eplb is not None else {"enabled": False}
+
+    def save_expert_map(self, path: str) -> str:
+        """Write the current expert placement (every MoE layer's experts on each EP rank) as vLLM-Ascend's
+        expert-map JSON, which expert_map_path loads; returns the path."""
+        layers = self.worker.model_runner.moe_layers
+        if not layers:
+            raise InvalidConfigError("save_expert_map: this model has no MoE layers (a dense model has no experts to "
+                                     "place).")
+        first = next(iter(layers.values()))
+        placement = torch.tensor([m.placement for m in layers.values()], dtype=torch.int64)
+        save_expert_map(path, placement, first.ep_size, first.global_num_experts)
+        return path
 
     def spec_decode_stats(self) -> dict:
         """Speculative decoding's counters since start (SpecDecodingStats.as_dict), {} with it off."""

@@ -185,6 +185,12 @@ class CoreProcClient:
     def spec_decode_stats(self) -> dict:
         return self.call("spec_decode_stats")
 
+    def eplb_stats(self) -> dict:
+        return self.call("eplb_stats")
+
+    def save_expert_map(self, path: str) -> str:
+        return self.call("save_expert_map", path)
+
     def add_lora(self, request) -> str | None:
         return self.call("add_lora", request)
 

@@ -190,6 +190,13 @@ class DPEngineCore:
     def reset_expert_load(self) -> None:
         self._call_all("reset_expert_load")
 
+    def eplb_stats(self) -> dict:
+        """Replica 0's: every EP rank of every replica takes part in each rearrangement (load summed over all)."""
+        return self.local.eplb_stats()
+
+    def save_expert_map(self, path: str) -> str:
+        return self.local.save_expert_map(path)
+
     def spec_decode_stats(self) -> dict:
         return self.local.spec_decode_stats()
 

@@ -145,6 +145,9 @@ class AsyncLLMEngine:
     def spec_decode_stats(self) -> dict:
         return self.engine.spec_decode_stats()
 
+    def eplb_stats(self) -> dict:
+        return self.engine.eplb_stats()
+
     def on_death(self, callback) -> None:
         self.on_dead.append(lambda error: callback(str(error)))
 

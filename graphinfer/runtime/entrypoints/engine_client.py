@@ -41,6 +41,9 @@ class EngineClient(Protocol):
     def spec_decode_stats(self) -> dict:
         """Speculative decoding's counters since start ({} with it off)."""
 
+    def eplb_stats(self) -> dict:
+        """EPLB's rearrangements, moved bytes and EP-rank imbalance ({"enabled": False} with it off)."""
+
     def on_death(self, callback) -> None:
         """callback(message) once a rank or replica the engine needs dies."""
 

@@ -180,6 +180,17 @@ class LLMEngine:
     def reset_expert_load(self) -> None:
         self.engine_core.reset_expert_load()
 
+    def eplb_stats(self) -> dict:
+        """EPLB (enable_eplb): rearrangements so far, bytes moved between EP ranks, and of the last rearrangement
+        its window's EP-rank imbalance (max / mean tokens per rank, measured), the same load's imbalance under the
+        plain contiguous placement, the predicted one of the new placement, its moved bytes and seconds;
+        {"enabled": False} with EPLB off (also under data parallel: every replica's load counts)."""
+        return self.engine_core.eplb_stats()
+
+    def save_expert_map(self, path: str) -> str:
+        """Write the current expert placement as vLLM-Ascend's expert-map JSON (load it with expert_map_path)."""
+        return self.engine_core.save_expert_map(path)
+
     def spec_decode_stats(self) -> dict:
         """Speculative decoding's counters since start (SpecDecodingStats.as_dict), {} with it off."""
         return self.engine_core.spec_decode_stats() if self.info.spec_decode else {}

@@ -1,10 +1,11 @@
 """Refusals of a tensor / expert / data-parallel layout, with the numbers, before any rank or replica starts."""
 from graphinfer.compiler import artifact
+from graphinfer.eplb import starting_placement
 from graphinfer.config import EngineConfig
 from graphinfer.errors import ArtifactMismatchError, InvalidConfigError
 from graphinfer.models import resolve_model_impl
 from graphinfer.models.loader import load_config
-from graphinfer.models.parallel_layers import check_tensor_parallel, uses_expert_parallel
+from graphinfer.models.parallel_layers import check_tensor_parallel, num_experts, uses_expert_parallel
 from graphinfer.models.transformers_tp import tp_plan
 
 
@@ -32,6 +33,8 @@ def check_parallel_config(config: EngineConfig) -> None:
     if pc.tensor_parallel_size > 1 and not config.artifact and \
             resolve_model_impl(model.architectures, config.model_config.model_impl) == "transformers":
         tp_plan(model)  # refuses a config without one
+    if pc.enable_eplb or pc.expert_map_path:
+        check_eplb(config, model)
     if config.artifact and pc.data_parallel_size > 1 and uses_expert_parallel(model, pc.world_size,
                                                                                pc.enable_expert_parallel):
         raise InvalidConfigError(
@@ -39,6 +42,20 @@ def check_parallel_config(config: EngineConfig) -> None:
             f"runs from the checkpoint for now (an artifact's experts are laid out over its tensor-parallel ranks "
             f"only): serve the model's checkpoint with --data-parallel-size {pc.data_parallel_size} "
             f"--enable-expert-parallel, or leave data parallel off.")
+
+
+def check_eplb(config: EngineConfig, model) -> None:
+    """Refuse EPLB / an expert map where it cannot work: an artifact (its experts' layout is fixed), a dense model,
+    a redundancy the EP ranks cannot split, a bad expert-map file."""
+    pc = config.parallel_config
+    what = "enable_eplb" if pc.enable_eplb else "expert_map_path"
+    if config.artifact:
+        raise InvalidConfigError(f"{what} with artifact {config.artifact!r}: an artifact's expert weights are laid out "
+                                 f"for its plain placement; serve the model's checkpoint with EPLB instead.")
+    if not num_experts(model):
+        raise InvalidConfigError(f"{what}: {config.model_config.model} is a dense model (no routed experts to "
+                                 f"balance); leave EPLB off.")
+    starting_placement(num_experts(model), pc.eplb_config.num_redundant_experts, pc.world_size, pc.expert_map_path)
 
 
 def check_artifact_parallel(config: EngineConfig) -> None:

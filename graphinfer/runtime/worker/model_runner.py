@@ -19,6 +19,7 @@ from graphinfer.platforms import KernelBackend, Platform
 from graphinfer.runtime.engine.scheduler import SchedulerOutput
 from graphinfer.runtime.spec_decode.verify import verify, warm_up_rejection_sample
 from graphinfer.runtime.worker.device_graphs import staged
+from graphinfer.runtime.worker.eplb_state import EplbState
 from graphinfer.runtime.worker.expert_load import moe_layers
 from graphinfer.runtime.worker.graph_dispatcher import FULL, PIECEWISE, GraphDispatcher
 from graphinfer.runtime.worker.inputs import HostInputs, empty_inputs, pad_inputs
@@ -84,6 +85,10 @@ class ModelRunner:
             drafter.bind(self)
         self.sampler = Sampler(seed=config.model_config.seed, device=device, kernel=backend.sample_kernel,
                                logprobs_mode=config.model_config.logprobs_mode)
+        # EPLB: the window of physical expert load, and the rearrangements every step_interval steps
+        pc = config.parallel_config
+        self.eplb = EplbState(self.moe_layers, pc.eplb_config, device, platform.synchronize) \
+            if pc.enable_eplb and any(m.eplb for m in self.moe_layers.values()) else None
         # LoRA: the graph's adapter slots (passes/lora.py), filled per step from the step's plan
         self.lora = LoRAManager(compiled.graph, config.lora_config, activation_dtype(self.model)) \
             if config.lora_config.enable_lora else None
@@ -187,6 +192,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = self.graph = self.model = self.compute_logits = self.sampler = self.num_tokens = self.lora = None
+        self.eplb = None
         self.attn_layers, self.moe_layers = [], {}
 
     def wait_for_kv_cache_pages(self) -> None:
@@ -320,6 +326,8 @@ class ModelRunner:
             self.num_tokens.fill_(len(h.input_ids) - h.num_pad)
         if self.lora is not None:
             self.lora.apply(h.lora_slots, h.lora_loads or [])
+        if self.eplb is not None:  # between steps: every EP rank reaches this step's rearrangement together
+            self.eplb.before_step()
         run = self.dispatcher.dispatch(h)
         t = self.to_device
         if run.kind == FULL:
@@ -333,6 +341,8 @@ class ModelRunner:
             fill_pending(input_ids)
             md = AttentionMetadata(t(h.slot_mapping), t(h.block_tables), t(h.query_start_loc), t(h.seq_lens))
             hidden = self.graph(input_ids, t(h.positions), md)
+        if self.eplb is not None:
+            self.eplb.after_step()
         if self.drafter is not None:
             self.last_hidden = hidden
         if h.prompt_lp_indices is not None:
