@@ -65,6 +65,7 @@ class _State:
     phase: str = "start-up"  # what this rank is doing, for error messages
     comm_seconds: float = 0.0  # host time inside collective calls (bench: the time spent in collectives)
     comm_calls: int = 0
+    pipeline_wait_s: float = 0.0  # host time waiting in pipeline receives (a stage idle for the previous one)
     expert_parallel: bool = False  # enable_expert_parallel: MoE experts partitioned over the EP group
 
 
@@ -374,11 +375,19 @@ def recv(shape: tuple, dtype: torch.dtype, device, src_stage: int, what: str,
     out = torch.empty(shape, dtype=dtype, device=device)
 
     def run(group):
-        work = dist.irecv(out, stage_rank(src_stage), group=group)
-        _wait(work, f"{what} from pipeline stage {src_stage}")
+        start = time.perf_counter()
+        try:
+            work = dist.irecv(out, stage_rank(src_stage), group=group)
+            _wait(work, f"{what} from pipeline stage {src_stage}")
+        finally:
+            _state.pipeline_wait_s += time.perf_counter() - start
 
     collective(f"receive of {what} from pipeline stage {src_stage}", group_name, run)
     return out
+
+
+def pipeline_wait_seconds() -> float:
+    return _state.pipeline_wait_s
 
 
 def _wait(work, what: str) -> None:

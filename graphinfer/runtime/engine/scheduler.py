@@ -99,6 +99,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.max_loras = max_loras
+        self.skip_pending = False  # pipeline parallel: a sequence with a token on its way is not scheduled again
 
     def add_request(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
@@ -124,8 +125,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending and seq.num_output_tokens >= seq.max_tokens:
-                i += 1  # async scheduling: its last token is on the way; it ends on length once that lands
+            if seq.num_pending and (self.skip_pending or seq.num_output_tokens >= seq.max_tokens):
+                # async scheduling: its last token is on the way; it ends on length once that lands. Pipeline
+                # parallel (skip_pending): its next step waits for the token (vLLM's batch queue)
+                i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.spec_token_ids:  # drafts: only what the budget and free blocks allow, never a preemption for them

@@ -5,6 +5,7 @@ from graphinfer.errors import ArtifactMismatchError, InvalidConfigError
 from graphinfer.models import resolve_model_impl
 from graphinfer.models.loader import load_config
 from graphinfer.models.parallel_layers import check_tensor_parallel, uses_expert_parallel
+from graphinfer.models.pipeline_stage import stage_layer_counts
 from graphinfer.models.transformers_tp import tp_plan
 
 
@@ -29,6 +30,8 @@ def check_parallel_config(config: EngineConfig) -> None:
             f"`graphinfer serve|generate|compile|bench ... --node-rank N` (graphinfer.runtime.worker.run_node).")
     model = model_config_of(config)
     check_tensor_parallel(model, pc.tensor_parallel_size, pc.enable_expert_parallel, pc.data_parallel_size)
+    if pc.pipeline_parallel_size > 1:
+        check_pipeline_parallel(config, model)
     if pc.tensor_parallel_size > 1 and not config.artifact and \
             resolve_model_impl(model.architectures, config.model_config.model_impl) == "transformers":
         tp_plan(model)  # refuses a config without one
@@ -39,6 +42,25 @@ def check_parallel_config(config: EngineConfig) -> None:
             f"runs from the checkpoint for now (an artifact's experts are laid out over its tensor-parallel ranks "
             f"only): serve the model's checkpoint with --data-parallel-size {pc.data_parallel_size} "
             f"--enable-expert-parallel, or leave data parallel off.")
+
+
+def check_pipeline_parallel(config: EngineConfig, model) -> None:
+    """Refuse, naming the flag, what pipeline parallel does not run with yet, and a layer partition that does not fit
+    the model."""
+    pc = config.parallel_config
+    pp = pc.pipeline_parallel_size
+    stage_layer_counts(model.num_hidden_layers, pp, pc.pp_layer_partition)
+    refused = [("--data-parallel-size", pc.data_parallel_size > 1),
+               ("--enable-expert-parallel", pc.enable_expert_parallel),
+               ("--speculative-config", config.speculative_config is not None),
+               ("--enable-lora", config.lora_config.enable_lora),
+               ("--async-scheduling (pipeline parallel keeps its own batches in flight)",
+                config.scheduler_config.async_scheduling),
+               ("--model-impl transformers", not config.artifact and resolve_model_impl(
+                   model.architectures, config.model_config.model_impl) == "transformers")]
+    for flag, on in refused:
+        if on:
+            raise InvalidConfigError(f"pipeline_parallel_size={pp} does not run with {flag} yet: drop one of them.")
 
 
 def check_artifact_parallel(config: EngineConfig) -> None:
