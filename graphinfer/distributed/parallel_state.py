@@ -354,10 +354,11 @@ def p2p_local() -> bool:
 
 def isend(t: torch.Tensor, dst_stage: int, what: str, group_name: str = PP_GROUP) -> None:
     """Send t to this rank's partner in stage dst_stage without waiting (gloo's send waits for the matching receive,
-    which would stall a stage behind the next one's work): the send completes in the background, t kept alive until
-    it has; a failed one is raised by a later isend / recv or drain_sends."""
+    which would stall a stage behind the next one's work): the send completes in the background from a copy of t
+    (a replayed graph rewrites its buffers in place meanwhile), kept alive until it has; a failed one is raised by a
+    later isend / recv or drain_sends."""
     _reap_sends()
-    t = t.contiguous()
+    t = t.clone(memory_format=torch.contiguous_format)
     work = None
 
     def run(group):

@@ -126,7 +126,7 @@ class MultiprocExecutor(Executor):
         """Pipeline parallel: step `step`'s tokens (PipelineOutput.wait), once the last stage's rows are back."""
         with self._step_failures(step):
             ps.set_phase(f"step {step} (waiting for the last pipeline stage)")
-            if ps.tp_size() > 1:  # the first stage's TP ranks run the LM head with rank 0
+            if ps.tp_size() > 1 and len(h.logits_indices):  # the first stage's TP ranks run the LM head with rank 0
                 self.channel.call("pipeline_logits", len(h.logits_indices), first_stage_only=True)
             return self.driver_worker.land(h, mask_logits)
 

@@ -320,7 +320,7 @@ class ModelRunner:
     def pipeline_logits(self, rows: int) -> torch.Tensor | None:
         """Pipeline parallel, first stage: the logits of a step's `rows` sampling rows, from their final hidden
         states the last stage sends (its first-sent step first); None on the other stages."""
-        if self.pipeline is None or not self.pipeline.first:
+        if self.pipeline is None or not self.pipeline.first or not rows:  # a step of mid-prompt chunks: no rows
             return None
         return self.compute_logits(self.pipeline.recv_rows(rows))
 
