@@ -15,7 +15,7 @@ from graphinfer.server.serving_models import parse_lora_module
 # (graphinfer/engine_args.py); this file writes none of those defaults again. The groups below pick which settings
 # a subcommand takes.
 PARALLEL_ARGS = ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "enable_expert_parallel",
-                 "data_parallel_size")
+                 "data_parallel_size", "pipeline_parallel_size", "pp_layer_partition")
 GRAPH_ARGS = ("graph_mode", "capture_sizes", "max_capture_size", "splitting_ops")
 # `graphinfer compile`: what shapes the artifact (the KV cache is a placeholder; nothing is served)
 COMPILE_ARGS = ("dtype", "quantization", "model_impl", "device", "passes", "max_num_seqs", *GRAPH_ARGS,

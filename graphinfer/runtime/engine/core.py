@@ -30,7 +30,7 @@ from graphinfer.compiler import artifact
 from graphinfer.compiler.artifact_export import export_artifact
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import parallel_state as ps
-from graphinfer.errors import GraphinferError, LoRAAdapterError
+from graphinfer.errors import GraphinferError, InvalidConfigError, LoRAAdapterError
 from graphinfer.models.layers import rope_parameters
 from graphinfer.models.loader import load_tokenizer
 from graphinfer.platforms import Platform, platform_for_device
@@ -164,6 +164,10 @@ class EngineCore:
         """Write what this engine compiled as a `graphinfer compile` artifact (compiler/artifact_export.py; check:
         atol, rtol, allow_check_failure); every tensor-parallel rank writes its shard."""
         worker = self.worker
+        if (pp := self.config.parallel_config.pipeline_parallel_size) > 1:
+            raise InvalidConfigError(f"graphinfer compile with pipeline_parallel_size={pp} is not supported yet (an "
+                                     f"artifact holds one stage's graph): compile without -pp, and serve the "
+                                     f"checkpoint with -pp {pp}.")
         return export_artifact(out_dir, worker.compiled, self.config, self.tokenizer, worker.device,
                                write_ranks=lambda d: self.executor.collective_rpc("save_rank_files", d), **check)
 

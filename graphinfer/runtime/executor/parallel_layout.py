@@ -56,6 +56,7 @@ def check_pipeline_parallel(config: EngineConfig, model) -> None:
                ("--enable-lora", config.lora_config.enable_lora),
                ("--async-scheduling (pipeline parallel keeps its own batches in flight)",
                 config.scheduler_config.async_scheduling),
+               ("an artifact (serve the checkpoint instead)", bool(config.artifact)),
                ("--model-impl transformers", not config.artifact and resolve_model_impl(
                    model.architectures, config.model_config.model_impl) == "transformers")]
     for flag, on in refused:
