@@ -189,11 +189,13 @@ def _compile(args) -> None:
     if manifest["check"]["overridden"]:
         print("\nwarning: the numeric check failed; written anyway (--allow-check-failure, recorded in the manifest)",
               file=sys.stderr)
-    tp = manifest["tensor_parallel_size"]
+    tp, pp = manifest["tensor_parallel_size"], manifest.get("pipeline_parallel_size", 1)
     print(f"\ncompiled {manifest['model']['path']} ({manifest['platform']}, {manifest['dtype']}, "
-          f"{manifest['graph_mode']}, tensor_parallel_size {tp}) -> {args.output}")
-    for rank in range(tp) if tp > 1 else ():
-        print(f"  rank {rank} weights: {os.path.join(args.output, rank_file(WEIGHTS, rank, tp))}")
+          f"{manifest['graph_mode']}, tensor_parallel_size {tp}"
+          + (f", pipeline_parallel_size {pp} (layers per stage {manifest['pp_layer_partition']})" if pp > 1 else "")
+          + f") -> {args.output}")
+    for rank in range(tp * pp) if tp * pp > 1 else ():
+        print(f"  rank {rank} weights: {os.path.join(args.output, rank_file(WEIGHTS, rank, tp * pp))}")
 
 
 def _passes(args) -> int:

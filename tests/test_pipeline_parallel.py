@@ -143,3 +143,92 @@ def test_uneven_partition_and_refused_requests(checkpoints, monkeypatch):
             llm.generate([[1, 2, 3]], SamplingParams(prompt_logprobs=1), use_tqdm=False)
     assert [isinstance(layer, PPMissingLayer) for layer in layers] == [False, True, True, True]
     assert got == hf_greedy(checkpoints("llama4"), PROMPTS[:3], 6)
+
+
+def _short_timeout(monkeypatch, seconds: float) -> None:
+    """Engines made by LLM() from here on wait at most `seconds` in a distributed wait (ParallelConfig.timeout_s)."""
+    import graphinfer.runtime.entrypoints.llm as llm_module
+
+    make = llm_module.create_engine_config
+
+    def with_timeout(kwargs):
+        config = make(kwargs)
+        config.parallel_config.timeout_s = seconds
+        return config
+
+    monkeypatch.setattr(llm_module, "create_engine_config", with_timeout)
+
+
+@pytest.mark.slow  # waits out a 20 s timeout
+def test_a_stalled_stage_fails_within_the_timeout_naming_rank_stage_and_step(monkeypatch):
+    """A stage that stalls (SIGSTOP) makes rank 0's wait for its rows fail within the distributed timeout, naming
+    rank 0, its stage and the step; shutdown then ends the stalled rank. Nothing hangs."""
+    import os
+    import signal
+
+    _short_timeout(monkeypatch, 20.0)  # (the rendezvous waits as long: room for a busy machine's start-up)
+    llm = LLM("tiny-llama", pipeline_parallel_size=2, **KW)
+    (stage1,) = llm.llm_engine.local_core.executor.ranks
+    os.kill(stage1.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(ps.DistributedError, match=r"rank 0 of 2 \(pipeline stage 0 of 2\): receive of the final "
+                                                      r"hidden rows from pipeline stage 1 .*during step \d+"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        os.kill(stage1.process.pid, signal.SIGCONT)
+        llm.shutdown()
+    assert stage1.process.poll() is not None and not ps.is_initialized()
+
+
+def test_a_dead_stage_ends_the_engine_naming_it():
+    """A stage's process killed: the next step fails with an error naming that rank and its stage (RankMonitor), not
+    a hang."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM("tiny-llama", pipeline_parallel_size=2, **KW)
+    assert llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    (stage1,) = llm.llm_engine.local_core.executor.ranks
+    stage1.process.kill()
+    stage1.process.wait()
+    with pytest.raises(ps.DistributedError, match=r"rank 1 \(pipeline stage 1\) \(pid \d+\) exited"):
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    llm.shutdown()
+    assert not ps.is_initialized()
+
+
+@pytest.mark.slow  # 25 s: a compile and a pp 2 engine
+def test_pp2_artifact_has_a_graph_and_weights_per_stage(checkpoints, tmp_path):
+    """`compile -pp 2` writes each stage's graph and each rank's weights (its layers only); serving it runs at pp 2
+    (taken from the artifact) and gives the checkpoint's tokens; another pp size is refused with the recompile
+    command."""
+    import contextlib
+    import io
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from graphinfer.cli import main
+    from graphinfer.errors import ArtifactMismatchError
+
+    art = str(tmp_path / "art")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["compile", checkpoints("llama4"), "-o", art, "--device", "cpu", "--dtype", "float32",
+                     "-pp", "2", "--pp-layer-partition", "1,3"]) == 0
+    files = sorted(json.load(open(os.path.join(art, "manifest.json")))["files"])
+    assert [f for f in files if not f.startswith("tokenizer/")] == [
+        "config.json", "graph-stage0-of-2.py", "graph-stage1-of-2.py", "model-rank0-of-2.safetensors",
+        "model-rank1-of-2.safetensors"]
+    layers = [{int(k.split(".")[2]) for k in load_file(os.path.join(art, f"model-rank{r}-of-2.safetensors"))
+               if k.startswith("model.layers.")} for r in range(2)]
+    assert layers == [{0}, {1, 2, 3}]
+    assert "recv" in open(os.path.join(art, "graph-stage1-of-2.py")).read()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(artifact=art, **{k: v for k, v in KW.items() if k not in ("dtype",)}) as llm:
+        assert llm.llm_engine.config.parallel_config.pipeline_parallel_size == 2
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    assert got == hf_greedy(checkpoints("llama4"), PROMPTS[:3], 6)
+    with pytest.raises(ArtifactMismatchError, match=r"compiled for pipeline_parallel_size=2, but this engine runs "
+                                                    r"pipeline_parallel_size=4.*graphinfer compile .* --pipeline-"
+                                                    r"parallel-size 4"):
+        LLM(artifact=art, pipeline_parallel_size=4, **KW)
+    assert not ps.is_initialized()

@@ -98,6 +98,11 @@ def replica_size() -> int:
     return _state.tp * _state.pp
 
 
+def replica_rank() -> int:
+    """This rank within its replica: pp_rank * tp + tp_rank (an artifact's weight file index)."""
+    return _state.rank % replica_size()
+
+
 def dp_size() -> int:
     return _state.world_size // replica_size()
 

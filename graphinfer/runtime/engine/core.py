@@ -7,9 +7,9 @@ A step: proposals (speculative decoding) -> schedule -> (data-parallel lockstep:
 execute on the workers -> Scheduler.update_from_output, which alone advances a request.
 
 Pipeline parallel (vLLM's batch queue): up to pipeline_parallel_size steps are in flight, one per stage. Each step()
-schedules the requests without a token on its way and launches them (the first stage's forward, here), then lands the
-oldest step once the queue is full or nothing more can be scheduled, so the first stage works on batch k+1 while
-the later stages still run batch k.
+schedules up to max_num_seqs / pp of the requests without a token on its way and launches them (the first stage's
+forward, here), then lands the oldest step once the queue is full or nothing more can be scheduled, so the first
+stage works on batch k+1 while the later stages still run batch k.
 
 With async scheduling (vLLM's --async-scheduling) the core does not wait for a step's sampled tokens before
 scheduling and launching the next: step N+1 is prepared and launched while step N runs on the device, its input ids
@@ -30,7 +30,7 @@ from graphinfer.compiler import artifact
 from graphinfer.compiler.artifact_export import export_artifact
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import parallel_state as ps
-from graphinfer.errors import GraphinferError, InvalidConfigError, LoRAAdapterError
+from graphinfer.errors import GraphinferError, LoRAAdapterError
 from graphinfer.models.layers import rope_parameters
 from graphinfer.models.loader import load_tokenizer
 from graphinfer.platforms import Platform, platform_for_device
@@ -144,7 +144,7 @@ class EngineCore:
         self.pipeline_depth = config.parallel_config.pipeline_parallel_size
         self._batch_queue: deque[_InFlight] = deque()
         self.max_batches_in_flight = 0  # the most steps in flight at once so far (pipeline parallel)
-        self.scheduler.skip_pending = self.pipeline_depth > 1
+        self.scheduler.set_pipeline(self.pipeline_depth)
         self._early_outputs: list[EngineCoreOutput] = []  # the in-flight step's, landed early by _mask_logits
         self.reset_expert_load()  # warm-up, capture and the passes' checks ran the MoE layers on synthetic inputs
 
@@ -164,10 +164,6 @@ class EngineCore:
         """Write what this engine compiled as a `graphinfer compile` artifact (compiler/artifact_export.py; check:
         atol, rtol, allow_check_failure); every tensor-parallel rank writes its shard."""
         worker = self.worker
-        if (pp := self.config.parallel_config.pipeline_parallel_size) > 1:
-            raise InvalidConfigError(f"graphinfer compile with pipeline_parallel_size={pp} is not supported yet (an "
-                                     f"artifact holds one stage's graph): compile without -pp, and serve the "
-                                     f"checkpoint with -pp {pp}.")
         return export_artifact(out_dir, worker.compiled, self.config, self.tokenizer, worker.device,
                                write_ranks=lambda d: self.executor.collective_rpc("save_rank_files", d), **check)
 

@@ -96,8 +96,10 @@ class MultiprocExecutor(Executor):
         try:
             join_group(leader, pc, self.port, platform, {CONFIG_KEY: pickle.dumps(config)} if leader == 0 else None)
             self.channel = StepChannel() if ps.replica_size() > 1 else None
+            tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+            label = (lambda r: f"rank {r} (pipeline stage {r // tp % pp})") if pp > 1 else None
             self.monitor = launch.RankMonitor(self.ranks, list(range(leader + here, leader + pc.replica_size)),
-                                              pc.master_addr, self.port, self._on_death)
+                                              pc.master_addr, self.port, self._on_death, label=label)
             atexit.register(self.shutdown)  # an engine never shut down still stops its ranks at exit
             self.driver_worker = Worker(config, platform, backend, timer)
         except BaseException as e:  # stop the other ranks; say why the group broke, if a rank died

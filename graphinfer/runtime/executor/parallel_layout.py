@@ -56,7 +56,6 @@ def check_pipeline_parallel(config: EngineConfig, model) -> None:
                ("--enable-lora", config.lora_config.enable_lora),
                ("--async-scheduling (pipeline parallel keeps its own batches in flight)",
                 config.scheduler_config.async_scheduling),
-               ("an artifact (serve the checkpoint instead)", bool(config.artifact)),
                ("--model-impl transformers", not config.artifact and resolve_model_impl(
                    model.architectures, config.model_config.model_impl) == "transformers")]
     for flag, on in refused:
@@ -69,6 +68,21 @@ def check_artifact_parallel(config: EngineConfig) -> None:
     laid out for that) before starting any rank."""
     art, tp = config.artifact, config.parallel_config.tensor_parallel_size
     manifest = artifact.read_manifest(art)
+    pp, compiled_pp = config.parallel_config.pipeline_parallel_size, artifact.pipeline_parallel_size(manifest)
+    if pp != compiled_pp:
+        raise ArtifactMismatchError(
+            f"Artifact {art!r} was compiled for pipeline_parallel_size={compiled_pp}, but this engine runs "
+            f"pipeline_parallel_size={pp} (each stage's graph and weights are its own). Run it with "
+            f"--pipeline-parallel-size {compiled_pp} (LLM(pipeline_parallel_size={compiled_pp})), or recompile it "
+            f"for {pp}: graphinfer compile {manifest['model']['path']} -o {art} --pipeline-parallel-size {pp}"
+            + (f" --tensor-parallel-size {tp}" if tp > 1 else ""))
+    partition = manifest.get("pp_layer_partition")
+    if pp > 1 and partition and stage_layer_counts(sum(partition), pp, config.parallel_config.pp_layer_partition) \
+            != partition:
+        raise ArtifactMismatchError(
+            f"Artifact {art!r} was compiled with pp_layer_partition={','.join(map(str, partition))}, but this "
+            f"engine asks for {config.parallel_config.pp_layer_partition!r}: leave --pp-layer-partition unset (the "
+            f"artifact's is used), or recompile with the one you want.")
     compiled = artifact.tensor_parallel_size(manifest)
     if compiled != tp:
         raise ArtifactMismatchError(

@@ -166,11 +166,12 @@ class Worker:
         """Every rank of the replica's busy seconds so far, in rank order (each rank runs this: a gather)."""
         return ps.all_gather_object(self.model_runner.pipeline.busy_s)
 
-    def save_rank_files(self, out_dir: str) -> None:
-        """This rank's part of a `graphinfer compile` artifact (compiler/artifact_export.py)."""
+    def save_rank_files(self, out_dir: str) -> dict | None:
+        """This rank's part of a `graphinfer compile` artifact (compiler/artifact_export.py); rank 0: every stage's
+        fused projections."""
         from graphinfer.compiler.artifact_export import write_rank_files
 
-        write_rank_files(out_dir, self.compiled)
+        return write_rank_files(out_dir, self.compiled)
 
     def release(self, tensors: bool = False) -> None:
         """Free the graphs, their pool, the static buffers and the KV cache; tensors: the weights too (also those of
