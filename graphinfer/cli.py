@@ -152,7 +152,7 @@ def _bench_generate(args) -> None:
 def _compile(args) -> None:
     import torch
 
-    from graphinfer.compiler import kernel_cache
+    from graphinfer.compiler import artifact, kernel_cache
     from graphinfer.compiler.artifact import WEIGHTS, rank_file
     from graphinfer.compiler.artifact_export import export_artifact
     from graphinfer.compiler.report import pass_table
@@ -189,7 +189,7 @@ def _compile(args) -> None:
     if manifest["check"]["overridden"]:
         print("\nwarning: the numeric check failed; written anyway (--allow-check-failure, recorded in the manifest)",
               file=sys.stderr)
-    tp, pp = manifest["tensor_parallel_size"], manifest.get("pipeline_parallel_size", 1)
+    tp, pp = manifest["tensor_parallel_size"], artifact.pipeline_parallel_size(manifest)
     print(f"\ncompiled {manifest['model']['path']} ({manifest['platform']}, {manifest['dtype']}, "
           f"{manifest['graph_mode']}, tensor_parallel_size {tp}"
           + (f", pipeline_parallel_size {pp} (layers per stage {manifest['pp_layer_partition']})" if pp > 1 else "")

@@ -306,7 +306,8 @@ def _label(runs: list[dict]):
 
 def _fmt_row(r: dict) -> str:
     tp, dp, pp = r.get("tensor_parallel_size", 1), r.get("data_parallel_size", 1), r.get("pipeline_parallel_size", 1)
-    name = (f"{_mode(r)} max_num_seqs={r['max_num_seqs']}" + (f" tp={tp}" if tp > 1 else "") + (f" pp={pp}" if pp > 1 else "")
+    name = (f"{_mode(r)} max_num_seqs={r['max_num_seqs']}" + (f" tp={tp}" if tp > 1 else "")
+            + (f" pp={pp}" if pp > 1 else "")
             + (f" model_impl={r['model_impl']}" if r.get("model_impl", "auto") != "auto" else "")
             + (f" passes={r['passes']}" if r.get("passes", "default") != "default" else "")
             + (f" dp={dp}" if dp > 1 else "") + _ep(r))
@@ -606,7 +607,8 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                       enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tp, data_parallel_size=dp,
                       quantization=q, speculative_config=sd, model_impl=mi, **(parallel or {}))
             row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "tensor_parallel_size": tp,
-                   "data_parallel_size": dp, "pipeline_parallel_size": kw.get("pipeline_parallel_size", 1), "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
+                   "data_parallel_size": dp, "pipeline_parallel_size": kw.get("pipeline_parallel_size", 1),
+                   "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
                    "quantization": q, "speculative_config": sd, "structured_output": so, "model_impl": mi,
                    "passes": pa, "capture_sizes": sizes}
             adapters = None
