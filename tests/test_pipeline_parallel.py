@@ -139,10 +139,13 @@ def test_uneven_partition_and_refused_requests(checkpoints, monkeypatch):
     with LLM(checkpoints("llama4"), pipeline_parallel_size=2, **KW) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
         layers = llm.llm_engine.local_core.worker.model.model.layers
+        sampled = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=6,
+                                                           logprobs=2, ignore_eos=True), use_tqdm=False)[0].outputs[0]
         with pytest.raises(InvalidRequestError, match="prompt_logprobs is not supported with pipeline_parallel_size=2"):
             llm.generate([[1, 2, 3]], SamplingParams(prompt_logprobs=1), use_tqdm=False)
     assert [isinstance(layer, PPMissingLayer) for layer in layers] == [False, True, True, True]
     assert got == hf_greedy(checkpoints("llama4"), PROMPTS[:3], 6)
+    assert len(sampled.token_ids) == 6 and len(sampled.logprobs) == 6  # the sampler's other paths, on rank 0
 
 
 def _short_timeout(monkeypatch, seconds: float) -> None:

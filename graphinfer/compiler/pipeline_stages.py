@@ -14,6 +14,7 @@ as opaque nodes as the collectives are.
 from torch import fx
 
 from graphinfer.distributed import parallel_state as ps
+from graphinfer.distributed.communication_op import recv, send
 from graphinfer.errors import UnsupportedArchitectureError
 from graphinfer.models.pipeline_stage import layer_index, stage_of_layer
 
@@ -67,7 +68,6 @@ def cut_stage(gm: fx.GraphModule, num_layers: int, hidden_size: int, dtype) -> f
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node in placeholders:
         env[node] = graph.node_copy(node, env.__getitem__)
-    recv = torch_op("recv")
     for node in incoming:  # at the top, in the order the previous stage sends them
         env[node] = graph.call_function(recv, (env[placeholders[0]], hidden_size, dtype, stage - 1, ps.PP_GROUP))
     for node in gm.graph.nodes:
@@ -80,7 +80,6 @@ def cut_stage(gm: fx.GraphModule, num_layers: int, hidden_size: int, dtype) -> f
         out = next(n for n in gm.graph.nodes if n.op == "output")
         graph.node_copy(out, env.__getitem__)
     else:
-        send = torch_op("send")
         sent = [graph.call_function(send, (env[n], stage + 1, ps.PP_GROUP)) for n in outgoing]
         graph.output(sent[0] if len(sent) == 1 else tuple(sent))
     if stage < last and not outgoing:
@@ -91,10 +90,3 @@ def cut_stage(gm: fx.GraphModule, num_layers: int, hidden_size: int, dtype) -> f
     out.recompile()
     return fx.GraphModule(out, out.graph, class_name=out.__class__.__name__)  # only the modules still called
 
-
-def torch_op(name: str):
-    import torch
-
-    import graphinfer.distributed.communication_op  # noqa: F401  (registers graphinfer::send / recv)
-
-    return getattr(torch.ops.graphinfer, name).default

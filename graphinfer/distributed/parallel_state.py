@@ -361,7 +361,7 @@ def isend(t: torch.Tensor, dst_stage: int, what: str, group_name: str = PP_GROUP
     """Send t to this rank's partner in stage dst_stage without waiting (gloo's send waits for the matching receive,
     which would stall a stage behind the next one's work): the send completes in the background from a copy of t
     (a replayed graph rewrites its buffers in place meanwhile), kept alive until it has; a failed one is raised by a
-    later isend / recv or drain_sends."""
+    later isend."""
     _reap_sends()
     t = t.clone(memory_format=torch.contiguous_format)
     work = None
@@ -405,10 +405,3 @@ def _reap_sends() -> None:
     while _pending_sends and _pending_sends[0][0].is_completed():
         work, _, what, stage = _pending_sends.pop(0)
         collective(f"send of {what} to pipeline stage {stage}", PP_GROUP, lambda _: work.wait())
-
-
-def drain_sends() -> None:
-    """Wait (at most the distributed timeout each) for every send still in flight."""
-    while _pending_sends:
-        work, _, what, stage = _pending_sends.pop(0)
-        collective(f"send of {what} to pipeline stage {stage}", PP_GROUP, lambda _: _wait(work, f"delivery of {what}"))

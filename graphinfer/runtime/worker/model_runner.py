@@ -301,6 +301,7 @@ class ModelRunner:
         logits in place (structured outputs); they are the forward's output, outside any captured graph."""
         return self.sample(h, self.step_logits(h, prev_tokens), mask_logits)
 
+    @torch.inference_mode()
     def sample(self, h: HostInputs, logits: torch.Tensor | None, mask_logits=None) -> SamplerOutput | None:
         """Sample the step's logits (None: no row samples); then the drafter's proposals (see execute)."""
         out = None
