@@ -66,14 +66,16 @@ def reference(checkpoints):
     return functools.cache(lambda arch: _run(LLM(checkpoints(arch), **KW)))
 
 
-# The default suite runs the Llama in NONE and Qwen3-MoE under the stand-in (~30 s each on 2 cores); Qwen3 under the
-# stand-in and pp 2 x tp 2 (4 ranks, ~40 s) are slow.
+# The default suite runs the Llama in NONE and Qwen3-MoE under the stand-in (~25 s and ~7 s on 2 cores); Qwen3 under
+# the stand-in and pp 2 x tp 2 (4 ranks, ~40 s each) are slow.
 CASES = [("llama4", 1, "NONE"), pytest.param("qwen3", 1, "FULL_AND_PIECEWISE", marks=pytest.mark.slow),
-         ("qwen3_moe", 1, "FULL_AND_PIECEWISE"), pytest.param("llama4", 2, "NONE", marks=pytest.mark.slow)]
+         ("qwen3_moe", 1, "FULL_AND_PIECEWISE"), pytest.param("llama4", 2, "NONE", marks=pytest.mark.slow),
+         pytest.param("llama4", 2, "FULL_AND_PIECEWISE", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("arch,tp,mode", CASES, ids=["llama4-pp2-NONE", "qwen3-pp2-FULL_AND_PIECEWISE",
-                                                     "qwen3_moe-pp2-FULL_AND_PIECEWISE", "llama4-pp2xtp2-NONE"])
+                                                     "qwen3_moe-pp2-FULL_AND_PIECEWISE", "llama4-pp2xtp2-NONE",
+                                                     "llama4-pp2xtp2-FULL_AND_PIECEWISE"])
 def test_pp2_matches_one_rank_and_hf(arch, tp, mode, checkpoints, reference, monkeypatch):
     """pp 2 (and pp 2 x tp 2: 4 ranks) gives the one-rank engine's greedy tokens, and HF's for the Llama, through
     chunked prefill, prefix-cache hits and preemption, with two batches in flight; each stage holds its layers only

@@ -11,7 +11,9 @@ compilation. Layout (docs/architecture.md):
                      their packed form (manifest "quantization": each layer's scheme), the rest in the
                      artifact's dtype; loaded straight to the device. Compiled for tensor_parallel_size N > 1:
                      model-rank{r}-of-{N}.safetensors, rank r's shard, which only rank r loads (graph.py is the
-                     same code on every rank)
+                     same code on every rank). Compiled for pipeline_parallel_size P > 1: N = tp x P files, r the
+                     rank in the replica (its stage's layers only), and graph-stage{s}-of-{P}.py per stage instead
+                     of graph.py
   tokenizer/         the tokenizer in HF form (tokenizer.json, tokenizer_config.json, chat template); absent for
                      models without one
   added_modules.pt   only when passes added submodules or tensors the checkpoint does not have (torch.save);
