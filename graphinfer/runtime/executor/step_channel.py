@@ -51,14 +51,15 @@ class StepChannel:
         self._broadcast()
 
     def _send_p2p(self, data, peers: list[int]) -> None:
+        """The message's length, then the message, to each peer; not waiting (the tensors kept until delivered)."""
         while self.in_flight and self.in_flight[0][0].is_completed():
             self.in_flight.pop(0)
-        payload = torch.from_numpy(data)
-        length = torch.tensor([len(data)], dtype=torch.int64)
-        for peer in peers:
-            for t in (length, payload):
-                ps.collective("step message send", ps.TP_GROUP, lambda _, t=t, peer=peer: self.in_flight.append(
-                    (dist.isend(t, peer, group=self.group), t)))
+        parts = (torch.tensor([len(data)], dtype=torch.int64), torch.from_numpy(data))
+
+        def run(_):
+            self.in_flight.extend((dist.isend(t, peer, group=self.group), t) for peer in peers for t in parts)
+
+        ps.collective("step message send", ps.TP_GROUP, run)
 
     def _recv_p2p(self):
         length = torch.zeros(1, dtype=torch.int64)
