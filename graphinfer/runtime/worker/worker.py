@@ -131,7 +131,10 @@ class Worker:
         """Run the step h and sample; nothing here waits for the device. prev_tokens: the in-flight step's sampled
         ids (async scheduling); mask_logits: structured outputs' hook (ModelRunner.execute)."""
         sampled = self.model_runner.execute(h, prev_tokens, mask_logits)
-        plp = self.model_runner.take_prompt_logprobs()
+        return self._output(sampled, self.model_runner.take_prompt_logprobs())
+
+    def _output(self, sampled, plp) -> ModelOutput:
+        """The step's ModelOutput: its host copies on their way (nothing waits for the device)."""
         if sampled is None and plp is None:
             return ModelOutput(None, None)
         if self.device.type == "cpu":
@@ -155,12 +158,8 @@ class Worker:
         """Rank 0: step h's sampled tokens, from the last stage's final hidden rows (the LM head and the sampler run
         here, where the scheduler and every request's sampling state live)."""
         runner = self.model_runner
-        sampled = runner.pipeline.timed(
-            lambda: runner.sample(h, runner.pipeline_logits(len(h.logits_indices)), mask_logits))
-        if sampled is None or self.device.type == "cpu":
-            return ModelOutput(sampled, sampled)
-        host = sampled.to_host(non_blocking=True)
-        return ModelOutput(sampled, host, self.platform.record_event(self.device))
+        return self._output(runner.pipeline.timed(
+            lambda: runner.sample(h, runner.pipeline_logits(len(h.logits_indices)), mask_logits)), None)
 
     def pipeline_busy(self) -> list[float]:
         """Every rank of the replica's busy seconds so far, in rank order (each rank runs this: a gather)."""
