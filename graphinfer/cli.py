@@ -15,7 +15,7 @@ from graphinfer.server.serving_models import parse_lora_module
 # (graphinfer/engine_args.py); this file writes none of those defaults again. The groups below pick which settings
 # a subcommand takes.
 PARALLEL_ARGS = ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "enable_expert_parallel",
-                 "data_parallel_size")
+                 "data_parallel_size", "pipeline_parallel_size", "pp_layer_partition")
 GRAPH_ARGS = ("graph_mode", "capture_sizes", "max_capture_size", "splitting_ops")
 # `graphinfer compile`: what shapes the artifact (the KV cache is a placeholder; nothing is served)
 COMPILE_ARGS = ("dtype", "quantization", "model_impl", "device", "passes", "max_num_seqs", *GRAPH_ARGS,
@@ -152,7 +152,7 @@ def _bench_generate(args) -> None:
 def _compile(args) -> None:
     import torch
 
-    from graphinfer.compiler import kernel_cache
+    from graphinfer.compiler import artifact, kernel_cache
     from graphinfer.compiler.artifact import WEIGHTS, rank_file
     from graphinfer.compiler.artifact_export import export_artifact
     from graphinfer.compiler.report import pass_table
@@ -189,11 +189,13 @@ def _compile(args) -> None:
     if manifest["check"]["overridden"]:
         print("\nwarning: the numeric check failed; written anyway (--allow-check-failure, recorded in the manifest)",
               file=sys.stderr)
-    tp = manifest["tensor_parallel_size"]
+    tp, pp = manifest["tensor_parallel_size"], artifact.pipeline_parallel_size(manifest)
     print(f"\ncompiled {manifest['model']['path']} ({manifest['platform']}, {manifest['dtype']}, "
-          f"{manifest['graph_mode']}, tensor_parallel_size {tp}) -> {args.output}")
-    for rank in range(tp) if tp > 1 else ():
-        print(f"  rank {rank} weights: {os.path.join(args.output, rank_file(WEIGHTS, rank, tp))}")
+          f"{manifest['graph_mode']}, tensor_parallel_size {tp}"
+          + (f", pipeline_parallel_size {pp} (layers per stage {manifest['pp_layer_partition']})" if pp > 1 else "")
+          + f") -> {args.output}")
+    for rank in range(tp * pp) if tp * pp > 1 else ():
+        print(f"  rank {rank} weights: {os.path.join(args.output, rank_file(WEIGHTS, rank, tp * pp))}")
 
 
 def _passes(args) -> int:

@@ -270,6 +270,12 @@ class ParallelConfig:
     expert_map_path: str | None = setting(
         None, "start from this expert placement (vLLM-Ascend's expert-map JSON: per MoE layer, the experts of each "
               "EP rank); with enable_eplb it is the first placement, without it a fixed one")
+    pipeline_parallel_size: int = setting(
+        1, "split the decoder layers into N pipeline stages, one rank group (tensor_parallel_size ranks) each; the "
+           "hidden state crosses stages point to point, and N batches are in flight at once", aliases=["-pp"])
+    pp_layer_partition: str | None = setting(
+        None, "decoder layers per pipeline stage, comma-separated (vLLM's VLLM_PP_LAYER_PARTITION, which is read "
+              "when this is unset), e.g. '10,14' (default: an even split, the first stages taking one more)")
 
     def __post_init__(self):
         if self.tensor_parallel_size is None:  # "derive": LLM / the CLI put an artifact's size here first
@@ -287,9 +293,13 @@ class ParallelConfig:
                                      f"for now; run one server per node, or use tensor parallel across nodes.")
         if nnodes < 1 or not 0 <= self.node_rank < nnodes:
             raise InvalidConfigError(f"node_rank={self.node_rank} must be in [0, nnodes={nnodes}).")
-        if tp % nnodes:
-            raise InvalidConfigError(f"tensor_parallel_size={tp} must be a multiple of nnodes={nnodes}: every node "
-                                     f"runs tensor_parallel_size / nnodes ranks.")
+        if self.pipeline_parallel_size < 1:
+            raise InvalidConfigError(f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1.")
+        if self.pp_layer_partition is None:
+            self.pp_layer_partition = os.environ.get("VLLM_PP_LAYER_PARTITION") or None
+        if self.replica_size % nnodes:
+            raise InvalidConfigError(f"tensor_parallel_size x pipeline_parallel_size = {self.replica_size} must be a "
+                                     f"multiple of nnodes={nnodes}: every node runs the same number of ranks.")
         if self.master_port is None and nnodes > 1:
             self.master_port = 29500
         if self.timeout_s <= 0:
@@ -307,9 +317,14 @@ class ParallelConfig:
             raise InvalidConfigError("eplb_config num_redundant_experts > 0 needs enable_eplb=True (--enable-eplb).")
 
     @property
+    def replica_size(self) -> int:
+        """The ranks of one engine replica: tp ranks per pipeline stage, times the stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def world_size(self) -> int:
-        """Every rank of every replica: the EP group's size with expert parallel on."""
-        return self.tensor_parallel_size * self.data_parallel_size
+        """Every rank of every replica (global rank = dp_rank * pp * tp + pp_rank * tp + tp_rank, vLLM's layout)."""
+        return self.replica_size * self.data_parallel_size
 
     @property
     def ranks_per_node(self) -> int:
@@ -317,8 +332,8 @@ class ParallelConfig:
 
     @property
     def leader_rank(self) -> int:
-        """The global rank of this replica's TP rank 0 (its scheduler)."""
-        return self.data_parallel_rank * self.tensor_parallel_size
+        """The global rank of this replica's first rank (first stage, TP rank 0: its scheduler)."""
+        return self.data_parallel_rank * self.replica_size
 
 
 @dataclass

@@ -103,6 +103,8 @@ def with_artifact_defaults(kwargs: dict) -> dict:
         "splitting_ops": (manifest.get("split") or {}).get("splitting_ops"),
         "speculative_config": manifest.get("speculative_config"),
         "tensor_parallel_size": artifacts.tensor_parallel_size(manifest),
+        "pipeline_parallel_size": artifacts.pipeline_parallel_size(manifest),
+        "pp_layer_partition": ",".join(map(str, p)) if (p := manifest.get("pp_layer_partition")) else None,
         "enable_expert_parallel": artifacts.expert_parallel(manifest),
         "enable_lora": manifest.get("enable_lora", False),
     }

@@ -39,7 +39,7 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device = "cpu"
         with ps.layout(0, 1):  # the whole model's random weights, the same on every rank, then this rank's part
             full = build_model(config, torch.float32, "cpu")
         init_random_weights(full, seed)  # drawn on CPU in fp32 so every device and dtype gets the same values
-        if ps.tp_size() == 1:
+        if ps.tp_size() == 1 and ps.pp_size() == 1:
             model = full.to(device=device, dtype=dtype)
         else:
             model = build_model(config, torch.float32, "cpu")

@@ -55,6 +55,9 @@
 #               by tools/make_skewed_moe.py), 2 redundant experts per GPU, a rearrangement every 20 steps: the last
 #               window's EP-rank imbalance with and without EPLB, MiB moved and seconds per rearrangement
 #                                                                                        (~4 min, not in the default)
+#   pp          issue 53: needs >= 2 GPUs (refuses on one). The standard workload at max_num_seqs 256, FULL_AND_PIECEWISE,
+#               pipeline parallel 1 vs 2 (two stages, one GPU each, the hidden state over NCCL send / recv): tok/s and
+#               each stage's busy share of the wall time (the bubble), pp1.json / pp2.json  (~6 min, not in the default)
 #   quant       issue 27: the quantization kernels' tests compiled on the GPU, tools/gpu_check.py --quant (each kernel vs
 #               cuBLAS / torch._int_mm / torch._scaled_mm at Qwen3-0.6B shapes, M = 1/64/256), then the standard
 #               workload (FULL_AND_PIECEWISE + async, max_num_seqs 256) for bf16 vs fp8 vs w8a8 vs int4_wo in one run,
@@ -273,6 +276,24 @@ step_tp() {  # issue 25: tensor parallel 2 vs 1 in the same run; NCCL needs a GP
     fi
     bench tp throughput "${COMMON[@]}" --max-num-seqs 256 --sweep graph-mode=$modes \
         --sweep tensor-parallel-size=1,2 --output-json "$OUT_DIR/tp.json" --plot "$OUT_DIR/tp.png"
+}
+
+step_pp() {  # issue 53: pipeline parallel 2 vs 1; a GPU per stage (SMOKE=1: two gloo processes on cpu)
+    local mode=FULL_AND_PIECEWISE gpus
+    if [ "${SMOKE:-0}" = 1 ]; then
+        mode=NONE
+    else
+        gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+        if [ "${gpus:-0}" -lt 2 ]; then
+            echo "=== pp: needs >= 2 GPUs (pipeline parallel 2 runs one stage per GPU, the hidden state over NCCL);" \
+                 "nvidia-smi -L shows ${gpus:-0}. Run it on a machine with >= 2 GPUs; SMOKE=1 rehearses it on CPU." >&2
+            exit 3
+        fi
+    fi
+    for pp in 1 2; do
+        bench "pp$pp" throughput "${COMMON[@]}" --max-num-seqs 256 --graph-mode $mode -pp $pp \
+            --output-json "$OUT_DIR/pp$pp.json"
+    done
 }
 
 step_dp() {  # issue 26: data parallel 2 vs 1 in the same run, MoE + expert parallel and dense; a GPU per replica

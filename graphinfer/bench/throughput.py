@@ -180,7 +180,7 @@ def roofline_report(engine, shape: ModelShape, workload: Workload, log: common.S
                  "0's weights (its tp / ep shard), the ideal time being the slowest replica's; schedule_s and "
                  "decode_steps_s cover replica 0's steps only; cpu replicas share one memory bus, so there the bound "
                  "is optimistic")
-    elif pc.tensor_parallel_size == 1:
+    elif pc.replica_size == 1:
         scope = "the whole model"
     else:
         scope = ("rank 0's shard at one device's bandwidth (every rank reads its own in parallel; cpu ranks share one "
@@ -235,7 +235,12 @@ def run_config(model: str, engine_kwargs: dict, workload: Workload, temperature:
         row["warmup_s"] = time.perf_counter() - t
         engine.reset_expert_load()  # the timed run's routing only
         spec_before = common.spec_decode_snapshot(engine)
+        busy_before = engine.local_core.pipeline_busy()
         stats, log = timed_generate(llm, workload, temperature, structured_output, adapters)
+        if busy_before:  # pipeline parallel: each stage's share of the wall time spent computing (the bubble: the rest)
+            row["pipeline_busy"] = [(b - a) / stats["total_s"] for a, b in
+                                    zip(busy_before, engine.local_core.pipeline_busy())]
+            row["max_batches_in_flight"] = engine.local_core.max_batches_in_flight
         shape = ModelShape.from_engine(engine)  # at tp > 1: rank 0's shard
         row.update(stats, **log.collective_summary(), collective_measure=collective_measure(engine),
                    tokens_per_step=stats["output_tokens"] / max(1, stats["num_steps"]),
@@ -300,8 +305,9 @@ def _label(runs: list[dict]):
 
 
 def _fmt_row(r: dict) -> str:
-    tp, dp = r.get("tensor_parallel_size", 1), r.get("data_parallel_size", 1)
+    tp, dp, pp = r.get("tensor_parallel_size", 1), r.get("data_parallel_size", 1), r.get("pipeline_parallel_size", 1)
     name = (f"{_mode(r)} max_num_seqs={r['max_num_seqs']}" + (f" tp={tp}" if tp > 1 else "")
+            + (f" pp={pp}" if pp > 1 else "")
             + (f" model_impl={r['model_impl']}" if r.get("model_impl", "auto") != "auto" else "")
             + (f" passes={r['passes']}" if r.get("passes", "default") != "default" else "")
             + (f" dp={dp}" if dp > 1 else "") + _ep(r))
@@ -309,9 +315,12 @@ def _fmt_row(r: dict) -> str:
         return f"{name}: unavailable ({r['unavailable']})"
     rf = r["roofline"]
     dec = f", decode steps at {rf['decode_fraction']:.1%} of their roofline" if rf["decode_fraction"] else ""
-    if tp > 1 or dp > 1:
+    if tp > 1 or dp > 1 or pp > 1:
         dec += (f"; {r['threads_per_rank']} thread(s) per rank, {r['collective_s']:.2f} s in collective calls "
                 f"({(r['collective_fraction'] or 0):.1%} of the step time)")
+    if busy := r.get("pipeline_busy"):
+        dec += (f"; pipeline stages busy {', '.join(f'{b:.0%}' for b in busy)} of the wall time (up to "
+                f"{r['max_batches_in_flight']} batches in flight)")
     if dp > 1:
         dec += (f"; requests per replica {r['requests_routed']}, replica 0 idle {r['idle_s']:.2f} s / "
                 f"{r['num_idle_steps']} steps")
@@ -598,7 +607,8 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                       enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tp, data_parallel_size=dp,
                       quantization=q, speculative_config=sd, model_impl=mi, **(parallel or {}))
             row = {"graph_mode": mode, "async_scheduling": a, "max_num_seqs": mns, "tensor_parallel_size": tp,
-                   "data_parallel_size": dp, "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
+                   "data_parallel_size": dp, "pipeline_parallel_size": kw.get("pipeline_parallel_size", 1),
+                   "enable_expert_parallel": bool(kw.get("enable_expert_parallel")),
                    "quantization": q, "speculative_config": sd, "structured_output": so, "model_impl": mi,
                    "passes": pa, "capture_sizes": sizes}
             adapters = None

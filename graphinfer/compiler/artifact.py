@@ -11,7 +11,9 @@ compilation. Layout (docs/architecture.md):
                      their packed form (manifest "quantization": each layer's scheme), the rest in the
                      artifact's dtype; loaded straight to the device. Compiled for tensor_parallel_size N > 1:
                      model-rank{r}-of-{N}.safetensors, rank r's shard, which only rank r loads (graph.py is the
-                     same code on every rank)
+                     same code on every rank). Compiled for pipeline_parallel_size P > 1: N = tp x P files, r the
+                     rank in the replica (its stage's layers only), and graph-stage{s}-of-{P}.py per stage instead
+                     of graph.py
   tokenizer/         the tokenizer in HF form (tokenizer.json, tokenizer_config.json, chat template); absent for
                      models without one
   added_modules.pt   only when passes added submodules or tensors the checkpoint does not have (torch.save);
@@ -83,7 +85,24 @@ def rank_file(name: str, rank: int, size: int) -> str:
     return f"{stem}-rank{rank}-of-{size}.{ext}"
 
 
-_RANK_FILE = re.compile(r"(model|added_modules)-rank\d+-of-\d+\.(safetensors|pt)")
+_RANK_FILE = re.compile(r"(model|added_modules)-rank\d+-of-\d+\.(safetensors|pt)|graph-stage\d+-of-\d+\.py")
+
+
+def stage_graph_file(stage: int, pp: int) -> str:
+    """Pipeline stage `stage`'s graph code: graph.py at pp 1, else graph-stage{s}-of-{pp}.py."""
+    if pp == 1:
+        return GRAPH
+    stem, _, ext = GRAPH.partition(".")
+    return f"{stem}-stage{stage}-of-{pp}.{ext}"
+
+
+def pipeline_parallel_size(manifest: dict) -> int:
+    return manifest.get("pipeline_parallel_size", 1)  # absent from artifacts made before pipeline parallel: 1
+
+
+def replica_size(manifest: dict) -> int:
+    """Weight files (one per rank of a replica: tp x pp)."""
+    return tensor_parallel_size(manifest) * pipeline_parallel_size(manifest)
 
 
 def tensor_parallel_size(manifest: dict) -> int:
@@ -133,27 +152,32 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
                   model: nn.Module, hf_config, tokenizer=None, split: SplitInfo | None = None,
                   check: dict | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False,
                   quantization: str | None = None, speculative_config: dict | None = None,
-                  model_impl: str = "graphinfer") -> dict:
+                  model_impl: str = "graphinfer", pipeline_parallel_size: int = 1,
+                  pp_layer_partition: list[int] | None = None, fused_linears: dict | None = None) -> dict:
     """Complete the artifact in out_dir (prepare_dir'ed, every rank's save_rank_files done): the graph, config,
     tokenizer, report and the manifest hashing every file. model: the module tree gm was traced from; hf_config /
     tokenizer: the model's, saved in HF form; check: how the pass checks were judged ({passed, atol, rtol,
-    overridden})."""
-    tp = tensor_parallel_size
-    weights = [rank_file(WEIGHTS, r, tp) for r in range(tp)]
+    overridden}). Pipeline parallel: each stage's TP rank 0 wrote its stage's graph (stage_graph_file) and every
+    rank its weights (rank_file by its rank in the replica); fused_linears: every stage's (the graph's here are
+    stage 0's)."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    weights = [rank_file(WEIGHTS, r, tp * pp) for r in range(tp * pp)]
     if missing := [w for w in weights if not os.path.isfile(os.path.join(out_dir, w))]:
         raise InvalidConfigError(f"{', '.join(missing)} did not appear in {out_dir!r}, where those ranks wrote their "
                                  f"weights: across nodes, compile into a directory every node shares at that path.")
     e2e = getattr(reports, "end_to_end", None)
     manifest = {
         "format": FORMAT, "model": fingerprint, **environment(device), "dtype": str(dtype).removeprefix("torch."),
-        "tensor_parallel_size": tp,  # rank r loads its own shard, rank_file(WEIGHTS, r, tp)
+        "tensor_parallel_size": tp,  # rank r loads its own shard, rank_file(WEIGHTS, r, tp x pp)
+        "pipeline_parallel_size": pp,  # stage s runs stage_graph_file(s, pp) over its layers
+        "pp_layer_partition": pp_layer_partition,  # layers per stage
         "enable_expert_parallel": expert_parallel,  # MoE experts partitioned over the ranks (only if that applies)
         "graph_mode": graph_mode, "capture_sizes": capture_sizes, "passes": [r.to_json() for r in reports],
         "end_to_end_check": e2e.to_json() if e2e is not None else None,
         "check": check,
         "plugins": _plugins(gm),  # plugin passes: imported (at these versions) before graph.py runs
         "added_modules": sorted(_added_state(gm, model)),
-        "fused_linears": gm.meta.get("fused_linears", {}),
+        "fused_linears": fused_linears if fused_linears is not None else gm.meta.get("fused_linears", {}),
         "quantization": quantized_layers(gm, model, quantization),  # rebuilt as QuantizedLinears, then loaded
         "split": dataclasses.asdict(split) if split is not None else None,  # PIECEWISE: the pieces around attention
         "speculative_config": speculative_config,  # the default of `serve ART` (verify graphs captured for its k)
@@ -164,19 +188,21 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
         json.dump(hf_config.to_dict(), f, indent=2, sort_keys=True, default=str)
     if tokenizer is not None:
         tokenizer.save_pretrained(os.path.join(out_dir, TOKENIZER))
-    with open(os.path.join(out_dir, GRAPH), "w") as f:
-        f.write(graph_source(gm))
+    if pp == 1:  # (pipeline parallel: each stage wrote its own)
+        with open(os.path.join(out_dir, GRAPH), "w") as f:
+            f.write(graph_source(gm))
     # safetensors writes its file owner-only; give it the mode the umask gives the other files (movable, servable)
     for name in weights:
-        os.chmod(os.path.join(out_dir, name), os.stat(os.path.join(out_dir, GRAPH)).st_mode & 0o777)
-    manifest["files"] = {name: _file_sha256(os.path.join(out_dir, name)) for name in _artifact_files(out_dir, tp)}
+        os.chmod(os.path.join(out_dir, name), os.stat(os.path.join(out_dir, CONFIG)).st_mode & 0o777)
+    manifest["files"] = {name: _file_sha256(os.path.join(out_dir, name)) for name in _artifact_files(out_dir, tp, pp)}
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
     plugins = manifest["plugins"]
     with open(os.path.join(out_dir, REPORT), "w") as f:
         f.write(f"graphinfer compile report\n\nmodel: {fingerprint['path']}\nplatform: {device.type}, dtype: "
                 f"{manifest['dtype']}, graph mode: {graph_mode}, tensor_parallel_size: {tp}, "
-                f"expert parallel: {'on' if expert_parallel else 'off'}\n\n## Passes\n\n"
+                + (f"pipeline_parallel_size: {pp} (the passes and nodes below: stage 0's), " if pp > 1 else "")
+                + f"expert parallel: {'on' if expert_parallel else 'off'}\n\n## Passes\n\n"
                 f"{pass_table(reports)}\n\n"
                 + (f"plugins: {', '.join(_plugin_name(p) for p in plugins)}\n\n" if plugins else "")
                 + ("numeric check FAILED, artifact written anyway (--allow-check-failure): "
@@ -186,10 +212,11 @@ def save_artifact(out_dir: str, gm: fx.GraphModule, reports: list[PassReport], *
     return manifest
 
 
-def _artifact_files(art_dir: str, tp: int) -> list[str]:
+def _artifact_files(art_dir: str, tp: int, pp: int = 1) -> list[str]:
     """The files the manifest hashes: all but itself, the report and the kernel cache (which Triton extends)."""
-    per_rank = [rank_file(name, r, tp) for name in (WEIGHTS, ADDED) for r in range(tp)]
-    names = [n for n in (GRAPH, CONFIG, *per_rank) if os.path.isfile(os.path.join(art_dir, n))]
+    per_rank = [rank_file(name, r, tp * pp) for name in (WEIGHTS, ADDED) for r in range(tp * pp)]
+    graphs = [stage_graph_file(s, pp) for s in range(pp)]
+    names = [n for n in (*graphs, CONFIG, *per_rank) if os.path.isfile(os.path.join(art_dir, n))]
     tok = os.path.join(art_dir, TOKENIZER)
     if os.path.isdir(tok):
         names += sorted(f"{TOKENIZER}/{n}" for n in os.listdir(tok))
@@ -330,8 +357,9 @@ def verify_artifact(art_dir: str, manifest: dict, *, device: torch.device, dtype
         expected["model config"] = (manifest["model"]["config_sha256"], fingerprint["config_sha256"])
         expected["model weights"] = (manifest["model"]["weights_sha256"], fingerprint["weights_sha256"])
     expected.update({k: (manifest[k], v) for k, v in environment(device).items()})
-    tp = tensor_parallel_size(manifest)
-    others = {rank_file(name, r, tp) for name in (WEIGHTS, ADDED) for r in range(tp) if r != ps.tp_rank()}
+    tp, pp, n = tensor_parallel_size(manifest), pipeline_parallel_size(manifest), replica_size(manifest)
+    others = {rank_file(name, r, n) for name in (WEIGHTS, ADDED) for r in range(n) if r != ps.replica_rank()}
+    others |= {stage_graph_file(s, pp) for s in range(pp) if s != ps.pp_rank()}
     for name, digest in manifest["files"].items():
         if name in others:
             continue
@@ -355,7 +383,8 @@ def verify_artifact(art_dir: str, manifest: dict, *, device: torch.device, dtype
         model = fingerprint["path"] if fingerprint is not None else manifest["model"]["path"]
         raise ArtifactMismatchError(
             f"Artifact {art_dir!r} does not match this model / environment:\n  " + "\n  ".join(diffs) +
-            f"{fix}graphinfer compile {model} -o {art_dir}" + (f" --tensor-parallel-size {tp}" if tp > 1 else ""))
+            f"{fix}graphinfer compile {model} -o {art_dir}" + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
+            + (f" --pipeline-parallel-size {pp}" if pp > 1 else ""))
 
 
 def load_reports(manifest: dict) -> PassReports:
@@ -394,7 +423,9 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
     quant = {name: QuantScheme(**s) for name, s in ((manifest.get("quantization") or {}).get("layers") or {}).items()}
     dtype = getattr(torch, manifest["dtype"])
     install_quantized_linears(model, quant, "meta", dtype, tied=getattr(config, "tie_word_embeddings", False))
-    for target, sources in manifest["fused_linears"].items():
+    fused_linears = {t: src for t, src in manifest["fused_linears"].items()
+                     if _has_module(model, src[0])}  # (pipeline parallel: this stage's)
+    for target, sources in fused_linears.items():
         mods = [model.get_submodule(s) for s in sources]
         parent, _, name = target.rpartition(".")
         with torch.device("meta"):
@@ -402,8 +433,8 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
             fused = QuantizedLinear(in_f, out_f, quant[target], bias, dtype=dtype) if target in quant else \
                 nn.Linear(in_f, out_f, bias=bias)
         setattr(model.get_submodule(parent), name, fused)
-    release_fused_sources(model, manifest["fused_linears"])
-    weights = rank_file(WEIGHTS, ps.tp_rank(), tensor_parallel_size(manifest))  # meta_model built this rank's shapes
+    release_fused_sources(model, fused_linears)
+    weights = rank_file(WEIGHTS, ps.replica_rank(), replica_size(manifest))  # meta_model built this rank's shapes
     state = load_file(os.path.join(art_dir, weights), device=str(device))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
@@ -422,6 +453,14 @@ def load_model(art_dir: str, manifest: dict, config, device: torch.device) -> nn
     return model.eval()
 
 
+def _has_module(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:  # another pipeline stage's (a PPMissingLayer has no children)
+        return False
+
+
 def load_graph(art_dir: str, manifest: dict, model: nn.Module) -> nn.Module:
     """The artifact's compiled forward over `model`'s modules (plugins imported, modules added by passes put
     back)."""
@@ -433,14 +472,14 @@ def load_graph(art_dir: str, manifest: dict, model: nn.Module) -> nn.Module:
                 f"Artifact {art_dir!r} needs the plugin pass {p['pass']!r} (module {p['module']}"
                 f"{', distribution ' + p['distribution'] if p.get('distribution') else ''}), which fails to import "
                 f"here: {type(e).__name__}: {e}. Install it, or recompile without it.") from None
-    if manifest.get("added_modules"):
-        added = rank_file(ADDED, ps.tp_rank(), tensor_parallel_size(manifest))
-        _install_added(model, torch.load(os.path.join(art_dir, added), weights_only=False,
-                                         map_location=next(model.parameters()).device))
+    added = os.path.join(art_dir, rank_file(ADDED, ps.replica_rank(), replica_size(manifest)))
+    if manifest.get("added_modules") and os.path.isfile(added):  # (pipeline parallel: a stage may have none)
+        _install_added(model, torch.load(added, weights_only=False, map_location=next(model.parameters()).device))
     namespace: dict = {}
-    with open(os.path.join(art_dir, GRAPH)) as f:
+    graph_file = os.path.join(art_dir, stage_graph_file(ps.pp_rank(), pipeline_parallel_size(manifest)))
+    with open(graph_file) as f:
         try:
-            exec(compile(f.read(), os.path.join(art_dir, GRAPH), "exec"), namespace)
+            exec(compile(f.read(), graph_file, "exec"), namespace)
         except ImportError as e:
             raise ArtifactMismatchError(f"Artifact {art_dir!r}: graph.py imports what is not installed here ({e}); "
                                         f"install it or recompile.") from None

@@ -14,6 +14,7 @@ from graphinfer.compiler.pipeline import CompiledModel
 from graphinfer.config import EngineConfig
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import GraphinferError, InvalidConfigError
+from graphinfer.models.pipeline_stage import stage_layer_counts
 from graphinfer.models.transformers import TransformersForCausalLM
 from graphinfer.passes import PassCheckError
 
@@ -41,42 +42,57 @@ def export_artifact(out_dir: str, c: CompiledModel, config: EngineConfig, tokeni
              "overridden": bool(failures)}  # written despite failed checks (--allow-check-failure)
     if e2e is not None:
         check.update(atol=e2e.atol, rtol=e2e.rtol)
-    mc = config.model_config
+    mc, pc = config.model_config, config.parallel_config
+    if pc.pipeline_parallel_size > 1 and mc.quantization:
+        raise InvalidConfigError(f"graphinfer compile with pipeline_parallel_size={pc.pipeline_parallel_size} and "
+                                 f"quantization={mc.quantization!r} is not supported yet: compile without -pp, or "
+                                 f"serve the checkpoint with both.")
     artifact.prepare_dir(out_dir, c.graph, c.model)
-    (write_ranks or (lambda d: write_rank_files(d, c)))(out_dir)
+    fused_linears = (write_ranks or (lambda d: write_rank_files(d, c)))(out_dir)
     return artifact.save_artifact(
         out_dir, c.graph, reports, fingerprint=model_fingerprint(mc.model, c.hf_config, mc.seed),
         device=device, dtype=mc.torch_dtype, graph_mode=config.compile_config.graph_mode,
         capture_sizes=c.capture_sizes, split=c.split.info if c.split is not None else None,
         model=c.model, hf_config=c.hf_config, tokenizer=tokenizer, check=check,
-        tensor_parallel_size=config.parallel_config.tensor_parallel_size,
+        tensor_parallel_size=pc.tensor_parallel_size, pipeline_parallel_size=pc.pipeline_parallel_size,
+        pp_layer_partition=stage_layer_counts(c.hf_config.num_hidden_layers, pc.pipeline_parallel_size,
+                                              pc.pp_layer_partition) if pc.pipeline_parallel_size > 1 else None,
+        fused_linears=fused_linears,
         expert_parallel=any(getattr(m, "ep_size", 1) > 1 for m in c.model.modules()),
         quantization=mc.quantization,
         speculative_config=dataclasses.asdict(spec) if (spec := config.speculative_config) else None,
         model_impl="transformers" if isinstance(c.model, TransformersForCausalLM) else "graphinfer")
 
 
-def write_rank_files(out_dir: str, c: CompiledModel) -> None:
+def write_rank_files(out_dir: str, c: CompiledModel) -> dict | None:
     """Write this rank's weights (and what passes added) into out_dir (every rank at once: export_artifact's
     write_ranks), then wait for every rank's. That wait is what orders the other ranks' writes before rank 0
     hashes their files: a collective that gathers each rank's failure, if any (a rank that failed joins it too, so
-    none waits forever), and the digest of its graph code, which must be rank 0's: graph.py is written once, for
-    all."""
+    none waits forever), and the digest of its graph code, which must be its stage's TP rank 0's: graph.py is
+    written once for all (pipeline parallel: once per stage, by that rank). Returns, on rank 0, every stage's fused
+    projections (manifest "fused_linears")."""
     error = None
+    source = artifact.graph_source(c.graph)
     try:
-        artifact.save_rank_files(out_dir, c.graph, c.model, ps.tp_rank(), ps.tp_size())
+        artifact.save_rank_files(out_dir, c.graph, c.model, ps.replica_rank(), ps.replica_size())
+        if ps.pp_size() > 1 and ps.tp_rank() == 0:
+            with open(f"{out_dir}/{artifact.stage_graph_file(ps.pp_rank(), ps.pp_size())}", "w") as f:
+                f.write(source)
     except Exception as e:  # rank 0 raises it, below
         error = e
-    digest = hashlib.sha256(artifact.graph_source(c.graph).encode()).hexdigest()
-    ranks = ps.all_gather_object((None if error is None else f"{type(error).__name__}: {error}", digest))
-    if ps.tp_rank() > 0:
-        return
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    ranks = ps.all_gather_object((None if error is None else f"{type(error).__name__}: {error}", digest,
+                                  c.graph.meta.get("fused_linears", {})))
+    if ps.replica_rank() > 0:
+        return None
     if error is not None:
         raise error
-    if failed := [f"rank {r}: {e}" for r, (e, _) in enumerate(ranks) if e is not None]:
+    if failed := [f"rank {r}: {e}" for r, (e, _, _) in enumerate(ranks) if e is not None]:
         raise GraphinferError(f"Not every rank could write its files into {out_dir!r}, so the artifact is "
                               f"incomplete:\n  " + "\n  ".join(failed))
-    if differ := [r for r, (_, d) in enumerate(ranks) if d != digest]:
-        raise GraphinferError(f"Ranks {differ} compiled other graph code than rank 0, so one graph.py cannot serve "
-                              f"them all; a layer puts rank-dependent values into the graph (a bug: keep them in "
-                              f"buffers, as VocabParallelEmbedding does).")
+    tp = ps.tp_size()
+    if differ := [r for r, (_, d, _) in enumerate(ranks) if d != ranks[r - r % tp][1]]:
+        raise GraphinferError(f"Ranks {differ} compiled other graph code than their stage's rank 0, so one graph.py "
+                              f"cannot serve them all; a layer puts rank-dependent values into the graph (a bug: keep "
+                              f"them in buffers, as VocabParallelEmbedding does).")
+    return {k: v for _, _, fused in ranks for k, v in fused.items()}

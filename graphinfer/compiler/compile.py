@@ -2,9 +2,11 @@
 import torch
 from torch import fx, nn
 
+from graphinfer.compiler.pipeline_stages import cut_stage
 from graphinfer.compiler.trace import trace_model
+from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import UnsupportedArchitectureError
-from graphinfer.models.layers import AttentionMetadata, PagedAttention, allocate_kv_cache
+from graphinfer.models.layers import AttentionMetadata, PagedAttention, activation_dtype, allocate_kv_cache
 from graphinfer.models.transformers import TransformersForCausalLM
 from graphinfer.passes import Pass, PassManager, PassReports
 from graphinfer.passes.check import compare
@@ -49,11 +51,17 @@ def compile_model(model: nn.Module, passes: list[Pass], check: bool = True, *, a
     allocate_kv_cache(model, _CHECK_BLOCKS, _CHECK_BLOCK_SIZE)
     gm = trace_model(model)
     transformers = isinstance(model, TransformersForCausalLM)
+    if ps.pp_size() > 1:  # pipeline parallel: this rank's stage of the graph, before any pass
+        if transformers:
+            raise UnsupportedArchitectureError("pipeline_parallel_size > 1 runs graphinfer's own model families; "
+                                               "use model_impl='auto' (or 'graphinfer').")
+        gm = cut_stage(gm, model.config.num_hidden_layers, model.config.hidden_size, activation_dtype(model))
     inputs = check_inputs(model) if check or transformers else None
     if transformers:  # always: a captured graph is only right if it does what the code does
         check_capture(model, gm, inputs)
     manager = PassManager(passes, inputs if check else None, atol=atol, rtol=rtol, dump_dir=dump_dir)
-    return gm, manager.run(gm)
+    with ps.pipeline_local():  # a stage's checks run its graph alone
+        return gm, manager.run(gm)
 
 
 def check_capture(model: nn.Module, gm: fx.GraphModule, inputs: list[tuple]) -> None:

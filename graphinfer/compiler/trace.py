@@ -16,8 +16,11 @@ from graphinfer.compiler.inplace import inplace
 def is_leaf_layer(m: nn.Module) -> bool:
     """A Linear / Embedding whose forward is F.linear / F.embedding (at tp 1 the parallel layers are), or a
     QuantizedLinear (lowered to its ops by the lower_quant_linears pass, after the projections are fused)."""
+    from graphinfer.models.pipeline_stage import PPMissingLayer
     from graphinfer.quantization.linear import QuantizedEmbedding, QuantizedLinear
 
+    if isinstance(m, PPMissingLayer):  # another pipeline stage's module: one call the stage cut drops
+        return True
     return isinstance(m, (nn.Linear, nn.Embedding, QuantizedLinear, QuantizedEmbedding)) and \
         not getattr(m, "has_collective", False)
 

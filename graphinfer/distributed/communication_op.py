@@ -168,6 +168,39 @@ def _(expert_rows, topk_ids, topk_weights, combine_metadata, num_experts, ep_siz
     return expert_rows.new_empty((topk_weights.shape[0], expert_rows.shape[1]))
 
 
+@graphinfer_op()
+def send(x: Tensor, dst_stage: int, group_name: str) -> Tensor:
+    """Pipeline parallel: x to this rank's partner in pipeline stage dst_stage (the next stage), point to point on
+    the group (gloo / NCCL / HCCL), without waiting for the receive; returns a copy of x (the stage graph's output,
+    so the node stays live and the passes' checks compare what a stage sends). Alone (ps.pipeline_local), nothing
+    is sent."""
+    if not ps.p2p_local():
+        ps.isend(x, dst_stage, "the hidden state", group_name)
+    return x.clone()
+
+
+@register_fake(send)
+def _(x, dst_stage, group_name):
+    return torch.empty_like(x)
+
+
+@graphinfer_op()
+def recv(like: Tensor, hidden_size: int, dtype: torch.dtype, src_stage: int, group_name: str) -> Tensor:
+    """Pipeline parallel: the [T, hidden_size] tensor this rank's partner in stage src_stage sends (T = like's rows:
+    the step's token count), waiting at most the distributed timeout. Alone (ps.pipeline_local): seeded random
+    values, the same for every call of one shape, so a pass's check compares its graphs on equal inputs."""
+    shape = (like.shape[0], hidden_size)
+    if ps.p2p_local():
+        g = torch.Generator().manual_seed(like.shape[0])
+        return torch.randn(shape, generator=g).to(device=like.device, dtype=dtype)
+    return ps.recv(shape, dtype, like.device, src_stage, "the hidden state", group_name)
+
+
+@register_fake(recv)
+def _(like, hidden_size, dtype, src_stage, group_name):
+    return like.new_empty((like.shape[0], hidden_size), dtype=dtype)
+
+
 def tensor_model_parallel_all_reduce(x: Tensor) -> Tensor:
     """x summed over the TP group; x itself at tp 1 (no node in the graph)."""
     return all_reduce(x, ps.TP_GROUP) if ps.tp_size() > 1 else x

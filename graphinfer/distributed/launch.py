@@ -90,9 +90,12 @@ class RankMonitor:
     """Calls on_death(message) once when a rank ends before stop() was called."""
 
     def __init__(self, local: list[RankProcess], remote_ranks: list[int], master_addr: str, master_port: int,
-                 on_death: Callable[[str], None], kind: str = "tensor-parallel rank"):
-        """kind: what the messages call a local process (its rank follows)."""
-        self.on_death, self.kind = on_death, kind
+                 on_death: Callable[[str], None], kind: str = "tensor-parallel rank",
+                 label: Callable[[int], str] | None = None):
+        """kind: what the messages call a local process (its rank follows); label(rank): the whole name instead
+        (e.g. with its pipeline stage)."""
+        self.on_death = on_death
+        self.label = label or (lambda rank: f"{kind} {rank}")
         self.stopping = False
         self._reported = threading.Lock()
         for r in local:
@@ -111,7 +114,7 @@ class RankMonitor:
 
     def _wait(self, r: RankProcess) -> None:
         code = r.process.wait()
-        self._report(f"{self.kind} {r.rank} (pid {r.process.pid}) exited with code {code}")
+        self._report(f"{self.label(r.rank)} (pid {r.process.pid}) exited with code {code}")
 
     def _heartbeats(self, store, ranks: list[int]) -> None:
         last = {r: (-1, time.monotonic()) for r in ranks}
@@ -126,6 +129,6 @@ class RankMonitor:
                 if count != last[r][0]:
                     last[r] = (count, now)
                 elif now - last[r][1] > HEARTBEAT_DEAD_S:
-                    self._report(f"tensor-parallel rank {r} (on another node) sent no heartbeat for "
+                    self._report(f"{self.label(r)} (on another node) sent no heartbeat for "
                                  f"{now - last[r][1]:.0f} s")
                     return

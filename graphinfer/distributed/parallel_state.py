@@ -17,6 +17,11 @@ Data parallel (data_parallel_size dp): dp replicas of tp ranks each, global rank
 torch.distributed world. Each replica has its own "tp" device group and gloo step-channel group; the replicas'
 TP rank 0s (leaders) share a gloo "dp" group, where the lockstep of MoE + EP replicas is agreed each step
 (runtime/dp_lockstep.py). At dp 1 the TP group is the world, as before.
+Pipeline parallel (pipeline_parallel_size pp): a replica is pp stages of tp ranks, global rank = dp_rank * pp * tp +
+pp_rank * tp + tp_rank (vLLM's layout). Each stage has its own "tp" device group; the ranks of one TP rank across the
+stages share a "pp" device group, where graphinfer::send / recv (communication_op.py) move the hidden state from a
+stage to the next, and the last stage's final hidden rows back to the first (worker/model_runner.py). The gloo
+step-channel group spans the whole replica.
 On Ascend a second device group of the EP ranks, MC2_GROUP, is kept for the MC2 dispatch / combine ops alone
 (vllm-ascend's get_mc2_group): their HCCL communicator may carry no other op.
 """
@@ -35,6 +40,7 @@ from graphinfer.errors import GraphinferError
 logger = logging.getLogger(__name__)
 
 TP_GROUP = "tp"
+PP_GROUP = "pp"  # one TP rank's ranks across the pipeline stages (point to point)
 EP_GROUP = "ep"  # every rank of every replica (the world)
 MC2_GROUP = "mc2"  # the EP ranks again, for Ascend's MC2 ops only (init_distributed(mc2_group=True))
 _IDLE_TIMEOUT = datetime.timedelta(days=30)  # the step channel waits as long as a server may stay idle
@@ -46,9 +52,11 @@ class DistributedError(GraphinferError, RuntimeError):
 
 @dataclass
 class _State:
-    rank: int = 0  # global: dp_rank * tp + tp_rank
-    world_size: int = 1  # tp x dp
+    rank: int = 0  # global: dp_rank * pp * tp + pp_rank * tp + tp_rank
+    world_size: int = 1  # tp x pp x dp
     tp: int = 1
+    pp: int = 1
+    pp_layer_partition: str | None = None  # layers per stage ("a,b,..."), None: an even split
     ranks_per_node: int = 1
     groups: dict = field(default_factory=dict)  # name -> device ProcessGroup
     cpu_group: object = None  # this replica's gloo group (step channel)
@@ -57,10 +65,12 @@ class _State:
     phase: str = "start-up"  # what this rank is doing, for error messages
     comm_seconds: float = 0.0  # host time inside collective calls (bench: the time spent in collectives)
     comm_calls: int = 0
+    pipeline_wait_s: float = 0.0  # host time waiting in pipeline receives (a stage idle for the previous one)
     expert_parallel: bool = False  # enable_expert_parallel: MoE experts partitioned over the EP group
 
 
 _state = _State()
+_pending_sends: list = []  # pipeline parallel: (work, tensor, what, stage) of isends in flight (see isend)
 
 
 def tp_rank() -> int:
@@ -71,17 +81,50 @@ def tp_size() -> int:
     return _state.tp
 
 
+def pp_size() -> int:
+    return _state.pp
+
+
+def pp_rank() -> int:
+    """This rank's pipeline stage."""
+    return _state.rank // _state.tp % _state.pp
+
+
+def pp_layer_partition() -> str | None:
+    return _state.pp_layer_partition
+
+
+def replica_size() -> int:
+    return _state.tp * _state.pp
+
+
+def replica_rank() -> int:
+    """This rank within its replica: pp_rank * tp + tp_rank (an artifact's weight file index)."""
+    return _state.rank % replica_size()
+
+
 def dp_size() -> int:
-    return _state.world_size // _state.tp
+    return _state.world_size // replica_size()
 
 
 def dp_rank() -> int:
-    return _state.rank // _state.tp
+    return _state.rank // replica_size()
 
 
 def leader_rank() -> int:
-    """The global rank of this replica's TP rank 0, which sends the steps (broadcast sources name it)."""
-    return dp_rank() * _state.tp
+    """The global rank of this replica's first rank (first stage, TP rank 0), which sends the steps."""
+    return dp_rank() * replica_size()
+
+
+def stage_rank(stage: int) -> int:
+    """The global rank of this rank's TP rank in pipeline stage `stage` (its partner there)."""
+    return _state.rank + (stage - pp_rank()) * _state.tp
+
+
+def describe_rank() -> str:
+    """"rank r of N" (and its pipeline stage), for error messages."""
+    stage = f" (pipeline stage {pp_rank()} of {_state.pp})" if _state.pp > 1 else ""
+    return f"rank {_state.rank} of {_state.world_size}{stage}"
 
 
 def ep_size() -> int:
@@ -107,10 +150,12 @@ def is_initialized() -> bool:
 
 
 @contextlib.contextmanager
-def layout(rank: int, size: int, expert_parallel: bool = False):
-    """Shard as rank `rank` of `size` while building a model, without process groups (nothing can run)."""
+def layout(rank: int, size: int, expert_parallel: bool = False, pp: int = 1, pp_layer_partition: str | None = None):
+    """Shard as rank `rank` of `size` (tp = size / pp ranks per stage) while building a model, without process groups
+    (nothing can run)."""
     global _state
-    saved, _state = _state, _State(rank=rank, world_size=size, tp=size, expert_parallel=expert_parallel)
+    saved, _state = _state, _State(rank=rank, world_size=size, tp=size // pp, pp=pp,
+                                   pp_layer_partition=pp_layer_partition, expert_parallel=expert_parallel)
     try:
         yield
     finally:
@@ -119,12 +164,14 @@ def layout(rank: int, size: int, expert_parallel: bool = False):
 
 def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: str, master_addr: str,
                      master_port: int, timeout_s: float, publish: dict[str, bytes] | None = None,
-                     expert_parallel: bool = False, tp: int | None = None, mc2_group: bool = False) -> None:
-    """Join the world as global rank `rank` (replicas of `tp` ranks; tp None: one replica): rendezvous at
-    master_addr:master_port (rank 0 hosts the store, torchrun-style, and first puts `publish` in it: what the other
-    nodes wait for), then the device groups on `backend` and the gloo step-channel (and lockstep) groups; with
-    expert_parallel and mc2_group, also the MC2 group."""
-    tp = tp or world_size
+                     expert_parallel: bool = False, tp: int | None = None, mc2_group: bool = False, pp: int = 1,
+                     pp_layer_partition: str | None = None) -> None:
+    """Join the world as global rank `rank` (replicas of pp stages of `tp` ranks; tp None: one replica, one stage):
+    rendezvous at master_addr:master_port (rank 0 hosts the store, torchrun-style, and first puts `publish` in it:
+    what the other nodes wait for), then the device groups on `backend` and the gloo step-channel (and lockstep)
+    groups; with expert_parallel and mc2_group, also the MC2 group."""
+    tp = tp or world_size // pp
+    replica = tp * pp
     timeout = datetime.timedelta(seconds=timeout_s)
     _state.phase = "rendezvous"
     try:
@@ -134,17 +181,29 @@ def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: s
             store.set(key, value)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         groups, cpu_group, dp_group = {TP_GROUP: dist.group.WORLD, EP_GROUP: dist.group.WORLD}, None, None
-        if tp == world_size:
+        if replica == world_size:
             cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-        else:  # every rank creates every group, in the same order (torch.distributed's rule); keeps its own
-            for first in range(0, world_size, tp):
-                replica = list(range(first, first + tp))
-                device_group = dist.new_group(replica)
-                gloo = dist.new_group(replica, backend="gloo", timeout=_IDLE_TIMEOUT)
-                if rank in replica:
-                    groups[TP_GROUP], cpu_group = device_group, gloo
-            dp_group = dist.new_group(list(range(0, world_size, tp)), backend="gloo", timeout=_IDLE_TIMEOUT)
-            if rank % tp == 0:
+        # every rank creates every group, in the same order (torch.distributed's rule); keeps its own
+        if tp < world_size:
+            for first in range(0, world_size, tp):  # one per (replica, stage)
+                ranks = list(range(first, first + tp))
+                device_group = dist.new_group(ranks)
+                if rank in ranks:
+                    groups[TP_GROUP] = device_group
+        if pp > 1:
+            for chain in (list(range(first + t, first + replica, tp)) for first in range(0, world_size, replica)
+                          for t in range(tp)):
+                device_group = dist.new_group(chain)
+                if rank in chain:
+                    groups[PP_GROUP] = device_group
+        if replica < world_size:
+            for first in range(0, world_size, replica):
+                ranks = list(range(first, first + replica))
+                gloo = dist.new_group(ranks, backend="gloo", timeout=_IDLE_TIMEOUT)
+                if rank in ranks:
+                    cpu_group = gloo
+            dp_group = dist.new_group(list(range(0, world_size, replica)), backend="gloo", timeout=_IDLE_TIMEOUT)
+            if rank % replica == 0:
                 groups["dp"] = dp_group
         if expert_parallel and mc2_group:
             groups[MC2_GROUP] = dist.new_group(backend=backend, timeout=timeout)
@@ -154,12 +213,13 @@ def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: s
             f"every node runs the same command with its own --node-rank, that --master-addr / --master-port name "
             f"node 0 and are reachable from here, and that no other job uses the port.") from None
     _state.rank, _state.world_size, _state.tp, _state.ranks_per_node = rank, world_size, tp, ranks_per_node
+    _state.pp, _state.pp_layer_partition = pp, pp_layer_partition
     _state.groups = groups
     _state.cpu_group, _state.dp_group, _state.timeout_s = cpu_group, dp_group, timeout_s
     _state.expert_parallel = expert_parallel
     _state.phase = "start-up"
-    logger.info("rank %d of %d joined (tp %d, %s, rendezvous %s:%d)", rank, world_size, tp, backend, master_addr,
-                master_port)
+    logger.info("rank %d of %d joined (tp %d, pp %d, %s, rendezvous %s:%d)", rank, world_size, tp, pp, backend,
+                master_addr, master_port)
 
 
 def fetch(master_addr: str, master_port: int, key: str, timeout_s: float) -> bytes:
@@ -176,6 +236,7 @@ def fetch(master_addr: str, master_port: int, key: str, timeout_s: float) -> byt
 def destroy() -> None:
     """Leave the TP group (engine shutdown); a no-op when not in one."""
     global _state
+    _pending_sends.clear()
     if dist.is_initialized():
         with contextlib.suppress(Exception):  # a peer may be gone already
             dist.destroy_process_group()
@@ -230,7 +291,7 @@ def collective(what: str, group_name: str, run: Callable[[object], None]) -> Non
         run(group)
     except RuntimeError as e:
         raise DistributedError(
-            f"rank {_state.rank} of {_state.world_size}: {what} on group {group_name!r} failed during "
+            f"{describe_rank()}: {what} on group {group_name!r} failed during "
             f"{_state.phase}: {e}. Another rank died or stalled (timeout {_state.timeout_s:g} s); its log says "
             f"why.") from None
     finally:
@@ -244,7 +305,8 @@ def comm_counters() -> tuple[float, int]:
 
 
 def min_across_ranks(value: int) -> int:
-    """The smallest of every rank's value (e.g. KV blocks, so every rank's cache has the same block count)."""
+    """The smallest of every rank's value over the replica, every pipeline stage included (e.g. KV blocks, so every
+    rank's cache has the same block count)."""
     if not is_initialized():
         return value
     t = torch.tensor([value], dtype=torch.int64)
@@ -253,11 +315,11 @@ def min_across_ranks(value: int) -> int:
 
 
 def all_gather_object(obj) -> list:
-    """Every rank's obj (picklable), in TP rank order, on every rank of this replica (host side, the gloo group);
+    """Every rank's obj (picklable), in rank order (of the replica: every stage's ranks), on every rank of this replica (host side, the gloo group);
     [obj] outside a group."""
     if not is_initialized():
         return [obj]
-    out = [None] * _state.tp
+    out = [None] * replica_size()
     collective("all_gather_object", TP_GROUP, lambda _: dist.all_gather_object(out, obj, group=_state.cpu_group))
     return out
 
@@ -273,3 +335,73 @@ def dp_all_reduce_max(values: list[int]) -> list[int]:
     collective("all_reduce(max) across data-parallel ranks", "dp",
                lambda _: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_state.dp_group))
     return t.tolist()
+
+
+# ----- pipeline parallel: point to point between stages -----
+_p2p_local = False  # pipeline_local(): sends go nowhere, receives are made up (a stage's graph run on its own)
+
+
+@contextlib.contextmanager
+def pipeline_local():
+    """Run a stage's graph on its own (the passes' numeric checks, warm-up, profiling): graphinfer::send sends
+    nothing and graphinfer::recv returns seeded random values, the same for every call of one shape."""
+    global _p2p_local
+    saved, _p2p_local = _p2p_local, True
+    try:
+        yield
+    finally:
+        _p2p_local = saved
+
+
+def p2p_local() -> bool:
+    return _p2p_local or not is_initialized()
+
+
+def isend(t: torch.Tensor, dst_stage: int, what: str, group_name: str = PP_GROUP) -> None:
+    """Send t to this rank's partner in stage dst_stage without waiting (gloo's send waits for the matching receive,
+    which would stall a stage behind the next one's work): the send completes in the background from a copy of t
+    (a replayed graph rewrites its buffers in place meanwhile), kept alive until it has; a failed one is raised by a
+    later isend."""
+    _reap_sends()
+    t = t.clone(memory_format=torch.contiguous_format)
+    work = None
+
+    def run(group):
+        nonlocal work
+        work = dist.isend(t, stage_rank(dst_stage), group=group)
+
+    collective(f"send of {what} to pipeline stage {dst_stage}", group_name, run)
+    _pending_sends.append((work, t, what, dst_stage))
+
+
+def recv(shape: tuple, dtype: torch.dtype, device, src_stage: int, what: str,
+         group_name: str = PP_GROUP) -> torch.Tensor:
+    """Receive a tensor of shape / dtype from this rank's partner in stage src_stage, waiting at most the distributed
+    timeout (a DistributedError names this rank, its stage and the step it waited in)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+
+    def run(group):
+        start = time.perf_counter()
+        try:
+            work = dist.irecv(out, stage_rank(src_stage), group=group)
+            _wait(work, f"{what} from pipeline stage {src_stage}")
+        finally:
+            _state.pipeline_wait_s += time.perf_counter() - start
+
+    collective(f"receive of {what} from pipeline stage {src_stage}", group_name, run)
+    return out
+
+
+def pipeline_wait_seconds() -> float:
+    return _state.pipeline_wait_s
+
+
+def _wait(work, what: str) -> None:
+    if not work.wait(datetime.timedelta(seconds=_state.timeout_s)):
+        raise RuntimeError(f"no {what} within the distributed timeout ({_state.timeout_s:g} s)")
+
+
+def _reap_sends() -> None:
+    while _pending_sends and _pending_sends[0][0].is_completed():
+        work, _, what, stage = _pending_sends.pop(0)
+        collective(f"send of {what} to pipeline stage {stage}", PP_GROUP, lambda _: work.wait())

@@ -16,6 +16,7 @@ from graphinfer.models import get_model_class
 from graphinfer.models.checkpoint_tensor import SafetensorsTensor, as_checkpoint_tensor
 from graphinfer.models.layers import init_buffers
 from graphinfer.models.parallel_layers import _load_slice
+from graphinfer.models.pipeline_stage import PPMissingLayer, prune_to_stage
 from graphinfer.models.presets import PRESET_NAMES, preset_config
 
 _EXPECTED = "an HF checkpoint directory (config.json + *.safetensors) or a .gguf file"
@@ -91,7 +92,11 @@ def load_weights(model: nn.Module, weights, tied: bool) -> None:
     params = dict(model.named_parameters())  # a tied lm_head shares (and so omits) the embedding's entry
     missing = set(params)
     pieces: dict[str, set] = {}  # stacked expert weight -> (expert, half) slices loaded so far
+    # pipeline parallel: other stages' modules (models/pipeline_stage.py), whose tensors are never read here
+    elsewhere = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, PPMissingLayer))
     for name, tensor in weights:
+        if elsewhere and name.startswith(elsewhere):
+            continue
         target, calls = name, [{}]
         if name not in params:
             if (found := _expert_target(name, params)) is None:
@@ -151,10 +156,13 @@ def _skip_init():
 
 
 def meta_model(config) -> nn.Module:
-    """The model's module tree on the meta device: shapes only, no memory, no random init."""
+    """The model's module tree on the meta device: shapes only, no memory, no random init; under pipeline parallel
+    only this rank's stage's modules (prune_to_stage)."""
     cls = get_model_class(config.architectures)
     with torch.device("meta"), _skip_init():
-        return cls(config)
+        model = cls(config)
+    prune_to_stage(model)
+    return model
 
 
 def build_model(config, dtype: torch.dtype, device: str | torch.device) -> nn.Module:

@@ -6,6 +6,11 @@ front end turns into text and RequestOutputs.
 A step: proposals (speculative decoding) -> schedule -> (data-parallel lockstep: agree on the step's shape) ->
 execute on the workers -> Scheduler.update_from_output, which alone advances a request.
 
+Pipeline parallel (vLLM's batch queue): up to pipeline_parallel_size steps are in flight, one per stage. Each step()
+schedules up to max_num_seqs / pp of the requests without a token on its way and launches them (the first stage's
+forward, here), then lands the oldest step once the queue is full or nothing more can be scheduled, so the first
+stage works on batch k+1 while the later stages still run batch k.
+
 With async scheduling (vLLM's --async-scheduling) the core does not wait for a step's sampled tokens before
 scheduling and launching the next: step N+1 is prepared and launched while step N runs on the device, its input ids
 taken from step N's sampled tokens on the device, and step N's tokens are then landed (update_from_output) while step
@@ -15,6 +20,7 @@ requests that stop on length never do.
 import gc
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -135,6 +141,11 @@ class EngineCore:
         # Speculative decoding steps synchronously: drafts for step N+1 need step N's accepted tokens on the host
         self.async_scheduling = config.scheduler_config.async_scheduling and self.proposer is None
         self._in_flight: _InFlight | None = None
+        # pipeline parallel: launched steps not yet landed, oldest first (vLLM's batch queue)
+        self.pipeline_depth = config.parallel_config.pipeline_parallel_size
+        self._batch_queue: deque[_InFlight] = deque()
+        self.max_batches_in_flight = 0  # the most steps in flight at once so far (pipeline parallel)
+        self.scheduler.set_pipeline(self.pipeline_depth)
         self._early_outputs: list[EngineCoreOutput] = []  # the in-flight step's, landed early by _mask_logits
         self.reset_expert_load()  # warm-up, capture and the passes' checks ran the MoE layers on synthetic inputs
 
@@ -206,6 +217,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run and sample one step; returns an output for each request that got tokens. With async
         scheduling, the tokens returned are the previous step's."""
+        if self.pipeline_depth > 1:
+            return self._step_pipelined()
         if self.async_scheduling:
             return self._step_async()
         if self.proposer is not None:
@@ -243,6 +256,27 @@ class EngineCore:
         outputs += self._finish_in_flight()
         self._in_flight = launched
         return outputs
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Launch a step of what can be scheduled; land the oldest in flight when the queue is full or nothing more
+        could be launched (the requests left all have a token on its way)."""
+        sched = self._schedule(in_flight=bool(self._batch_queue))
+        if sched.scheduled:
+            self._batch_queue.append(_InFlight(sched, self._execute(sched, mask_logits=self._mask_logits)))
+            self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._batch_queue))
+        if self._batch_queue and (len(self._batch_queue) >= self.pipeline_depth or not sched.scheduled):
+            step = self._batch_queue.popleft()
+            try:
+                return self._land(step.sched, step.output)
+            except BaseException:
+                self.scheduler.step_failed(step.sched)
+                raise
+        return []
+
+    def pipeline_busy(self) -> list[float]:
+        """Each pipeline stage's busy seconds so far (time computing, waits for another stage excluded); [] without
+        pipeline parallel. Call between steps with nothing in flight (every rank answers)."""
+        return self.executor.pipeline_busy() if self.pipeline_depth > 1 else []
 
     def _mask_logits(self, logits: torch.Tensor, rows: list[Sequence], spec_lens: list[int] | None) -> None:
         """The runner's hook between a step's forward (launched, still running on the device) and its sampling:
@@ -349,6 +383,8 @@ class EngineCore:
         if (scheduler := getattr(self, "scheduler", None)) is not None:
             scheduler.finish_requests(list(scheduler.requests))
         self._in_flight = None
+        if hasattr(self, "_batch_queue"):
+            self._batch_queue.clear()
         executor.shutdown(free_weights)
         return True
 

@@ -99,6 +99,15 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.max_loras = max_loras
+        self.skip_pending = False  # pipeline parallel: a sequence with a token on its way is not scheduled again
+        self.max_batch_seqs = scheduler_config.max_num_seqs  # pipeline parallel: max_num_seqs / pp (set_pipeline)
+
+    def set_pipeline(self, depth: int) -> None:
+        """Pipeline parallel with `depth` batches in flight: a sequence with a token on its way waits for it, and a
+        step takes at most max_num_seqs / depth requests, so the running ones spread over the batches in flight
+        (one batch of all of them would leave the other stages idle)."""
+        self.skip_pending = depth > 1
+        self.max_batch_seqs = -(-self.config.max_num_seqs // depth)
 
     def add_request(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
@@ -122,10 +131,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_batch_seqs:
             seq = self.running[i]
-            if seq.num_pending and seq.num_output_tokens >= seq.max_tokens:
-                i += 1  # async scheduling: its last token is on the way; it ends on length once that lands
+            if seq.num_pending and (self.skip_pending or seq.num_output_tokens >= seq.max_tokens):
+                # async scheduling: its last token is on the way; it ends on length once that lands. Pipeline
+                # parallel (skip_pending): its next step waits for the token (vLLM's batch queue)
+                i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.spec_token_ids:  # drafts: only what the budget and free blocks allow, never a preemption for them
@@ -152,7 +163,8 @@ class Scheduler:
             return out
         loras = {s.lora_request.lora_int_id for s in self.running if s.lora_request is not None}
         i = 0  # waiting[:i]: held back by max_loras this step
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs and \
+                len(out.scheduled) < self.max_batch_seqs:
             seq = self.waiting[i]
             if seq.num_pending:  # preempted with a token on its way (async scheduling): admit it once it lands
                 break

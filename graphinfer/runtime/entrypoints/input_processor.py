@@ -29,13 +29,14 @@ class Request:
 class InputProcessor:
     def __init__(self, model_name: str, tokenizer, vocab_size: int, max_model_len: int, block_size: int,
                  num_blocks: int, structured_output: StructuredOutputManager, max_logprobs: int = 20,
-                 max_logprob_entries: int = 0, enable_lora: bool = False):
+                 max_logprob_entries: int = 0, enable_lora: bool = False, pipeline_parallel_size: int = 1):
         """max_logprobs (vLLM's; -1: no limit), max_logprob_entries (0: no limit): the budgets of
         check_logprobs."""
         self.model_name, self.tokenizer, self.vocab_size = model_name, tokenizer, vocab_size
         self.max_logprobs, self.max_logprob_entries = max_logprobs, max_logprob_entries
         self.max_model_len, self.block_size, self.num_blocks = max_model_len, block_size, num_blocks
         self.structured_output, self.enable_lora = structured_output, enable_lora
+        self.pipeline_parallel_size = pipeline_parallel_size
         self._ids = itertools.count()
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -88,6 +89,8 @@ class InputProcessor:
                 f"cache has only {self.num_blocks}. Lower max_tokens, or give the cache more memory "
                 f"(kv_cache_memory_bytes / num_gpu_blocks_override).")
         self.check_logprobs(params, max_tokens)
+        if self.pipeline_parallel_size > 1:
+            check_pipeline_request(params, self.pipeline_parallel_size)
         request_id = str(next(self._ids)) if request_id is None else request_id
         grammar = None
         if params.structured_outputs is not None:  # compiled once (the server: on its preprocessing threads)
@@ -119,6 +122,16 @@ class InputProcessor:
                 f"{params.num_candidates} x max_tokens={max_tokens} x (logprobs={lp} + 1)), more than this server's "
                 f"limit of {self.max_logprob_entries} per request (--max-logprob-entries / max_logprob_entries). "
                 f"Ask for fewer tokens, choices or logprobs.")
+
+
+def check_pipeline_request(params: SamplingParams, pp: int) -> None:
+    """What a request cannot ask of a pipeline-parallel engine yet."""
+    for name, asked in (("prompt_logprobs", params.prompt_logprobs is not None),
+                        ("structured_outputs", params.structured_outputs is not None)):
+        if asked:
+            raise InvalidRequestError(f"{name} is not supported with pipeline_parallel_size={pp} yet (the last stage "
+                                      f"sends back only the sampling rows' hidden states); drop {name}, or serve the "
+                                      f"model without --pipeline-parallel-size.")
 
 
 def check_token_ids(params: SamplingParams, vocab: int) -> None:

@@ -59,7 +59,8 @@ class LLMEngine:
         mc = config.model_config
         self.input_processor = InputProcessor(mc.model, self.tokenizer, self.hf_config.vocab_size,
                                               self.max_model_len, info.block_size, info.num_blocks, structured_output,
-                                              mc.max_logprobs, mc.max_logprob_entries, config.lora_config.enable_lora)
+                                              mc.max_logprobs, mc.max_logprob_entries, config.lora_config.enable_lora,
+                                              config.parallel_config.pipeline_parallel_size)
         self._loras: dict[int, str] = {}  # adapters the core has read and accepted: id -> path
         self.output_processor = OutputProcessor(self.tokenizer, spec_metrics=info.spec_decode)
 

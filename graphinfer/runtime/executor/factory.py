@@ -1,7 +1,7 @@
 """The executor for a layout.
 
   UniprocExecutor     one rank: the Worker in this process (executor/abstract.py)
-  MultiprocExecutor   tensor parallel: rank 0's Worker here, ranks 1..tp-1 in processes of their own
+  MultiprocExecutor   tensor / pipeline parallel: rank 0's Worker here, the replica's other ranks in processes of their own
                       (executor/multiproc_executor.py), each step sent to them before rank 0 runs it
 
 Data parallel sits above them (engine/dp_core.py): each replica's engine core has its own executor.
@@ -17,6 +17,6 @@ def make_executor(config: EngineConfig, platform: Platform, backend: KernelBacke
                   timer: StartupTimer | None = None) -> Executor:
     """The executor for one replica of config's layout (tensor_parallel_size ranks), its workers built."""
     timer = timer or StartupTimer()
-    if config.parallel_config.tensor_parallel_size > 1 or config.parallel_config.world_size > 1:
+    if config.parallel_config.world_size > 1:
         return MultiprocExecutor(config, platform, backend, timer)
     return UniprocExecutor(config, platform, backend, timer)

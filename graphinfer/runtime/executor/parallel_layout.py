@@ -6,6 +6,7 @@ from graphinfer.errors import ArtifactMismatchError, InvalidConfigError
 from graphinfer.models import resolve_model_impl
 from graphinfer.models.loader import load_config
 from graphinfer.models.parallel_layers import check_tensor_parallel, num_experts, uses_expert_parallel
+from graphinfer.models.pipeline_stage import stage_layer_counts
 from graphinfer.models.transformers_tp import tp_plan
 
 
@@ -30,6 +31,8 @@ def check_parallel_config(config: EngineConfig) -> None:
             f"`graphinfer serve|generate|compile|bench ... --node-rank N` (graphinfer.runtime.worker.run_node).")
     model = model_config_of(config)
     check_tensor_parallel(model, pc.tensor_parallel_size, pc.enable_expert_parallel, pc.data_parallel_size)
+    if pc.pipeline_parallel_size > 1:
+        check_pipeline_parallel(config, model)
     if pc.tensor_parallel_size > 1 and not config.artifact and \
             resolve_model_impl(model.architectures, config.model_config.model_impl) == "transformers":
         tp_plan(model)  # refuses a config without one
@@ -58,11 +61,45 @@ def check_eplb(config: EngineConfig, model) -> None:
     starting_placement(num_experts(model), pc.eplb_config.num_redundant_experts, pc.world_size, pc.expert_map_path)
 
 
+def check_pipeline_parallel(config: EngineConfig, model) -> None:
+    """Refuse, naming the flag, what pipeline parallel does not run with yet, and a layer partition that does not fit
+    the model."""
+    pc = config.parallel_config
+    pp = pc.pipeline_parallel_size
+    stage_layer_counts(model.num_hidden_layers, pp, pc.pp_layer_partition)
+    refused = [("--data-parallel-size", pc.data_parallel_size > 1),
+               ("--enable-expert-parallel", pc.enable_expert_parallel),
+               ("--speculative-config", config.speculative_config is not None),
+               ("--enable-lora", config.lora_config.enable_lora),
+               ("--async-scheduling (pipeline parallel keeps its own batches in flight)",
+                config.scheduler_config.async_scheduling),
+               ("--model-impl transformers", not config.artifact and resolve_model_impl(
+                   model.architectures, config.model_config.model_impl) == "transformers")]
+    for flag, on in refused:
+        if on:
+            raise InvalidConfigError(f"pipeline_parallel_size={pp} does not run with {flag} yet: drop one of them.")
+
+
 def check_artifact_parallel(config: EngineConfig) -> None:
     """Refuse an artifact compiled for another tensor-parallel size or expert-parallel setting (its weights are
     laid out for that) before starting any rank."""
     art, tp = config.artifact, config.parallel_config.tensor_parallel_size
     manifest = artifact.read_manifest(art)
+    pp, compiled_pp = config.parallel_config.pipeline_parallel_size, artifact.pipeline_parallel_size(manifest)
+    if pp != compiled_pp:
+        raise ArtifactMismatchError(
+            f"Artifact {art!r} was compiled for pipeline_parallel_size={compiled_pp}, but this engine runs "
+            f"pipeline_parallel_size={pp} (each stage's graph and weights are its own). Run it with "
+            f"--pipeline-parallel-size {compiled_pp} (LLM(pipeline_parallel_size={compiled_pp})), or recompile it "
+            f"for {pp}: graphinfer compile {manifest['model']['path']} -o {art} --pipeline-parallel-size {pp}"
+            + (f" --tensor-parallel-size {tp}" if tp > 1 else ""))
+    partition = manifest.get("pp_layer_partition")
+    if pp > 1 and partition and stage_layer_counts(sum(partition), pp, config.parallel_config.pp_layer_partition) \
+            != partition:
+        raise ArtifactMismatchError(
+            f"Artifact {art!r} was compiled with pp_layer_partition={','.join(map(str, partition))}, but this "
+            f"engine asks for {config.parallel_config.pp_layer_partition!r}: leave --pp-layer-partition unset (the "
+            f"artifact's is used), or recompile with the one you want.")
     compiled = artifact.tensor_parallel_size(manifest)
     if compiled != tp:
         raise ArtifactMismatchError(

@@ -1,6 +1,10 @@
-"""Rank 0 -> the other tensor-parallel ranks: each message (executor/step_encoding.py) in one broadcast over the gloo
+"""Rank 0 -> the other ranks of its replica: each message (executor/step_encoding.py) in one broadcast over the gloo
 group, of a fixed-capacity int64 tensor. A message that does not fit is preceded by one that grows every rank's
-buffer (rare: the capacity only grows)."""
+buffer (rare: the capacity only grows).
+
+Pipeline parallel: point to point instead (its length, then the message, to each rank), without waiting for the
+receives, so rank 0 goes on with the next batch while later stages still work on earlier ones (a broadcast, like
+gloo's send, waits for every receiver)."""
 import torch
 import torch.distributed as dist
 
@@ -19,6 +23,10 @@ class StepChannel:
         self.buf = torch.zeros(_INITIAL_CAPACITY, dtype=torch.int64)
         self.steps = 0
         self.broken: str | None = None  # rank 0 failed inside a step: the ranks are out of step for good
+        self.p2p = ps.pp_size() > 1
+        self.peers = [r for r in range(ps.leader_rank(), ps.leader_rank() + ps.replica_size()) if r != ps.leader_rank()]
+        self.first_stage = self.peers[:ps.tp_size() - 1]  # rank 0's TP peers in the first stage
+        self.in_flight: list = []  # p2p: (work, tensor) of sends not yet received
 
     def _check(self) -> None:
         if self.broken is not None:
@@ -29,8 +37,10 @@ class StepChannel:
         ps.collective("step message broadcast", ps.TP_GROUP,
                       lambda _: dist.broadcast(self.buf, src=ps.leader_rank(), group=self.group))
 
-    def _send(self, msg) -> None:
+    def _send(self, msg, peers: list[int] | None = None) -> None:
         self._check()
+        if self.p2p:
+            return self._send_p2p(step_encoding.encode(msg), self.peers if peers is None else peers)
         data = step_encoding.encode(msg)
         if len(data) > len(self.buf):
             capacity = 1 << (len(data) - 1).bit_length()
@@ -40,19 +50,41 @@ class StepChannel:
         self.buf[:len(data)] = torch.from_numpy(data)
         self._broadcast()
 
+    def _send_p2p(self, data, peers: list[int]) -> None:
+        """The message's length, then the message, to each peer; not waiting (the tensors kept until delivered)."""
+        while self.in_flight and self.in_flight[0][0].is_completed():
+            self.in_flight.pop(0)
+        parts = (torch.tensor([len(data)], dtype=torch.int64), torch.from_numpy(data))
+
+        def run(_):
+            self.in_flight.extend((dist.isend(t, peer, group=self.group), t) for peer in peers for t in parts)
+
+        ps.collective("step message send", ps.TP_GROUP, run)
+
+    def _recv_p2p(self):
+        length = torch.zeros(1, dtype=torch.int64)
+        ps.collective("step message receive", ps.TP_GROUP,
+                      lambda _: dist.recv(length, ps.leader_rank(), group=self.group))
+        buf = torch.zeros(int(length), dtype=torch.int64)
+        ps.collective("step message receive", ps.TP_GROUP, lambda _: dist.recv(buf, ps.leader_rank(), group=self.group))
+        return step_encoding.decode(buf.numpy())
+
     def send_step(self, h: HostInputs, share_sampled: bool) -> None:
         self.steps += 1
         self._send(StepMessage(self.steps, h, share_sampled))
 
-    def call(self, method: str, *args) -> None:
-        """Have every other rank run worker.<method>(*args) (control: off the step path)."""
-        self._send(CallMessage(method, args))
+    def call(self, method: str, *args, first_stage_only: bool = False) -> None:
+        """Have every other rank (first_stage_only: rank 0's TP peers in the first pipeline stage) run
+        worker.<method>(*args)."""
+        self._send(CallMessage(method, args), self.first_stage if first_stage_only else None)
 
     def shutdown(self) -> None:
         self._send(Shutdown())
 
     def recv(self):
         """On ranks > 0: the next StepMessage, CallMessage or Shutdown."""
+        if self.p2p:
+            return self._recv_p2p()
         while True:
             self._broadcast()
             if int(self.buf[0]) == GROW:

@@ -1,9 +1,10 @@
-"""A tensor-parallel rank other than 0: `python -m graphinfer.runtime.executor.worker_proc`, launch spec on stdin
+"""A tensor- or pipeline-parallel rank other than 0: `python -m graphinfer.runtime.executor.worker_proc`, launch spec on stdin
 (see distributed/launch.py), or a node > 0's main process (run_node).
 
 It joins the group, builds its Worker in the same order as rank 0 (weights: its shard; passes and their checks; KV
 cache; capture: the collectives in them pair up), then runs each step rank 0 sends: the same forward on its shard,
-no scheduling and no sampling.
+no scheduling and no sampling; under pipeline parallel its stage's part of each step (and on the first stage's TP
+ranks, the LM head of each step rank 0 lands: a CallMessage).
 """
 import logging
 import pickle
@@ -61,6 +62,9 @@ def serve_steps(worker: Worker) -> None:
             getattr(worker, msg.method)(*msg.args)
             continue
         ps.set_phase(f"step {msg.step}")
+        if runner.pipeline is not None:
+            worker.stage_step(msg.inputs)
+            continue
         runner.step_logits(msg.inputs, prev)
         if msg.share_sampled:
             prev = torch.empty(len(msg.inputs.logits_indices), dtype=torch.int64, device=worker.device)

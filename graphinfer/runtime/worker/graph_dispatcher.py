@@ -56,8 +56,9 @@ class GraphDispatcher:
         self.full, self.piecewise = mode in FULL_GRAPH_MODES, mode in PIECEWISE_GRAPH_MODES
         spec = config.speculative_config
         # an MTP drafter reads every step's hidden states: full graphs then end before the LM head
+        # (pipeline parallel: the LM head runs on the first stage, after the last stage's rows come back)
         self.lm_head_in_graph = self.full and config.compile_config.capture_lm_head and \
-            (spec is None or spec.method != "mtp")
+            (spec is None or spec.method != "mtp") and config.parallel_config.pipeline_parallel_size == 1
         self.num_speculative_tokens, self.tp_size = num_speculative_tokens, tp_size
         # full decode graphs: the capture sizes a decode batch can have (at most max_num_seqs rows)
         self.decode_sizes = [s for s in capture_sizes if s <= sc.max_num_seqs] or [min(capture_sizes)]

@@ -24,6 +24,7 @@ from graphinfer.runtime.worker.expert_load import moe_layers
 from graphinfer.runtime.worker.graph_dispatcher import FULL, PIECEWISE, GraphDispatcher
 from graphinfer.runtime.worker.inputs import HostInputs, empty_inputs, pad_inputs
 from graphinfer.runtime.worker.lora_manager import LoRAManager
+from graphinfer.runtime.worker.pipeline_stage import PipelineEnds
 from graphinfer.runtime.worker.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class ModelRunner:
         pc = config.parallel_config
         self.eplb = EplbState(self.moe_layers, pc.eplb_config, device, platform.synchronize) \
             if pc.enable_eplb and any(m.eplb for m in self.moe_layers.values()) else None
+        # pipeline parallel: the stage's ends (worker/pipeline_stage.py); None without
+        self.pipeline = PipelineEnds(self.model, device) if ps.pp_size() > 1 else None
         # LoRA: the graph's adapter slots (passes/lora.py), filled per step from the step's plan
         self.lora = LoRAManager(compiled.graph, config.lora_config, activation_dtype(self.model)) \
             if config.lora_config.enable_lora else None
@@ -302,7 +305,11 @@ class ModelRunner:
         or None when no row samples. prev_tokens: the in-flight step's sampled ids (async scheduling).
         mask_logits(logits, rows, spec_lens): called once the forward is launched, before sampling, to mask the
         logits in place (structured outputs); they are the forward's output, outside any captured graph."""
-        logits = self.step_logits(h, prev_tokens)
+        return self.sample(h, self.step_logits(h, prev_tokens), mask_logits)
+
+    @torch.inference_mode()
+    def sample(self, h: HostInputs, logits: torch.Tensor | None, mask_logits=None) -> SamplerOutput | None:
+        """Sample the step's logits (None: no row samples); then the drafter's proposals (see execute)."""
         out = None
         if logits is not None:
             if mask_logits is not None:
@@ -315,6 +322,14 @@ class ModelRunner:
             self.drafter.propose(h, self.last_hidden, out)
             self.last_hidden = None
         return out
+
+    @torch.inference_mode()
+    def pipeline_logits(self, rows: int) -> torch.Tensor | None:
+        """Pipeline parallel, first stage: the logits of a step's `rows` sampling rows, from their final hidden
+        states the last stage sends (its first-sent step first); None on the other stages."""
+        if self.pipeline is None or not self.pipeline.first or not rows:  # a step of mid-prompt chunks: no rows
+            return None
+        return self.compute_logits(self.pipeline.recv_rows(rows))
 
     @torch.inference_mode()
     def step_logits(self, h: HostInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -345,6 +360,11 @@ class ModelRunner:
             self.eplb.after_step()
         if self.drafter is not None:
             self.last_hidden = hidden
+        if self.pipeline is not None:  # this stage's hidden state went on; the last stage's rows go back to the first
+            if self.pipeline.last and len(h.logits_indices):
+                self.pipeline.send_rows(hidden[self.to_device(h.logits_indices)] if len(h.logits_indices) < len(
+                    h.input_ids) else hidden)
+            return None
         if h.prompt_lp_indices is not None:
             assert run.kind != FULL, "a step with prompt-logprob rows never replays a full decode graph"
             self.prompt_logprobs_out = self.prompt_logprobs(hidden, h)

@@ -79,6 +79,14 @@ class Worker:
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else None
         self.dispatcher = GraphDispatcher(config, platform, cc.graph_mode, capture_sizes, self.num_speculative_tokens,
                                           ps.tp_size())
+        with ps.pipeline_local():  # pipeline parallel: until the capture, a stage's graph runs on its own
+            self._build(config, platform, backend, device, capture_sizes, timer)
+        self.dispatcher.capture(self.model_runner, self.compiled.split, timer.phase)  # 5. capture
+
+    def _build(self, config: EngineConfig, platform: Platform, backend: KernelBackend, device: torch.device,
+               capture_sizes: list[int], timer: StartupTimer) -> None:
+        """Steps 1 to 4 (load, lower, profile, allocate) and the warm-up."""
+        mc, spec = config.model_config, config.speculative_config
         memory_at_start = platform.memory_allocated(device)
         pipeline = CompilePipeline(config, platform, backend, device, capture_sizes, timer.phase)
         self.compiled = c = pipeline.load()  # 1. load
@@ -99,7 +107,6 @@ class Worker:
         if device.type != "cpu":  # cpu: Inductor warmed itself, or there is nothing to compile
             with timer.phase("kernels"):  # compiles (or loads from the kernel cache) the prefill path's kernels
                 self.model_runner.warm_up(speculative=self.num_speculative_tokens is not None)
-        self.dispatcher.capture(self.model_runner, c.split, timer.phase)  # 5. capture
 
     # ----- what the engine reads -----
     @property
@@ -124,7 +131,10 @@ class Worker:
         """Run the step h and sample; nothing here waits for the device. prev_tokens: the in-flight step's sampled
         ids (async scheduling); mask_logits: structured outputs' hook (ModelRunner.execute)."""
         sampled = self.model_runner.execute(h, prev_tokens, mask_logits)
-        plp = self.model_runner.take_prompt_logprobs()
+        return self._output(sampled, self.model_runner.take_prompt_logprobs())
+
+    def _output(self, sampled, plp) -> ModelOutput:
+        """The step's ModelOutput: its host copies on their way (nothing waits for the device)."""
         if sampled is None and plp is None:
             return ModelOutput(None, None)
         if self.device.type == "cpu":
@@ -134,11 +144,33 @@ class Worker:
             plp = tuple(t.to("cpu", non_blocking=True) for t in plp)
         return ModelOutput(sampled, host, self.platform.record_event(self.device), plp)
 
-    def save_rank_files(self, out_dir: str) -> None:
-        """This rank's part of a `graphinfer compile` artifact (compiler/artifact_export.py)."""
+    # ----- pipeline parallel (worker/pipeline_stage.py) -----
+    def stage_step(self, h: HostInputs) -> None:
+        """This stage's part of step h: its forward, the hidden state on to the next stage (the last: its sampling
+        rows back to the first)."""
+        self.model_runner.pipeline.timed(self.model_runner.step_logits, h)
+
+    def pipeline_logits(self, rows: int) -> None:
+        """First stage's TP ranks other than 0: the LM head of the step rank 0 lands (its all-gather pairs)."""
+        self.model_runner.pipeline.timed(self.model_runner.pipeline_logits, rows)
+
+    def land(self, h: HostInputs, mask_logits=None) -> ModelOutput:
+        """Rank 0: step h's sampled tokens, from the last stage's final hidden rows (the LM head and the sampler run
+        here, where the scheduler and every request's sampling state live)."""
+        runner = self.model_runner
+        return self._output(runner.pipeline.timed(
+            lambda: runner.sample(h, runner.pipeline_logits(len(h.logits_indices)), mask_logits)), None)
+
+    def pipeline_busy(self) -> list[float]:
+        """Every rank of the replica's busy seconds so far, in rank order (each rank runs this: a gather)."""
+        return ps.all_gather_object(self.model_runner.pipeline.busy_s)
+
+    def save_rank_files(self, out_dir: str) -> dict | None:
+        """This rank's part of a `graphinfer compile` artifact (compiler/artifact_export.py); rank 0: every stage's
+        fused projections."""
         from graphinfer.compiler.artifact_export import write_rank_files
 
-        write_rank_files(out_dir, self.compiled)
+        return write_rank_files(out_dir, self.compiled)
 
     def release(self, tensors: bool = False) -> None:
         """Free the graphs, their pool, the static buffers and the KV cache; tensors: the weights too (also those of
