@@ -50,6 +50,7 @@ class _State:
     world_size: int = 1  # tp x dp
     tp: int = 1
     ranks_per_node: int = 1
+    node_first_rank: int = 0  # the global rank of this node's first rank
     groups: dict = field(default_factory=dict)  # name -> device ProcessGroup
     cpu_group: object = None  # this replica's gloo group (step channel)
     dp_group: object = None  # the replicas' leaders, gloo (lockstep); None at dp 1
@@ -94,7 +95,8 @@ def ep_rank() -> int:
 
 
 def local_rank() -> int:
-    return _state.rank % _state.ranks_per_node
+    """This rank's index on its node (its device's)."""
+    return _state.rank - _state.node_first_rank
 
 
 def ranks_per_node() -> int:
@@ -119,11 +121,13 @@ def layout(rank: int, size: int, expert_parallel: bool = False):
 
 def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: str, master_addr: str,
                      master_port: int, timeout_s: float, publish: dict[str, bytes] | None = None,
-                     expert_parallel: bool = False, tp: int | None = None, mc2_group: bool = False) -> None:
+                     expert_parallel: bool = False, tp: int | None = None, mc2_group: bool = False,
+                     node_first_rank: int | None = None) -> None:
     """Join the world as global rank `rank` (replicas of `tp` ranks; tp None: one replica): rendezvous at
     master_addr:master_port (rank 0 hosts the store, torchrun-style, and first puts `publish` in it: what the other
     nodes wait for), then the device groups on `backend` and the gloo step-channel (and lockstep) groups; with
-    expert_parallel and mc2_group, also the MC2 group."""
+    expert_parallel and mc2_group, also the MC2 group. node_first_rank: the global rank of this node's first rank
+    (None: nodes of ranks_per_node ranks each)."""
     tp = tp or world_size
     timeout = datetime.timedelta(seconds=timeout_s)
     _state.phase = "rendezvous"
@@ -154,6 +158,7 @@ def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: s
             f"every node runs the same command with its own --node-rank, that --master-addr / --master-port name "
             f"node 0 and are reachable from here, and that no other job uses the port.") from None
     _state.rank, _state.world_size, _state.tp, _state.ranks_per_node = rank, world_size, tp, ranks_per_node
+    _state.node_first_rank = rank - rank % ranks_per_node if node_first_rank is None else node_first_rank
     _state.groups = groups
     _state.cpu_group, _state.dp_group, _state.timeout_s = cpu_group, dp_group, timeout_s
     _state.expert_parallel = expert_parallel
