@@ -23,6 +23,7 @@ On Ascend a second device group of the EP ranks, MC2_GROUP, is kept for the MC2 
 import contextlib
 import datetime
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -235,8 +236,8 @@ def collective(what: str, group_name: str, run: Callable[[object], None]) -> Non
         run(group)
     except RuntimeError as e:
         raise DistributedError(
-            f"rank {_state.rank} of {_state.world_size}: {what} on group {group_name!r} failed during "
-            f"{_state.phase}: {e}. Another rank died or stalled (timeout {_state.timeout_s:g} s); its log says "
+            f"rank {_state.rank} of {_state.world_size}: {what} on group {group_name!r} failed during {_state.phase} "
+            f"on node {socket.gethostname()}: {e}. Another rank died or stalled (timeout {_state.timeout_s:g} s); its log says "
             f"why.") from None
     finally:
         _state.comm_seconds += time.perf_counter() - start
@@ -272,9 +273,15 @@ def broadcast_from_rank0(t: torch.Tensor) -> None:
     collective("broadcast", TP_GROUP, lambda group: dist.broadcast(t, src=leader_rank(), group=group))
 
 
-def dp_all_reduce_max(values: list[int]) -> list[int]:
-    """The element-wise max of every replica leader's values (the "dp" gloo group; leaders only)."""
+def dp_all_reduce_max(values: list[int], bounded: bool = False) -> list[int]:
+    """The element-wise max of every replica leader's values (the "dp" gloo group; leaders only). bounded: fail after
+    the distributed timeout (the group itself waits as long as a server may stay idle: the replica that drives the
+    rounds bounds its own wait, the others wait for its next round)."""
     t = torch.tensor(values, dtype=torch.int64)
-    collective("all_reduce(max) across data-parallel ranks", "dp",
-               lambda _: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_state.dp_group))
+
+    def run(_):
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_state.dp_group, async_op=True)
+        work.wait(datetime.timedelta(seconds=_state.timeout_s)) if bounded else work.wait()
+
+    collective("all_reduce(max) across data-parallel ranks", "dp", run)
     return t.tolist()
