@@ -17,7 +17,8 @@ from server_utils import GRAPHINFER, Server, free_port, metric, metric_samples
 
 from graphinfer import LLM, SamplingParams
 from graphinfer.config import ParallelConfig
-from graphinfer.errors import InvalidConfigError
+from graphinfer.errors import GraphinferError, InvalidConfigError
+from graphinfer.runtime.engine.replica_listener import register
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "128"]
 PROMPTS = [[5, 9, 2, 7, 7], [11, 3, 3, 8], [100, 101, 102, 103, 104, 105], [42] * 9]
@@ -53,6 +54,21 @@ def test_data_parallel_node_layout():
     with pytest.raises(InvalidConfigError, match="--headless"):
         LLM("tiny-qwen3", device="cpu", data_parallel_size=2, data_parallel_size_local=1, data_parallel_start_rank=1,
             headless=True)
+
+
+def test_start_up_waits_for_the_other_nodes_a_bounded_time_and_names_the_missing_replicas():
+    rpc = free_port()
+    with pytest.raises(GraphinferError, match=rf"data-parallel replicas \[1, 2\] did not register at 127.0.0.1:{rpc} "
+                                              rf"within 2 s \(--distributed-timeout\).*--headless --data-parallel-size 3 "
+                                              rf"--data-parallel-size-local 2 --data-parallel-start-rank 1"):
+        LLM("tiny-qwen3", device="cpu", dtype="float32", max_model_len=128, data_parallel_size=3,
+            data_parallel_size_local=1, data_parallel_rpc_port=rpc, distributed_timeout=2)
+    # and a headless node's replica without node 0: its wait is bounded too
+    pc = ParallelConfig(data_parallel_size=2, data_parallel_size_local=1, data_parallel_start_rank=1, headless=True,
+                        data_parallel_rpc_port=rpc, distributed_timeout=1)
+    with pytest.raises(GraphinferError, match=rf"replica 1: node 0's front end at 127.0.0.1:{rpc} did not answer "
+                                              rf"within 1 s"):
+        register(pc, 1)
 
 
 def _reference(model: str) -> list[list[int]]:

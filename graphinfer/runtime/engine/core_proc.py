@@ -102,7 +102,7 @@ def run(spec: dict) -> int:
         send("error", f"{type(e).__name__}: {e}")
         raise
     inbox: queue.Queue = queue.Queue()
-    told_to_stop = threading.Event()
+    told_to_stop, front_end_gone = threading.Event(), threading.Event()
 
     def read():  # calls are answered here, also while the step loop waits in a lockstep round
         try:
@@ -120,6 +120,7 @@ def run(spec: dict) -> int:
             if remote and not told_to_stop.is_set():  # and no orphan: a round or a step may wait on node 0 for good
                 logger.error("node 0's front end went away (%s); replica %d stops", e or "connection closed",
                              spec["rank"])
+                front_end_gone.set()
                 threading.Timer(HEARTBEAT_DEAD_S, os._exit, (1,)).start()
             inbox.put(("stop",))
 
@@ -128,10 +129,15 @@ def run(spec: dict) -> int:
     send("ready", core.info())
     try:
         serve(core, send, inbox)
+        if front_end_gone.is_set():
+            return 1
         send("stopped", core.stats())  # the load once every message before the stop was handled
     except Exception as e:
-        logger.exception("the engine core failed")
-        send("error", f"{type(e).__name__}: {e}")
+        if front_end_gone.is_set():  # what failed waited on node 0 (its log says why it went)
+            logger.error("stopped: %s: %s", type(e).__name__, e)
+        else:
+            logger.exception("the engine core failed")
+            report_death(f"{type(e).__name__}: {e}")
         return 1
     finally:
         core.shutdown()

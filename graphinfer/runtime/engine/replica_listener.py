@@ -15,7 +15,8 @@ import logging
 import socket
 import threading
 import time
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 
 from graphinfer import envs
 from graphinfer.config import EngineConfig, ParallelConfig
@@ -45,8 +46,10 @@ class ReplicaListener:
         self.config, self.pc = config, pc
         self.expected = set(range(pc.data_parallel_size_local, pc.data_parallel_size))
         self.address = (pc.data_parallel_address, pc.data_parallel_rpc_port)
-        try:
-            self._listener = Listener(self.address, authkey=_authkey())
+        try:  # a socket of its own (not a Listener): close() ends the accept loop, and the handshake of each
+            # connection runs on a thread of its own, so a peer that says nothing holds up no other
+            self._socket = socket.create_server(self.address)
+            self._socket.settimeout(0.5)
         except OSError as e:
             raise GraphinferError(
                 f"data parallel: cannot listen for the other nodes' replicas at {self.address[0]}:{self.address[1]} "
@@ -61,16 +64,18 @@ class ReplicaListener:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn = self._listener.accept()
-            except Exception as e:  # closed at shutdown; or AuthenticationError: someone else's connection
-                if self._closed:
-                    return
-                logger.warning("data parallel: refused a connection at %s:%d (%s)", *self.address, e)
+                sock, _ = self._socket.accept()
+            except TimeoutError:
                 continue
-            threading.Thread(target=self._hello, args=(conn,), daemon=True).start()
+            except OSError:  # closed
+                return
+            sock.settimeout(None)
+            threading.Thread(target=self._hello, args=(Connection(sock.detach()),), daemon=True).start()
 
     def _hello(self, conn: Connection) -> None:
-        try:
+        try:  # multiprocessing.connection.Listener.accept's handshake: both sides prove the authkey
+            deliver_challenge(conn, _authkey())
+            answer_challenge(conn, _authkey())
             if not conn.poll(HEARTBEAT_DEAD_S):
                 raise EOFError("no hello")
             kind, d, dp, host = conn.recv()
@@ -89,8 +94,8 @@ class ReplicaListener:
                     return
             logger.error("data parallel: refused replica %s from %s: %s", d, host, refusal)
             conn.send(("refused", refusal))
-        except (EOFError, OSError, ValueError, TypeError) as e:
-            logger.warning("data parallel: a connection at %s:%d said no valid hello (%s)", *self.address, e)
+        except (EOFError, OSError, ValueError, TypeError, AuthenticationError) as e:
+            logger.warning("data parallel: refused a connection at %s:%d (%s: %s)", *self.address, type(e).__name__, e)
         conn.close()
 
     def wait_for(self, d: int, timeout: float) -> Connection | None:
@@ -121,7 +126,7 @@ class ReplicaListener:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._listener.close()
+        self._socket.close()
 
 
 def register(pc: ParallelConfig, d: int) -> tuple[Connection, EngineConfig]:
@@ -133,7 +138,7 @@ def register(pc: ParallelConfig, d: int) -> tuple[Connection, EngineConfig]:
         try:
             conn = Client(address, authkey=_authkey())
             break
-        except ConnectionRefusedError as e:
+        except (ConnectionError, EOFError) as e:  # refused: node 0 not listening yet; reset: it was closing
             if time.monotonic() > deadline:
                 raise GraphinferError(
                     f"replica {d}: node 0's front end at {address[0]}:{address[1]} did not answer within "
@@ -142,10 +147,9 @@ def register(pc: ParallelConfig, d: int) -> tuple[Connection, EngineConfig]:
                     f"--data-parallel-address A --data-parallel-rpc-port {address[1]}`) and check the address and "
                     f"port.") from None
             time.sleep(0.5)
-        except Exception as e:  # AuthenticationError: another secret
+        except AuthenticationError as e:
             raise GraphinferError(f"replica {d}: the front end at {address[0]}:{address[1]} refused the connection "
-                                  f"({type(e).__name__}: {e}); set the same GRAPHINFER_DP_AUTHKEY on every "
-                                  f"node.") from None
+                                  f"({e}): set the same GRAPHINFER_DP_AUTHKEY on every node.") from None
     conn.send(("hello", d, pc.data_parallel_size, socket.gethostname()))
     if not conn.poll(pc.timeout_s):
         raise GraphinferError(f"replica {d}: the front end at {address[0]}:{address[1]} did not answer its hello "
