@@ -20,7 +20,7 @@ from graphinfer.config import ParallelConfig
 from graphinfer.errors import GraphinferError, InvalidConfigError
 from graphinfer.runtime.engine.replica_listener import register
 
-ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "128"]
+ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--num-gpu-blocks-override", "256"]
 PROMPTS = [[5, 9, 2, 7, 7], [11, 3, 3, 8], [100, 101, 102, 103, 104, 105], [42] * 9]
 MAX_TOKENS = 12
 
@@ -72,7 +72,7 @@ def test_start_up_waits_for_the_other_nodes_a_bounded_time_and_names_the_missing
 
 
 def _reference(model: str) -> list[list[int]]:
-    llm = LLM(model, device="cpu", dtype="float32", max_model_len=128)
+    llm = LLM(model, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=256)
     try:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

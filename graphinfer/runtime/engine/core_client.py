@@ -25,6 +25,7 @@ from graphinfer.config import EngineConfig
 from graphinfer.distributed import launch
 from graphinfer.errors import GraphinferError
 from graphinfer.runtime.engine.core import EngineCoreInfo
+from graphinfer.runtime.engine.replica_listener import SILENCE_S
 from graphinfer.runtime.engine.request import EngineCoreRequest
 from graphinfer.runtime.structured_output import serialize_grammar
 
@@ -89,13 +90,13 @@ class CoreProcClient:
 
     def _read(self, conn, heartbeat: bool = False) -> None:
         """Take what the core sends until its connection ends; heartbeat: it sends one at least every
-        HEARTBEAT_S (a core on another node), and HEARTBEAT_DEAD_S of silence is its death."""
+        HEARTBEAT_S (a core on another node), and SILENCE_S of silence is its death."""
         self.conn = conn
         self._connected.set()
         try:
             while True:
-                if heartbeat and not conn.poll(launch.HEARTBEAT_DEAD_S):
-                    return self._on_death(f"{self.name} sent nothing for {launch.HEARTBEAT_DEAD_S:g} s (its node is "
+                if heartbeat and not conn.poll(SILENCE_S):
+                    return self._on_death(f"{self.name} sent nothing for {SILENCE_S:g} s (its node is "
                                           f"down or cut off)")
                 kind, *body = conn.recv()
                 if kind == "outputs":

@@ -27,7 +27,7 @@ from graphinfer.distributed.launch import HEARTBEAT_DEAD_S, HEARTBEAT_S
 from graphinfer.errors import GraphinferError
 from graphinfer.platforms import platform_for_device
 from graphinfer.platforms.cpu import release_freed_memory
-from graphinfer.runtime.engine.replica_listener import register
+from graphinfer.runtime.engine.replica_listener import SILENCE_S, register
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +107,8 @@ def run(spec: dict) -> int:
     def read():  # calls are answered here, also while the step loop waits in a lockstep round
         try:
             while True:
-                if remote and not conn.poll(HEARTBEAT_DEAD_S):
-                    raise EOFError(f"nothing for {HEARTBEAT_DEAD_S:g} s")
+                if remote and not conn.poll(SILENCE_S):
+                    raise EOFError(f"nothing for {SILENCE_S:g} s")
                 msg = conn.recv()
                 if msg[0] == "call":
                     send("reply", getattr(core, msg[1])(*msg[2]))

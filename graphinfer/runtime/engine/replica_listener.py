@@ -5,8 +5,8 @@ Node 0's front end (engine/dp_core.py) listens at address:rpc_port (ReplicaListe
 process (engine/core_proc.py) connects (register), says which replica it is, and gets the front end's EngineConfig
 back, so every replica builds the same engine whatever else its node's command line says. From then on the
 connection carries CoreProcClient's messages (engine/core_client.py), as a local replica's does, plus a heartbeat
-each way every HEARTBEAT_S: a side silent for HEARTBEAT_DEAD_S (its node powered off, the network cut) is dead
-even where no socket closes.
+each way every second (launch.HEARTBEAT_S): a side silent for SILENCE_S (its node powered off, the network cut) is dead even where
+no socket closes (a killed process's socket closes: that is seen at once).
 
   replica -> front end   ("hello", dp_rank, data_parallel_size, hostname)
   front end -> replica   ("config", EngineConfig) or ("refused", message)
@@ -20,10 +20,13 @@ from multiprocessing.connection import Client, Connection, answer_challenge, del
 
 from graphinfer import envs
 from graphinfer.config import EngineConfig, ParallelConfig
-from graphinfer.distributed.launch import HEARTBEAT_DEAD_S
 from graphinfer.errors import GraphinferError
 
 logger = logging.getLogger(__name__)
+
+# A node whose heartbeats stop for this long is dead. Generous: a loaded host (page reclaim, a CPU shared by many
+# processes) can stall a process for seconds, and a false death ends the whole server.
+SILENCE_S = 30.0
 
 
 def _authkey() -> bytes:
@@ -76,7 +79,7 @@ class ReplicaListener:
         try:  # multiprocessing.connection.Listener.accept's handshake: both sides prove the authkey
             deliver_challenge(conn, _authkey())
             answer_challenge(conn, _authkey())
-            if not conn.poll(HEARTBEAT_DEAD_S):
+            if not conn.poll(SILENCE_S):
                 raise EOFError("no hello")
             kind, d, dp, host = conn.recv()
             with self._cond:
