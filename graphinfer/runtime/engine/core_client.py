@@ -266,15 +266,15 @@ class RemoteCoreClient(CoreProcClient):
             if not self._stopped:
                 self._on_death(listener.missing_message() or f"{self.name} did not register")
             return
-        threading.Thread(target=self._heartbeat, name=f"graphinfer-replica{self.dp_rank}-heartbeat",
+        threading.Thread(target=self._heartbeat, args=(conn,), name=f"graphinfer-replica{self.dp_rank}-heartbeat",
                          daemon=True).start()
         self._read(conn, heartbeat=True)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, conn) -> None:
         while not self._stopped and not self.dead:
             try:
                 with self._send_lock:
-                    self.conn.send(("alive",))
+                    conn.send(("alive",))
             except OSError:
                 return
             time.sleep(launch.HEARTBEAT_S)
