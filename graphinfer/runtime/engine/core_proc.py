@@ -2,9 +2,10 @@
 its launch spec on stdin, talking to the CoreProcClient that started it (engine/core_client.py: the messages).
 
 Two uses: a data-parallel replica d > 0 (its EngineCore, global rank d * tp, which starts its own tensor-parallel
-ranks; a `--headless` node's replica registers with node 0's front end over the network instead, spec["remote"]:
-engine/replica_listener.py, and heartbeats both ways), and the server's engine core (an EngineCore, or with data_parallel_size > 1 the data-parallel front end over
-every replica), so that HTTP, detokenization and the step loop do not share one interpreter lock.
+ranks; a `--headless` node's replica, spec["remote"], registers with node 0's front end over the network instead:
+engine/replica_listener.py, heartbeats both ways), and the server's engine core (an EngineCore, or with
+data_parallel_size > 1 the data-parallel front end over every replica), so that HTTP, detokenization and the step
+loop do not share one interpreter lock.
 
 The loop: take new requests and aborts, step, send the outputs and the load. Idle and on its own, it sleeps until a
 message comes; a replica in data-parallel lockstep keeps stepping (each step waits in the round replica 0 drives).
@@ -64,7 +65,11 @@ def serve(core, send, inbox: queue.Queue) -> None:
 def run(spec: dict) -> int:
     remote = spec.get("remote") is not None  # a replica of a --headless node: registers over the network
     if remote:
-        conn, config = register(spec["remote"], spec["rank"])
+        try:
+            conn, config = register(spec["remote"], spec["rank"])
+        except GraphinferError as e:  # node 0 unreachable, or it refused this replica: the message says why
+            logger.error("%s", e)
+            return 1
     else:
         config: EngineConfig = spec["config"]
         conn = Client(spec["address"], authkey=spec["authkey"])
