@@ -16,9 +16,10 @@ import pytest
 from server_utils import GRAPHINFER, Server, free_port, metric, metric_samples
 
 from graphinfer import LLM, SamplingParams
-from graphinfer.config import ParallelConfig
+from graphinfer.config import EngineConfig, ParallelConfig
 from graphinfer.errors import GraphinferError, InvalidConfigError
-from graphinfer.runtime.engine.replica_listener import register
+from graphinfer.runtime.engine.core_client import RemoteCoreClient
+from graphinfer.runtime.engine.replica_listener import ReplicaListener, register
 
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--num-gpu-blocks-override", "256"]
 PROMPTS = [[5, 9, 2, 7, 7], [11, 3, 3, 8], [100, 101, 102, 103, 104, 105], [42] * 9]
@@ -69,6 +70,40 @@ def test_start_up_waits_for_the_other_nodes_a_bounded_time_and_names_the_missing
     with pytest.raises(GraphinferError, match=rf"replica 1: node 0's front end at 127.0.0.1:{rpc} did not answer "
                                               rf"within 1 s"):
         register(pc, 1)
+
+
+def test_registration_heartbeats_and_refusals():
+    """The front end's side (ReplicaListener + RemoteCoreClient) against register(), without engines: the replica
+    gets node 0's settings as its own, heartbeats flow, a second node claiming the same replica or another
+    data_parallel_size is refused, and a replica's closed connection is its death."""
+    rpc = free_port()
+    config = EngineConfig.from_kwargs(model="tiny-qwen3", device="cpu", data_parallel_size=3,
+                                      data_parallel_size_local=1, data_parallel_rpc_port=rpc, max_num_seqs=7)
+    listener = ReplicaListener(config)
+    client = RemoteCoreClient(listener, 1, "data-parallel replica 1 (another node)")
+    deaths = []
+    client.on_death(deaths.append)
+    node1 = ParallelConfig(data_parallel_size=3, data_parallel_size_local=2, data_parallel_start_rank=1, headless=True,
+                           data_parallel_rpc_port=rpc)
+    try:
+        conn, got = register(node1, 1)
+        pc = got.parallel_config
+        assert got.scheduler_config.max_num_seqs == 7 and (pc.data_parallel_rank, pc.node_first_rank) == (1, 1)
+        assert conn.poll(10) and conn.recv() == ("alive",)  # the front end's heartbeat
+        with pytest.raises(GraphinferError, match="replica 1 is already registered"):
+            register(node1, 1)
+        with pytest.raises(GraphinferError, match="give every node the same --data-parallel-size"):
+            register(ParallelConfig(data_parallel_size=4, data_parallel_size_local=1, data_parallel_start_rank=2,
+                                    headless=True, data_parallel_rpc_port=rpc), 2)
+        assert listener.missing() == [2]
+        conn.close()  # replica 1's node dies
+        deadline = time.monotonic() + 30
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert deaths == ["data-parallel replica 1 (another node) went away"]
+    finally:
+        client.shutdown(0)
+        listener.close()
 
 
 def _reference(model: str) -> list[list[int]]:
@@ -174,18 +209,22 @@ def test_dense_two_nodes_serve_and_end_when_the_headless_node_dies(tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_expert_parallel_over_two_nodes_and_the_headless_node_ends_with_node_0(tmp_path):
+@pytest.mark.parametrize("end", ["kill node 0", "stop node 0"])
+def test_moe_expert_parallel_over_two_nodes_and_the_headless_node_ends_with_node_0(end, tmp_path):
     with TwoNodes("tiny-qwen3-moe", ["--enable-expert-parallel"], tmp_path) as nodes:
         reference = _reference("tiny-qwen3-moe")  # while the nodes start
         nodes.node0.wait_ready(240)
         _serve_and_compare(nodes, "tiny-qwen3-moe", reference)  # EP 2: every MoE layer exchanges tokens over both
         assert "rank 1 of 2 joined" in nodes.node1_text()
         node1_tree = _tree(nodes.node1.pid)
-        _kill_tree(nodes.node0.proc.pid)  # node 0 goes: front end, replica 0 and the rendezvous store
-        assert _ends_within(nodes.node1, 60) != 0
+        if end == "kill node 0":  # front end, replica 0 and the rendezvous store go at once
+            _kill_tree(nodes.node0.proc.pid)
+            assert _ends_within(nodes.node1, 60) != 0
+        else:  # SIGTERM: node 0 drains, ends the lockstep rounds, stops replica 1; both exit 0
+            assert nodes.node0.stop(60) == 0
+            assert _ends_within(nodes.node1, 60) == 0, nodes.node1_text()[-3000:]
         deadline = time.monotonic() + 10
         while (left := [p for p in node1_tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]) \
                 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not left, left  # no orphans on node 1
-        assert "front end went away" in nodes.node1_text() or "failed" in nodes.node1_text()
