@@ -155,9 +155,12 @@ def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: s
             groups[MC2_GROUP] = dist.new_group(backend=backend, timeout=timeout)
     except (RuntimeError, DistributedError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
         raise DistributedError(
-            f"rank {rank} of {world_size}: the rendezvous at {master_addr}:{master_port} failed ({e}). Check that "
-            f"every node runs the same command with its own --node-rank, that --master-addr / --master-port name "
-            f"node 0 and are reachable from here, and that no other job uses the port.") from None
+            f"rank {rank} of {world_size} (node {socket.gethostname()}): the rendezvous at {master_addr}:{master_port} "
+            f"failed within {timeout_s:g} s (--distributed-timeout) ({e}). Check that every node runs (tensor "
+            f"parallel: the same command with its own --node-rank; data parallel: `--headless "
+            f"--data-parallel-start-rank R` on the other nodes), that --master-addr / --master-port (data parallel: "
+            f"--data-parallel-address, the RPC port + 1) name node 0 and are reachable from here, and that no other "
+            f"job uses the port.") from None
     _state.rank, _state.world_size, _state.tp, _state.ranks_per_node = rank, world_size, tp, ranks_per_node
     _state.node_first_rank = rank - rank % ranks_per_node if node_first_rank is None else node_first_rank
     _state.groups = groups
