@@ -297,8 +297,8 @@ class ParallelConfig:
         if self.data_parallel_across_nodes and self.nnodes > 1:
             raise InvalidConfigError(
                 f"data_parallel_size_local={local} < data_parallel_size={dp} with nnodes={self.nnodes}: data parallel "
-                f"across nodes (--headless nodes) and tensor parallel across nodes (--nnodes) do not combine; keep each "
-                f"replica's tensor-parallel ranks on one node (--tensor-parallel-size <= the node's devices).")
+                f"across nodes (--headless nodes) and tensor parallel across nodes (--nnodes) do not combine; keep "
+                f"each replica's tensor-parallel ranks on one node (--tensor-parallel-size <= the node's devices).")
 
     @property
     def timeout_s(self) -> float:

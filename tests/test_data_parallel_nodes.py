@@ -60,8 +60,9 @@ def test_data_parallel_node_layout():
 def test_start_up_waits_for_the_other_nodes_a_bounded_time_and_names_the_missing_replicas():
     rpc = free_port()
     with pytest.raises(GraphinferError, match=rf"data-parallel replicas \[1, 2\] did not register at 127.0.0.1:{rpc} "
-                                              rf"within 2 s \(--distributed-timeout\).*--headless --data-parallel-size 3 "
-                                              rf"--data-parallel-size-local 2 --data-parallel-start-rank 1"):
+                                              rf"within 2 s \(--distributed-timeout\).*--headless "
+                                              rf"--data-parallel-size 3 --data-parallel-size-local 2 "
+                                              rf"--data-parallel-start-rank 1"):
         LLM("tiny-qwen3", device="cpu", dtype="float32", max_model_len=128, data_parallel_size=3,
             data_parallel_size_local=1, data_parallel_rpc_port=rpc, distributed_timeout=2)
     # and a headless node's replica without node 0: its wait is bounded too

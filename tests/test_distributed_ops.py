@@ -242,8 +242,8 @@ def _lockstep_timeout_ranks(rank: int, port: int) -> None:
     ps.destroy()
 
 
-PARTS = [("expert parallel", _ep_ranks), ("npu mc2 adapters", _mc2_ranks), ("lockstep timeout", _lockstep_timeout_ranks),
-         ("collectives", _ranks)]  # see _parts
+PARTS = [("expert parallel", _ep_ranks), ("npu mc2 adapters", _mc2_ranks),
+         ("lockstep timeout", _lockstep_timeout_ranks), ("collectives", _ranks)]  # see _parts
 
 
 def test_expert_parallel_fake_impls_give_the_shapes():

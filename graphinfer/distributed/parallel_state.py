@@ -154,6 +154,10 @@ def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: s
         if expert_parallel and mc2_group:
             groups[MC2_GROUP] = dist.new_group(backend=backend, timeout=timeout)
     except (RuntimeError, DistributedError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+        if not dist.is_initialized():
+            # torch names the default group after a counter that a failed init_process_group leaves advanced: this
+            # process's next rendezvous (LLM() again) would wait under another name than its fresh peers', forever
+            dist.distributed_c10d._world.group_count = 0
         raise DistributedError(
             f"rank {rank} of {world_size} (node {socket.gethostname()}): the rendezvous at {master_addr}:{master_port} "
             f"failed within {timeout_s:g} s (--distributed-timeout) ({e}). Check that every node runs (tensor "
@@ -240,8 +244,8 @@ def collective(what: str, group_name: str, run: Callable[[object], None]) -> Non
     except RuntimeError as e:
         raise DistributedError(
             f"rank {_state.rank} of {_state.world_size}: {what} on group {group_name!r} failed during {_state.phase} "
-            f"on node {socket.gethostname()}: {e}. Another rank died or stalled (timeout {_state.timeout_s:g} s); its log says "
-            f"why.") from None
+            f"on node {socket.gethostname()}: {e}. Another rank died or stalled (timeout {_state.timeout_s:g} s); its "
+            f"log says why.") from None
     finally:
         _state.comm_seconds += time.perf_counter() - start
         _state.comm_calls += 1

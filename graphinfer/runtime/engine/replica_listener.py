@@ -5,8 +5,8 @@ Node 0's front end (engine/dp_core.py) listens at address:rpc_port (ReplicaListe
 process (engine/core_proc.py) connects (register), says which replica it is, and gets the front end's EngineConfig
 back, so every replica builds the same engine whatever else its node's command line says. From then on the
 connection carries CoreProcClient's messages (engine/core_client.py), as a local replica's does, plus a heartbeat
-each way every second (launch.HEARTBEAT_S): a side silent for SILENCE_S (its node powered off, the network cut) is dead even where
-no socket closes (a killed process's socket closes: that is seen at once).
+each way every second (launch.HEARTBEAT_S): a side silent for SILENCE_S (its node powered off, the network cut) is
+dead even where no socket closes (a killed process's socket closes: that is seen at once).
 
   replica -> front end   ("hello", dp_rank, data_parallel_size, hostname)
   front end -> replica   ("config", EngineConfig) or ("refused", message)
@@ -56,7 +56,8 @@ class ReplicaListener:
         except OSError as e:
             raise GraphinferError(
                 f"data parallel: cannot listen for the other nodes' replicas at {self.address[0]}:{self.address[1]} "
-                f"({e}); give --data-parallel-address this node's address and a free --data-parallel-rpc-port.") from None
+                f"({e}); give --data-parallel-address this node's address and a free --data-parallel-rpc-port."
+            ) from None
         self._conns: dict[int, Connection] = {}
         self._cond = threading.Condition()
         self._closed = False
