@@ -14,8 +14,10 @@ from graphinfer.server.serving_models import parse_lora_module
 # Engine settings are EngineConfig's fields (graphinfer/config.py): their flags and defaults come from there
 # (graphinfer/engine_args.py); this file writes none of those defaults again. The groups below pick which settings
 # a subcommand takes.
-PARALLEL_ARGS = ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "enable_expert_parallel",
-                 "data_parallel_size", "pipeline_parallel_size", "pp_layer_partition")
+PARALLEL_ARGS = ("tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "distributed_timeout",
+                 "enable_expert_parallel", "data_parallel_size", "data_parallel_size_local", "data_parallel_start_rank",
+                 "data_parallel_address", "data_parallel_rpc_port", "headless", "pipeline_parallel_size",
+                 "pp_layer_partition")
 GRAPH_ARGS = ("graph_mode", "capture_sizes", "max_capture_size", "splitting_ops")
 # `graphinfer compile`: what shapes the artifact (the KV cache is a placeholder; nothing is served)
 COMPILE_ARGS = ("dtype", "quantization", "model_impl", "device", "passes", "max_num_seqs", *GRAPH_ARGS,
@@ -86,7 +88,8 @@ def _parallel_config(args):
     """compile's, or (--node-rank > 0) another node's: the tensor-parallel size as given, else the artifact's as
     node 0 takes it, else 1."""
     kwargs = engine_args.kwargs_from_args(args, PARALLEL_ARGS)
-    kwargs["data_parallel_size"] = 1  # an artifact is one replica's; another node runs no replica of its own
+    # an artifact is one replica's; another node runs no replica of its own
+    kwargs.update(data_parallel_size=1, data_parallel_size_local=None, data_parallel_start_rank=0, headless=False)
     if art := getattr(args, "artifact", None) or getattr(args, "target", None):  # generate --artifact, serve ART
         from graphinfer.server.serve import is_artifact
 
@@ -163,7 +166,8 @@ def _compile(args) -> None:
     from graphinfer.runtime.executor.parallel_layout import check_parallel_config
 
     kwargs = {**engine_args.kwargs_from_args(args, COMPILE_ARGS), "model": args.model}
-    kwargs["data_parallel_size"] = 1  # an artifact is one replica's
+    # an artifact is one replica's
+    kwargs.update(data_parallel_size=1, data_parallel_size_local=None, data_parallel_start_rank=0, headless=False)
     kwargs["num_gpu_blocks_override"] = 1  # a placeholder KV cache: compile serves nothing
     kwargs["keep_failed_passes"] = True  # compile judges the check itself (its tolerances; refuse or override)
     config = engine_args.create_engine_config(kwargs)
@@ -666,6 +670,11 @@ def main(argv: list[str] | None = None) -> int:
             from graphinfer.runtime.executor.worker_proc import run_node
 
             return run_node(_parallel_config(args))
+        if getattr(args, "headless", False):  # data-parallel replicas only; node 0's front end drives them
+            from graphinfer.config import ParallelConfig
+            from graphinfer.runtime.engine.headless import run_headless
+
+            return run_headless(ParallelConfig(**engine_args.kwargs_from_args(args, PARALLEL_ARGS)))
         return args.func(args) or 0
     except GraphinferError as e:
         print(f"graphinfer: error: {e}", file=sys.stderr)

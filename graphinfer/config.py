@@ -240,26 +240,47 @@ class EPLBConfig:
 @dataclass
 class ParallelConfig:
     """Tensor, expert and data parallelism over torch.distributed (vLLM's names). One node: graphinfer starts
-    the other ranks itself. Several nodes: every node runs the same command with its node_rank; node 0 runs rank 0 (the
-    scheduler, the sampler and any server), the others run workers only."""
+    the other ranks itself. Tensor parallel over several nodes: every node runs the same command with its node_rank;
+    node 0 runs rank 0 (the scheduler, the sampler and any server), the others run workers only. Data parallel over
+    several nodes (vLLM's flags): node 0 runs the front end and data_parallel_size_local replicas; every other node runs
+    `--headless` with its data_parallel_start_rank, its replicas registering with the front end at
+    data_parallel_address:data_parallel_rpc_port (engine/replica_listener.py)."""
     tensor_parallel_size: int | None = setting(
         None, "shard the model over N ranks (gloo on cpu, NCCL on cuda, HCCL on npu); one node: graphinfer starts the "
               "other ranks (default: an artifact's size, else 1)", aliases=["-tp"])
-    nnodes: int = setting(1, "nodes the ranks are spread over (tp / nnodes each); every node runs the same command "
-                             "with its --node-rank")
+    nnodes: int = setting(1, "nodes the tensor-parallel ranks are spread over (tp / nnodes each); every node runs the "
+                             "same command with its --node-rank (data parallel across nodes: --headless instead)")
     node_rank: int = setting(0, "this node: 0 runs rank 0 (scheduler, sampler, server); others run workers only and "
                                 "take the engine settings from node 0")
-    master_addr: str = setting("127.0.0.1", "node 0's address, reachable from every node (torchrun's MASTER_ADDR)")
+    master_addr: str = setting("127.0.0.1", "node 0's address, reachable from every node (torchrun's MASTER_ADDR); "
+                                            "data parallel across nodes: --data-parallel-address")
     master_port: int | None = setting(None, "node 0's rendezvous port (default: a free one on one node, 29500 "
-                                            "(torchrun's) across nodes)")
-    timeout_s: float = 600.0  # a collective or rendezvous that waits longer fails, naming the rank and the step
+                                            "(torchrun's) across nodes; data parallel across nodes: the RPC port + 1)")
+    distributed_timeout: float = setting(
+        600.0, "seconds any multi-process wait may take (rendezvous, collectives, data-parallel lockstep rounds, "
+               "replicas registering with the front end) before it fails with an error naming the rank, the node and "
+               "what it waited for")
     enable_expert_parallel: bool | None = setting(
         None, "MoE models: partition whole experts over the ranks (expert parallel, EP size = tp x dp) instead of "
               "splitting each expert; dense models are unaffected (default: an artifact's setting, else off)")
     data_parallel_size: int = setting(
-        1, "N engine replicas (each tp ranks, its own scheduler and KV cache) behind this front end, each request on "
-           "the one with the fewest outstanding tokens; MoE + expert parallel replicas step in lockstep (one node)",
+        1, "N engine replicas in all (each tp ranks, its own scheduler and KV cache) behind one front end, each "
+           "request on the one with the fewest outstanding tokens; MoE + expert parallel replicas step in lockstep",
         aliases=["-dp"])
+    data_parallel_size_local: int | None = setting(
+        None, "replicas on this node (default: data_parallel_size, all on one node); fewer: the others run on other "
+              "nodes started with --headless")
+    data_parallel_start_rank: int = setting(
+        0, "the first replica on this node (a --headless node's: the replicas of the nodes before it)")
+    data_parallel_address: str | None = setting(
+        None, "node 0's address, where the replicas of other nodes register and the ranks meet (default: "
+              "--master-addr)")
+    data_parallel_rpc_port: int = setting(
+        29550, "node 0's port for the replicas of other nodes (vLLM's default); the rendezvous of every rank is on the "
+               "next port unless --master-port says")
+    headless: bool = setting(
+        False, "run this node's data-parallel replicas only (no API server, no front end); they register with node 0 "
+               "at --data-parallel-address:--data-parallel-rpc-port and take its engine settings")
     data_parallel_rank: int = 0  # which replica this engine is (set by the front end for the ones it starts)
     enable_eplb: bool = setting(
         False, "expert-parallel load balancing (MoE + expert parallel): redundant copies of hot experts, re-placed "
@@ -282,15 +303,17 @@ class ParallelConfig:
             self.tensor_parallel_size = 1
         if self.enable_expert_parallel is None:
             self.enable_expert_parallel = False
+        if self.data_parallel_size_local is None:
+            self.data_parallel_size_local = self.data_parallel_size
+        if self.data_parallel_address is None:
+            self.data_parallel_address = self.master_addr
         tp, nnodes, dp = self.tensor_parallel_size, self.nnodes, self.data_parallel_size
         if tp < 1:
             raise InvalidConfigError(f"tensor_parallel_size={tp} must be >= 1.")
         if dp < 1 or not 0 <= self.data_parallel_rank < dp:
             raise InvalidConfigError(f"data_parallel_size={dp} must be >= 1 (data_parallel_rank "
                                      f"{self.data_parallel_rank} in [0, {dp})).")
-        if dp > 1 and nnodes > 1:
-            raise InvalidConfigError(f"data_parallel_size={dp} with nnodes={nnodes}: data parallel runs on one node "
-                                     f"for now; run one server per node, or use tensor parallel across nodes.")
+        self._check_data_parallel_nodes()
         if nnodes < 1 or not 0 <= self.node_rank < nnodes:
             raise InvalidConfigError(f"node_rank={self.node_rank} must be in [0, nnodes={nnodes}).")
         if self.pipeline_parallel_size < 1:
@@ -300,10 +323,13 @@ class ParallelConfig:
         if self.replica_size % nnodes:
             raise InvalidConfigError(f"tensor_parallel_size x pipeline_parallel_size = {self.replica_size} must be a "
                                      f"multiple of nnodes={nnodes}: every node runs the same number of ranks.")
+        if self.data_parallel_across_nodes:  # every rank meets at node 0's address, next to the replicas' port
+            self.master_addr = self.data_parallel_address
+            self.master_port = self.master_port or self.data_parallel_rpc_port + 1
         if self.master_port is None and nnodes > 1:
             self.master_port = 29500
-        if self.timeout_s <= 0:
-            raise InvalidConfigError(f"timeout_s={self.timeout_s} must be > 0 (seconds).")
+        if not self.distributed_timeout > 0:
+            raise InvalidConfigError(f"distributed_timeout={self.distributed_timeout} must be > 0 (seconds).")
         self.eplb_config = EPLBConfig.from_dict(self.eplb_config)
         if (self.enable_eplb or self.expert_map_path) and not self.enable_expert_parallel:
             what = "enable_eplb" if self.enable_eplb else "expert_map_path"
@@ -315,6 +341,46 @@ class ParallelConfig:
                                      "this engine has one: use tensor_parallel_size x data_parallel_size > 1.")
         if self.eplb_config.num_redundant_experts and not self.enable_eplb and not self.expert_map_path:
             raise InvalidConfigError("eplb_config num_redundant_experts > 0 needs enable_eplb=True (--enable-eplb).")
+
+    def _check_data_parallel_nodes(self) -> None:
+        """vLLM's multi-node data-parallel flags, refused with the fix when they do not add up."""
+        dp, local, start = self.data_parallel_size, self.data_parallel_size_local, self.data_parallel_start_rank
+        if not 0 <= local <= dp:
+            raise InvalidConfigError(f"data_parallel_size_local={local} must be in [1, data_parallel_size={dp}]: the "
+                                     f"replicas on this node, of data_parallel_size in all.")
+        if start < 0 or start + local > dp:
+            raise InvalidConfigError(
+                f"data_parallel_start_rank={start} + data_parallel_size_local={local} > data_parallel_size={dp}: this "
+                f"node's replicas are {start}..{start + local - 1}, past the last replica {dp - 1}. Give each node the "
+                f"replicas after the previous node's (node 0: 0..L0-1, the next: --data-parallel-start-rank L0, ...) "
+                f"and --data-parallel-size the total over every node.")
+        if local == 0:
+            raise InvalidConfigError(
+                f"data_parallel_size_local=0: every node runs at least one replica (node 0's front end runs replica 0 "
+                f"in its engine core); give --data-parallel-size-local 1 or more.")
+        if self.headless and start == 0:
+            raise InvalidConfigError(
+                "headless with data_parallel_start_rank=0: replica 0 runs in node 0's front end. On node 0 drop "
+                "--headless; on another node give --data-parallel-start-rank R (the replicas of the nodes before it).")
+        if not self.headless and start != 0:
+            raise InvalidConfigError(
+                f"data_parallel_start_rank={start} without headless: replicas {start}.. run on a node of their own, "
+                f"which registers with node 0's front end: add --headless (node 0 keeps start rank 0).")
+        if self.data_parallel_across_nodes and self.nnodes > 1:
+            raise InvalidConfigError(
+                f"data_parallel_size_local={local} < data_parallel_size={dp} with nnodes={self.nnodes}: data parallel "
+                f"across nodes (--headless nodes) and tensor parallel across nodes (--nnodes) do not combine; keep "
+                f"each replica's tensor-parallel ranks on one node (--tensor-parallel-size <= the node's devices).")
+
+    @property
+    def timeout_s(self) -> float:
+        """distributed_timeout (the name the runtime reads)."""
+        return self.distributed_timeout
+
+    @property
+    def data_parallel_across_nodes(self) -> bool:
+        """Some replicas run on other nodes (--data-parallel-size-local < --data-parallel-size)."""
+        return self.data_parallel_size_local < self.data_parallel_size
 
     @property
     def replica_size(self) -> int:
@@ -328,12 +394,25 @@ class ParallelConfig:
 
     @property
     def ranks_per_node(self) -> int:
+        if self.data_parallel_across_nodes:
+            return self.replica_size * self.data_parallel_size_local
         return self.world_size // self.nnodes
+
+    @property
+    def node_first_rank(self) -> int:
+        """The global rank of this node's first rank (its ranks are consecutive)."""
+        if self.data_parallel_across_nodes:
+            return self.data_parallel_start_rank * self.replica_size
+        return self.node_rank * self.ranks_per_node
 
     @property
     def leader_rank(self) -> int:
         """The global rank of this replica's first rank (first stage, TP rank 0: its scheduler)."""
         return self.data_parallel_rank * self.replica_size
+
+    def local_data_parallel_ranks(self) -> range:
+        """The replicas this node runs."""
+        return range(self.data_parallel_start_rank, self.data_parallel_start_rank + self.data_parallel_size_local)
 
 
 @dataclass

@@ -27,7 +27,6 @@ SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler
 # EngineConfig fields that are neither LLM keyword arguments nor CLI flags, and why.
 NOT_ARGUMENTS = {
     "data_parallel_rank": "set by the data-parallel front end for each replica it starts (runtime/engine/dp_core.py)",
-    "timeout_s": "the distributed watchdog's limit; ParallelConfig(timeout_s=) for tests and tools, no user setting",
 }
 
 

@@ -58,6 +58,10 @@ _VARS = [
            "MLA (DeepSeek): the query rows per request from which a step runs attention in the expanded form rather "
            "than the absorbed one (passes/absorb_mla.py; unset: where the expanded form does fewer multiply-adds, 187 "
            "for DeepSeek-V3's shapes). Read when a model is compiled; an artifact keeps the value it was compiled with."),
+    EnvVar("GRAPHINFER_DP_AUTHKEY", "graphinfer-dp",
+           "The shared secret data-parallel replicas of other nodes (--headless) prove when they register with node "
+           "0's front end at --data-parallel-address:--data-parallel-rpc-port (the connection carries pickles, as "
+           "vLLM's does): set the same value on every node where others can reach that port."),
     EnvVar("GRAPHINFER_ENGINE_READY_TIMEOUT_S", "1800",
            "Seconds an engine-core process (`graphinfer serve`, data-parallel replicas) may take to build its engine "
            "(load, compile, capture) before the front end gives up with an error naming this variable (vLLM: "

@@ -97,6 +97,10 @@ def test_collectives_on_two_gloo_ranks(gloo_pair):
     _assert_part(gloo_pair, "collectives")
 
 
+def test_a_stalled_replica_fails_the_lockstep_round_within_the_timeout(gloo_pair):
+    _assert_part(gloo_pair, "lockstep timeout")
+
+
 def test_fake_impls_give_the_shapes():
     with FakeTensorMode():
         x = torch.empty(4, 6)
@@ -220,7 +224,26 @@ def test_expert_parallel_through_the_npu_mc2_adapters_on_two_gloo_ranks(gloo_pai
     _assert_part(gloo_pair, "npu mc2 adapters")
 
 
-PARTS = [("expert parallel", _ep_ranks), ("npu mc2 adapters", _mc2_ranks), ("collectives", _ranks)]  # see _parts
+def _lockstep_timeout_ranks(rank: int, port: int) -> None:
+    """Two replicas of one rank: replica 0 drives a lockstep round that replica 1 (alive, stalled) never joins. Its
+    wait ends after the distributed timeout, naming the rank, the round and the node; replica 1's is unbounded."""
+    import time
+
+    from graphinfer.runtime.engine.dp_lockstep import Lockstep
+
+    ps.init_distributed(rank, 2, 2, "gloo", "127.0.0.1", port, 1, tp=1)
+    if rank == 0:  # timed out (not: the connection closed when replica 1 leaves the group after its stall)
+        with pytest.raises(ps.DistributedError, match=r"rank 0 of 2: all_reduce\(max\) across data-parallel ranks "
+                                                      r"on group 'dp' failed during data-parallel lockstep round 1 "
+                                                      r"on node .*timed out"):
+            Lockstep(True).agree(None)
+    else:
+        time.sleep(2.5)
+    ps.destroy()
+
+
+PARTS = [("expert parallel", _ep_ranks), ("npu mc2 adapters", _mc2_ranks),
+         ("lockstep timeout", _lockstep_timeout_ranks), ("collectives", _ranks)]  # see _parts
 
 
 def test_expert_parallel_fake_impls_give_the_shapes():

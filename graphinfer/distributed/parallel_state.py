@@ -28,6 +28,7 @@ On Ascend a second device group of the EP ranks, MC2_GROUP, is kept for the MC2 
 import contextlib
 import datetime
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class _State:
     pp: int = 1
     pp_layer_partition: str | None = None  # layers per stage ("a,b,..."), None: an even split
     ranks_per_node: int = 1
+    node_first_rank: int = 0  # the global rank of this node's first rank
     groups: dict = field(default_factory=dict)  # name -> device ProcessGroup
     cpu_group: object = None  # this replica's gloo group (step channel)
     dp_group: object = None  # the replicas' leaders, gloo (lockstep); None at dp 1
@@ -137,7 +139,8 @@ def ep_rank() -> int:
 
 
 def local_rank() -> int:
-    return _state.rank % _state.ranks_per_node
+    """This rank's index on its node (its device's)."""
+    return _state.rank - _state.node_first_rank
 
 
 def ranks_per_node() -> int:
@@ -165,11 +168,12 @@ def layout(rank: int, size: int, expert_parallel: bool = False, pp: int = 1, pp_
 def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: str, master_addr: str,
                      master_port: int, timeout_s: float, publish: dict[str, bytes] | None = None,
                      expert_parallel: bool = False, tp: int | None = None, mc2_group: bool = False, pp: int = 1,
-                     pp_layer_partition: str | None = None) -> None:
+                     pp_layer_partition: str | None = None, node_first_rank: int | None = None) -> None:
     """Join the world as global rank `rank` (replicas of pp stages of `tp` ranks; tp None: one replica, one stage):
     rendezvous at master_addr:master_port (rank 0 hosts the store, torchrun-style, and first puts `publish` in it:
     what the other nodes wait for), then the device groups on `backend` and the gloo step-channel (and lockstep)
-    groups; with expert_parallel and mc2_group, also the MC2 group."""
+    groups; with expert_parallel and mc2_group, also the MC2 group. node_first_rank: the global rank of this node's
+    first rank (None: nodes of ranks_per_node ranks each)."""
     tp = tp or world_size // pp
     replica = tp * pp
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -208,12 +212,20 @@ def init_distributed(rank: int, world_size: int, ranks_per_node: int, backend: s
         if expert_parallel and mc2_group:
             groups[MC2_GROUP] = dist.new_group(backend=backend, timeout=timeout)
     except (RuntimeError, DistributedError) as e:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+        if not dist.is_initialized():
+            # torch names the default group after a counter that a failed init_process_group leaves advanced: this
+            # process's next rendezvous (LLM() again) would wait under another name than its fresh peers', forever
+            dist.distributed_c10d._world.group_count = 0
         raise DistributedError(
-            f"rank {rank} of {world_size}: the rendezvous at {master_addr}:{master_port} failed ({e}). Check that "
-            f"every node runs the same command with its own --node-rank, that --master-addr / --master-port name "
-            f"node 0 and are reachable from here, and that no other job uses the port.") from None
+            f"rank {rank} of {world_size} (node {socket.gethostname()}): the rendezvous at {master_addr}:{master_port} "
+            f"failed within {timeout_s:g} s (--distributed-timeout) ({e}). Check that every node runs (tensor "
+            f"parallel: the same command with its own --node-rank; data parallel: `--headless "
+            f"--data-parallel-start-rank R` on the other nodes), that --master-addr / --master-port (data parallel: "
+            f"--data-parallel-address, the RPC port + 1) name node 0 and are reachable from here, and that no other "
+            f"job uses the port.") from None
     _state.rank, _state.world_size, _state.tp, _state.ranks_per_node = rank, world_size, tp, ranks_per_node
     _state.pp, _state.pp_layer_partition = pp, pp_layer_partition
+    _state.node_first_rank = rank - rank % ranks_per_node if node_first_rank is None else node_first_rank
     _state.groups = groups
     _state.cpu_group, _state.dp_group, _state.timeout_s = cpu_group, dp_group, timeout_s
     _state.expert_parallel = expert_parallel
@@ -291,9 +303,9 @@ def collective(what: str, group_name: str, run: Callable[[object], None]) -> Non
         run(group)
     except RuntimeError as e:
         raise DistributedError(
-            f"{describe_rank()}: {what} on group {group_name!r} failed during "
-            f"{_state.phase}: {e}. Another rank died or stalled (timeout {_state.timeout_s:g} s); its log says "
-            f"why.") from None
+            f"{describe_rank()}: {what} on group {group_name!r} failed during {_state.phase} on node "
+            f"{socket.gethostname()}: {e}. Another rank died or stalled (timeout {_state.timeout_s:g} s); its log "
+            f"says why.") from None
     finally:
         _state.comm_seconds += time.perf_counter() - start
         _state.comm_calls += 1
@@ -329,11 +341,17 @@ def broadcast_from_rank0(t: torch.Tensor) -> None:
     collective("broadcast", TP_GROUP, lambda group: dist.broadcast(t, src=leader_rank(), group=group))
 
 
-def dp_all_reduce_max(values: list[int]) -> list[int]:
-    """The element-wise max of every replica leader's values (the "dp" gloo group; leaders only)."""
+def dp_all_reduce_max(values: list[int], bounded: bool = False) -> list[int]:
+    """The element-wise max of every replica leader's values (the "dp" gloo group; leaders only). bounded: fail after
+    the distributed timeout (the group itself waits as long as a server may stay idle: the replica that drives the
+    rounds bounds its own wait, the others wait for its next round)."""
     t = torch.tensor(values, dtype=torch.int64)
-    collective("all_reduce(max) across data-parallel ranks", "dp",
-               lambda _: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_state.dp_group))
+
+    def run(_):
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_state.dp_group, async_op=True)
+        work.wait(datetime.timedelta(seconds=_state.timeout_s)) if bounded else work.wait()
+
+    collective("all_reduce(max) across data-parallel ranks", "dp", run)
     return t.tolist()
 
 

@@ -16,6 +16,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from dataclasses import replace
 from multiprocessing.connection import Listener
 
@@ -24,6 +25,7 @@ from graphinfer.config import EngineConfig
 from graphinfer.distributed import launch
 from graphinfer.errors import GraphinferError
 from graphinfer.runtime.engine.core import EngineCoreInfo
+from graphinfer.runtime.engine.replica_listener import SILENCE_S
 from graphinfer.runtime.engine.request import EngineCoreRequest
 from graphinfer.runtime.structured_output import serialize_grammar
 
@@ -39,12 +41,25 @@ class CoreProcClient:
         parallel replica 1", "the engine core"); rank: the global rank of its replica's leader (data parallel:
         d * tensor_parallel_size); data_parallel: the process runs the data-parallel front end (engine/dp_core.py)
         over every replica, not one replica; outputs: the queue its outputs go to (several cores may share one)."""
-        self.name = name
+        self._init(name, outputs)
         authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         spec = {"config": config, "address": self._listener.address, "authkey": authkey, "platform_cls": platform_cls,
                 "data_parallel": data_parallel}
         self.proc = launch.start_ranks(CORE_PROC_MODULE, [rank], spec)[0]
+        self._monitor = launch.RankMonitor([self.proc], [], config.parallel_config.master_addr, 0,
+                                           lambda m: self._on_death(f"{self.name}'s process ended ({m})"),
+                                           kind="engine-core process of rank")
+        # a process that lives but never connects (stuck before its engine starts) ends the wait too
+        self._deadline = threading.Timer(config.parallel_config.timeout_s, self._connect_deadline,
+                                         (config.parallel_config.timeout_s,))
+        self._deadline.daemon = True
+        self._deadline.start()
+        threading.Thread(target=self._accept, name=f"graphinfer-core{rank}-accept", daemon=True).start()
+
+    def _init(self, name: str, outputs: queue.Queue | None) -> None:
+        self.name = name
+        self.proc = None
         self.conn = None
         self._send_lock = threading.Lock()
         self._call_lock = threading.Lock()  # one call() at a time: replies come back in order, unlabelled
@@ -58,31 +73,32 @@ class CoreProcClient:
         self.dead: str | None = None
         self.death_listeners: list = []
         self._stopped = False
-        self._monitor = launch.RankMonitor([self.proc], [], config.parallel_config.master_addr, 0,
-                                           lambda m: self._on_death(f"{self.name}'s process ended ({m})"),
-                                           kind="engine-core process of rank")
-        # a process that lives but never connects (stuck before its engine starts) ends the wait too
-        self._deadline = threading.Timer(config.parallel_config.timeout_s, self._connect_deadline,
-                                         (config.parallel_config.timeout_s,))
-        self._deadline.daemon = True
-        self._deadline.start()
-        threading.Thread(target=self._accept, name=f"graphinfer-core{rank}-accept", daemon=True).start()
+        self._reader_done = threading.Event()
 
     def _connect_deadline(self, seconds: float) -> None:
         if not self._connected.is_set():
-            self._on_death(f"{self.name} did not connect within {seconds:g} s of its start (timeout_s)")
+            self._on_death(f"{self.name} did not connect within {seconds:g} s of its start (--distributed-timeout)")
 
     # ----- connection -----
     def _accept(self) -> None:
         try:
-            self.conn = self._listener.accept()
+            conn = self._listener.accept()
         except OSError:  # closed at shutdown
             return
-        self._connected.set()
         self._deadline.cancel()
+        self._read(conn)
+
+    def _read(self, conn, heartbeat: bool = False) -> None:
+        """Take what the core sends until its connection ends; heartbeat: it sends one at least every
+        HEARTBEAT_S (a core on another node), and SILENCE_S of silence is its death."""
+        self.conn = conn
+        self._connected.set()
         try:
             while True:
-                kind, *body = self.conn.recv()
+                if heartbeat and not conn.poll(SILENCE_S):
+                    return self._on_death(f"{self.name} sent nothing for {SILENCE_S:g} s (its node is "
+                                          f"down or cut off)")
+                kind, *body = conn.recv()
                 if kind == "outputs":
                     outs, self.last_stats = body
                     self.outputs.put(outs)
@@ -101,6 +117,8 @@ class CoreProcClient:
         except (EOFError, OSError):
             if not self._stopped:
                 self._on_death(f"{self.name} went away")
+        finally:
+            self._reader_done.set()
 
     def _on_death(self, message: str) -> None:
         if self._stopped or self.dead:
@@ -219,7 +237,8 @@ class CoreProcClient:
         if self._stopped:
             return
         self._stopped = True
-        self._monitor.stop()
+        if self.proc is not None:
+            self._monitor.stop()
         if self.conn is not None and not self.dead:
             try:
                 with self._send_lock:
@@ -233,3 +252,42 @@ class CoreProcClient:
         if self.proc.process.returncode is None:
             launch.stop_ranks([self.proc], timeout=timeout if not self.dead else 0)
         self._listener.close()
+
+
+class RemoteCoreClient(CoreProcClient):
+    """A data-parallel replica on another node (a `--headless` node's engine-core process): no process of ours; its
+    connection comes from the front end's ReplicaListener once it registers (engine/replica_listener.py), and carries
+    a heartbeat each way."""
+
+    def __init__(self, listener, d: int, name: str, outputs: queue.Queue | None = None):
+        self._init(name, outputs)
+        self.dp_rank = d
+        threading.Thread(target=self._wait_register, args=(listener,), name=f"graphinfer-replica{d}-register",
+                         daemon=True).start()
+
+    def _wait_register(self, listener) -> None:
+        seconds = listener.pc.timeout_s
+        conn = listener.wait_for(self.dp_rank, seconds)
+        if conn is None:
+            if not self._stopped:
+                self._on_death(listener.missing_message() or f"{self.name} did not register")
+            return
+        threading.Thread(target=self._heartbeat, args=(conn,), name=f"graphinfer-replica{self.dp_rank}-heartbeat",
+                         daemon=True).start()
+        self._read(conn, heartbeat=True)
+
+    def _heartbeat(self, conn) -> None:
+        while not self._stopped and not self.dead:
+            try:
+                with self._send_lock:
+                    conn.send(("alive",))
+            except OSError:
+                return
+            time.sleep(launch.HEARTBEAT_S)
+
+    def shutdown(self, timeout: float = 30) -> None:
+        """request_stop, then wait up to `timeout` s for the replica's last word (its connection closing)."""
+        self.request_stop()
+        if self.conn is not None:
+            self._reader_done.wait(timeout)
+            self.conn.close()

@@ -5,7 +5,10 @@ one replica or many alike.
 
 Replica 0's EngineCore runs in this process. Replica d > 0 is an engine-core process (engine/core_proc.py, global
 rank d * tp, which starts its TP workers as replica 0 does), fed through a CoreProcClient: requests and aborts in;
-outputs and its scheduler's load out after each step. All replicas join one torch.distributed world (tp x dp ranks):
+outputs and its scheduler's load out after each step. Across nodes (data_parallel_size_local < data_parallel_size)
+replicas [local size, dp) run on `--headless` nodes: they register with this front end over the network
+(engine/replica_listener.py) and are driven alike through a RemoteCoreClient, with a heartbeat each way.
+All replicas join one torch.distributed world (tp x dp ranks):
 MoE + expert parallel replicas exchange tokens in every MoE layer and step in lockstep (engine/dp_lockstep.py):
 replica 0 drives the rounds while any replica has work, the others follow, idle ones with padding-only steps. Dense
 replicas share nothing and step on their own.
@@ -19,7 +22,8 @@ from graphinfer.distributed import launch
 from graphinfer.errors import GraphinferError, InvalidRequestError
 from graphinfer.platforms import Platform, platform_for_device
 from graphinfer.runtime.engine.core import EngineCore, EngineCoreInfo
-from graphinfer.runtime.engine.core_client import CoreProcClient
+from graphinfer.runtime.engine.core_client import CoreProcClient, RemoteCoreClient
+from graphinfer.runtime.engine.replica_listener import ReplicaListener
 from graphinfer.runtime.engine.request import EngineCoreOutput, EngineCoreRequest
 from graphinfer.runtime.executor.parallel_layout import check_parallel_config, expert_parallel_size
 from graphinfer.runtime.worker.expert_load import summarize
@@ -45,8 +49,12 @@ class DPEngineCore:
         self.requests_routed = [0] * self.dp_size
         self._stopped = False
         self.local: EngineCore | None = None
-        self.replicas = {d: CoreProcClient(config, type(platform), f"data-parallel replica {d}", rank=d * tp,
-                                           outputs=self._outputs) for d in range(1, self.dp_size)}
+        here = pc.data_parallel_size_local  # replicas [here, dp) run on other nodes and register over the network
+        self.listener = ReplicaListener(config) if pc.data_parallel_across_nodes else None
+        self.replicas = {d: CoreProcClient(config, type(platform), f"data-parallel replica {d}",
+                                           rank=d * pc.replica_size, outputs=self._outputs) for d in range(1, here)}
+        self.replicas.update({d: RemoteCoreClient(self.listener, d, f"data-parallel replica {d} (another node)",
+                                                  outputs=self._outputs) for d in range(here, self.dp_size)})
         try:
             for r in self.replicas.values():
                 r.on_death(self._on_death)
@@ -55,6 +63,8 @@ class DPEngineCore:
                 r.wait_ready()
         except BaseException as e:
             self.shutdown()
+            if self.listener is not None and self.listener.missing():  # the first thing to fix
+                raise GraphinferError(self.listener.missing_message()) from e
             if self.dead and not isinstance(e, GraphinferError):
                 raise GraphinferError(f"data-parallel replica start-up failed: {self.dead}") from e
             raise
@@ -217,3 +227,5 @@ class DPEngineCore:
             r.shutdown(timeout=30 if local is not None and not self.dead else 0)
         if local is not None:
             local.shutdown()
+        if self.listener is not None:
+            self.listener.close()

@@ -41,9 +41,11 @@ class LLM:
     Default: the artifact's, else False.
     data_parallel_size: that many engine replicas (each tensor_parallel_size ranks, its own scheduler and KV
     cache; replica 0 in this process), each request on the replica with the fewest outstanding tokens
-    (runtime/engine/dp_core.py). MoE + expert parallel replicas step in lockstep. One node only.
-    Across nodes (nnodes > 1, node_rank, master_addr, master_port: vLLM's / torchrun's names) this process is
-    node 0; the other nodes run `graphinfer serve|generate ... --node-rank N` with the same arguments.
+    (runtime/engine/dp_core.py). MoE + expert parallel replicas step in lockstep. With data_parallel_size_local <
+    data_parallel_size (and data_parallel_address, data_parallel_rpc_port) this process is node 0 and the other
+    replicas run on `graphinfer serve --headless --data-parallel-start-rank R ...` nodes.
+    Tensor parallel across nodes (nnodes > 1, node_rank, master_addr, master_port: vLLM's / torchrun's names): this
+    process is node 0; the other nodes run `graphinfer serve|generate ... --node-rank N` with the same arguments.
     speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
     {"model": DRAFT, "num_speculative_tokens": 3} or, for a DeepSeek-V3 checkpoint with MTP layers, {"method": "mtp",
     "num_speculative_tokens": 1} (config.SpeculativeConfig); greedy outputs are those without it,

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterable
 
 from graphinfer.config import EngineConfig
-from graphinfer.errors import InvalidRequestError, LoRAAdapterError
+from graphinfer.errors import InvalidConfigError, InvalidRequestError, LoRAAdapterError
 from graphinfer.outputs import RequestOutput
 from graphinfer.platforms import Platform, platform_for_device
 from graphinfer.runtime.engine.core import EngineCore, engine_tokenizer
@@ -31,6 +31,9 @@ class LLMEngine:
         """core_process: run the engine core in a process of its own (the server's); else in this one. platform: the
         one to run on (None: the device's)."""
         self.config = config
+        if config.parallel_config.headless:
+            raise InvalidConfigError("headless: this node runs data-parallel replicas only, no front end; start it "
+                                     "with `graphinfer serve MODEL --headless ...` (node 0 runs the front end).")
         platform = platform or platform_for_device(str(config.model_config.device).split(":")[0])
         if core_process:
             self.engine_core = CoreProcClient(config, type(platform), "the engine core",

@@ -35,7 +35,7 @@ def run_rank(config: EngineConfig, rank: int, master_port: int, platform_cls=Non
     worker = None
     try:
         join_group(rank, pc, master_port, platform)
-        if rank >= pc.ranks_per_node:  # on another node than rank 0: heartbeats tell it this rank lives
+        if pc.nnodes > 1 and rank >= pc.ranks_per_node:  # a TP rank on another node: heartbeats say it lives
             launch.start_heartbeat(pc.master_addr, master_port, rank)
         worker = Worker(config, platform, platform.activate(config.compile_config.kernels))
         serve_steps(worker)
