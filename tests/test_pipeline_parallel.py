@@ -237,3 +237,15 @@ def test_pp2_artifact_has_a_graph_and_weights_per_stage(checkpoints, tmp_path):
                                                     r"parallel-size 4"):
         LLM(artifact=art, pipeline_parallel_size=4, **KW)
     assert not ps.is_initialized()
+
+
+@pytest.mark.slow  # ~12 s on 2 cores
+def test_pp2_deepseek_v3_gives_hf_greedy_tokens(deepseek_checkpoint):
+    """DeepSeek-V3 (MLA latent cache, dense first layers, routed + shared experts) cut into two stages."""
+    from test_deepseek import KW as DEEPSEEK_KW
+    from test_deepseek import NEW, ZOO_PROMPTS, assert_engine_matches_hf
+
+    path = deepseek_checkpoint("deepseek_v3")
+    with LLM(path, pipeline_parallel_size=2, **DEEPSEEK_KW) as llm:
+        assert_engine_matches_hf(llm, path, hf_greedy(path, ZOO_PROMPTS, NEW))
+        assert isinstance(llm.llm_engine.worker.model.model.layers[-1], PPMissingLayer)  # stage 0 holds the first half
