@@ -21,6 +21,8 @@
 import torch
 from torch import Tensor
 
+from graphinfer import envs
+from graphinfer.errors import InvalidConfigError
 from graphinfer.ops.cpu import ext
 from graphinfer.ops.cpu.elementwise import add_rms_norm_cpu, rms_norm_cpu, silu_and_mul_cpu
 from graphinfer.ops.quant import dynamic_quant, scaled_mm, wo_linear
@@ -28,7 +30,7 @@ from graphinfer.ops.quant import dynamic_quant, scaled_mm, wo_linear
 _wo_linear_ref = wo_linear.reference
 _dynamic_quant_ref = dynamic_quant.reference
 _scaled_mm_ref = scaled_mm.reference
-_NATIVE_OPS = ("wo_linear", "dynamic_quant_int8", "scaled_mm_int8")
+_NATIVE_OPS = ("wo_linear", "wo_linear_a8", "dynamic_quant_int8", "scaled_mm_int8")
 _native_ops: bool | None = None
 
 
@@ -42,14 +44,33 @@ def native_available() -> bool:
     return _native_ops
 
 
+_SCALE_DTYPES = (torch.float32, torch.float16)
+A8_MAX_TOKENS = 64  # from here on wo_linear's GEMM path (dequantized tiles through at::mm) is faster
+
+
 def wo_linear_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
                   bias: Tensor | None) -> Tensor:
-    if native_available() and x.dim() >= 1 and scales.dtype == torch.float32 and (
-            zeros is None or zeros.dtype == torch.float32):
+    """Exact: fp32 activations (csrc/cpu/quant_linear.cpp)."""
+    if native_available() and x.dim() >= 1 and scales.dtype in _SCALE_DTYPES and (
+            zeros is None or zeros.dtype == scales.dtype):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x2, qweight, scales, zeros, bits, bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
     return _wo_linear_ref(x, qweight, scales, zeros, bits, bias)
+
+
+def wo_linear_a8_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
+                     bias: Tensor | None) -> Tensor:
+    """llama.cpp's decode arithmetic for bits 4, group 32 (csrc/cpu/quant_linear_a8.cpp: activations rounded to int8
+    per block of 32); other forms and many tokens: wo_linear_cpu."""
+    k = x.shape[-1]
+    if (bits == 4 and x.dim() >= 1 and k % 64 == 0 and scales.dim() == 2 and scales.shape[1] * 32 == k
+            and x.numel() < A8_MAX_TOKENS * k and scales.dtype in _SCALE_DTYPES
+            and (zeros is None or zeros.dtype == scales.dtype) and native_available()):
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        out = torch.ops.graphinfer_cpu_quant.wo_linear_a8.default(x2, qweight, scales, zeros, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
+    return wo_linear_cpu(x, qweight, scales, zeros, bits, bias)
 
 
 def dynamic_quant_cpu(x: Tensor, quant_dtype: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -84,3 +105,11 @@ def silu_and_mul_quant_cpu(x: Tensor, quant_dtype: str, input_scale: Tensor | No
 CPU_QUANT_OPS = {"wo_linear": wo_linear_cpu, "dynamic_quant": dynamic_quant_cpu, "scaled_mm": scaled_mm_cpu,
                  "rms_norm_quant": rms_norm_quant_cpu, "add_rms_norm_quant": add_rms_norm_quant_cpu,
                  "silu_and_mul_quant": silu_and_mul_quant_cpu}
+
+
+def cpu_quant_ops() -> dict:
+    """CPU_QUANT_OPS with wo_linear as $GRAPHINFER_CPU_WO_ACTIVATIONS says (int8: llama.cpp's decode arithmetic)."""
+    mode = envs.GRAPHINFER_CPU_WO_ACTIVATIONS
+    if mode not in ("int8", "fp32"):
+        raise InvalidConfigError(f"GRAPHINFER_CPU_WO_ACTIVATIONS={mode!r}: use int8 (the default) or fp32.")
+    return {**CPU_QUANT_OPS, "wo_linear": wo_linear_a8_cpu if mode == "int8" else wo_linear_cpu}
