@@ -61,10 +61,10 @@ def wo_linear_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | No
 
 def wo_linear_a8_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
                      bias: Tensor | None) -> Tensor:
-    """llama.cpp's decode arithmetic for bits 4, group 32 (csrc/cpu/quant_linear_a8.cpp: activations rounded to int8
-    per block of 32); other forms and many tokens: wo_linear_cpu."""
+    """llama.cpp's decode arithmetic for group 32 (csrc/cpu/quant_linear_a8.cpp: activations rounded to int8 per
+    block of 32; GGUF's Q4_0 / Q4_1 / Q8_0); other forms and many tokens: wo_linear_cpu."""
     k = x.shape[-1]
-    if (bits == 4 and x.dim() >= 1 and k % 64 == 0 and scales.dim() == 2 and scales.shape[1] * 32 == k
+    if (x.dim() >= 1 and k % 64 == 0 and scales.dim() == 2 and scales.shape[1] * 32 == k
             and x.numel() < A8_MAX_TOKENS * k and scales.dtype in _SCALE_DTYPES
             and (zeros is None or zeros.dtype == scales.dtype) and native_available()):
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
