@@ -11,6 +11,7 @@ from graphinfer.errors import InvalidConfigError
 from graphinfer.ops.cpu import quant as cpu_quant
 from graphinfer.ops.quant import dequantize_weight, pack_int4, wo_linear
 from graphinfer.platforms import get_platform
+from graphinfer.platforms.cpu import has_native_bf16
 from conftest import need_cpu_kernels
 
 ISAS = {0: "scalar", 1: "avx2", 2: "avx512_vnni"}
@@ -87,6 +88,19 @@ def test_paths_agree_and_inputs_are_checked(bits):
         op(x, qweight, torch.ones(64, 9), None, None, 2)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_gemm_within_bf16_rounding(bits):
+    """wo_linear's GEMM path with bf16_gemm: x and the dequantized weight rounded to bf16, the product too."""
+    need_cpu_kernels(cpu_quant.native_available())
+    qweight, scales, z = _weights(70, 192, bits == 4, torch.float16, bits)
+    x = torch.randn(80, 192)
+    out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x, qweight, scales, z, bits, None, True)
+    exact = wo_linear.reference(x, qweight, scales, z, bits, None)
+    w = dequantize_weight(qweight, scales, z, bits)
+    bound = 2 ** -8 * 2 * (x.abs() @ w.abs().T) + 2 ** -8 * exact.abs() + 1e-5
+    assert ((out - exact).abs() <= bound).all() and (out != exact).any()
+
+
 def test_cpu_platform_chooses_the_activations(monkeypatch):
     """Default (int8): 4- and 8-bit group-32 linears at < 64 tokens on wo_linear_a8, the rest on the exact kernel;
     GRAPHINFER_CPU_WO_ACTIVATIONS=fp32: the exact kernel throughout; another value: a typed error naming both."""
@@ -101,9 +115,9 @@ def test_cpu_platform_chooses_the_activations(monkeypatch):
         x = torch.randn(2, 3, 128)  # 6 tokens, 3-D
         assert torch.equal(torch.ops.graphinfer.wo_linear(x, qweight, scales, z, 4, None),
                            op(x.view(6, 128), qweight, scales, z, None).view(2, 3, 40))
-        x = torch.randn(64, 128)  # batched: the exact GEMM path
+        x = torch.randn(64, 128)  # batched: the GEMM path, in bf16 where the CPU multiplies bf16 natively
         assert torch.equal(torch.ops.graphinfer.wo_linear(x, qweight, scales, z, 4, None),
-                           exact(x, qweight, scales, z, 4, None))
+                           exact(x, qweight, scales, z, 4, None, has_native_bf16()))
         q8, s8 = torch.randint(-128, 128, (40, 128), dtype=torch.int8), scales  # bits 8 (Q8_0), group 32
         assert torch.equal(torch.ops.graphinfer.wo_linear(x[:1], q8, s8, None, 8, None), op(x[:1], q8, s8, None, None))
         s16 = torch.rand(40, 8, dtype=torch.float16)  # group 16 (Q6_K): exact

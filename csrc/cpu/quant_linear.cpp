@@ -20,7 +20,8 @@
 //   big groups);
 // - dequantized: w = q * scale + zero in registers, then one FMA per token (best when several tokens share it).
 // Many tokens (prefill, batched decode): chunks of rows (up to kGemmChunkBytes of fp32, a whole SmolLM2 layer)
-// dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads). (One tile per
+// dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads; with bf16_gemm,
+// in bf16: see gemm_chunks). (One tile per
 // thread with single-threaded at::mm calls measured up to 35% slower: MKL re-packs x for every tile.)
 // Group sizes that are not a multiple of the chunk (and machines without AVX2) take a generic path: rows dequantized
 // one by one into a buffer in natural k order, then plain dot products.
@@ -336,22 +337,30 @@ void decode_generic(const Problem& p) {
 }
 
 // Many tokens: chunks of rows dequantized by all threads into one buffer, then one at::mm (MKL, all threads) each.
-void gemm_chunks(const Problem& p, const at::Tensor& x, at::Tensor& out, void (*dequant)(const Problem&, int64_t, float*),
-                 int64_t chunk_bytes) {
+// bf16: the buffer and x in bf16 (oneDNN's avx512_bf16 / AMX GEMM, ~2x fp32's on such a CPU), the product rounded
+// to bf16 before it lands in the fp32 out: not exact, for callers that accept bf16's rounding.
+void gemm_chunks(const Problem& p, const at::Tensor& x_f32, at::Tensor& out,
+                 void (*dequant)(const Problem&, int64_t, float*), int64_t chunk_bytes, bool bf16) {
   const int64_t rows = std::max<int64_t>(1, std::min(p.N, chunk_bytes / (p.K * 4)));
+  const at::Tensor x = bf16 ? x_f32.to(at::kBFloat16) : x_f32;
   at::Tensor buf = at::empty({rows, p.K}, x.options());
-  float* w = buf.data_ptr<float>();
   for (int64_t n0 = 0; n0 < p.N; n0 += rows) {
     const int64_t nb = std::min(rows, p.N - n0);
     at::parallel_for(0, nb, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) dequant(p, n0 + r, w + r * p.K);
+      if (bf16) {  // each row dequantized in fp32 (in L1), then rounded into the buffer
+        std::vector<float> row(p.K);
+        auto* dst = buf.data_ptr<at::BFloat16>();
+        for (int64_t r = r0; r < r1; ++r) {
+          dequant(p, n0 + r, row.data());
+          for (int64_t k = 0; k < p.K; ++k) dst[r * p.K + k] = static_cast<at::BFloat16>(row[k]);
+        }
+      } else {
+        for (int64_t r = r0; r < r1; ++r) dequant(p, n0 + r, buf.data_ptr<float>() + r * p.K);
+      }
     });
-    if (nb == p.N) {
-      at::mm_out(out, x, buf.t());
-    } else {
-      at::Tensor dst = out.narrow(1, n0, nb);
-      at::mm_out(dst, x, buf.narrow(0, 0, nb).t());
-    }
+    at::Tensor dst = nb == p.N ? out : out.narrow(1, n0, nb);
+    if (bf16) dst.copy_(at::mm(x, buf.narrow(0, 0, nb).t()));
+    else at::mm_out(dst, x, buf.narrow(0, 0, nb).t());
   }
   if (p.bias) out.add_(at::from_blob(const_cast<float*>(p.bias), {p.N}, x.options()));
 }
@@ -417,7 +426,8 @@ inline at::Tensor as_float(const at::Tensor& t) {
 }
 
 at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scales_in,
-                     const std::optional<at::Tensor>& zeros_in, int64_t bits, const std::optional<at::Tensor>& bias_in) {
+                     const std::optional<at::Tensor>& zeros_in, int64_t bits, const std::optional<at::Tensor>& bias_in,
+                     bool bf16_gemm) {
   TORCH_CHECK(bits == 4 || bits == 8, "wo_linear: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_floating_point(), "wo_linear: x must be a float [T, K] tensor");
   TORCH_CHECK(qweight_in.dim() == 2 && scales_in.dim() == 2, "wo_linear: qweight [N, K(/2)], scales [N, G]");
@@ -465,7 +475,7 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
 
   if (T >= kGemmMinTokens) {
     auto dq = bits == 4 ? row_dequantizer<4>(lanes) : row_dequantizer<8>(lanes);
-    gemm_chunks(p, x, out, dq, kGemmChunkBytes);
+    gemm_chunks(p, x, out, dq, kGemmChunkBytes, bf16_gemm);
   } else {
     std::vector<float> xsum;
     if (zeros.defined() && lanes) {  // per-group sums of x for the factored kernels' zero term
@@ -488,7 +498,8 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
 }  // namespace
 
 TORCH_LIBRARY(graphinfer_cpu_quant, m) {
-  m.def("wo_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int bits, Tensor? bias) -> Tensor");
+  m.def("wo_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int bits, Tensor? bias, "
+        "bool bf16_gemm=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphinfer_cpu_quant, CPU, m) {

@@ -46,15 +46,16 @@ def native_available() -> bool:
 
 _SCALE_DTYPES = (torch.float32, torch.float16)
 A8_MAX_TOKENS = 64  # from here on wo_linear's GEMM path (dequantized tiles through at::mm) is faster
+_bf16_gemm = False  # wo_linear_a8_cpu's GEMM in bf16: set by cpu_quant_ops (the platform knows the CPU)
 
 
 def wo_linear_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
-                  bias: Tensor | None) -> Tensor:
-    """Exact: fp32 activations (csrc/cpu/quant_linear.cpp)."""
+                  bias: Tensor | None, bf16_gemm: bool = False) -> Tensor:
+    """Exact: fp32 activations (csrc/cpu/quant_linear.cpp); bf16_gemm: many tokens multiplied in bf16."""
     if native_available() and x.dim() >= 1 and scales.dtype in _SCALE_DTYPES and (
             zeros is None or zeros.dtype == scales.dtype):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x2, qweight, scales, zeros, bits, bias)
+        out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x2, qweight, scales, zeros, bits, bias, bf16_gemm)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
     return _wo_linear_ref(x, qweight, scales, zeros, bits, bias)
 
@@ -62,7 +63,8 @@ def wo_linear_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | No
 def wo_linear_a8_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
                      bias: Tensor | None) -> Tensor:
     """llama.cpp's decode arithmetic for group 32 (csrc/cpu/quant_linear_a8.cpp: activations rounded to int8 per
-    block of 32; GGUF's Q4_0 / Q4_1 / Q8_0); other forms and many tokens: wo_linear_cpu."""
+    block of 32; GGUF's Q4_0 / Q4_1 / Q8_0); other forms: wo_linear_cpu, and many tokens: wo_linear_cpu's GEMM in
+    bf16 where the CPU multiplies bf16 natively (2x the fp32 GEMM; bf16's rounding, like the activations' here)."""
     k = x.shape[-1]
     if (x.dim() >= 1 and k % 64 == 0 and scales.dim() == 2 and scales.shape[1] * 32 == k
             and x.numel() < A8_MAX_TOKENS * k and scales.dtype in _SCALE_DTYPES
@@ -70,7 +72,7 @@ def wo_linear_a8_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor |
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         out = torch.ops.graphinfer_cpu_quant.wo_linear_a8.default(x2, qweight, scales, zeros, bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
-    return wo_linear_cpu(x, qweight, scales, zeros, bits, bias)
+    return wo_linear_cpu(x, qweight, scales, zeros, bits, bias, _bf16_gemm)
 
 
 def dynamic_quant_cpu(x: Tensor, quant_dtype: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -107,9 +109,12 @@ CPU_QUANT_OPS = {"wo_linear": wo_linear_cpu, "dynamic_quant": dynamic_quant_cpu,
                  "silu_and_mul_quant": silu_and_mul_quant_cpu}
 
 
-def cpu_quant_ops() -> dict:
-    """CPU_QUANT_OPS with wo_linear as $GRAPHINFER_CPU_WO_ACTIVATIONS says (int8: llama.cpp's decode arithmetic)."""
+def cpu_quant_ops(native_bf16: bool = False) -> dict:
+    """CPU_QUANT_OPS with wo_linear as $GRAPHINFER_CPU_WO_ACTIVATIONS says (int8: llama.cpp's decode arithmetic, and
+    the GEMM of many tokens in bf16 where the CPU has native_bf16)."""
+    global _bf16_gemm
     mode = envs.GRAPHINFER_CPU_WO_ACTIVATIONS
     if mode not in ("int8", "fp32"):
         raise InvalidConfigError(f"GRAPHINFER_CPU_WO_ACTIVATIONS={mode!r}: use int8 (the default) or fp32.")
+    _bf16_gemm = native_bf16
     return {**CPU_QUANT_OPS, "wo_linear": wo_linear_a8_cpu if mode == "int8" else wo_linear_cpu}
