@@ -30,6 +30,7 @@
 // head at ~28 GB/s and the Q8_0 form at ~35 GB/s; M = 64..256 within a few % of fp32 F.linear.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -103,14 +104,20 @@ struct V8 {
 struct Problem {
   const uint8_t* w;     // packed rows, w_row bytes apart
   int64_t w_row;
-  const float* scales;  // [N, G]
-  const float* zeros;   // [N, G] or nullptr
+  const void* scales;   // [N, G], fp32 or (half) fp16: read as they are, not converted per call
+  const void* zeros;    // [N, G] or nullptr, as scales
+  bool half;
   const float* bias;    // [N] or nullptr
   const float* x;       // [T, K] fp32, k permuted per chunk (vector kernels, bits 4) or natural
   const float* xsum;    // [T, G] per-group sums of x (factored kernels with zeros), else nullptr
   float* out;           // [T, N]
   int64_t N, K, G, g, T, bits;
 };
+
+// element i of a scales / zeros array
+inline float param(const Problem& p, const void* base, int64_t i) {
+  return p.half ? static_cast<float>(static_cast<const c10::Half*>(base)[i]) : static_cast<const float*>(base)[i];
+}
 
 // Register tile: rows n0..n0+R-1, tokens t0..t0+MT-1 (x rows K apart, out rows N apart).
 template <class V, int BITS, bool FACT, bool ZERO, int R, int MT>
@@ -121,13 +128,9 @@ void tile(const Problem& p, int64_t n0, int64_t t0) {
   const int64_t K = p.K, G = p.G, cpg = p.g / CH;
   const float* x = p.x + t0 * K;
   const uint8_t* w[R];
-  const float* s[R];
-  const float* z[R];
-  for (int r = 0; r < R; ++r) {
-    w[r] = p.w + (n0 + r) * p.w_row;
-    s[r] = p.scales + (n0 + r) * G;
-    z[r] = ZERO ? p.zeros + (n0 + r) * G : nullptr;
-  }
+  for (int r = 0; r < R; ++r) w[r] = p.w + (n0 + r) * p.w_row;
+  auto s = [&](int r, int64_t gi) { return param(p, p.scales, (n0 + r) * G + gi); };
+  auto z = [&](int r, int64_t gi) { return param(p, p.zeros, (n0 + r) * G + gi); };
   reg acc[R][MT];
   float zacc[R][MT];  // factored with zeros: sum over groups of zero * (sum of x over the group)
   for (int r = 0; r < R; ++r)
@@ -167,18 +170,18 @@ void tile(const Problem& p, int64_t n0, int64_t t0) {
       chunk(kg, std::true_type{});
       for (int64_t c = 1; c < cpg; ++c) chunk(kg + c * CH, std::false_type{});
       for (int r = 0; r < R; ++r) {
-        const reg sv = V::set1(s[r][gi]);
+        const reg sv = V::set1(s(r, gi));
         for (int t = 0; t < MT; ++t) acc[r][t] = V::fma(dq[r][t], sv, acc[r][t]);
         if constexpr (ZERO) {
-          const float zr = z[r][gi];
+          const float zr = z(r, gi);
           for (int t = 0; t < MT; ++t) zacc[r][t] += zr * p.xsum[(t0 + t) * G + gi];
         }
       }
     } else {
       reg sv[R], zv[R];
       for (int r = 0; r < R; ++r) {
-        sv[r] = V::set1(s[r][gi]);
-        if constexpr (ZERO) zv[r] = V::set1(z[r][gi]);
+        sv[r] = V::set1(s(r, gi));
+        if constexpr (ZERO) zv[r] = V::set1(z(r, gi));
       }
       for (int64_t c = 0; c < cpg; ++c) {
         const int64_t k = kg + c * CH;
@@ -283,11 +286,10 @@ template <class V, int BITS>
 void dequant_row_vec(const Problem& p, int64_t n, float* dst) {
   constexpr int L = V::L, CH = BITS == 4 ? 2 * L : L;
   const uint8_t* w = p.w + n * p.w_row;
-  const float* s = p.scales + n * p.G;
-  const float* z = p.zeros ? p.zeros + n * p.G : nullptr;
   const int64_t cpg = p.g / CH;
   for (int64_t gi = 0; gi < p.G; ++gi) {
-    const auto sv = V::set1(s[gi]), zv = V::set1(z ? z[gi] : 0.f);
+    const auto sv = V::set1(param(p, p.scales, n * p.G + gi));
+    const auto zv = V::set1(p.zeros ? param(p, p.zeros, n * p.G + gi) : 0.f);
     for (int64_t c = 0; c < cpg; ++c) {
       const int64_t k = gi * p.g + c * CH;
       if constexpr (BITS == 4) {
@@ -305,10 +307,8 @@ void dequant_row_vec(const Problem& p, int64_t n, float* dst) {
 // Row n dequantized into dst[K] in natural k order, any group size.
 void dequant_row_generic(const Problem& p, int64_t n, float* dst) {
   const uint8_t* w = p.w + n * p.w_row;
-  const float* s = p.scales + n * p.G;
-  const float* z = p.zeros ? p.zeros + n * p.G : nullptr;
   for (int64_t gi = 0; gi < p.G; ++gi) {
-    const float sc = s[gi], zr = z ? z[gi] : 0.f;
+    const float sc = param(p, p.scales, n * p.G + gi), zr = p.zeros ? param(p, p.zeros, n * p.G + gi) : 0.f;
     for (int64_t k = gi * p.g; k < (gi + 1) * p.g; ++k) {
       const float q = p.bits == 4 ? static_cast<float>((w[k >> 1] >> ((k & 1) * 4)) & 15)
                                   : static_cast<float>(reinterpret_cast<const int8_t*>(w)[k]);
@@ -352,7 +352,13 @@ void gemm_chunks(const Problem& p, const at::Tensor& x_f32, at::Tensor& out,
         auto* dst = buf.data_ptr<at::BFloat16>();
         for (int64_t r = r0; r < r1; ++r) {
           dequant(p, n0 + r, row.data());
-          for (int64_t k = 0; k < p.K; ++k) dst[r * p.K + k] = static_cast<at::BFloat16>(row[k]);
+          int64_t k = 0;
+#if defined(__AVX512BF16__)
+          for (; k + 16 <= p.K; k += 16)  // round to nearest even, as the scalar cast
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * p.K + k),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row.data() + k)));
+#endif
+          for (; k < p.K; ++k) dst[r * p.K + k] = static_cast<at::BFloat16>(row[k]);
         }
       } else {
         for (int64_t r = r0; r < r1; ++r) dequant(p, n0 + r, buf.data_ptr<float>() + r * p.K);
@@ -438,10 +444,12 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
               " does not match K = ", K);
   TORCH_CHECK(scales_in.size(0) == N && G > 0 && K % G == 0, "wo_linear: scales ", scales_in.sizes(),
               " must be [N, G] with G dividing K = ", K);
-  const at::Tensor qweight = qweight_in.contiguous(), scales = as_float(scales_in);
+  const bool half = scales_in.scalar_type() == at::kHalf &&  // GGUF's width, read as it is
+                    (!zeros_in.has_value() || zeros_in->scalar_type() == at::kHalf);
+  const at::Tensor qweight = qweight_in.contiguous(), scales = half ? scales_in.contiguous() : as_float(scales_in);
   at::Tensor zeros, bias;
   if (zeros_in.has_value()) {
-    zeros = as_float(*zeros_in);
+    zeros = half ? zeros_in->contiguous() : as_float(*zeros_in);
     TORCH_CHECK(zeros.sizes() == scales.sizes(), "wo_linear: zeros must have the shape of scales");
   }
   if (bias_in.has_value()) {
@@ -469,8 +477,8 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
     x = as_float(x_in);
   }
 
-  Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), scales.data_ptr<float>(),
-            zeros.defined() ? zeros.data_ptr<float>() : nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
+  Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), scales.data_ptr(),
+            zeros.defined() ? zeros.data_ptr() : nullptr, half, bias.defined() ? bias.data_ptr<float>() : nullptr,
             x.data_ptr<float>(), nullptr, out.data_ptr<float>(), N, K, G, g, T, bits};
 
   if (T >= kGemmMinTokens) {

@@ -6,7 +6,10 @@
   dequantized tiles of rows with at::mm. torch's own CPU kernels for these forms (_weight_int4pack_mm_for_cpu,
   _weight_int8pack_mm) measured slower than fp32 F.linear at SmolLM2's shapes (tools/cpu_quant_bench.py).
   Without the library (or for an x / scale layout the kernel does not take) it is the reference: dequantize, then
-  F.linear in fp32.
+  F.linear in fp32. Scales and zeros may be fp16 (GGUF's width) or fp32.
+  By default (GRAPHINFER_CPU_WO_ACTIVATIONS=int8, cpu_quant_ops) group-32 forms (GGUF Q4_0 / Q4_1 / Q8_0) at decode
+  take csrc/cpu/quant_linear_a8.cpp instead, llama.cpp's arithmetic (activations rounded to int8 per block of 32,
+  integer dot products), and many tokens multiply in bf16 where the CPU has native bf16: not exact, faster.
 - dynamic_quant (int8) and scaled_mm (int8 x int8, the w8a8 scheme): csrc/cpu/quant_int8.cpp, bit for bit as the
   references: one pass per token row for the quantization, at::_int_mm (oneDNN, exact int32) and one fused
   scale / bias / cast pass for the GEMM (the reference multiplies in fp64). fp8 stays on the references.
