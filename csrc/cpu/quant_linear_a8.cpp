@@ -91,7 +91,12 @@ struct Problem {
 };
 
 inline float scalar_at(const Problem& p, const void* base, int64_t i) {
-  return p.half ? static_cast<float>(static_cast<const c10::Half*>(base)[i]) : static_cast<const float*>(base)[i];
+  if (!p.half) return static_cast<const float*>(base)[i];
+#if defined(__F16C__) && (defined(__AVX2__) || defined(__AVX512F__))  // (immintrin.h included)
+  return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
+#else
+  return static_cast<float>(static_cast<const c10::Half*>(base)[i]);
+#endif
 }
 
 template <int BITS>
