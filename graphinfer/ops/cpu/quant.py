@@ -66,16 +66,17 @@ def wo_linear_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | No
 def wo_linear_a8_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
                      bias: Tensor | None) -> Tensor:
     """llama.cpp's decode arithmetic for group 32 (csrc/cpu/quant_linear_a8.cpp: activations rounded to int8 per
-    block of 32; GGUF's Q4_0 / Q4_1 / Q8_0); other forms: wo_linear_cpu, and many tokens: wo_linear_cpu's GEMM in
-    bf16 where the CPU multiplies bf16 natively (2x the fp32 GEMM; bf16's rounding, like the activations' here)."""
+    block of 32; GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K), many tokens of those: wo_linear_cpu's GEMM in bf16 where the
+    CPU multiplies bf16 natively (2x the fp32 GEMM; bf16's rounding, like the activations' here); other forms
+    (other group sizes: Q6_K, int4_wo, int8_wo): wo_linear_cpu, exact."""
     k = x.shape[-1]
-    if (x.dim() >= 1 and k % 64 == 0 and scales.dim() == 2 and scales.shape[1] * 32 == k
-            and x.numel() < A8_MAX_TOKENS * k and scales.dtype in _SCALE_DTYPES
-            and (zeros is None or zeros.dtype == scales.dtype) and native_available()):
+    group32 = (x.dim() >= 1 and k % 64 == 0 and scales.dim() == 2 and scales.shape[1] * 32 == k
+               and scales.dtype in _SCALE_DTYPES and (zeros is None or zeros.dtype == scales.dtype))
+    if group32 and x.numel() < A8_MAX_TOKENS * k and native_available():
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         out = torch.ops.graphinfer_cpu_quant.wo_linear_a8.default(x2, qweight, scales, zeros, bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
-    return wo_linear_cpu(x, qweight, scales, zeros, bits, bias, _bf16_gemm)
+    return wo_linear_cpu(x, qweight, scales, zeros, bits, bias, _bf16_gemm and group32)
 
 
 def dynamic_quant_cpu(x: Tensor, quant_dtype: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
