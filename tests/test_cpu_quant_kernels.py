@@ -102,8 +102,10 @@ def test_fallback_without_library(monkeypatch):
 
 
 @pytest.mark.parametrize("kernels", ["eager", "inductor"])
-def test_cpu_platform_binds_the_kernel(kernels):
-    """The cpu platform's default kernels run graphinfer::wo_linear on the C++ op (bit for bit), "reference" does not."""
+def test_cpu_platform_binds_the_kernel(kernels, monkeypatch):
+    """The cpu platform's default kernels run graphinfer::wo_linear on the C++ op (bit for bit), "reference" does not.
+    (GRAPHINFER_CPU_WO_ACTIVATIONS=fp32: the exact kernel; int8, the default: tests/test_cpu_quant_a8.py.)"""
+    monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", "fp32")
     op = native()
     platform = get_platform("cpu")
     impls = platform.op_impls(kernels)
@@ -150,3 +152,16 @@ def test_scaled_mm_int8_bit_exact(t, n, k, bias, out_dtype):
     bb = torch.randn(n, generator=gen).to(out_dtype) if bias else None
     out = cpu_quant.scaled_mm_cpu(a, a_scale, b, b_scale, bb, out_dtype)
     assert torch.equal(out, scaled_mm.reference(a, a_scale, b, b_scale, bb, out_dtype))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_wo_linear_fp16_scales_read_as_they_are(bits):
+    """GGUF's fp16 scales and zeros (read in the kernel, not converted per call) give the fp32 copies' results bit for
+    bit (fp16 -> fp32 is exact), on the decode tiles, the generic path (group 6) and the GEMM path."""
+    op = native()
+    for n, k, group in [(50, 96, 32), (9, 18, 6)]:
+        qweight, scales, z, b = _weights(n, k, group, bits, True, True)
+        s16, z16 = scales.half(), z.half()
+        for t in (1, 5, 64):
+            x = torch.randn(t, k)
+            assert torch.equal(op(x, qweight, s16, z16, bits, b), op(x, qweight, s16.float(), z16.float(), bits, b))

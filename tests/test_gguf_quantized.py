@@ -83,9 +83,10 @@ def test_block_types_match_gguf_dequantize(qtype, source):
 
 def test_schemes_per_type():
     assert SCHEMES == {
-        Q.Q4_0: QuantScheme(bits=4, group_size=32, has_zero=True),
-        Q.Q4_1: QuantScheme(bits=4, group_size=32, has_zero=True),
-        Q.Q4_K: QuantScheme(bits=4, group_size=32, has_zero=True), Q.Q8_0: QuantScheme(bits=8, group_size=32),
+        Q.Q4_0: QuantScheme(bits=4, group_size=32, has_zero=True, scale_dtype="float16"),
+        Q.Q4_1: QuantScheme(bits=4, group_size=32, has_zero=True, scale_dtype="float16"),
+        Q.Q4_K: QuantScheme(bits=4, group_size=32, has_zero=True),
+        Q.Q8_0: QuantScheme(bits=8, group_size=32, scale_dtype="float16"),
         Q.Q6_K: QuantScheme(bits=8, group_size=16)}
 
 
@@ -218,3 +219,9 @@ def test_smollm2_kept_quantized(smollm2_reader):
     print(f"SmolLM2 packed: {packed / 2**20:.1f} MiB, fp32: {fp32 / 2**20:.1f} MiB ({packed / fp32:.1%}); "
           f"converted in {seconds:.2f} s")
     assert packed / fp32 < 0.30
+    # weight traffic of a decode step at the file's width (fp16 scales and mins): 5 bits a weight for Q4_1 (16 bytes
+    # of codes + 2 + 2 per block of 32), 8.5 for Q8_0, as llama.cpp reads them
+    for prefix, bits in (("model.layers.0.mlp.down_proj", 5.0), ("model.embed_tokens", 8.5)):
+        parts = [ours[f"{prefix}.{n}"] for n in ("weight", "weight_scale", "weight_zero") if f"{prefix}.{n}" in ours]
+        weights_ = floats[f"{prefix}.weight"].read().numel()
+        assert 8 * sum(p.numel() * p.element_size() for p in parts) / weights_ == bits, prefix

@@ -6,6 +6,8 @@ quantized CPU kernels and the float F.linear, at SmolLM2-135M's shapes.
 Rows (per weight shape [N, K] and token count M):
 - ours q4: wo_linear bits 4, group 32, scales + zeros (GGUF Q4_1's form; the transformer layers of the goal model);
 - ours q8: wo_linear bits 8, group 32, scales only (GGUF Q8_0's form; its LM head / embeddings);
+- ours q4 / q8 a8: the same forms with fp16 scales (the file's width) on wo_linear_a8 (csrc/cpu/quant_linear_a8.cpp:
+  activations rounded to int8 per block of 32, integer dot products, llama.cpp's arithmetic; the decode default);
 - torch int4: aten._weight_int4pack_mm_for_cpu (group 32, bf16-free fp32 scales and zeros);
 - torch int8: aten._weight_int8pack_mm (per-channel scales: the only form it takes);
 - fp32 / bf16: F.linear on the float weight.
@@ -31,7 +33,7 @@ from graphinfer.ops.quant import pack_int4
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]  # [N, K]: q/o, k/v, gate/up, down, LM head
 GROUP = 32
-IMPLS = ("ours_q4", "ours_q8", "torch_int4", "torch_int8", "fp32", "bf16")
+IMPLS = ("ours_q4", "ours_q4_a8", "ours_q8", "ours_q8_a8", "torch_int4", "torch_int8", "fp32", "bf16")
 
 
 def make_weights(impl: str, n: int, k: int) -> tuple[tuple, int]:
@@ -39,8 +41,12 @@ def make_weights(impl: str, n: int, k: int) -> tuple[tuple, int]:
     g = k // GROUP
     if impl == "ours_q4":
         t = (pack_int4(torch.randint(0, 16, (n, k))), torch.rand(n, g) * 0.01, -torch.rand(n, g) * 0.05)
+    elif impl == "ours_q4_a8":
+        t = (pack_int4(torch.randint(0, 16, (n, k))), (torch.rand(n, g) * 0.01).half(), (-torch.rand(n, g) * 0.05).half())
     elif impl == "ours_q8":
         t = (torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, g) * 0.01)
+    elif impl == "ours_q8_a8":
+        t = (torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n, g) * 0.01).half())
     elif impl == "torch_int4":
         packed = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
         t = (packed, torch.rand(g, n, 2) * 0.01)
@@ -56,6 +62,8 @@ def call(impl: str, x: torch.Tensor, w: tuple) -> torch.Tensor:
         return torch.ops.graphinfer_cpu_quant.wo_linear.default(x, w[0], w[1], w[2], 4, None)
     if impl == "ours_q8":
         return torch.ops.graphinfer_cpu_quant.wo_linear.default(x, w[0], w[1], None, 8, None)
+    if impl in ("ours_q4_a8", "ours_q8_a8"):  # decode only (< 64 tokens: the GEMM path is wo_linear's)
+        return torch.ops.graphinfer_cpu_quant.wo_linear_a8.default(x, w[0], w[1], w[2] if len(w) > 2 else None, None)
     if impl == "torch_int4":
         return torch._weight_int4pack_mm_for_cpu(x, w[0], GROUP, w[1])
     if impl == "torch_int8":

@@ -20,7 +20,8 @@
 //   big groups);
 // - dequantized: w = q * scale + zero in registers, then one FMA per token (best when several tokens share it).
 // Many tokens (prefill, batched decode): chunks of rows (up to kGemmChunkBytes of fp32, a whole SmolLM2 layer)
-// dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads). (One tile per
+// dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads; with bf16_gemm,
+// in bf16: see gemm_chunks). (One tile per
 // thread with single-threaded at::mm calls measured up to 35% slower: MKL re-packs x for every tile.)
 // Group sizes that are not a multiple of the chunk (and machines without AVX2) take a generic path: rows dequantized
 // one by one into a buffer in natural k order, then plain dot products.
@@ -29,6 +30,7 @@
 // head at ~28 GB/s and the Q8_0 form at ~35 GB/s; M = 64..256 within a few % of fp32 F.linear.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -102,14 +104,25 @@ struct V8 {
 struct Problem {
   const uint8_t* w;     // packed rows, w_row bytes apart
   int64_t w_row;
-  const float* scales;  // [N, G]
-  const float* zeros;   // [N, G] or nullptr
+  const void* scales;   // [N, G], fp32 or (half) fp16: read as they are, not converted per call
+  const void* zeros;    // [N, G] or nullptr, as scales
+  bool half;
   const float* bias;    // [N] or nullptr
   const float* x;       // [T, K] fp32, k permuted per chunk (vector kernels, bits 4) or natural
   const float* xsum;    // [T, G] per-group sums of x (factored kernels with zeros), else nullptr
   float* out;           // [T, N]
   int64_t N, K, G, g, T, bits;
 };
+
+// element i of a scales / zeros array
+inline float param(const Problem& p, const void* base, int64_t i) {
+  if (!p.half) return static_cast<const float*>(base)[i];
+#if defined(__F16C__) && (defined(__AVX2__) || defined(__AVX512F__))  // (immintrin.h included)
+  return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);  // one instruction (c10::Half's conversion is bit twiddling)
+#else
+  return static_cast<float>(static_cast<const c10::Half*>(base)[i]);
+#endif
+}
 
 // Register tile: rows n0..n0+R-1, tokens t0..t0+MT-1 (x rows K apart, out rows N apart).
 template <class V, int BITS, bool FACT, bool ZERO, int R, int MT>
@@ -120,13 +133,9 @@ void tile(const Problem& p, int64_t n0, int64_t t0) {
   const int64_t K = p.K, G = p.G, cpg = p.g / CH;
   const float* x = p.x + t0 * K;
   const uint8_t* w[R];
-  const float* s[R];
-  const float* z[R];
-  for (int r = 0; r < R; ++r) {
-    w[r] = p.w + (n0 + r) * p.w_row;
-    s[r] = p.scales + (n0 + r) * G;
-    z[r] = ZERO ? p.zeros + (n0 + r) * G : nullptr;
-  }
+  for (int r = 0; r < R; ++r) w[r] = p.w + (n0 + r) * p.w_row;
+  auto s = [&](int r, int64_t gi) { return param(p, p.scales, (n0 + r) * G + gi); };
+  auto z = [&](int r, int64_t gi) { return param(p, p.zeros, (n0 + r) * G + gi); };
   reg acc[R][MT];
   float zacc[R][MT];  // factored with zeros: sum over groups of zero * (sum of x over the group)
   for (int r = 0; r < R; ++r)
@@ -166,18 +175,18 @@ void tile(const Problem& p, int64_t n0, int64_t t0) {
       chunk(kg, std::true_type{});
       for (int64_t c = 1; c < cpg; ++c) chunk(kg + c * CH, std::false_type{});
       for (int r = 0; r < R; ++r) {
-        const reg sv = V::set1(s[r][gi]);
+        const reg sv = V::set1(s(r, gi));
         for (int t = 0; t < MT; ++t) acc[r][t] = V::fma(dq[r][t], sv, acc[r][t]);
         if constexpr (ZERO) {
-          const float zr = z[r][gi];
+          const float zr = z(r, gi);
           for (int t = 0; t < MT; ++t) zacc[r][t] += zr * p.xsum[(t0 + t) * G + gi];
         }
       }
     } else {
       reg sv[R], zv[R];
       for (int r = 0; r < R; ++r) {
-        sv[r] = V::set1(s[r][gi]);
-        if constexpr (ZERO) zv[r] = V::set1(z[r][gi]);
+        sv[r] = V::set1(s(r, gi));
+        if constexpr (ZERO) zv[r] = V::set1(z(r, gi));
       }
       for (int64_t c = 0; c < cpg; ++c) {
         const int64_t k = kg + c * CH;
@@ -282,11 +291,10 @@ template <class V, int BITS>
 void dequant_row_vec(const Problem& p, int64_t n, float* dst) {
   constexpr int L = V::L, CH = BITS == 4 ? 2 * L : L;
   const uint8_t* w = p.w + n * p.w_row;
-  const float* s = p.scales + n * p.G;
-  const float* z = p.zeros ? p.zeros + n * p.G : nullptr;
   const int64_t cpg = p.g / CH;
   for (int64_t gi = 0; gi < p.G; ++gi) {
-    const auto sv = V::set1(s[gi]), zv = V::set1(z ? z[gi] : 0.f);
+    const auto sv = V::set1(param(p, p.scales, n * p.G + gi));
+    const auto zv = V::set1(p.zeros ? param(p, p.zeros, n * p.G + gi) : 0.f);
     for (int64_t c = 0; c < cpg; ++c) {
       const int64_t k = gi * p.g + c * CH;
       if constexpr (BITS == 4) {
@@ -304,10 +312,8 @@ void dequant_row_vec(const Problem& p, int64_t n, float* dst) {
 // Row n dequantized into dst[K] in natural k order, any group size.
 void dequant_row_generic(const Problem& p, int64_t n, float* dst) {
   const uint8_t* w = p.w + n * p.w_row;
-  const float* s = p.scales + n * p.G;
-  const float* z = p.zeros ? p.zeros + n * p.G : nullptr;
   for (int64_t gi = 0; gi < p.G; ++gi) {
-    const float sc = s[gi], zr = z ? z[gi] : 0.f;
+    const float sc = param(p, p.scales, n * p.G + gi), zr = p.zeros ? param(p, p.zeros, n * p.G + gi) : 0.f;
     for (int64_t k = gi * p.g; k < (gi + 1) * p.g; ++k) {
       const float q = p.bits == 4 ? static_cast<float>((w[k >> 1] >> ((k & 1) * 4)) & 15)
                                   : static_cast<float>(reinterpret_cast<const int8_t*>(w)[k]);
@@ -336,22 +342,36 @@ void decode_generic(const Problem& p) {
 }
 
 // Many tokens: chunks of rows dequantized by all threads into one buffer, then one at::mm (MKL, all threads) each.
-void gemm_chunks(const Problem& p, const at::Tensor& x, at::Tensor& out, void (*dequant)(const Problem&, int64_t, float*),
-                 int64_t chunk_bytes) {
+// bf16: the buffer and x in bf16 (oneDNN's avx512_bf16 / AMX GEMM, ~2x fp32's on such a CPU), the product rounded
+// to bf16 before it lands in the fp32 out: not exact, for callers that accept bf16's rounding.
+void gemm_chunks(const Problem& p, const at::Tensor& x_f32, at::Tensor& out,
+                 void (*dequant)(const Problem&, int64_t, float*), int64_t chunk_bytes, bool bf16) {
   const int64_t rows = std::max<int64_t>(1, std::min(p.N, chunk_bytes / (p.K * 4)));
+  const at::Tensor x = bf16 ? x_f32.to(at::kBFloat16) : x_f32;
   at::Tensor buf = at::empty({rows, p.K}, x.options());
-  float* w = buf.data_ptr<float>();
   for (int64_t n0 = 0; n0 < p.N; n0 += rows) {
     const int64_t nb = std::min(rows, p.N - n0);
     at::parallel_for(0, nb, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) dequant(p, n0 + r, w + r * p.K);
+      if (bf16) {  // each row dequantized in fp32 (in L1), then rounded into the buffer
+        std::vector<float> row(p.K);
+        auto* dst = buf.data_ptr<at::BFloat16>();
+        for (int64_t r = r0; r < r1; ++r) {
+          dequant(p, n0 + r, row.data());
+          int64_t k = 0;
+#if defined(__AVX512BF16__)
+          for (; k + 16 <= p.K; k += 16)  // round to nearest even, as the scalar cast
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * p.K + k),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row.data() + k)));
+#endif
+          for (; k < p.K; ++k) dst[r * p.K + k] = static_cast<at::BFloat16>(row[k]);
+        }
+      } else {
+        for (int64_t r = r0; r < r1; ++r) dequant(p, n0 + r, buf.data_ptr<float>() + r * p.K);
+      }
     });
-    if (nb == p.N) {
-      at::mm_out(out, x, buf.t());
-    } else {
-      at::Tensor dst = out.narrow(1, n0, nb);
-      at::mm_out(dst, x, buf.narrow(0, 0, nb).t());
-    }
+    at::Tensor dst = nb == p.N ? out : out.narrow(1, n0, nb);
+    if (bf16) dst.copy_(at::mm(x, buf.narrow(0, 0, nb).t()));
+    else at::mm_out(dst, x, buf.narrow(0, 0, nb).t());
   }
   if (p.bias) out.add_(at::from_blob(const_cast<float*>(p.bias), {p.N}, x.options()));
 }
@@ -417,7 +437,8 @@ inline at::Tensor as_float(const at::Tensor& t) {
 }
 
 at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scales_in,
-                     const std::optional<at::Tensor>& zeros_in, int64_t bits, const std::optional<at::Tensor>& bias_in) {
+                     const std::optional<at::Tensor>& zeros_in, int64_t bits, const std::optional<at::Tensor>& bias_in,
+                     bool bf16_gemm) {
   TORCH_CHECK(bits == 4 || bits == 8, "wo_linear: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_floating_point(), "wo_linear: x must be a float [T, K] tensor");
   TORCH_CHECK(qweight_in.dim() == 2 && scales_in.dim() == 2, "wo_linear: qweight [N, K(/2)], scales [N, G]");
@@ -428,10 +449,12 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
               " does not match K = ", K);
   TORCH_CHECK(scales_in.size(0) == N && G > 0 && K % G == 0, "wo_linear: scales ", scales_in.sizes(),
               " must be [N, G] with G dividing K = ", K);
-  const at::Tensor qweight = qweight_in.contiguous(), scales = as_float(scales_in);
+  const bool half = scales_in.scalar_type() == at::kHalf &&  // GGUF's width, read as it is
+                    (!zeros_in.has_value() || zeros_in->scalar_type() == at::kHalf);
+  const at::Tensor qweight = qweight_in.contiguous(), scales = half ? scales_in.contiguous() : as_float(scales_in);
   at::Tensor zeros, bias;
   if (zeros_in.has_value()) {
-    zeros = as_float(*zeros_in);
+    zeros = half ? zeros_in->contiguous() : as_float(*zeros_in);
     TORCH_CHECK(zeros.sizes() == scales.sizes(), "wo_linear: zeros must have the shape of scales");
   }
   if (bias_in.has_value()) {
@@ -459,13 +482,13 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
     x = as_float(x_in);
   }
 
-  Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), scales.data_ptr<float>(),
-            zeros.defined() ? zeros.data_ptr<float>() : nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr,
+  Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), scales.data_ptr(),
+            zeros.defined() ? zeros.data_ptr() : nullptr, half, bias.defined() ? bias.data_ptr<float>() : nullptr,
             x.data_ptr<float>(), nullptr, out.data_ptr<float>(), N, K, G, g, T, bits};
 
   if (T >= kGemmMinTokens) {
     auto dq = bits == 4 ? row_dequantizer<4>(lanes) : row_dequantizer<8>(lanes);
-    gemm_chunks(p, x, out, dq, kGemmChunkBytes);
+    gemm_chunks(p, x, out, dq, kGemmChunkBytes, bf16_gemm);
   } else {
     std::vector<float> xsum;
     if (zeros.defined() && lanes) {  // per-group sums of x for the factored kernels' zero term
@@ -488,7 +511,8 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
 }  // namespace
 
 TORCH_LIBRARY(graphinfer_cpu_quant, m) {
-  m.def("wo_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int bits, Tensor? bias) -> Tensor");
+  m.def("wo_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int bits, Tensor? bias, "
+        "bool bf16_gemm=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphinfer_cpu_quant, CPU, m) {

@@ -273,10 +273,10 @@ class CpuPlatform(Platform):
             from graphinfer.ops.cpu.bitmask import CPU_BITMASK_OPS
             from graphinfer.ops.cpu.elementwise import CPU_ELEMENTWISE_OPS
             from graphinfer.ops.cpu.lora import CPU_LORA_CAPTURE_SAFE_OPS, CPU_LORA_OPS
-            from graphinfer.ops.cpu.quant import CPU_QUANT_OPS
+            from graphinfer.ops.cpu.quant import cpu_quant_ops
 
             lora = CPU_LORA_CAPTURE_SAFE_OPS if self.supports_graph_capture else CPU_LORA_OPS  # see ops/cpu/lora.py
-            return {**CPU_OPS, **CPU_ELEMENTWISE_OPS, **CPU_QUANT_OPS, **CPU_BITMASK_OPS, **lora}
+            return {**CPU_OPS, **CPU_ELEMENTWISE_OPS, **cpu_quant_ops(has_native_bf16()), **CPU_BITMASK_OPS, **lora}
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise InvalidConfigError("kernels='triton' on cpu runs Triton's interpreter: set TRITON_INTERPRET=1 "
                                      "in the environment before starting graphinfer.")

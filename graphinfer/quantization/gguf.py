@@ -10,7 +10,8 @@ Each block type maps onto `w = q * scale[n, k // g] + zero[n, k // g]` (QuantSch
   Q8_0  | 8    | 32    | q int8                               | d                      | none
   Q6_K  | 8    | 16    | q - 32 as int8, in [-32, 31]         | d * sc (int8)          | none
 
-Scales and zeros are fp32. `dequantize_weight` of the result equals gguf.quants.dequantize of the same tensor bit
+Scales and zeros of Q4_0 / Q4_1 / Q8_0 stay fp16, as the file has them (-8 d of Q4_0 is exact in fp16: a power-of-two
+scaling); the K-quants' products need fp32. `dequantize_weight` of the result equals gguf.quants.dequantize of the same tensor bit
 for bit in fp32 (tests/test_quantization_formats.py): d, dmin, m are fp16 (exact in fp32) and gguf-py computes the
 same products in fp32: Q4_1 d * q + m, Q8_0 q * d, and Q4_K (d * sc) * q - dmin * m, Q6_K (d * sc) * q with the
 same (d * sc) and (dmin * m) we store; x + (-y) is x - y in IEEE arithmetic. Q4_0 is the one rewrite: gguf-py
@@ -34,17 +35,17 @@ from graphinfer.quantization.scheme import QuantScheme
 
 Q = GGMLQuantizationType
 SCHEMES = {  # the GGUF types kept quantized, and the scheme each becomes
-    Q.Q4_0: QuantScheme(bits=4, group_size=32, has_zero=True),
-    Q.Q4_1: QuantScheme(bits=4, group_size=32, has_zero=True),
+    Q.Q4_0: QuantScheme(bits=4, group_size=32, has_zero=True, scale_dtype="float16"),
+    Q.Q4_1: QuantScheme(bits=4, group_size=32, has_zero=True, scale_dtype="float16"),
     Q.Q4_K: QuantScheme(bits=4, group_size=32, has_zero=True),
-    Q.Q8_0: QuantScheme(bits=8, group_size=32),
+    Q.Q8_0: QuantScheme(bits=8, group_size=32, scale_dtype="float16"),
     Q.Q6_K: QuantScheme(bits=8, group_size=16),
 }
 
 
-def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The fp16 field at byte `offset` of every block [rows, blocks, bytes] -> fp32 [rows, blocks] (exact)."""
-    return np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)[..., 0].astype(np.float32)
+def _f16(blocks: np.ndarray, offset: int, dtype=np.float32) -> np.ndarray:
+    """The fp16 field at byte `offset` of every block [rows, blocks, bytes] -> [rows, blocks] in dtype (exact)."""
+    return np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)[..., 0].astype(dtype)
 
 
 def _pack(codes: np.ndarray) -> np.ndarray:
@@ -53,10 +54,17 @@ def _pack(codes: np.ndarray) -> np.ndarray:
 
 
 def _q4_0_1(blocks: np.ndarray, rows: int, has_min: bool):
-    d = _f16(blocks, 0)
+    d = _f16(blocks, 0, np.float16)
     qs = blocks[..., 4 if has_min else 2:]  # [rows, nb, 16]: elements j (low nibble) and j + 16 (high) of a block
     codes = np.concatenate((qs & np.uint8(0x0F), qs >> np.uint8(4)), axis=-1).reshape(rows, -1)
-    zero = _f16(blocks, 2) if has_min else d * np.float32(-8.0)
+    if has_min:
+        zero = _f16(blocks, 2, np.float16)
+    else:
+        with np.errstate(over="ignore"):
+            zero = d * np.float16(-8.0)
+        if not np.isfinite(zero[np.isfinite(d)]).all():
+            raise UnsupportedQuantizationError("a Q4_0 block scale d above 8188 overflows -8 d in fp16: this file "
+                                               "cannot be kept quantized (load it without quantization='gguf').")
     return _pack(codes), d, zero
 
 
@@ -72,7 +80,7 @@ def _q4_k(blocks: np.ndarray, rows: int):
 
 
 def _q8_0(blocks: np.ndarray, rows: int):
-    return blocks[..., 2:].view(np.int8).reshape(rows, -1), _f16(blocks, 0), None
+    return blocks[..., 2:].view(np.int8).reshape(rows, -1), _f16(blocks, 0, np.float16), None
 
 
 def _q6_k(blocks: np.ndarray, rows: int):
@@ -92,7 +100,8 @@ _CONVERT = {Q.Q4_0: lambda b, r: _q4_0_1(b, r, False), Q.Q4_1: lambda b, r: _q4_
 
 def gguf_tensor_to_quantized(t, n_head: int | None = None) -> tuple[QuantScheme, dict[str, torch.Tensor]]:
     """One 2-D GGUF tensor (gguf's ReaderTensor: .tensor_type, .shape [K, N], .data [N, bytes of a row] uint8) ->
-    (scheme, {"weight": codes, "weight_scale": [N, K // g] fp32, "weight_zero": [N, K // g] fp32 (has_zero only)}),
+    (scheme, {"weight": codes, "weight_scale": [N, K // g], "weight_zero": [N, K // g] (has_zero only)}, in the
+    scheme's scale_dtype),
     the codes uint8 [N, K // 2] (bits 4) or int8 [N, K] (bits 8). n_head: llama's q / k heads, whose rows are
     un-permuted as gguf_loader does (None: rows kept in file order)."""
     qtype = Q(t.tensor_type)

@@ -43,8 +43,9 @@ class QuantizedLinear(nn.Module):
         else:
             scale_shape = (N, groups) if scheme.weight_only else (N,)
         self.weight = _frozen(codes)
-        self.weight_scale = _frozen(torch.empty(scale_shape, dtype=torch.float32, device=device))
-        self.weight_zero = _frozen(torch.empty(N, groups, dtype=torch.float32, device=device)) \
+        scale_dtype = getattr(torch, scheme.scale_dtype) if scheme.weight_only else torch.float32
+        self.weight_scale = _frozen(torch.empty(scale_shape, dtype=scale_dtype, device=device))
+        self.weight_zero = _frozen(torch.empty(N, groups, dtype=scale_dtype, device=device)) \
             if scheme.has_zero else None
         self.input_scale = _frozen(torch.empty(1, dtype=torch.float32, device=device)) \
             if scheme.static_input else None

@@ -7,6 +7,8 @@ A quantized linear `P` holds, in place of its float weight (names as compressed-
   weight-only ones, [ceil(N / bn), ceil(K / bk)] for block FP8 (weight_block (bn, bk): DeepSeek-V3's
   weight_scale_inv, kept in fp8 where the platform has an fp8 GEMM, quantization/fp8.py);
 - `P.weight_zero`: fp32 [N, K // group_size] (weight-only, asymmetric: w = q * scale + zero), absent otherwise;
+  weight-only scales and zeros are fp16 where the scheme says so (scale_dtype: GGUF's Q4_0 / Q4_1 / Q8_0 keep their
+  file's width, a sixth less weight traffic than fp32 for 4-bit codes);
 - `P.input_scale`: fp32 [1], a static activation scale (compressed-tensors' static W8A8), absent when dynamic;
 - `P.bias`: as the float layer's.
 """
@@ -25,6 +27,7 @@ class QuantScheme:
     static_input: bool = False    # act_dtype set: a checkpoint's static input_scale instead of per-token scales
     weight_fp8: bool = False      # codes are float8_e4m3fn (the fp8 scheme)
     weight_block: tuple[int, int] | None = None  # block FP8: (bn, bk) weight blocks, activations per bk-column group
+    scale_dtype: str = "float32"  # weight-only: "float16" or "float32" scales and zeros
 
     def __post_init__(self):
         if self.weight_block is not None:  # a manifest's JSON list -> the tuple (hashable, comparable)

@@ -6,7 +6,10 @@
   dequantized tiles of rows with at::mm. torch's own CPU kernels for these forms (_weight_int4pack_mm_for_cpu,
   _weight_int8pack_mm) measured slower than fp32 F.linear at SmolLM2's shapes (tools/cpu_quant_bench.py).
   Without the library (or for an x / scale layout the kernel does not take) it is the reference: dequantize, then
-  F.linear in fp32.
+  F.linear in fp32. Scales and zeros may be fp16 (GGUF's width) or fp32.
+  By default (GRAPHINFER_CPU_WO_ACTIVATIONS=int8, cpu_quant_ops) group-32 forms (GGUF Q4_0 / Q4_1 / Q8_0) at decode
+  take csrc/cpu/quant_linear_a8.cpp instead, llama.cpp's arithmetic (activations rounded to int8 per block of 32,
+  integer dot products), and many tokens multiply in bf16 where the CPU has native bf16: not exact, faster.
 - dynamic_quant (int8) and scaled_mm (int8 x int8, the w8a8 scheme): csrc/cpu/quant_int8.cpp, bit for bit as the
   references: one pass per token row for the quantization, at::_int_mm (oneDNN, exact int32) and one fused
   scale / bias / cast pass for the GEMM (the reference multiplies in fp64). fp8 stays on the references.
@@ -21,6 +24,8 @@
 import torch
 from torch import Tensor
 
+from graphinfer import envs
+from graphinfer.errors import InvalidConfigError
 from graphinfer.ops.cpu import ext
 from graphinfer.ops.cpu.elementwise import add_rms_norm_cpu, rms_norm_cpu, silu_and_mul_cpu
 from graphinfer.ops.quant import dynamic_quant, scaled_mm, wo_linear
@@ -28,7 +33,7 @@ from graphinfer.ops.quant import dynamic_quant, scaled_mm, wo_linear
 _wo_linear_ref = wo_linear.reference
 _dynamic_quant_ref = dynamic_quant.reference
 _scaled_mm_ref = scaled_mm.reference
-_NATIVE_OPS = ("wo_linear", "dynamic_quant_int8", "scaled_mm_int8")
+_NATIVE_OPS = ("wo_linear", "wo_linear_a8", "dynamic_quant_int8", "scaled_mm_int8")
 _native_ops: bool | None = None
 
 
@@ -42,14 +47,36 @@ def native_available() -> bool:
     return _native_ops
 
 
+_SCALE_DTYPES = (torch.float32, torch.float16)
+A8_MAX_TOKENS = 64  # from here on wo_linear's GEMM path (dequantized tiles through at::mm) is faster
+_bf16_gemm = False  # wo_linear_a8_cpu's GEMM in bf16: set by cpu_quant_ops (the platform knows the CPU)
+
+
 def wo_linear_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
-                  bias: Tensor | None) -> Tensor:
-    if native_available() and x.dim() >= 1 and scales.dtype == torch.float32 and (
-            zeros is None or zeros.dtype == torch.float32):
+                  bias: Tensor | None, bf16_gemm: bool = False) -> Tensor:
+    """Exact: fp32 activations (csrc/cpu/quant_linear.cpp); bf16_gemm: many tokens multiplied in bf16."""
+    if native_available() and x.dim() >= 1 and scales.dtype in _SCALE_DTYPES and (
+            zeros is None or zeros.dtype == scales.dtype):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x2, qweight, scales, zeros, bits, bias)
+        out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x2, qweight, scales, zeros, bits, bias, bf16_gemm)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
     return _wo_linear_ref(x, qweight, scales, zeros, bits, bias)
+
+
+def wo_linear_a8_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
+                     bias: Tensor | None) -> Tensor:
+    """llama.cpp's decode arithmetic for group 32 (csrc/cpu/quant_linear_a8.cpp: activations rounded to int8 per
+    block of 32; GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K), many tokens of those: wo_linear_cpu's GEMM in bf16 where the
+    CPU multiplies bf16 natively (2x the fp32 GEMM; bf16's rounding, like the activations' here); other forms
+    (other group sizes: Q6_K, int4_wo, int8_wo): wo_linear_cpu, exact."""
+    k = x.shape[-1]
+    group32 = (x.dim() >= 1 and k % 64 == 0 and scales.dim() == 2 and scales.shape[1] * 32 == k
+               and scales.dtype in _SCALE_DTYPES and (zeros is None or zeros.dtype == scales.dtype))
+    if group32 and x.numel() < A8_MAX_TOKENS * k and native_available():
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        out = torch.ops.graphinfer_cpu_quant.wo_linear_a8.default(x2, qweight, scales, zeros, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
+    return wo_linear_cpu(x, qweight, scales, zeros, bits, bias, _bf16_gemm and group32)
 
 
 def dynamic_quant_cpu(x: Tensor, quant_dtype: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -84,3 +111,14 @@ def silu_and_mul_quant_cpu(x: Tensor, quant_dtype: str, input_scale: Tensor | No
 CPU_QUANT_OPS = {"wo_linear": wo_linear_cpu, "dynamic_quant": dynamic_quant_cpu, "scaled_mm": scaled_mm_cpu,
                  "rms_norm_quant": rms_norm_quant_cpu, "add_rms_norm_quant": add_rms_norm_quant_cpu,
                  "silu_and_mul_quant": silu_and_mul_quant_cpu}
+
+
+def cpu_quant_ops(native_bf16: bool = False) -> dict:
+    """CPU_QUANT_OPS with wo_linear as $GRAPHINFER_CPU_WO_ACTIVATIONS says (int8: llama.cpp's decode arithmetic, and
+    the GEMM of many tokens in bf16 where the CPU has native_bf16)."""
+    global _bf16_gemm
+    mode = envs.GRAPHINFER_CPU_WO_ACTIVATIONS
+    if mode not in ("int8", "fp32"):
+        raise InvalidConfigError(f"GRAPHINFER_CPU_WO_ACTIVATIONS={mode!r}: use int8 (the default) or fp32.")
+    _bf16_gemm = native_bf16
+    return {**CPU_QUANT_OPS, "wo_linear": wo_linear_a8_cpu if mode == "int8" else wo_linear_cpu}

@@ -1,0 +1,330 @@
+// graphinfer_cpu_quant::wo_linear_a8: the weight-only linear with llama.cpp's decode arithmetic
+// (ggml_vec_dot_q4_1_q8_1, ggml_vec_dot_q8_0_q8_0): activations rounded to int8 per block of 32 once per call, the
+// code dot products in integer SIMD, each block's scale / zero applied in fp32. Faster than wo_linear's exact fp32
+// GEMV (fewer vector ops per weight byte) but not exact: each activation moves by at most half its block's step
+// d = amax / 127.
+//
+// Form (ops/quant.py, group 32, K a multiple of 64): qweight uint8 [N, K / 2] (bits 4, even k in the low nibble) or
+// int8 [N, K] (bits 8, the activations then in natural order), scales
+// [N, K / 32] and zeros [N, K / 32] (or none) in fp16 (GGUF's width: 5 bits of traffic per weight for Q4_1) or fp32.
+// out[t, n] = sum_g s[n, g] * dx[t, g] * sum_{k in g} q[n, k] * xq[t, k] + z[n, g] * xs[t, g] + bias[n], with
+// xq = round(x / dx) in [-127, 127] and xs the exact fp32 sum of x over the group (llama.cpp uses dx * sum xq).
+//
+// The activations are quantized into the order the vector kernels read: per pair of groups A, B (64 elements),
+// [A even k, B even k, A odd k, B odd k] (16 each): 32 weight bytes of a pair, their low nibbles then their high ones,
+// line up with it byte for byte. Paths, picked at run time from what this build has and the caller's cap (max_isa:
+// the tests run each path on one machine): 2 AVX-512 VNNI (_mm512_dpbusd_epi32: one pair per instruction),
+// 1 AVX2 (_mm256_maddubs_epi16 + _mm256_madd_epi16), 0 scalar.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int kGroup = 32, kPair = 64;
+constexpr int64_t kRows = 8;  // rows per task unit
+constexpr int kMaxTokens = 8;  // tokens per register tile
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kBuiltIsa = 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kBuiltIsa = 1;
+#else
+constexpr int kBuiltIsa = 0;
+#endif
+
+struct Acts {  // the activations of one call, quantized
+  std::vector<int8_t> q;  // [T, K] in pair order
+  std::vector<float> d;   // [T, Gp] block steps (Gp: G rounded up to 16, zero padded)
+  std::vector<float> s;   // [T, Gp] exact block sums
+  int64_t Gp;
+};
+
+template <typename scalar_t>
+Acts quantize_acts(const scalar_t* x, int64_t T, int64_t K, int bits) {
+  const int64_t G = K / kGroup, Gp = (G + 15) / 16 * 16;
+  Acts a{std::vector<int8_t>(T * K), std::vector<float>(T * Gp, 0.f), std::vector<float>(T * Gp, 0.f), Gp};
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const scalar_t* xg = x + t * K + gi * kGroup;
+      float amax = 0.f, sum = 0.f;
+      for (int j = 0; j < kGroup; ++j) {
+        const float v = static_cast<float>(xg[j]);
+        amax = std::max(amax, std::abs(v));
+        sum += v;
+      }
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      a.d[t * Gp + gi] = d;
+      a.s[t * Gp + gi] = sum;
+      if (bits == 8) {  // the codes' own order
+        int8_t* dst = a.q.data() + t * K + gi * kGroup;
+        for (int j = 0; j < kGroup; ++j) dst[j] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xg[j]) * id));
+        continue;
+      }
+      // element j of group gi -> its place in the pair order (B: the pair's second group, +16)
+      int8_t* dst = a.q.data() + t * K + (gi / 2) * kPair + (gi % 2) * 16;
+      for (int j = 0; j < kGroup; ++j)
+        dst[(j % 2) * 32 + j / 2] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xg[j]) * id));
+    }
+  return a;
+}
+
+struct Problem {
+  const uint8_t* w;  // [N, K / 2] (bits 4) or int8 [N, K] (bits 8)
+  const void* scales;
+  const void* zeros;  // or nullptr
+  bool half;          // scales / zeros fp16 (else fp32)
+  const float* bias;  // or nullptr
+  const Acts* a;
+  float* out;  // [T, N]
+  int64_t N, K, G, T, row_bytes;
+};
+
+inline float scalar_at(const Problem& p, const void* base, int64_t i) {
+  if (!p.half) return static_cast<const float*>(base)[i];
+#if defined(__F16C__) && (defined(__AVX2__) || defined(__AVX512F__))  // (immintrin.h included)
+  return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
+#else
+  return static_cast<float>(static_cast<const c10::Half*>(base)[i]);
+#endif
+}
+
+template <int BITS>
+void row_scalar(const Problem& p, int64_t n, int64_t t0, int mt) {
+  const uint8_t* w = p.w + n * p.row_bytes;
+  for (int t = t0; t < t0 + mt; ++t) {
+    const int8_t* xq = p.a->q.data() + t * p.K;
+    const float* d = p.a->d.data() + t * p.a->Gp;
+    const float* s = p.a->s.data() + t * p.a->Gp;
+    float acc = 0.f;
+    for (int64_t pi = 0; pi < p.K / kPair; ++pi) {
+      const uint8_t* wp = w + pi * 32;
+      const int8_t* xp = xq + pi * kPair;
+      for (int h = 0; h < 2; ++h) {  // groups A (bytes 0..15 of bits 4) and B (16..31)
+        int32_t dot = 0;
+        if constexpr (BITS == 4) {
+          for (int b = h * 16; b < h * 16 + 16; ++b) dot += (wp[b] & 15) * xp[b] + (wp[b] >> 4) * xp[32 + b];
+        } else {
+          const int8_t* wq = reinterpret_cast<const int8_t*>(w) + pi * kPair + h * kGroup;
+          for (int j = 0; j < kGroup; ++j) dot += wq[j] * xp[h * kGroup + j];
+        }
+        const int64_t gi = 2 * pi + h;
+        acc += scalar_at(p, p.scales, n * p.G + gi) * d[gi] * static_cast<float>(dot);
+        if (p.zeros) acc += scalar_at(p, p.zeros, n * p.G + gi) * s[gi];
+      }
+    }
+    p.out[t * p.N + n] = acc + (p.bias ? p.bias[n] : 0.f);
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// bits 8 (signed codes): llama.cpp's sign trick, |w| (unsigned) times x with w's sign, so maddubs's int16 sums stay
+// within 2 * 128 * 127
+template <int BITS, int MT>
+void row_avx2(const Problem& p, int64_t n, int64_t t0) {
+  const uint8_t* w = p.w + n * p.row_bytes;
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  float zacc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps(), zacc[t] = 0.f;
+  const int64_t Gp = p.a->Gp;
+  for (int64_t pi = 0; pi < p.K / kPair; ++pi) {
+    __m256i lo, hi;  // bits 4: the low and high nibbles; bits 8: the pair's two groups
+    if constexpr (BITS == 4) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pi * 32));
+      lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
+    } else {
+      lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pi * kPair));
+      hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pi * kPair + 32));
+    }
+    const int64_t ga = 2 * pi;
+    const float sa = scalar_at(p, p.scales, n * p.G + ga), sb = scalar_at(p, p.scales, n * p.G + ga + 1);
+    const float za = p.zeros ? scalar_at(p, p.zeros, n * p.G + ga) : 0.f;
+    const float zb = p.zeros ? scalar_at(p, p.zeros, n * p.G + ga + 1) : 0.f;
+    for (int t = 0; t < MT; ++t) {
+      const int8_t* xp = p.a->q.data() + (t0 + t) * p.K + pi * kPair;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
+      __m256 dot, sc;
+      const float* d = p.a->d.data() + (t0 + t) * Gp + ga;
+      if constexpr (BITS == 4) {
+        // int16 pair sums stay within 2 * 2 * 15 * 127: no saturation
+        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+        dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));  // lanes 0..3: A, 4..7: B
+        sc = _mm256_set_m128(_mm_set1_ps(sb * d[1]), _mm_set1_ps(sa * d[0]));
+      } else {
+        const __m256i da = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(x0, lo)), ones);
+        const __m256i db = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(x1, hi)), ones);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_set1_ps(sa * d[0]), acc[t]);
+        dot = _mm256_cvtepi32_ps(db);
+        sc = _mm256_set1_ps(sb * d[1]);
+      }
+      acc[t] = _mm256_fmadd_ps(dot, sc, acc[t]);
+      if (p.zeros) {
+        const float* s = p.a->s.data() + (t0 + t) * Gp + ga;
+        zacc[t] += za * s[0] + zb * s[1];
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t)
+    p.out[(t0 + t) * p.N + n] = hsum8(acc[t]) + zacc[t] + (p.bias ? p.bias[n] : 0.f);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 16 scales (or zeros) of groups g0.. as fp32, those past G zero
+inline __m512 load16(const Problem& p, const void* base, int64_t i0, int64_t left) {
+  const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  if (p.half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(base) + i0));
+  return _mm512_maskz_loadu_ps(m, static_cast<const float*>(base) + i0);
+}
+
+// bits 8: dpbusd of |w| (unsigned) and x negated where w < 0 (the sign trick, as the AVX2 path)
+template <int BITS, int MT>
+void row_vnni(const Problem& p, int64_t n, int64_t t0) {
+  const uint8_t* w = p.w + n * p.row_bytes;
+  const __m512i nib = _mm512_set1_epi8(15);
+  // lanes of pair j (groups 2j, 2j + 1 of a block of 16): bits 4 [2j x4, 2j+1 x4, 2j x4, 2j+1 x4]; bits 8 [2j x8,
+  // 2j+1 x8]
+  const __m512i idx0 = BITS == 4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                 : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i two = _mm512_set1_epi32(2);
+  const int64_t Gp = p.a->Gp, pairs = p.K / kPair;
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < p.G; g0 += 16) {  // blocks of 16 groups (8 pairs)
+    const __m512 sw = load16(p, p.scales, n * p.G + g0, p.G - g0);
+    __m512 sc[MT];  // weight scale x activation step per group
+    for (int t = 0; t < MT; ++t) {
+      sc[t] = _mm512_mul_ps(sw, _mm512_loadu_ps(p.a->d.data() + (t0 + t) * Gp + g0));
+      if (p.zeros)  // the zero terms, in any lanes (all lanes are summed at the end)
+        acc[t] = _mm512_fmadd_ps(load16(p, p.zeros, n * p.G + g0, p.G - g0),
+                                 _mm512_loadu_ps(p.a->s.data() + (t0 + t) * Gp + g0), acc[t]);
+    }
+    __m512i idx = idx0;
+    const int64_t p1 = std::min(pairs, (g0 + 16) / 2);
+    for (int64_t pi = g0 / 2; pi < p1; ++pi, idx = _mm512_add_epi32(idx, two)) {
+      __m512i wq;
+      __mmask64 neg = 0;
+      if constexpr (BITS == 4) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pi * 32));
+        wq = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(wv), _mm256_srli_epi16(wv, 4), 1), nib);
+      } else {
+        const __m512i wv = _mm512_loadu_si512(w + pi * kPair);
+        wq = _mm512_abs_epi8(wv);
+        neg = _mm512_movepi8_mask(wv);
+      }
+      for (int t = 0; t < MT; ++t) {
+        __m512i xq = _mm512_loadu_si512(p.a->q.data() + (t0 + t) * p.K + pi * kPair);
+        if constexpr (BITS == 8) xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq));
+        acc[t] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(idx, sc[t]), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t)
+    p.out[(t0 + t) * p.N + n] = _mm512_reduce_add_ps(acc[t]) + (p.bias ? p.bias[n] : 0.f);
+}
+#endif
+
+// one row against tokens t0 .. t0 + mt - 1 on path isa
+template <int BITS>
+void row(const Problem& p, int isa, int64_t n, int64_t t0, int mt) {
+#define GI_TILES(fn)                                 \
+  switch (mt) {                                      \
+    case 1: return fn<BITS, 1>(p, n, t0);            \
+    case 2: return fn<BITS, 2>(p, n, t0);            \
+    case 3: return fn<BITS, 3>(p, n, t0);            \
+    case 4: return fn<BITS, 4>(p, n, t0);            \
+    case 5: return fn<BITS, 5>(p, n, t0);            \
+    case 6: return fn<BITS, 6>(p, n, t0);            \
+    case 7: return fn<BITS, 7>(p, n, t0);            \
+    default: return fn<BITS, 8>(p, n, t0);           \
+  }
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (isa >= 2) GI_TILES(row_vnni)
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa >= 1) GI_TILES(row_avx2)
+#endif
+#undef GI_TILES
+  (void)isa;
+  row_scalar<BITS>(p, n, t0, mt);
+}
+
+at::Tensor wo_linear_a8(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scales_in,
+                        const std::optional<at::Tensor>& zeros_in, const std::optional<at::Tensor>& bias_in,
+                        int64_t max_isa) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.is_floating_point(), "wo_linear_a8: x must be a float [T, K] tensor");
+  const int64_t T = x_in.size(0), K = x_in.size(1), N = qweight_in.size(0);
+  const int bits = qweight_in.scalar_type() == at::kChar ? 8 : 4;
+  TORCH_CHECK(qweight_in.dim() == 2 && (qweight_in.scalar_type() == at::kByte || bits == 8) &&
+                  qweight_in.size(1) * (bits == 4 ? 2 : 1) == K,
+              "wo_linear_a8: qweight must be uint8 [N, K / 2] (bits 4) or int8 [N, K] (bits 8)");
+  TORCH_CHECK(K % kPair == 0, "wo_linear_a8: K = ", K, " must be a multiple of 64");
+  const int64_t G = K / kGroup;
+  TORCH_CHECK(scales_in.dim() == 2 && scales_in.size(0) == N && scales_in.size(1) == G,
+              "wo_linear_a8: scales must be [N, K / 32] (group 32)");
+  const auto sdt = scales_in.scalar_type();
+  TORCH_CHECK(sdt == at::kHalf || sdt == at::kFloat, "wo_linear_a8: scales must be fp16 or fp32");
+  const at::Tensor qweight = qweight_in.contiguous(), scales = scales_in.contiguous();
+  at::Tensor zeros, bias;
+  if (zeros_in.has_value()) {
+    zeros = zeros_in->contiguous();
+    TORCH_CHECK(zeros.sizes() == scales.sizes() && zeros.scalar_type() == sdt,
+                "wo_linear_a8: zeros must have the shape and dtype of scales");
+  }
+  if (bias_in.has_value()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.numel() == N, "wo_linear_a8: bias must have N = ", N, " elements");
+  }
+  at::Tensor out = at::empty({T, N}, x_in.options().dtype(at::kFloat));
+  if (T > 0 && N > 0) {
+    const at::Tensor xc = x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16
+                              ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+    const Acts acts = xc.scalar_type() == at::kFloat ? quantize_acts(xc.data_ptr<float>(), T, K, bits)
+                                                     : quantize_acts(xc.data_ptr<at::BFloat16>(), T, K, bits);
+    const Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), zeros.defined() ? zeros.data_ptr() : nullptr,
+                    sdt == at::kHalf, bias.defined() ? bias.data_ptr<float>() : nullptr, &acts,
+                    out.data_ptr<float>(), N, K, G, T, qweight.size(1)};
+    const int isa = static_cast<int>(std::min<int64_t>(max_isa, kBuiltIsa));
+    const int64_t blocks = (N + kRows - 1) / kRows;
+    const int64_t grain = std::max<int64_t>(1, 65536 / (kRows * K));
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t n = b0 * kRows; n < std::min(N, b1 * kRows); ++n)
+        for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens)
+          (bits == 4 ? row<4> : row<8>)(p, isa, n, t0, static_cast<int>(std::min<int64_t>(T - t0, kMaxTokens)));
+    });
+  }
+  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
+int64_t wo_linear_a8_isa() { return kBuiltIsa; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(graphinfer_cpu_quant, m) {
+  m.def("wo_linear_a8(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int max_isa=2) -> Tensor");
+  m.def("wo_linear_a8_isa() -> int", &wo_linear_a8_isa);  // the best path this build has
+}
+
+TORCH_LIBRARY_IMPL(graphinfer_cpu_quant, CPU, m) {
+  m.impl("wo_linear_a8", &wo_linear_a8);
+}

@@ -1,0 +1,134 @@
+"""graphinfer_cpu_quant::wo_linear_a8 (csrc/cpu/quant_linear_a8.cpp), llama.cpp's q4_1 x q8_1 / q8_0 x q8_0 decode
+arithmetic for 4- and 8-bit codes, on
+each of its paths (AVX-512 VNNI, AVX2, scalar: max_isa, up to what this build has), against a reference written
+here with torch ops: the activations rounded to int8 per block of 32 the same way (so the codes agree exactly and
+only the fp32 summation order differs), and against the exact fp32 op within the bound that rounding allows,
+sum over blocks of (step / 2) * sum |w|. Then the cpu platform's choice of kernel (GRAPHINFER_CPU_WO_ACTIVATIONS)."""
+import pytest
+import torch
+
+from graphinfer.errors import InvalidConfigError
+from graphinfer.ops.cpu import quant as cpu_quant
+from graphinfer.ops.quant import dequantize_weight, pack_int4, wo_linear
+from graphinfer.platforms import get_platform
+from graphinfer.platforms.cpu import has_native_bf16
+from conftest import need_cpu_kernels
+
+ISAS = {0: "scalar", 1: "avx2", 2: "avx512_vnni"}
+
+
+def a8_op():
+    need_cpu_kernels(cpu_quant.native_available())
+    return torch.ops.graphinfer_cpu_quant.wo_linear_a8.default
+
+
+def _weights(n, k, zeros, scale_dtype, bits=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        qweight = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
+    else:  # -128 included: its magnitude needs the unsigned operand's full range
+        qweight = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3).to(scale_dtype)
+    z = (-torch.rand(n, k // 32, generator=gen) * 0.1).to(scale_dtype) if zeros else None
+    return qweight, scales, z
+
+
+def _round_blocks(x):
+    """x [T, K] -> (x with each block of 32 replaced by d * round(x / d), d = amax / 127, as the kernel: x * (1 / d))."""
+    xb = x.float().view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).view_as(x.float()), d
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("isa", sorted(ISAS), ids=ISAS.get)
+def test_a8_matches_int8_rounding(isa, bits):
+    op = a8_op()
+    if isa > torch.ops.graphinfer_cpu_quant.wo_linear_a8_isa():
+        pytest.skip(f"this build has no {ISAS[isa]} path")
+    for (n, k), zeros, scale_dtype, bias, dtype in [((37, 64), True, torch.float16, False, torch.float32),
+                                                     ((50, 576), True, torch.float32, True, torch.float32),
+                                                     ((19, 1536), False, torch.float16, True, torch.bfloat16),
+                                                     ((9, 128), True, torch.float16, True, torch.bfloat16)]:
+        qweight, scales, z = _weights(n, k, zeros, scale_dtype, bits)
+        w = dequantize_weight(qweight, scales, z, bits)
+        b = torch.randn(n) if bias else None
+        for t in (1, 5, 17):
+            x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).to(dtype)
+            x[0, :32] = 0  # a block of zeros: step 0
+            out = op(x, qweight, scales, z, b, isa)
+            assert out.dtype == dtype and out.shape == (t, n)
+            xr, d = _round_blocks(x)
+            # the zero term takes the exact sum of x over each block (llama.cpp: d * the sum of the codes)
+            ref = xr @ w.T + (x.float() - xr).view(t, -1, 32).sum(-1) @ (z.float().T if zeros else 0 * w[:, ::32].T)
+            ref = ref + (b if bias else 0)
+            scale = xr.abs() @ w.abs().T + x.float().abs() @ w.abs().T
+            bound = 4e-6 * scale + 1e-6 + (2 ** -7 * ref.abs() if dtype == torch.bfloat16 else 0)
+            err = (out.float() - ref).abs()
+            assert (err <= bound).all(), f"{ISAS[isa]} bits {bits} {n}x{k} t={t}: {err.max().item():.3g}"
+            # against the exact op: each activation moved by at most half its block's step
+            exact = wo_linear.reference(x, qweight, scales, z, bits, b).float()
+            rounding = (d / 2).expand(-1, -1, 32).reshape(t, k) @ w.abs().T
+            assert ((out.float() - exact).abs() <= rounding + bound).all()
+            assert (out.float() - exact).abs().max() > 0  # the rounding shows: this is not the exact kernel
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_paths_agree_and_inputs_are_checked(bits):
+    op = a8_op()
+    qweight, scales, z = _weights(64, 576, bits == 4, torch.float16, bits)
+    x = torch.randn(3, 576)
+    outs = [op(x, qweight, scales, z, None, isa) for isa in range(torch.ops.graphinfer_cpu_quant.wo_linear_a8_isa() + 1)]
+    for o in outs[1:]:  # the same codes and scales: only the summation order differs
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        op(torch.randn(1, 96), pack_int4(torch.zeros(4, 96, dtype=torch.uint8)), torch.ones(4, 3), None, None, 2)
+    with pytest.raises(RuntimeError, match="group 32"):
+        op(x, qweight, torch.ones(64, 9), None, None, 2)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_gemm_within_bf16_rounding(bits):
+    """wo_linear's GEMM path with bf16_gemm: x and the dequantized weight rounded to bf16, the product too."""
+    need_cpu_kernels(cpu_quant.native_available())
+    qweight, scales, z = _weights(70, 192, bits == 4, torch.float16, bits)
+    x = torch.randn(80, 192)
+    out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x, qweight, scales, z, bits, None, True)
+    exact = wo_linear.reference(x, qweight, scales, z, bits, None)
+    w = dequantize_weight(qweight, scales, z, bits)
+    bound = 2 ** -8 * 2 * (x.abs() @ w.abs().T) + 2 ** -8 * exact.abs() + 1e-5
+    assert ((out - exact).abs() <= bound).all() and (out != exact).any()
+
+
+def test_cpu_platform_chooses_the_activations(monkeypatch):
+    """Default (int8): 4- and 8-bit group-32 linears at < 64 tokens on wo_linear_a8, the rest on the exact kernel;
+    GRAPHINFER_CPU_WO_ACTIVATIONS=fp32: the exact kernel throughout; another value: a typed error naming both."""
+    op = a8_op()
+    platform = get_platform("cpu")
+    monkeypatch.delenv("GRAPHINFER_CPU_WO_ACTIVATIONS", raising=False)
+    assert platform.op_impls("eager")["wo_linear"] is cpu_quant.wo_linear_a8_cpu
+    qweight, scales, z = _weights(40, 128, True, torch.float16)
+    exact = torch.ops.graphinfer_cpu_quant.wo_linear.default
+    try:
+        platform.activate("eager")
+        x = torch.randn(2, 3, 128)  # 6 tokens, 3-D
+        assert torch.equal(torch.ops.graphinfer.wo_linear(x, qweight, scales, z, 4, None),
+                           op(x.view(6, 128), qweight, scales, z, None).view(2, 3, 40))
+        x = torch.randn(64, 128)  # batched: the GEMM path, in bf16 where the CPU multiplies bf16 natively
+        assert torch.equal(torch.ops.graphinfer.wo_linear(x, qweight, scales, z, 4, None),
+                           exact(x, qweight, scales, z, 4, None, has_native_bf16()))
+        q8, s8 = torch.randint(-128, 128, (40, 128), dtype=torch.int8), scales  # bits 8 (Q8_0), group 32
+        assert torch.equal(torch.ops.graphinfer.wo_linear(x[:1], q8, s8, None, 8, None), op(x[:1], q8, s8, None, None))
+        s16 = torch.rand(40, 8, dtype=torch.float16)  # group 16 (Q6_K): exact
+        assert torch.equal(torch.ops.graphinfer.wo_linear(x[:1], q8, s16, None, 8, None),
+                           exact(x[:1], q8, s16, None, 8, None))
+        monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", "fp32")
+        platform.activate("eager")
+        assert torch.equal(torch.ops.graphinfer.wo_linear(x[:1], qweight, scales, z, 4, None),
+                           exact(x[:1], qweight, scales, z, 4, None))
+        monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", "int4")
+        with pytest.raises(InvalidConfigError, match="int8.*fp32"):
+            platform.op_impls("eager")
+    finally:
+        platform.activate("reference")
