@@ -190,35 +190,24 @@ def test_compressed_tensors_checkpoint_loads_and_generates(case, tmp_path):
 
 def test_gguf_kept_quantized_matches_the_dequantized_model(smollm2_llm, smollm2_greedy, tmp_path, capsys,
                                                            monkeypatch):
-    """The bundled SmolLM2 with quantization="gguf": its Q4_1 / Q8_0 blocks stay packed (weights under 30% of fp32),
-    and its greedy tokens agree with the fp32 model's (the same GGUF dequantized at load) on the fixed prompts, with
-    fp32 activations (GRAPHINFER_CPU_WO_ACTIVATIONS=fp32); with the cpu default, llama.cpp's int8 activations, the
-    agreement is printed and must stay above a floor a broken kernel would not reach; an artifact of it serves the
-    same tokens without the GGUF."""
+    """The bundled SmolLM2 with quantization="gguf": its Q4_1 / Q8_0 blocks stay packed (weights under 30% of fp32,
+    scales at GGUF's fp16), and its greedy tokens agree with the fp32 model's (the same GGUF dequantized at load) on
+    the fixed prompts (the cpu default: exact decode kernels; llama.cpp's int8 activations are tested per kernel in
+    test_cpu_quant_a8.py); an artifact of it serves the same tokens without the GGUF."""
     from graphinfer.bench.accuracy import weight_bytes
     from test_smollm2 import PROMPTS as SMOL_PROMPTS
 
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in smollm2_greedy]
-
-    def agreement(outs):
-        return sum(a == b for r, o in zip(ref, outs) for a, b in zip(r, o)) / sum(map(len, ref))
-
-    monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", "int8")
-    llm = LLM(dtype="float32", max_model_len=1024, quantization="gguf")
-    int8 = agreement([o.outputs[0].token_ids for o in llm.generate(SMOL_PROMPTS, params, use_tqdm=False)])
-    llm.shutdown()
-    monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", "fp32")
+    monkeypatch.delenv("GRAPHINFER_CPU_WO_ACTIVATIONS", raising=False)
     llm = LLM(dtype="float32", max_model_len=1024, quantization="gguf")
     fraction = weight_bytes(llm) / weight_bytes(smollm2_llm)
     assert fraction < 0.3
     outs = [o.outputs[0].token_ids for o in llm.generate(SMOL_PROMPTS, params, use_tqdm=False)]
-    same = agreement(outs)
+    same = sum(a == b for r, o in zip(ref, outs) for a, b in zip(r, o)) / sum(map(len, ref))
     with capsys.disabled():
-        print(f"\ngguf kept quantized: weights {fraction:.1%} of fp32, greedy agreement with fp32 {same:.1%} "
-              f"(int8 activations: {int8:.1%})")
+        print(f"\ngguf kept quantized: weights {fraction:.1%} of fp32, greedy agreement with fp32 {same:.1%}")
     assert same >= 0.8, f"greedy agreement with fp32 {same:.1%}"
-    assert int8 >= 0.3, f"greedy agreement with fp32, int8 activations {int8:.1%}"
     llm.llm_engine.save_artifact(str(tmp_path / "art"))
     served = LLM(artifact=str(tmp_path / "art"))
     first = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # the same batch's first 8 steps suffice

@@ -7,9 +7,11 @@
   _weight_int8pack_mm) measured slower than fp32 F.linear at SmolLM2's shapes (tools/cpu_quant_bench.py).
   Without the library (or for an x / scale layout the kernel does not take) it is the reference: dequantize, then
   F.linear in fp32. Scales and zeros may be fp16 (GGUF's width) or fp32.
-  By default (GRAPHINFER_CPU_WO_ACTIVATIONS=int8, cpu_quant_ops) group-32 forms (GGUF Q4_0 / Q4_1 / Q8_0) at decode
-  take csrc/cpu/quant_linear_a8.cpp instead, llama.cpp's arithmetic (activations rounded to int8 per block of 32,
-  integer dot products), and many tokens multiply in bf16 where the CPU has native bf16: not exact, faster.
+  By default (GRAPHINFER_CPU_WO_ACTIVATIONS=bf16, cpu_quant_ops) group-32 forms (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K)
+  multiply batches of >= 64 tokens in bf16 where the CPU has native bf16 (not exact, ~1.7x at batch 64); with int8
+  their decode takes csrc/cpu/quant_linear_a8.cpp, llama.cpp's arithmetic (activations rounded to int8 per block of
+  32, integer dot products): no faster than the exact kernel on the dev VM (both stream the weights at the same
+  bandwidth), and further from fp32, so opt-in.
 - dynamic_quant (int8) and scaled_mm (int8 x int8, the w8a8 scheme): csrc/cpu/quant_int8.cpp, bit for bit as the
   references: one pass per token row for the quantization, at::_int_mm (oneDNN, exact int32) and one fused
   scale / bias / cast pass for the GEMM (the reference multiplies in fp64). fp8 stays on the references.
@@ -50,6 +52,7 @@ def native_available() -> bool:
 _SCALE_DTYPES = (torch.float32, torch.float16)
 A8_MAX_TOKENS = 64  # from here on wo_linear's GEMM path (dequantized tiles through at::mm) is faster
 _bf16_gemm = False  # wo_linear_a8_cpu's GEMM in bf16: set by cpu_quant_ops (the platform knows the CPU)
+_a8_decode = False  # wo_linear_a8_cpu's decode on int8 activations (GRAPHINFER_CPU_WO_ACTIVATIONS=int8)
 
 
 def wo_linear_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
@@ -65,14 +68,14 @@ def wo_linear_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | No
 
 def wo_linear_a8_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
                      bias: Tensor | None) -> Tensor:
-    """llama.cpp's decode arithmetic for group 32 (csrc/cpu/quant_linear_a8.cpp: activations rounded to int8 per
-    block of 32; GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K), many tokens of those: wo_linear_cpu's GEMM in bf16 where the
-    CPU multiplies bf16 natively (2x the fp32 GEMM; bf16's rounding, like the activations' here); other forms
-    (other group sizes: Q6_K, int4_wo, int8_wo): wo_linear_cpu, exact."""
+    """Group-32 forms (GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K): at decode, with _a8_decode, llama.cpp's arithmetic
+    (csrc/cpu/quant_linear_a8.cpp: activations rounded to int8 per block of 32), else the exact kernel; many tokens:
+    wo_linear_cpu's GEMM in bf16 where the CPU multiplies bf16 natively (2x the fp32 GEMM; bf16's rounding). Other
+    forms (other group sizes: Q6_K, int4_wo, int8_wo): wo_linear_cpu, exact."""
     k = x.shape[-1]
     group32 = (x.dim() >= 1 and k % 64 == 0 and scales.dim() == 2 and scales.shape[1] * 32 == k
                and scales.dtype in _SCALE_DTYPES and (zeros is None or zeros.dtype == scales.dtype))
-    if group32 and x.numel() < A8_MAX_TOKENS * k and native_available():
+    if _a8_decode and group32 and x.numel() < A8_MAX_TOKENS * k and native_available():
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         out = torch.ops.graphinfer_cpu_quant.wo_linear_a8.default(x2, qweight, scales, zeros, bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
@@ -114,11 +117,11 @@ CPU_QUANT_OPS = {"wo_linear": wo_linear_cpu, "dynamic_quant": dynamic_quant_cpu,
 
 
 def cpu_quant_ops(native_bf16: bool = False) -> dict:
-    """CPU_QUANT_OPS with wo_linear as $GRAPHINFER_CPU_WO_ACTIVATIONS says (int8: llama.cpp's decode arithmetic, and
-    the GEMM of many tokens in bf16 where the CPU has native_bf16)."""
-    global _bf16_gemm
+    """CPU_QUANT_OPS with wo_linear as $GRAPHINFER_CPU_WO_ACTIVATIONS says (bf16: the GEMM of many tokens in bf16
+    where the CPU has native_bf16; int8: that and llama.cpp's decode arithmetic; fp32: exact throughout)."""
+    global _bf16_gemm, _a8_decode
     mode = envs.GRAPHINFER_CPU_WO_ACTIVATIONS
-    if mode not in ("int8", "fp32"):
-        raise InvalidConfigError(f"GRAPHINFER_CPU_WO_ACTIVATIONS={mode!r}: use int8 (the default) or fp32.")
-    _bf16_gemm = native_bf16
-    return {**CPU_QUANT_OPS, "wo_linear": wo_linear_a8_cpu if mode == "int8" else wo_linear_cpu}
+    if mode not in ("bf16", "int8", "fp32"):
+        raise InvalidConfigError(f"GRAPHINFER_CPU_WO_ACTIVATIONS={mode!r}: use bf16 (the default), int8 or fp32.")
+    _bf16_gemm, _a8_decode = native_bf16, mode == "int8"
+    return {**CPU_QUANT_OPS, "wo_linear": wo_linear_cpu if mode == "fp32" else wo_linear_a8_cpu}
