@@ -198,6 +198,7 @@ def _child_pids() -> set[int]:
     return kids
 
 
+@pytest.mark.slow  # ~13 s on 2 cores (budget); the dp / EP sweep below stays
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads this process's children from /proc")
 def test_throughput_tensor_parallel_sweep_records_collectives(capsys):
     """tp 1 and tp 2 in one run (gloo, 2 ranks): both rows, the collective time of rank 0 per step, and the

@@ -109,6 +109,7 @@ def test_parallel_layouts_give_hf_greedy_tokens(deepseek_checkpoint, layout):
         assert engine.worker.compiled.pass_reports.passed
 
 
+@pytest.mark.slow  # ~18 s on 2 cores (budget); compile -> serve -> openai: test_compile_artifact.py, test_transformers_backend.py
 def test_compile_then_serve_the_artifact_to_the_openai_client(deepseek_checkpoint, smollm2_path, tmp_path):
     """`graphinfer compile` (absorb_mla's W_UK / W_UV saved with the artifact), then `graphinfer serve ART`: HF's
     greedy tokens, decoded by SmolLM2's tokenizer put beside the tiny DeepSeek-V3."""

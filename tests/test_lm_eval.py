@@ -8,7 +8,7 @@ pytest.importorskip("lm_eval")
 
 from graphinfer.bench.lm_eval_harness import _free_port, _Server, disagreements, evaluate  # noqa: E402
 
-TASK, LIMIT = "graphinfer_capitals", 8  # 8 questions x 4 choices: 32 loglikelihood requests per backend
+TASK, LIMIT = "graphinfer_capitals", 16  # 16 questions x 4 choices: 64 loglikelihood requests per backend
 
 
 @pytest.fixture(scope="module")

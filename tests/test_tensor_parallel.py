@@ -183,6 +183,7 @@ def test_a_failed_step_on_rank_0_stops_the_group_instead_of_hanging(monkeypatch)
     assert all(r.process.poll() is not None for r in ranks) and not ps.is_initialized()
 
 
+@pytest.mark.slow  # ~13 s on 2 cores (budget); spec decode at tp 1: test_spec_decode.py
 def test_tp2_speculative_decoding_matches_tp1(checkpoints, monkeypatch):
     """ngram speculative decoding at tp 2 under the stand-in (FULL_AND_PIECEWISE): uniform verification steps
     replay the verify graphs on both ranks (the worker picks them from the step's shapes alone), the rest the

@@ -170,6 +170,7 @@ def test_tp2_gives_hf_greedy_tokens(hf_zoo_checkpoint, name):
             assert ops["graphinfer::all_reduce"] == 2 * layers + 1  # o_proj, down_proj; the vocab-parallel embedding
 
 
+@pytest.mark.slow  # ~21 s on 2 cores (budget); native tp artifacts: test_tp_artifact.py
 def test_tp2_artifact_of_mistral_gives_hf_greedy_tokens(hf_zoo_checkpoint, tmp_path):
     """`graphinfer compile DIR -tp 2` (each rank reads its slices of the checkpoint), then the artifact at tp 2: a
     plain embedding and untied head split over the vocabulary, GQA heads halved, sliding windows."""

@@ -38,6 +38,8 @@ def test_registry_has_every_op():
     # The unfused MoE pieces stay on the reference ops: fuse_moe replaces them with fused_moe. The expert-load
     # count is one scatter_add, capture-safe as it is.
     unfused_moe = {"moe_dispatch", "moe_grouped_mlp", "moe_combine", "moe_count_experts"}
+    # EPLB's map from routed slots to physical replicas: a gather, a modulo and a scatter_add, capture-safe as they are
+    unfused_moe.add("eplb_map_to_physical_and_record")
     # MLA's expanded op stays on the reference (absorb_mla, a default pass, replaces it); mla_attention_auto is
     # composed of ops that have kernels (bmm, mla_latent_attention, paged_attention).
     expanded_mla = {"mla_attention", "mla_attention_auto"}

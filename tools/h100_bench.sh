@@ -262,33 +262,32 @@ step_launch() {  # issue 19 item 2: cheap launches for the eager path (graphinfe
         --output-json "$OUT_DIR/gpu_check_fast_launch.json" 2>&1 | tee "$OUT_DIR/gpu_check_fast_launch.log"
 }
 
+need_two_gpus() {  # need_two_gpus STEP WHY: sets GPUS; exits 3 with the reason where there are fewer than 2
+    GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    if [ "${GPUS:-0}" -lt 2 ]; then
+        echo "=== $1: needs >= 2 GPUs ($2); nvidia-smi -L shows ${GPUS:-0}. Run it on a machine with >= 2 GPUs;" \
+             "SMOKE=1 rehearses it on CPU." >&2
+        exit 3
+    fi
+}
+
 step_tp() {  # issue 25: tensor parallel 2 vs 1 in the same run; NCCL needs a GPU per rank
-    local modes=FULL_DECODE_ONLY,FULL_AND_PIECEWISE gpus
+    local modes=FULL_DECODE_ONLY,FULL_AND_PIECEWISE
     if [ "${SMOKE:-0}" = 1 ]; then
         modes=NONE  # cpu rehearsal: the same command, tp 2 as two processes over gloo
     else
-        gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-        if [ "${gpus:-0}" -lt 2 ]; then
-            echo "=== tp: needs >= 2 GPUs (tensor parallel 2 runs one rank per GPU over NCCL); nvidia-smi -L shows" \
-                 "${gpus:-0}. Run it on a machine with >= 2 GPUs; SMOKE=1 rehearses it on CPU." >&2
-            exit 3
-        fi
+        need_two_gpus tp "tensor parallel 2 runs one rank per GPU over NCCL"
     fi
     bench tp throughput "${COMMON[@]}" --max-num-seqs 256 --sweep graph-mode=$modes \
         --sweep tensor-parallel-size=1,2 --output-json "$OUT_DIR/tp.json" --plot "$OUT_DIR/tp.png"
 }
 
 step_pp() {  # issue 53: pipeline parallel 2 vs 1; a GPU per stage (SMOKE=1: two gloo processes on cpu)
-    local mode=FULL_AND_PIECEWISE gpus
+    local mode=FULL_AND_PIECEWISE
     if [ "${SMOKE:-0}" = 1 ]; then
         mode=NONE
     else
-        gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-        if [ "${gpus:-0}" -lt 2 ]; then
-            echo "=== pp: needs >= 2 GPUs (pipeline parallel 2 runs one stage per GPU, the hidden state over NCCL);" \
-                 "nvidia-smi -L shows ${gpus:-0}. Run it on a machine with >= 2 GPUs; SMOKE=1 rehearses it on CPU." >&2
-            exit 3
-        fi
+        need_two_gpus pp "pipeline parallel 2 runs one stage per GPU, the hidden state over NCCL"
     fi
     for pp in 1 2; do
         bench "pp$pp" throughput "${COMMON[@]}" --max-num-seqs 256 --graph-mode $mode -pp $pp \
@@ -297,18 +296,12 @@ step_pp() {  # issue 53: pipeline parallel 2 vs 1; a GPU per stage (SMOKE=1: two
 }
 
 step_dp() {  # issue 26: data parallel 2 vs 1 in the same run, MoE + expert parallel and dense; a GPU per replica
-    local moe=${MOE_MODEL:-tiny-qwen3-moe} moe_modes=NONE,FULL_AND_PIECEWISE mode=FULL_AND_PIECEWISE gpus
+    local moe=${MOE_MODEL:-tiny-qwen3-moe} moe_modes=NONE,FULL_AND_PIECEWISE mode=FULL_AND_PIECEWISE
     local moe_len=(--max-len 500)  # tiny-qwen3-moe's context is 1,024: prompt + output must fit
     if [ "${SMOKE:-0}" = 1 ]; then
         moe_modes=NONE mode=NONE moe_len=()  # cpu rehearsal: the same commands, dp 2 as two processes over gloo
     else
-        gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-        if [ "${gpus:-0}" -lt 2 ]; then
-            echo "=== dp: needs >= 2 GPUs (data parallel 2 runs one replica per GPU; with expert parallel they exchange" \
-                 "tokens over NCCL); nvidia-smi -L shows ${gpus:-0}. Run it on a machine with >= 2 GPUs; SMOKE=1" \
-                 "rehearses it on CPU." >&2
-            exit 3
-        fi
+        need_two_gpus dp "data parallel 2 runs one replica per GPU; with expert parallel they exchange tokens over NCCL"
     fi
     bench dp_moe throughput "${COMMON[@]}" --model "$moe" --max-num-seqs 256 --enable-expert-parallel \
         ${moe_len[@]+"${moe_len[@]}"} --sweep graph-mode=$moe_modes --sweep data-parallel-size=1,2 \
@@ -318,28 +311,23 @@ step_dp() {  # issue 26: data parallel 2 vs 1 in the same run, MoE + expert para
 }
 
 step_eplb() {  # issue 54: EPLB's imbalance with and without it, and its cost, over every GPU as EP ranks
-    local moe=${MOE_MODEL:-} mode=FULL_AND_PIECEWISE gpus dev=(--dtype bfloat16 --device cuda)
+    local moe=${MOE_MODEL:-} mode=FULL_AND_PIECEWISE dev=(--dtype bfloat16 --device cuda)
     local shape=(--num-experts 64 --hidden-size 2048 --moe-intermediate-size 768 --num-layers 4 --hot 56,57)
     local work=(--num-prompts 128 --min-len 100 --max-len 500)
     if [ "${SMOKE:-0}" = 1 ]; then  # cpu rehearsal: 2 ranks over gloo, a tiny skewed model, NONE
-        gpus=2 mode=NONE dev=(--dtype float32 --device cpu) work=(--num-prompts 8 --min-len 16 --max-len 64)
+        GPUS=2 mode=NONE dev=(--dtype float32 --device cpu) work=(--num-prompts 8 --min-len 16 --max-len 64)
         shape=(--num-experts 8 --hidden-size 64 --moe-intermediate-size 32 --num-layers 2 --hot 6,7)
     else  # one GPU suffices for the map op in a CUDA graph across a rewritten map
         "$PY" -m pytest -q -m gpu tests/test_eplb.py 2>&1 | tee "$OUT_DIR/pytest_eplb.log" \
             || echo "=== pytest failed (see pytest_eplb.log)"
-        gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-        if [ "${gpus:-0}" -lt 2 ]; then
-            echo "=== eplb: needs >= 2 GPUs (the experts are placed over expert-parallel ranks, one per GPU);" \
-                 "nvidia-smi -L shows ${gpus:-0}. Run it on a machine with >= 2 GPUs; SMOKE=1 rehearses it on CPU." >&2
-            exit 3
-        fi
+        need_two_gpus eplb "the experts are placed over expert-parallel ranks, one per GPU"
     fi
     if [ -z "$moe" ]; then
         moe="$OUT_DIR/skewed-moe"
         [ -d "$moe" ] || "$PY" tools/make_skewed_moe.py "$moe" "${shape[@]}" 2>&1 | tail -n 1
     fi
-    bench eplb moe-balance --model "$moe" "${dev[@]}" --graph-mode $mode --ep-size "$gpus" --eplb \
-        --eplb-config "{\"num_redundant_experts\": $((2 * gpus)), \"window_size\": 10, \"step_interval\": 20}" \
+    bench eplb moe-balance --model "$moe" "${dev[@]}" --graph-mode $mode --ep-size "$GPUS" --eplb \
+        --eplb-config "{\"num_redundant_experts\": $((2 * GPUS)), \"window_size\": 10, \"step_interval\": 20}" \
         "${work[@]}" --output-json "$OUT_DIR/eplb.json"
 }
 
