@@ -107,8 +107,11 @@ def test_eplb_tokens_match_hf_across_rearrangements_captured(layout, skewed, mon
         metrics.watch_eplb(llm.llm_engine)
         text = metrics.render().decode()
         saved = llm.llm_engine.save_expert_map(str(tmp_path / "map.json"))
-    assert f'graphinfer:eplb_rearrangements_total{{model_name="m"}} {float(stats["rearrangements"])}' in text
-    assert f'graphinfer:eplb_moved_bytes_total{{model_name="m"}} {float(stats["moved_bytes_total"])}' in text
+    # values as prometheus_client writes them (Go's float format: 1155072.0 is "1.155072e+06")
+    samples = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("graphinfer:eplb_")}
+    assert samples["graphinfer:eplb_rearrangements_total"] == stats["rearrangements"]
+    assert samples["graphinfer:eplb_moved_bytes_total"] == stats["moved_bytes_total"]
     assert "graphinfer:eplb_ep_rank_imbalance{" in text and "graphinfer:eplb_ep_rank_imbalance_without_eplb{" in text
     placement = load_expert_map(saved, 8, 2)
     assert placement.shape == (2, 10) and not torch.equal(placement[0], initial_placement(1, 8, 2)[0])
