@@ -88,6 +88,21 @@ def running_servers(specs: dict[str, list[str]], log_dir):
             s.stop()
 
 
+def processes_running(root_pid: int, module: str) -> list:
+    """The live descendants of root_pid started as `python -m module`. A short-lived helper the server spawned (a
+    library's subprocess) can be a zombie or gone by the time it is read: such processes are skipped."""
+    import psutil
+
+    found = []
+    for p in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if module in " ".join(p.cmdline()):
+                found.append(p)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            pass
+    return found
+
+
 def start_server(args: list[str], log_path, timeout: float = 120.0) -> Server:
     return Server(args, log_path).launch().wait_ready(timeout)
 

@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 from capture_standin import OpTapePlatform
-from server_utils import Server, metric, metric_samples
+from server_utils import Server, metric, metric_samples, processes_running
 
 import graphinfer.runtime.entrypoints.llm_engine as llm_engine
 from graphinfer import LLM, SamplingParams
@@ -141,8 +141,7 @@ def test_dense_dp2_server_spreads_clients_and_ends_when_a_replica_dies(tmp_path)
             assert sum(len(c.choices[0].text) >= 0 for c in stream) > 0
         # replica 1 dies: the front end learns it from its connection and the server exits non-zero. The server's
         # engine core (the data-parallel front end with replica 0) is a core process; replica 1 is its child.
-        cores = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-                 if "graphinfer.runtime.engine.core_proc" in " ".join(p.cmdline())]
+        cores = processes_running(server.proc.pid, "graphinfer.runtime.engine.core_proc")
         replica = [p for p in cores if p.parent().pid != server.proc.pid]
         assert len(replica) == 1
         replica[0].send_signal(signal.SIGKILL)

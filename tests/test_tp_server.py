@@ -9,7 +9,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from server_utils import GRAPHINFER, Server, free_port
+from server_utils import GRAPHINFER, Server, free_port, processes_running
 
 from graphinfer import LLM, SamplingParams
 
@@ -82,8 +82,7 @@ def test_a_killed_worker_ends_the_server(tmp_path):
     server = Server(["tiny-llama", *ENGINE, "-tp", "2"], tmp_path / "serve.log").launch().wait_ready(120)
     try:
         # the server's engine core runs in a process of its own, which starts the tensor-parallel rank
-        [worker] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-                    if "graphinfer.runtime.executor.worker_proc" in " ".join(p.cmdline())]
+        [worker] = processes_running(server.proc.pid, "graphinfer.runtime.executor.worker_proc")
         with httpx.Client(base_url=server.url, timeout=30) as http:
             stream = http.stream("POST", "/v1/completions", json={"model": "tiny-llama", "prompt": [1, 2, 3],
                                                                    "max_tokens": 200, "stream": True, "ignore_eos": True})
