@@ -67,10 +67,15 @@ def rebind_buffers(model: nn.Module, *roots) -> None:
     graphs = {id(m): m for root in roots if isinstance(root, nn.Module)
               for m in root.modules() if isinstance(m, fx.GraphModule)}
     for gm in graphs.values():
+        hoisted = gm.__dict__.get("_hoisted_attrs", {})  # compiler/bind_ops.hoist_attrs: flat name -> path
         for node in gm.graph.nodes:
-            if node.op == "get_attr" and node.target in buffers:
-                parent, _, name = node.target.rpartition(".")
-                setattr(gm.get_submodule(parent), name, buffers[node.target])
+            path = hoisted.get(node.target, node.target)
+            if node.op == "get_attr" and path in buffers:
+                if node.target in hoisted:
+                    gm.__dict__[node.target] = buffers[path]
+                else:
+                    parent, _, name = path.rpartition(".")
+                    setattr(gm.get_submodule(parent), name, buffers[path])
 
 
 def op_histogram(gm: fx.GraphModule) -> dict[str, int]:
