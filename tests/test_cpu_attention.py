@@ -196,3 +196,17 @@ def test_mla_latent_attention(q_lens, seq_lens, pad, dtype):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
     torch.testing.assert_close(out.double(), dense_oracle(*args), **TOL[dtype])
     assert not out[args[4][2]].any() and not out[sum(q_lens):].any()  # request 2 has seq_len 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["none", "window150", "sinks", "all"])
+def test_small_decode_batches_split_over_the_threads(case, dtype, decode_impl):
+    """Fewer decode tasks than 2 a thread (batch 1, 2 threads: 3 KV heads): each row's blocks cut into parts whose
+    softmax partials merge (a window starting inside the first part, sinks joining the merged denominator)."""
+    torch.set_num_threads(2)  # the split needs threads > 1; conftest's suite runs with 2
+    features = {"none": {}, "window150": dict(sliding_window=150), "sinks": feature_cases(9)["sinks"],
+                "all": dict(feature_cases(9)["all"], sliding_window=150)}[case]
+    for q_lens, seq_lens in [([1], [300]), ([1, 1], [257, 65]), ([1, 5], [200, 5])]:
+        args = _paged_batch(q_lens, seq_lens, 9, 3, 64, 16, dtype, seed=8)
+        torch.testing.assert_close(paged_attention_cpu(*args, 0.125, **features).double(),
+                                   dense_paged_attention(*args, 0.125, **features), **TOL[dtype])

@@ -338,7 +338,14 @@ inline void cap_and_hide(float* s, int64_t n, float softcap, int64_t hidden) {
 // read once per tile, not once per row.
 struct Task {
   int64_t b, h, row0, rows, cost, nh = 1;
+  int64_t j0 = 0, j1 = 0, part = -1;  // a decode row's blocks [j0, j1) (j1 0: all); part >= 0: its slot's offset
 };
+
+// Decode rows split over the threads when a batch has fewer tasks than this many per thread (batch 1 has Hkv tasks:
+// 3 for SmolLM2 on 2 threads left one thread idle half the call), each part at least kSplitBlocks blocks; the parts'
+// running maxima, sums and unnormalised outputs merge after the parallel loop (as flash-decoding's split-KV does).
+constexpr int64_t kSplitTasksPerThread = 2;
+constexpr int64_t kSplitBlocks = 4;
 
 // One call's inputs, shared read-only by the threads.
 template <typename scalar_t>
@@ -400,9 +407,12 @@ struct Scratch {
 // One row r (a decode's, position ctx - 1) of request b with the G query heads of each of the KV heads h0..h0+nh:
 // online softmax over the ctx tokens, block by block. Several KV heads a task read each block's rows whole (they lie
 // side by side in a token's row of the cache) rather than a third of every token's row per task.
+// Blocks [j0, j1) only where j1 > 0; with part (a split): that part's maxima, sums and unnormalised outputs
+// [nh * G][2 + Dp] go there instead of the output (merge_parts finishes them).
 template <typename scalar_t>
 __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h0, int64_t nh,
-                                         int64_t r, int64_t ctx) {
+                                         int64_t r, int64_t ctx, int64_t j0 = 0, int64_t j1 = 0,
+                                         float* part = nullptr) {
   const int64_t G = x.G, D = x.D, Dp = x.Dp, bs = x.bs, bsp = x.bsp, D2 = D / 2;
   const int64_t Gp = padded_heads(G);  // a KV head's share of the scratch's per-head arrays
   const bool bf16_rows = x.pairs && (D == 64 || D == 128);  // bf16 scores and values row by row (AVX-512)
@@ -423,9 +433,10 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
   std::fill_n(w.m.begin(), nh * Gp, -std::numeric_limits<float>::infinity());
   std::fill_n(w.l.begin(), nh * Gp, 0.f);
   const int64_t lo = x.window > 0 ? std::max<int64_t>(ctx - x.window, 0) : 0;  // the first visible position
-  for (int64_t j = lo / bs; j * bs < ctx; ++j) {
+  const int64_t j_end = j1 > 0 ? j1 : (ctx + bs - 1) / bs;
+  for (int64_t j = std::max(lo / bs, j0); j < j_end; ++j) {
     const int64_t n = std::min(bs, ctx - j * bs);
-    if ((j + 1) * bs < ctx) x.prefetch(b, h0, j + 1, nh);
+    if (j + 1 < j_end) x.prefetch(b, h0, j + 1, nh);
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t base = x.base(b, h0 + hh, j);
       const float* q = w.q.data() + hh * Gp * Dp;
@@ -512,12 +523,47 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
   for (int64_t hh = 0; hh < nh; ++hh) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = hh * Gp + g;
+      if (part) {
+        float* slot = part + (hh * G + g) * (2 + Dp);
+        slot[0] = w.m[i];
+        slot[1] = w.l[i];
+        std::copy_n(w.acc.data() + i * Dp, Dp, slot + 2);
+        continue;
+      }
       scalar_t* dst = x.o + r * x.o_row + ((h0 + hh) * G + g) * x.o_head;
       const float sink = x.sinks ? std::exp(x.sinks[(h0 + hh) * G + g] - w.m[i]) : 0.f;  // a term with no value
       const float inv = 1.f / (w.l[i] + sink);
       for (int64_t d = 0; d < D; ++d)
         dst[d] = static_cast<scalar_t>(w.acc[i * Dp + (bf16_rows ? pair_lane(d) : d)] * inv);
     }
+  }
+}
+
+// A split decode row's parts (decode_row's part slots, `parts` of them, `stride` floats apart) merged into its output:
+// the heads of KV heads h0..h0+nh of row r.
+template <typename scalar_t>
+void merge_parts(const Batch<scalar_t>& x, const float* part, int64_t parts, int64_t stride, int64_t h0, int64_t nh,
+                 int64_t r) {
+  const int64_t G = x.G, D = x.D, Dp = x.Dp;
+  const bool bf16_rows = x.pairs && (D == 64 || D == 128);  // as decode_row: its accumulators' lanes in pair order
+  std::vector<float> acc(Dp);
+  for (int64_t i = 0; i < nh * G; ++i) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part[p * stride + i * (2 + Dp)]);
+    float l = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* slot = part + p * stride + i * (2 + Dp);
+      if (slot[1] == 0.f) continue;  // a part with no visible token (before a sliding window)
+      const float c = std::exp(slot[0] - mx);
+      l += slot[1] * c;
+      for (int64_t d = 0; d < Dp; ++d) acc[d] += slot[2 + d] * c;
+    }
+    const int64_t hq = h0 * G + i;  // the query head
+    const float sink = x.sinks ? std::exp(x.sinks[hq] - mx) : 0.f;
+    const float inv = 1.f / (l + sink);
+    scalar_t* dst = x.o + r * x.o_row + hq * x.o_head;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[bf16_rows ? pair_lane(d) : d] * inv);
   }
 }
 
@@ -646,6 +692,39 @@ int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
       else for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, row0, rows, cost});
     }
   }
+  // too few tasks to keep the threads busy (a small decode batch): each decode row's blocks cut into parts
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> parts;  // the parts' slots, each [nh * G][2 + Dp]
+  struct Split { int64_t first, parts, stride, h0, nh, r; };
+  std::vector<Split> splits;
+  if (threads > 1 && static_cast<int64_t>(tasks.size()) < kSplitTasksPerThread * threads) {
+    const int64_t want = (kSplitTasksPerThread * threads + static_cast<int64_t>(tasks.size()) - 1) /
+                         std::max<int64_t>(1, static_cast<int64_t>(tasks.size()));
+    std::vector<Task> cut;
+    int64_t used = 0;
+    for (const Task& t : tasks) {
+      const int64_t L = x.lens[t.b], lo = sliding_window > 0 ? std::max<int64_t>(L - sliding_window, 0) : 0;
+      const int64_t jb = lo / bs, je = (L + bs - 1) / bs;
+      const int64_t n_parts = std::min(want, (je - jb) / kSplitBlocks);
+      if (t.rows != 1 || n_parts < 2) {
+        cut.push_back(t);
+        continue;
+      }
+      const int64_t stride = t.nh * G * (2 + Dp);
+      splits.push_back({used, n_parts, stride, t.h, t.nh, x.qsl[t.b] + t.row0});
+      for (int64_t p = 0; p < n_parts; ++p) {
+        Task part = t;
+        part.j0 = jb + (je - jb) * p / n_parts;
+        part.j1 = jb + (je - jb) * (p + 1) / n_parts;
+        part.cost = t.cost / n_parts;
+        part.part = used;
+        used += stride;
+        cut.push_back(part);
+      }
+    }
+    tasks.swap(cut);
+    parts.resize(used);
+  }
   // the costliest first, handed out one at a time: threads finish together however uneven the tasks
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& p, const Task& q) { return p.cost > q.cost; });
   std::atomic<int64_t> next{0};
@@ -655,10 +734,14 @@ int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
       const Task& t = tasks[i];
       const int64_t r0 = x.qsl[t.b] + t.row0, pos0 = x.lens[t.b] - (x.qsl[t.b + 1] - x.qsl[t.b]) + t.row0;
-      if (t.rows == 1) decode_row(x, w, t.b, t.h, t.nh, r0, pos0 + 1);
+      if (t.part >= 0)
+        decode_row(x, w, t.b, t.h, t.nh, r0, pos0 + 1, t.j0, t.j1, parts.data() + t.part);
+      else if (t.rows == 1) decode_row(x, w, t.b, t.h, t.nh, r0, pos0 + 1);
       else prefill_tile(x, w, t.b, t.h, r0, t.rows, pos0);
     }
   });
+  for (const Split& sp : splits)
+    merge_parts(x, parts.data() + sp.first, sp.parts, sp.stride, sp.h0, sp.nh, sp.r);
   for (const auto& [begin, end] : zero_rows)
     for (int64_t r = begin; r < end; ++r)
       for (int64_t h = 0; h < Hq; ++h) std::fill_n(x.o + r * x.o_row + h * x.o_head, D, scalar_t(0));
