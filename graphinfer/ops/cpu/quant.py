@@ -75,11 +75,15 @@ def wo_linear_a8_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor |
     k = x.shape[-1]
     group32 = (x.dim() >= 1 and k % 64 == 0 and scales.dim() == 2 and scales.shape[1] * 32 == k
                and scales.dtype in _SCALE_DTYPES and (zeros is None or zeros.dtype == scales.dtype))
-    if _a8_decode and group32 and x.numel() < A8_MAX_TOKENS * k and native_available():
-        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if not (group32 and native_available()):
+        return wo_linear_cpu(x, qweight, scales, zeros, bits, bias)
+    # the C++ ops called from here (not through wo_linear_cpu): a decode step makes ~120 of these calls at batch 1
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if _a8_decode and x2.shape[0] < A8_MAX_TOKENS:
         out = torch.ops.graphinfer_cpu_quant.wo_linear_a8.default(x2, qweight, scales, zeros, bias)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
-    return wo_linear_cpu(x, qweight, scales, zeros, bits, bias, _bf16_gemm and group32)
+    else:
+        out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x2, qweight, scales, zeros, bits, bias, _bf16_gemm)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
 
 
 def dynamic_quant_cpu(x: Tensor, quant_dtype: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
