@@ -58,6 +58,9 @@ def with_modules(gm: fx.GraphModule, swaps: dict[str, nn.Module]) -> fx.GraphMod
     return copy
 
 
+HOISTED = "_hoisted_attrs"  # in a GraphModule's __dict__: {flat attribute: the module path it was read from}
+
+
 def rebind_buffers(model: nn.Module, *roots) -> None:
     """Point the buffer reads of every fx graph in `roots` (GraphModules, their submodules included: a split graph's
     pieces; None and non-module callables are skipped) at model's current buffers of the same path (e.g. a
@@ -67,7 +70,7 @@ def rebind_buffers(model: nn.Module, *roots) -> None:
     graphs = {id(m): m for root in roots if isinstance(root, nn.Module)
               for m in root.modules() if isinstance(m, fx.GraphModule)}
     for gm in graphs.values():
-        hoisted = gm.__dict__.get("_hoisted_attrs", {})  # compiler/bind_ops.hoist_attrs: flat name -> path
+        hoisted = gm.__dict__.get(HOISTED, {})  # compiler/bind_ops.hoist_attrs: flat name -> path
         for node in gm.graph.nodes:
             path = hoisted.get(node.target, node.target)
             if node.op == "get_attr" and path in buffers:
