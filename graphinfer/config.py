@@ -373,11 +373,6 @@ class ParallelConfig:
                 f"each replica's tensor-parallel ranks on one node (--tensor-parallel-size <= the node's devices).")
 
     @property
-    def timeout_s(self) -> float:
-        """distributed_timeout (the name the runtime reads)."""
-        return self.distributed_timeout
-
-    @property
     def data_parallel_across_nodes(self) -> bool:
         """Some replicas run on other nodes (--data-parallel-size-local < --data-parallel-size)."""
         return self.data_parallel_size_local < self.data_parallel_size

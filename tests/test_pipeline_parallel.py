@@ -150,29 +150,15 @@ def test_uneven_partition_and_refused_requests(checkpoints, monkeypatch):
     assert len(sampled.token_ids) == 6 and len(sampled.logprobs) == 6  # the sampler's other paths, on rank 0
 
 
-def _short_timeout(monkeypatch, seconds: float) -> None:
-    """Engines made by LLM() from here on wait at most `seconds` in a distributed wait (ParallelConfig.timeout_s)."""
-    import graphinfer.runtime.entrypoints.llm as llm_module
-
-    make = llm_module.create_engine_config
-
-    def with_timeout(kwargs):
-        config = make(kwargs)
-        config.parallel_config.timeout_s = seconds
-        return config
-
-    monkeypatch.setattr(llm_module, "create_engine_config", with_timeout)
-
-
 @pytest.mark.slow  # waits out a 20 s timeout
-def test_a_stalled_stage_fails_within_the_timeout_naming_rank_stage_and_step(monkeypatch):
+def test_a_stalled_stage_fails_within_the_timeout_naming_rank_stage_and_step():
     """A stage that stalls (SIGSTOP) makes rank 0's wait for its rows fail within the distributed timeout, naming
     rank 0, its stage and the step; shutdown then ends the stalled rank. Nothing hangs."""
     import os
     import signal
 
-    _short_timeout(monkeypatch, 20.0)  # (the rendezvous waits as long: room for a busy machine's start-up)
-    llm = LLM("tiny-llama", pipeline_parallel_size=2, **KW)
+    # 20 s: the rendezvous waits as long (room for a busy machine's start-up)
+    llm = LLM("tiny-llama", pipeline_parallel_size=2, distributed_timeout=20.0, **KW)
     (stage1,) = llm.llm_engine.local_core.executor.ranks
     os.kill(stage1.process.pid, signal.SIGSTOP)
     try:

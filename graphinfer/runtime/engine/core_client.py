@@ -51,8 +51,8 @@ class CoreProcClient:
                                            lambda m: self._on_death(f"{self.name}'s process ended ({m})"),
                                            kind="engine-core process of rank")
         # a process that lives but never connects (stuck before its engine starts) ends the wait too
-        self._deadline = threading.Timer(config.parallel_config.timeout_s, self._connect_deadline,
-                                         (config.parallel_config.timeout_s,))
+        self._deadline = threading.Timer(config.parallel_config.distributed_timeout, self._connect_deadline,
+                                         (config.parallel_config.distributed_timeout,))
         self._deadline.daemon = True
         self._deadline.start()
         threading.Thread(target=self._accept, name=f"graphinfer-core{rank}-accept", daemon=True).start()
@@ -266,7 +266,7 @@ class RemoteCoreClient(CoreProcClient):
                          daemon=True).start()
 
     def _wait_register(self, listener) -> None:
-        seconds = listener.pc.timeout_s
+        seconds = listener.pc.distributed_timeout
         conn = listener.wait_for(self.dp_rank, seconds)
         if conn is None:
             if not self._stopped:

@@ -123,7 +123,7 @@ class ReplicaListener:
         if not missing:
             return ""
         return (f"data-parallel replicas {missing} did not register at {self.address[0]}:{self.address[1]} within "
-                f"{self.pc.timeout_s:g} s (--distributed-timeout); start them on their node(s), e.g. "
+                f"{self.pc.distributed_timeout:g} s (--distributed-timeout); start them on their node(s), e.g. "
                 f"`{headless_command(self.pc, missing)}`")
 
     def close(self) -> None:
@@ -137,7 +137,7 @@ def register(pc: ParallelConfig, d: int) -> tuple[Connection, EngineConfig]:
     """The replica's side: connect to the front end (retrying while node 0 starts, up to distributed_timeout), say
     which replica this is, and take the front end's engine config, made this replica's."""
     address = (pc.data_parallel_address, pc.data_parallel_rpc_port)
-    deadline = time.monotonic() + pc.timeout_s
+    deadline = time.monotonic() + pc.distributed_timeout
     while True:
         try:
             conn = Client(address, authkey=_authkey())
@@ -146,8 +146,8 @@ def register(pc: ParallelConfig, d: int) -> tuple[Connection, EngineConfig]:
             if time.monotonic() > deadline:
                 raise GraphinferError(
                     f"replica {d}: node 0's front end at {address[0]}:{address[1]} did not answer within "
-                    f"{pc.timeout_s:g} s (--distributed-timeout) ({e}); start node 0 (`graphinfer serve MODEL "
-                    f"--data-parallel-size {pc.data_parallel_size} --data-parallel-size-local L "
+                    f"{pc.distributed_timeout:g} s (--distributed-timeout) ({e}); start node 0 "
+                    f"(`graphinfer serve MODEL --data-parallel-size {pc.data_parallel_size} --data-parallel-size-local L "
                     f"--data-parallel-address A --data-parallel-rpc-port {address[1]}`) and check the address and "
                     f"port.") from None
             time.sleep(0.5)
@@ -155,9 +155,9 @@ def register(pc: ParallelConfig, d: int) -> tuple[Connection, EngineConfig]:
             raise GraphinferError(f"replica {d}: the front end at {address[0]}:{address[1]} refused the connection "
                                   f"({e}): set the same GRAPHINFER_DP_AUTHKEY on every node.") from None
     conn.send(("hello", d, pc.data_parallel_size, socket.gethostname()))
-    if not conn.poll(pc.timeout_s):
+    if not conn.poll(pc.distributed_timeout):
         raise GraphinferError(f"replica {d}: the front end at {address[0]}:{address[1]} did not answer its hello "
-                              f"within {pc.timeout_s:g} s")
+                              f"within {pc.distributed_timeout:g} s")
     kind, body = conn.recv()
     if kind == "refused":
         raise GraphinferError(f"replica {d}: the front end refused it: {body}")

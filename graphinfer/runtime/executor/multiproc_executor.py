@@ -51,7 +51,7 @@ def join_group(rank: int, pc: ParallelConfig, master_port: int, platform: Platfo
     if platform.device_module is not None:
         platform.device_module.set_device(rank - pc.node_first_rank)
     ps.init_distributed(rank, pc.world_size, pc.ranks_per_node, platform.dist_backend, pc.master_addr,
-                        master_port, pc.timeout_s, publish, expert_parallel=pc.enable_expert_parallel,
+                        master_port, pc.distributed_timeout, publish, expert_parallel=pc.enable_expert_parallel,
                         tp=pc.tensor_parallel_size, mc2_group=platform.mc2_group, pp=pc.pipeline_parallel_size,
                         pp_layer_partition=pc.pp_layer_partition, node_first_rank=pc.node_first_rank)
     if platform.device_type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):

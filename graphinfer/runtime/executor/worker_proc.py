@@ -75,7 +75,7 @@ def run_node(pc: ParallelConfig) -> int:
     """Node rank > 0 (`--node-rank R`): take rank 0's engine config from the rendezvous store (so every rank
     builds the same engine, whatever else this node's command line says), start this node's ranks, be the
     first of them, and wait for the others."""
-    config = pickle.loads(ps.fetch(pc.master_addr, pc.master_port, CONFIG_KEY, pc.timeout_s))
+    config = pickle.loads(ps.fetch(pc.master_addr, pc.master_port, CONFIG_KEY, pc.distributed_timeout))
     config.parallel_config.node_rank = pc.node_rank
     first = pc.node_rank * pc.ranks_per_node
     spec = {"config": config, "platform_cls": None, "master_port": pc.master_port}
