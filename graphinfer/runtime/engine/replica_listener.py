@@ -148,8 +148,8 @@ def register(pc: ParallelConfig, d: int) -> tuple[Connection, EngineConfig]:
                     f"replica {d}: node 0's front end at {address[0]}:{address[1]} did not answer within "
                     f"{pc.distributed_timeout:g} s (--distributed-timeout) ({e}); start node 0 "
                     f"(`graphinfer serve MODEL --data-parallel-size {pc.data_parallel_size} "
-                    f"--data-parallel-size-local L --data-parallel-address A --data-parallel-rpc-port {address[1]}`) and check the address and "
-                    f"port.") from None
+                    f"--data-parallel-size-local L --data-parallel-address A --data-parallel-rpc-port {address[1]}`) "
+                    f"and check the address and port.") from None
             time.sleep(0.5)
         except AuthenticationError as e:
             raise GraphinferError(f"replica {d}: the front end at {address[0]}:{address[1]} refused the connection "
