@@ -210,3 +210,15 @@ def test_small_decode_batches_split_over_the_threads(case, dtype, decode_impl):
         args = _paged_batch(q_lens, seq_lens, 9, 3, 64, 16, dtype, seed=8)
         torch.testing.assert_close(paged_attention_cpu(*args, 0.125, **features).double(),
                                    dense_paged_attention(*args, 0.125, **features), **TOL[dtype])
+
+
+def test_amx_hands_half_precision_prefills_past_128_tokens_to_flash(monkeypatch):
+    """The cpu platform says whether the CPU has AMX (its flags): there bf16 / fp16 flash wins from ~160 tokens."""
+    monkeypatch.setattr(cpu_attention, "NATIVE_PREFILL_CONTEXT", dict(cpu_attention.NATIVE_PREFILL_CONTEXT))
+    before = dict(cpu_attention.NATIVE_PREFILL_CONTEXT)
+    cpu_attention.use_amx(False)
+    assert cpu_attention.NATIVE_PREFILL_CONTEXT == before
+    cpu_attention.use_amx(True)
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert cpu_attention.NATIVE_PREFILL_CONTEXT == ({**before, torch.bfloat16: 128, torch.float16: 128}
+                                                    if avx512 else before)

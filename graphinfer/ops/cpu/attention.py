@@ -31,23 +31,21 @@ from graphinfer.ops.qk_norm_rope import chain_cache_write, qk_norm_rope
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 # Prefill chunks over contexts up to this long run in the C++ kernel, longer ones on ATen flash, whose tiled GEMMs win
-# there: bf16 ones on AMX already at ~160 tokens; on AVX-512 without AMX (avx512_bf16 dot products) the kernel still
-# wins at 2,048 tokens in bf16 (328 vs 684 us at 162, 38.7 vs 41.2 ms at 2,048 on the AMD EPYC VM, 2026-11-29), as in
-# fp32; on AVX2 (8-lane tiles) the kernel wins at 512 tokens and flash at 1,024 in both dtypes.
+# there: on AVX-512 at 2,048 tokens (in bf16 too without AMX: 328 vs 684 us at 162 tokens, 38.7 vs 41.2 ms at 2,048 on
+# the AMD EPYC VM with avx512_bf16, 2026-11-29); bf16 / fp16 ones on AMX already at ~160 tokens (use_amx); on AVX2
+# (8-lane tiles) the kernel wins at 512 tokens and flash at 1,024 in both dtypes.
 # tools/cpu_attention_bench.py on the 2-core dev VMs, Intel and AMD EPYC (docs/benchmarks.md).
-def _native_prefill_context() -> dict:
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return {torch.float32: 512, torch.bfloat16: 512, torch.float16: 512}
-    try:
-        with open("/proc/cpuinfo") as f:
-            amx = any(line.startswith("flags") and " amx_bf16" in line for line in f)
-    except OSError:
-        amx = False
-    half = 128 if amx else 2048
-    return {torch.float32: 2048, torch.bfloat16: half, torch.float16: half}
+NATIVE_PREFILL_CONTEXT = ({torch.float32: 2048, torch.bfloat16: 2048, torch.float16: 2048}
+                          if torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+                          else {torch.float32: 512, torch.bfloat16: 512, torch.float16: 512})
 
 
-NATIVE_PREFILL_CONTEXT = _native_prefill_context()
+def use_amx(amx: bool) -> None:
+    """Called by the cpu platform, which reads the CPU's flags (torch's capability string does not name AMX)."""
+    if amx and torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        NATIVE_PREFILL_CONTEXT.update({torch.bfloat16: 128, torch.float16: 128})
+
+
 _DECODE_PAD_SLACK = 1.25  # a decode group attends over at most this times its rows' real context tokens
 
 
