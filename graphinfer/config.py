@@ -108,7 +108,9 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = setting(16, "KV cache block size in tokens (a power of two)")
+    block_size: int | None = setting(
+        None, "KV cache block size in tokens, a power of two (default: the platform's, as in vLLM: 64 on cpu, "
+              "16 elsewhere)")
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of a shared prompt prefix",
                                           deprecated=["--no-prefix-caching"])
     kv_cache_memory_bytes: int | None = setting(
@@ -120,7 +122,7 @@ class CacheConfig:
                                                         "memory-based size)")
 
     def __post_init__(self):
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise InvalidConfigError(f"block_size={self.block_size} must be a power of two (16 is usual).")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1].")
@@ -514,6 +516,11 @@ class EngineConfig:
         # derived defaults, computed here only (None = derive)
         if self.compile_config.max_capture_size is None:
             self.compile_config.max_capture_size = derived_max_capture_size(self.scheduler_config.max_num_seqs)
+        if self.cache_config.block_size is None:
+            from graphinfer.platforms import platform_for_device
+
+            device_type = torch.device(self.model_config.device).type
+            self.cache_config.block_size = platform_for_device(device_type).default_block_size
         if not self.structured_outputs_compile_timeout > 0:
             raise InvalidConfigError(f"structured_outputs_compile_timeout={self.structured_outputs_compile_timeout} "
                                      f"must be > 0 (seconds).")

@@ -131,11 +131,13 @@ def test_seeded_n_gives_distinct_reproducible_children_equal_to_n1_runs(smollm2_
 
 
 def test_greedy_n_equals_n1(smollm2_llm):
-    # 3 full blocks of prompt: the second child reads the first one's prompt KV, written in the same step
-    prompt = "Greedy siblings must agree. " * 8
+    # 3 full blocks of prompt (64 tokens each on cpu): the second child reads the first one's prompt KV, written in
+    # the same step
+    prompt = "Greedy siblings must agree. " * 32
     greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
     two = smollm2_llm.generate(prompt, SamplingParams(n=2, **greedy), use_tqdm=False)[0]
-    assert two.metrics["num_cached_tokens"][0] == 0 and two.metrics["num_cached_tokens"][1] >= 32
+    bs = smollm2_llm.llm_engine.local_core.scheduler.block_manager.block_size
+    assert two.metrics["num_cached_tokens"][0] == 0 and two.metrics["num_cached_tokens"][1] >= 2 * bs
     ref = smollm2_llm.generate(prompt, SamplingParams(**greedy), use_tqdm=False)[0]
     assert [c.token_ids for c in two.outputs] == [ref.outputs[0].token_ids] * 2
 
@@ -160,7 +162,7 @@ def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(sm
 def test_children_share_the_prompt_blocks_and_abort_together(smollm2_llm):
     engine = smollm2_llm.llm_engine
     bm, bs = engine.local_core.scheduler.block_manager, engine.local_core.scheduler.block_manager.block_size
-    ids = engine.tokenize("[kv sharing] A keeper climbs the stairs, lights the lamp and waits for the ships " * 2)
+    ids = engine.tokenize("[kv sharing] A keeper climbs the stairs, lights the lamp and waits for the ships " * 8)
     assert len(ids) > 2 * bs and len(ids) % bs, len(ids)  # shared full blocks, and a partial last block
     in_use = bm.num_blocks - bm.num_free_blocks
     rid = engine.add_request(None, ids, SamplingParams(n=3, seed=1, **SAMPLE))
@@ -180,7 +182,7 @@ def test_children_share_the_prompt_blocks_and_abort_together(smollm2_llm):
 
 def test_failed_step_withdraws_the_blocks_offered_to_the_prefix_cache(smollm2_llm):
     engine = smollm2_llm.llm_engine
-    prompt = "[failed step] The night was long and the sea was grey, the keeper wrote. " * 2
+    prompt = "[failed step] The night was long and the sea was grey, the keeper wrote. " * 8
     params = SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True)
     runner, execute = engine.worker.model_runner, engine.worker.model_runner.execute
 
@@ -195,7 +197,8 @@ def test_failed_step_withdraws_the_blocks_offered_to_the_prefix_cache(smollm2_ll
         runner.execute = execute
     out = smollm2_llm.generate(prompt, params, use_tqdm=False)[0]
     # nothing was served from blocks whose KV was never written (the sibling shares the ones written now)
-    assert out.metrics["num_cached_tokens"][0] == 0 and out.metrics["num_cached_tokens"][1] >= 32
+    bs = engine.local_core.scheduler.block_manager.block_size
+    assert out.metrics["num_cached_tokens"][0] == 0 and out.metrics["num_cached_tokens"][1] >= 2 * bs
     ref = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert _texts(out) == _texts(ref[0]) * 2
 

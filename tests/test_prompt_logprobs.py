@@ -73,9 +73,10 @@ def test_chunked_prefill_and_prefix_hit(smollm2_llm, hf_smollm2):
     last row's target), sharing steps with another request; then the same prompt again with prefix caching on: the
     cached blocks are not used for a request that asks for prompt logprobs, one that does not uses them."""
     core = smollm2_llm.llm_engine.local_core
-    long_prompt = " ".join(PROMPTS) + " and then the story went on for a while longer."
+    long_prompt = " ".join(PROMPTS * 2) + " and then the story went on for a while longer."
     ids = smollm2_llm.get_tokenizer()(long_prompt).input_ids
-    assert len(ids) > 2 * 16  # three steps at least
+    block_size = smollm2_llm.llm_engine.local_core.scheduler.block_manager.block_size
+    assert len(ids) > max(2 * 16, block_size)  # three steps at least, and a full block for the prefix cache
     ref = _hf_logprobs(hf_smollm2[0], ids)
     budget = core.scheduler.config.max_num_batched_tokens
     core.scheduler.config.max_num_batched_tokens = 16

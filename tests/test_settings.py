@@ -117,6 +117,15 @@ def test_flat_kwargs_build_the_sections():
         .compile_config.max_capture_size == 4
 
 
+def test_block_size_defaults_to_the_platforms():
+    """Unset, the KV block size is the device's platform's (vLLM-CPU: 128; ours 64, docs/benchmarks.md), else 16."""
+    from graphinfer.platforms import platform_for_device
+
+    assert EngineConfig.from_kwargs(model="tiny-llama", device="cpu").cache_config.block_size == 64
+    assert platform_for_device("cuda").default_block_size == 16
+    assert EngineConfig.from_kwargs(model="tiny-llama", device="cpu", block_size=16).cache_config.block_size == 16
+
+
 def test_old_flag_spellings_still_parse():
     p = build_parser()
     a = p.parse_args(["bench", "throughput", "--no-prefix-caching", "--capture-sizes", "1,2,4", "-tp", "2"])

@@ -77,7 +77,7 @@ def _weakrefs(llm: LLM) -> dict:
 def test_engines_give_their_memory_back():
     """Three engines one after another in one process, each with the full-size KV cache (by the engine's own
     accounting), released by shutdown(), by `with`, and by dropping the last reference."""
-    kw = dict(kv_cache_memory_bytes=64 << 20, device="cpu", dtype="float32")
+    kw = dict(kv_cache_memory_bytes=64 << 20, device="cpu", dtype="float32", block_size=16)
     tokens, blocks = [], []
 
     llm = LLM("tiny-qwen3", **kw)  # 1: shutdown(), while `llm` itself is still referenced
@@ -120,9 +120,9 @@ def blocks_bytes(preset: str, block_size: int = 16) -> int:
 def test_kv_cache_too_small_for_one_request_fails_at_start_up():
     with pytest.raises(KVCacheTooSmallError, match="(?s)one request of max_model_len=1024 tokens needs 64.*"
                                                    "--max-model-len.*gpu_memory_utilization.*kv_cache_memory_bytes"):
-        LLM("tiny-llama", kv_cache_memory_bytes=blocks_bytes("tiny-llama") * 63, dtype="float32")
+        LLM("tiny-llama", kv_cache_memory_bytes=blocks_bytes("tiny-llama") * 63, dtype="float32", block_size=16)
     llm = LLM("tiny-llama", kv_cache_memory_bytes=blocks_bytes("tiny-llama") * 63, max_model_len=1008,
-              dtype="float32")  # 63 blocks
+              dtype="float32", block_size=16)  # 63 blocks
     assert llm.llm_engine.worker.model_runner.num_blocks == 63
 
 

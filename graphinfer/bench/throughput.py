@@ -544,7 +544,7 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
         num_prompts: int = 256, min_len: int = 100, max_len: int = 1024, fixed_output_len: int | None = None, max_model_len: int = 4096,
         max_num_batched_tokens: int = 8192, temperature: float = 0.6, seed: int = 0, compare_hf: bool = False,
         hf_cuda_graph: bool = False, output_json: str | None = None, plot_path: str | None = None,
-        hf_dtype: str | None = None, kernels: str | None = None, block_size: int = 16,
+        hf_dtype: str | None = None, kernels: str | None = None, block_size: int | None = None,
         enable_prefix_caching: bool = True, lora_modules: dict[str, str] | None = None, num_adapters: list[int] | None = None, max_loras: int | None = None,
         max_lora_rank: int | None = None, max_cpu_loras: int | None = None, command: str | None = None) -> dict:
     """Every (graph mode, async scheduling, max_num_seqs, tensor_parallel_size, data_parallel_size, quantization,
@@ -557,10 +557,11 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
     import tempfile
 
     from graphinfer.config import resolve_dtype
-    from graphinfer.platforms import current_platform
+    from graphinfer.platforms import current_platform, platform_for_device
 
     if device == "auto":
         device = current_platform().device_type
+    block_size = block_size or platform_for_device(device).default_block_size
     torch_dtype = resolve_dtype(dtype, device)
     lora = _lora_plan(lora_modules, num_adapters, max_loras, max_lora_rank, max_cpu_loras)
     if compare_hf and fixed_output_len is None:  # transformers' generate_batch takes one max_new_tokens

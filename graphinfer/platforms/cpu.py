@@ -251,6 +251,10 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dispatch_key = "CPU"
     dist_backend = "gloo"
+    # The C++ paged attention reads each block's K / V rows as one run: at 64 tokens a block its decode step is ~20 %
+    # faster than at 16 (SmolLM2, 64 rows, Zen 4: bf16 0.99 -> 0.80 ms a layer, fp32 1.42 -> 1.16; at 128 bf16 0.77,
+    # fp32 1.26). vLLM-CPU uses 128. The cost: prefix-cache hits come in whole blocks of 64 tokens.
+    default_block_size = 64
 
     @classmethod
     def is_available(cls) -> bool:

@@ -35,6 +35,7 @@ class Platform:
     supports_graph_capture: bool = False  # whether graph modes other than NONE can capture device graphs here
     max_capture_graphs: int | None = None  # device graphs capturable in all (Ascend: its stream budget); None: no limit
     mc2_group: bool = False  # expert parallel wants parallel_state.MC2_GROUP (Ascend's MC2 ops)
+    default_block_size: int = 16  # KV cache block size (tokens) when block_size is not given
 
     def __init__(self):
         self._impl_lib: torch.library.Library | None = None
