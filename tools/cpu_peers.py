@@ -92,7 +92,7 @@ def worker_graphinfer(spec: dict, config: str):
                                                                     use_tqdm=False)]
     res = measure(gen, spec)
     res.update(weight_bytes=weight_bytes(llm), versions={"graphinfer": graphinfer.__version__, "torch": torch.__version__},
-               threads=torch.get_num_threads())
+               threads=torch.get_num_threads(), block_size=llm.llm_engine.config.cache_config.block_size)
     llm.shutdown()
     return res
 
