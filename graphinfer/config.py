@@ -66,7 +66,8 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, platform
                          mla: bool = False) -> torch.dtype:
     """The KV cache's dtype for the kv_cache_dtype setting under a model computing in model_dtype. A cache of another
     dtype than the model's needs attention ops that read and write one (mixed: Platform.supports_kv_cache_dtype, the
-    cpu platform's eager / inductor / reference kernels) and no MLA latent cache (mla: its ops assume one dtype)."""
+    cpu platform's eager / inductor / reference kernels) and no MLA latent cache (mla: its ops assume one dtype).
+    platform: where the engine runs, as the refusal names it ("cuda", "cpu with kernels='triton'")."""
     dtype = model_dtype if kv_cache_dtype == "auto" else _DTYPES[kv_cache_dtype]
     if dtype == model_dtype:
         return dtype
@@ -76,7 +77,7 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, platform
                                  f"keeps the model's dtype; use kv_cache_dtype='auto'.")
     if not mixed:
         raise InvalidConfigError(f"kv_cache_dtype={kv_cache_dtype!r} with a {model} model runs on cpu only (kernels "
-                                 f"eager, inductor or reference), not on the {platform} platform's kernels; use "
+                                 f"eager, inductor or reference), not on {platform}; use "
                                  f"kv_cache_dtype='auto' (or dtype={kv_cache_dtype!r} for the whole model).")
     return dtype
 

@@ -90,7 +90,8 @@ class Worker:
         memory_at_start = platform.memory_allocated(device)
         pipeline = CompilePipeline(config, platform, backend, device, capture_sizes, timer.phase)
         # kv_cache_dtype against the platform's kernels before the load (fail fast), against the model after it
-        kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, mc.torch_dtype, platform.name, backend.mixed_kv_cache)
+        where = platform.name + (f" with kernels={backend.name!r}" if backend.name else "")
+        kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, mc.torch_dtype, where, backend.mixed_kv_cache)
         self.compiled = c = pipeline.load()  # 1. load
         drafter = None
         if spec is not None and spec.method == "mtp":  # the checkpoint's MTP layer: its cache counts in the budget
@@ -99,7 +100,7 @@ class Worker:
         self.max_model_len = max_model_len_of(c.hf_config, mc.max_model_len, config.scheduler_config)
         # the KV cache's dtype (kv_cache_dtype), refused here where the platform's ops or an MLA cache cannot take it
         mla = any(isinstance(m, MLAAttention) for m in c.model.modules())
-        kv_dtype = kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, activation_dtype(c.model), platform.name,
+        kv_dtype = kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, activation_dtype(c.model), where,
                                         backend.mixed_kv_cache, mla)
         # a placeholder KV cache in that dtype: lowering and profiling run over it
         allocate_kv_cache(c.model, 1, config.cache_config.block_size, kv_dtype)
