@@ -58,6 +58,30 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# kv_cache_dtype's values: vLLM's names; its fp8 ones ("fp8", "fp8_e4m3", "fp8_e5m2", ...) are refused
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, platform: str = "cpu", mixed: bool = True,
+                         mla: bool = False) -> torch.dtype:
+    """The KV cache's dtype for the kv_cache_dtype setting under a model computing in model_dtype. A cache of another
+    dtype than the model's needs attention ops that read and write one (mixed: Platform.supports_kv_cache_dtype, the
+    cpu platform's eager / inductor / reference kernels) and no MLA latent cache (mla: its ops assume one dtype).
+    platform: where the engine runs, as the refusal names it ("cuda", "cpu with kernels='triton'")."""
+    dtype = model_dtype if kv_cache_dtype == "auto" else _DTYPES[kv_cache_dtype]
+    if dtype == model_dtype:
+        return dtype
+    model = str(model_dtype).removeprefix("torch.")
+    if mla:
+        raise InvalidConfigError(f"kv_cache_dtype={kv_cache_dtype!r} with a {model} model: an MLA model's latent cache "
+                                 f"keeps the model's dtype; use kv_cache_dtype='auto'.")
+    if not mixed:
+        raise InvalidConfigError(f"kv_cache_dtype={kv_cache_dtype!r} with a {model} model runs on cpu only (kernels "
+                                 f"eager, inductor or reference), not on {platform}; use "
+                                 f"kv_cache_dtype='auto' (or dtype={kv_cache_dtype!r} for the whole model).")
+    return dtype
+
+
 @dataclass
 class ModelConfig:
     model: str = setting("", "HF checkpoint dir, .gguf file or preset (default: the bundled SmolLM2)")
@@ -120,6 +144,10 @@ class CacheConfig:
              "and KV cache (as in vLLM)")
     num_gpu_blocks_override: int | None = setting(None, "exact number of KV cache blocks (testing; overrides the "
                                                         "memory-based size)")
+    kv_cache_dtype: str = setting(
+        "auto", "dtype of the KV cache: auto (the model's) | bfloat16 | float16 | float32; one other than the model's "
+                "runs on cpu only (an fp32 model with a bfloat16 cache: half the bytes attention reads); fp8 is not "
+                "supported")
 
     def __post_init__(self):
         if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
@@ -128,6 +156,10 @@ class CacheConfig:
             raise InvalidConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1].")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise InvalidConfigError(f"num_gpu_blocks_override={self.num_gpu_blocks_override} must be >= 1.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            why = "fp8 KV caches are not supported" if self.kv_cache_dtype.startswith("fp8") else "unknown value"
+            raise InvalidConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}: {why}; use one of "
+                                     f"{', '.join(KV_CACHE_DTYPES)}.")
 
 
 @dataclass

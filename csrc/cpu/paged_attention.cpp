@@ -7,6 +7,8 @@
 //
 // Layouts as in graphinfer/ops/attention.py: query [T, Hq, D] (stride 1 over D), caches [num_blocks,
 // block_size, Hkv, D] contiguous, block_tables [B, W] int32, query_start_loc [B + 1] int32, seq_lens [B] int32.
+// The caches share the query's dtype, or are bf16 / fp16 under an fp32 query (kv_cache_dtype: half the bytes read per
+// token; rows widened to fp32 as they are read, written narrowed by reshape_and_cache).
 // Request b's rows are written unless it is a prefill chunk (more than one row) over more than max_chunk_context
 // tokens: those rows are left untouched and their number of chunks returned (the caller runs them); padding rows
 // (a context of 0 tokens, or past the last request) are zeroed.
@@ -347,10 +349,12 @@ struct Task {
 constexpr int64_t kSplitTasksPerThread = 2;
 constexpr int64_t kSplitBlocks = 4;
 
-// One call's inputs, shared read-only by the threads.
-template <typename scalar_t>
+// One call's inputs, shared read-only by the threads: query and out in scalar_t, the caches in cache_t (the same, or
+// bf16 / fp16 caches of an fp32 model: kv_cache_dtype; their rows are widened to fp32 as they are read).
+template <typename scalar_t, typename cache_t = scalar_t>
 struct Batch {
-  const scalar_t *q, *k, *v;
+  const scalar_t* q;
+  const cache_t *k, *v;
   scalar_t* o;
   const int32_t *bt, *qsl, *lens;
   int64_t G, D, Dp, bs, bsp, Hkv, W, q_row, q_head, o_row, o_head;
@@ -359,7 +363,8 @@ struct Batch {
   float softcap;        // 0: none
   const float* sinks;   // [Hq] or nullptr
   bool direct;  // fp32 caches whose rows are whole passes of kChains vectors: K and V read straight from the cache
-  bool pairs;   // bf16 caches on AVX512-BF16: decode scores from bf16 pairs (bf16_pair_scores), K never widened
+  bool pairs;   // bf16 query and caches on AVX512-BF16: decode scores from bf16 pairs (bf16_pair_scores), K never
+                // widened
 
   int64_t tok() const { return Hkv * D; }  // cache stride between consecutive tokens of a block
   int64_t base(int64_t b, int64_t h, int64_t j) const {  // block j of request b, KV head h: its first row
@@ -367,7 +372,7 @@ struct Batch {
   }
   // block j's rows of KV heads h..h+nh (adjacent in each token's row): scattered blocks defeat the hardware prefetcher
   void prefetch(int64_t b, int64_t h, int64_t j, int64_t nh = 1) const {
-    const int64_t at = base(b, h, j), row_bytes = nh * D * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t at = base(b, h, j), row_bytes = nh * D * static_cast<int64_t>(sizeof(cache_t));
     for (int64_t t = 0; t < bs; ++t) {
       for (int64_t byte = 0; byte < row_bytes; byte += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(k + at + t * tok()) + byte);
@@ -376,7 +381,7 @@ struct Batch {
     }
   }
   // n rows of a block (K or V) as floats: in place (direct), or widened into buf [n, Dp]; ld: their stride
-  const float* rows(const scalar_t* src, int64_t n, float* buf, int64_t& ld) const {
+  const float* rows(const cache_t* src, int64_t n, float* buf, int64_t& ld) const {
     if (direct) {
       ld = tok();
       return reinterpret_cast<const float*>(src);
@@ -409,9 +414,9 @@ struct Scratch {
 // side by side in a token's row of the cache) rather than a third of every token's row per task.
 // Blocks [j0, j1) only where j1 > 0; with part (a split): that part's maxima, sums and unnormalised outputs
 // [nh * G][2 + Dp] go there instead of the output (merge_parts finishes them).
-template <typename scalar_t>
-__attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h0, int64_t nh,
-                                         int64_t r, int64_t ctx, int64_t j0 = 0, int64_t j1 = 0,
+template <typename scalar_t, typename cache_t>
+__attribute__((flatten)) void decode_row(const Batch<scalar_t, cache_t>& x, Scratch& w, int64_t b, int64_t h0,
+                                         int64_t nh, int64_t r, int64_t ctx, int64_t j0 = 0, int64_t j1 = 0,
                                          float* part = nullptr) {
   const int64_t G = x.G, D = x.D, Dp = x.Dp, bs = x.bs, bsp = x.bsp, D2 = D / 2;
   const int64_t Gp = padded_heads(G);  // a KV head's share of the scratch's per-head arrays
@@ -541,9 +546,9 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t>& x, Scratch& w, i
 
 // A split decode row's parts (decode_row's part slots, `parts` of them, `stride` floats apart) merged into its output:
 // the heads of KV heads h0..h0+nh of row r.
-template <typename scalar_t>
-void merge_parts(const Batch<scalar_t>& x, const float* part, int64_t parts, int64_t stride, int64_t h0, int64_t nh,
-                 int64_t r) {
+template <typename scalar_t, typename cache_t>
+void merge_parts(const Batch<scalar_t, cache_t>& x, const float* part, int64_t parts, int64_t stride, int64_t h0,
+                 int64_t nh, int64_t r) {
   const int64_t G = x.G, D = x.D, Dp = x.Dp;
   const bool bf16_rows = x.pairs && (D == 64 || D == 128);  // as decode_row: its accumulators' lanes in pair order
   std::vector<float> acc(Dp);
@@ -569,8 +574,9 @@ void merge_parts(const Batch<scalar_t>& x, const float* part, int64_t parts, int
 
 // A prefill tile: `rows` rows of request b from query row r0 (position pos0 on) with the G query heads of KV head h;
 // query vector v = row * G + head sits in lane v of the tile's columns.
-template <typename scalar_t>
-void prefill_tile(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, int64_t r0, int64_t rows, int64_t pos0) {
+template <typename scalar_t, typename cache_t>
+void prefill_tile(const Batch<scalar_t, cache_t>& x, Scratch& w, int64_t b, int64_t h, int64_t r0, int64_t rows,
+                  int64_t pos0) {
   const int64_t G = x.G, D = x.D, Dp = x.Dp, bs = x.bs;
   const int64_t Nq = rows * G, cols = (Nq + kVec - 1) / kVec, Nc = cols * kVec, ctx = pos0 + rows;
   float* qT = w.qT.data();
@@ -652,20 +658,20 @@ void prefill_tile(const Batch<scalar_t>& x, Scratch& w, int64_t b, int64_t h, in
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t = scalar_t>
 int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
             double scale, int64_t max_chunk_context, int64_t sliding_window, double softcap, const float* sinks) {
   const int64_t B = seq_lens.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2), G = Hq / Hkv;
   const int64_t Dp = (D + kVec - 1) / kVec * kVec, bsp = (bs + kVec - 1) / kVec * kVec;
-  const Batch<scalar_t> x{query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
-                          out.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
-                          query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), G, D, Dp, bs, bsp, Hkv,
-                          block_tables.size(1), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-                          static_cast<float>(scale), sliding_window, static_cast<float>(softcap), sinks,
-                          std::is_same_v<scalar_t, float> && D % (kChains * kVec) == 0,
-                          kBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && D % 2 == 0};
+  const Batch<scalar_t, cache_t> x{
+      query.data_ptr<scalar_t>(), key_cache.data_ptr<cache_t>(), value_cache.data_ptr<cache_t>(),
+      out.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+      seq_lens.data_ptr<int32_t>(), G, D, Dp, bs, bsp, Hkv, block_tables.size(1), query.stride(0), query.stride(1),
+      out.stride(0), out.stride(1), static_cast<float>(scale), sliding_window, static_cast<float>(softcap), sinks,
+      std::is_same_v<cache_t, float> && D % (kChains * kVec) == 0,
+      kBf16Dot && std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16> && D % 2 == 0};
   // a prefill tile: R rows, R * G query vectors in Nt lanes (whole columns)
   const int64_t R = std::max<int64_t>(1, kTileCols * kVec / G), Nt = (R * G + kVec - 1) / kVec * kVec;
   std::vector<Task> tasks;
@@ -758,37 +764,75 @@ int64_t paged_attention(at::Tensor out, const at::Tensor& query, const at::Tenso
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables, query_start_loc and seq_lens must be contiguous int32");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(),
-              "query, out and the caches must share one dtype");
+  const at::ScalarType cache_type = key_cache.scalar_type();
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == cache_type &&
+                  (cache_type == query.scalar_type() ||
+                   (query.scalar_type() == at::kFloat && (cache_type == at::kBFloat16 || cache_type == at::kHalf))),
+              "query and out share one dtype, the caches one: the query's, or bf16 / fp16 under an fp32 query");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of the KV heads");
   TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
                          sinks->size(0) == query.size(1)),
               "sinks: contiguous float32, one per query head");
   const float* sink_ptr = sinks ? sinks->data_ptr<float>() : nullptr;
+  if (cache_type != query.scalar_type()) {  // fp32 query and out over bf16 / fp16 caches (kv_cache_dtype)
+    return AT_DISPATCH_REDUCED_FLOATING_TYPES(cache_type, "paged_attention", [&] {
+      return attend<float, scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                                     scale, max_chunk_context, sliding_window, softcap, sink_ptr);
+    });
+  }
   return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     return attend<scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                             max_chunk_context, sliding_window, softcap, sink_ptr);
   });
 }
 
+// n fp32 values to a bf16 / fp16 cache row, rounded to nearest even (as a tensor's .to() rounds).
+template <typename cache_t>
+inline void narrow_row(const float* src, cache_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kVec <= n; i += kVec) cpu_vec::store(dst + i, fVec::loadu(src + i));
+  if (i < n) cpu_vec::store(dst + i, fVec::loadu(src + i, n - i), n - i);
+}
+
 // The cache write: token t's key and value rows [Hkv, D] go to slot slot_mapping[t] (< 0: padding, skipped), one
-// memcpy each, tokens in parallel (index_copy_ copies row by row on one thread: 5 ms for a 2,500-token prefill).
+// memcpy each, tokens in parallel (index_copy_ copies row by row on one thread: 5 ms for a 2,500-token prefill). fp32
+// rows under bf16 / fp16 caches (kv_cache_dtype) are narrowed as they are written.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                        const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
                   value.stride(1) == value.size(2), "key and value need contiguous [Hkv, D] rows");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the KV caches must be contiguous");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
-              "key/value and their caches must share one dtype");
+  const at::ScalarType cache_type = key_cache.scalar_type();
+  const bool narrow = key.scalar_type() != cache_type;
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() && value_cache.scalar_type() == cache_type &&
+                  (!narrow || (key.scalar_type() == at::kFloat &&
+                               (cache_type == at::kBFloat16 || cache_type == at::kHalf))),
+              "key/value share one dtype, the caches one: theirs, or bf16 / fp16 under fp32 key/value");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
-  const int64_t T = key.size(0), bytes = key.size(1) * key.size(2) * key.element_size();
+  const int64_t T = key.size(0), n = key.size(1) * key.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  if (narrow) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(cache_type, "reshape_and_cache", [&] {
+      const float* k = key.data_ptr<float>();
+      const float* v = value.data_ptr<float>();
+      scalar_t* kc = key_cache.data_ptr<scalar_t>();
+      scalar_t* vc = value_cache.data_ptr<scalar_t>();
+      at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          if (slots[t] < 0) continue;
+          narrow_row(k + t * key.stride(0), kc + slots[t] * n, n);
+          narrow_row(v + t * value.stride(0), vc + slots[t] * n, n);
+        }
+      });
+    });
+    return;
+  }
+  const int64_t bytes = n * key.element_size();
   const int64_t k_row = key.stride(0) * key.element_size(), v_row = value.stride(0) * value.element_size();
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;

@@ -2,6 +2,8 @@
 
 Cache layout per layer (vLLM's flash layout): key_cache / value_cache [num_blocks, block_size, num_kv_heads, head_size].
 A token's slot is block_id * block_size + offset; slot -1 means "write nothing" (padded rows).
+The caches may hold another dtype than key/value/query (kv_cache_dtype): rows are cast as written, and read back in the
+query's dtype.
 
 Batch layout (flattened as in vLLM): request i owns query rows query_start_loc[i]:query_start_loc[i+1].
 seq_lens[i] is its context length *including* those rows, whose K/V reshape_and_cache has already written,
@@ -61,7 +63,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap
     Plain attention is SDPA; with a softcap or sinks, the same softmax attention written out in fp32 (SDPA has
     neither). A row that attends to nothing comes out 0 either way."""
     if not softcap and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
     group = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
     s = q.float() @ k.transpose(-1, -2) * scale

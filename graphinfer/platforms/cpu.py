@@ -337,6 +337,11 @@ class CpuPlatform(Platform):
         """With the default kernels ("eager"): the graph runs op by op from Python."""
         return self.resolve_kernels(kernels) == "eager"
 
+    def supports_kv_cache_dtype(self, kernels: str | None = None) -> bool:
+        """The C++ kernels (fp32 query over bf16 / fp16 caches), their PyTorch fallbacks and the reference ops
+        convert; the Triton kernels under the interpreter do not."""
+        return self.resolve_kernels(kernels) != "triton"
+
     def graph_compiler(self, kernels: str | None = None) -> str | None:
         return "inductor" if self.resolve_kernels(kernels) == "inductor" else None
 

@@ -25,6 +25,7 @@ class KernelBackend:
     prepacked_linears: bool = False  # float linears on weights prepacked for the platform's GEMM library
     binds_op_impls: bool = False  # the runner's graph calls op_impls' functions directly (compiler/bind_ops.py)
     graph_compiler: str | None = None  # "inductor": the fused graph goes through compiler/inductor.py first
+    mixed_kv_cache: bool = False  # the attention ops take a KV cache of another dtype than the model's (kv_cache_dtype)
 
 
 class Platform:
@@ -180,6 +181,12 @@ class Platform:
         captured. A name, not a function: platforms sit below the compiler and import none of it."""
         return None
 
+    def supports_kv_cache_dtype(self, kernels: str | None = None) -> bool:
+        """Whether the attention ops (and every fused op writing the KV cache) read and write a cache of another
+        dtype than the model's (CacheConfig.kv_cache_dtype), converting as they go. Default: no (the Triton and
+        torch_npu kernels assume one dtype)."""
+        return False
+
     def activate(self, kernels: str | None = None) -> KernelBackend:
         """Register op_impls(kernels) under dispatch_key (replacing an earlier activation's choice); returns what
         this kernel choice runs with. The capability methods above are what a platform (or plugin) overrides;
@@ -197,7 +204,8 @@ class Platform:
         self.kernels = {name: getattr(fn, "__module__", "?") for name, fn in impls.items()}
         return KernelBackend(kernels, impls, self.sampler_kernel(kernels), self.default_graph_mode(kernels),
                              self.supports_skinny_gemm(kernels), self.prepacks_linear_weights(kernels),
-                             self.binds_op_impls(kernels), self.graph_compiler(kernels))
+                             self.binds_op_impls(kernels), self.graph_compiler(kernels),
+                             self.supports_kv_cache_dtype(kernels))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

@@ -12,6 +12,8 @@
   padding stays small, each group's K/V gathered by whole blocks (index_select, a memcpy per block) and attended
   by one SDPA call; every prefill chunk takes the flash path.
 Rows with seq_len 0 (padding) and cache writes to slot -1 are skipped, as in the reference.
+Caches of another dtype than the model's (kv_cache_dtype): the C++ kernels take an fp32 model's bf16 / fp16 caches
+(rows narrowed as written, widened as read); other pairs, and the fallbacks, cast K/V rows to the query's dtype.
 MLA's latent attention (mla_latent_attention) runs as this paged attention with the concatenated query and the latent
 cache as key and value.
 
@@ -51,8 +53,9 @@ _DECODE_PAD_SLACK = 1.25  # a decode group attends over at most this times its r
 
 def reshape_and_cache_cpu(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                           slot_mapping: Tensor) -> None:
-    if (ext.available() and key.dtype == key_cache.dtype and value.dtype == value_cache.dtype
-            and slot_mapping.dtype == torch.int64 and key.stride(1) == key.shape[2] and key.stride(2) == 1
+    if (ext.available() and _native_dtypes(key.dtype, key_cache.dtype) and value.dtype == key.dtype
+            and value_cache.dtype == key_cache.dtype and slot_mapping.dtype == torch.int64
+            and key.stride(1) == key.shape[2] and key.stride(2) == 1
             and value.stride(1) == value.shape[2] and value.stride(2) == 1):
         torch.ops.graphinfer_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         return
@@ -83,8 +86,8 @@ def _prefill(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Ten
              scale: float) -> Tensor:
     """q [n, Hq, D]: the last n positions of a context of `length` tokens (block_table [1, W]) -> [n, Hq, D]."""
     n = q.shape[0]
-    k = _gather(key_cache, block_table, length).transpose(1, 2)  # [1, Hkv, L, D]
-    v = _gather(value_cache, block_table, length).transpose(1, 2)
+    k = _gather(key_cache, block_table, length).transpose(1, 2).to(q.dtype)  # [1, Hkv, L, D]
+    v = _gather(value_cache, block_table, length).transpose(1, 2).to(q.dtype)
     q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     prefix = length - n
     out, lse = _flash(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, scale=scale)
@@ -110,8 +113,8 @@ def _decode_groups(lens: list[int], rows: list[int]) -> list[list[int]]:
 def _decode(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, max_len: int,
             scale: float) -> Tensor:
     """q [B, Hq, D], one row per request, over contexts of seq_lens (<= max_len) -> [B, Hq, D]."""
-    k = _gather(key_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, max_len, D]
-    v = _gather(value_cache, block_tables, max_len).transpose(1, 2)
+    k = _gather(key_cache, block_tables, max_len).transpose(1, 2).to(q.dtype)  # [B, Hkv, max_len, D]
+    v = _gather(value_cache, block_tables, max_len).transpose(1, 2).to(q.dtype)
     mask = (torch.arange(max_len) < seq_lens.unsqueeze(1))[:, None, None, :]
     if bool(mask.all()):
         mask = None  # every row uses the whole length: no mask
@@ -155,10 +158,16 @@ def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, b
 def _native(query: Tensor, key_cache: Tensor, block_tables: Tensor) -> int:
     """The longest prefill context the C++ kernel takes here (it takes every decode row); 0 where it cannot run."""
     if not (ext.available() and hasattr(torch.ops.graphinfer_cpu, "paged_attention")
-            and query.dtype == key_cache.dtype and query.stride(-1) == 1 and key_cache.is_contiguous()
+            and _native_dtypes(query.dtype, key_cache.dtype) and query.stride(-1) == 1 and key_cache.is_contiguous()
             and block_tables.dtype == torch.int32):
         return 0
     return NATIVE_PREFILL_CONTEXT.get(query.dtype, 128)
+
+
+def _native_dtypes(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the C++ kernels take rows of dtype over caches of cache_dtype: one dtype, or an fp32 model's bf16 /
+    fp16 cache (kv_cache_dtype)."""
+    return dtype == cache_dtype or (dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16))
 
 
 def _decode_rows(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,

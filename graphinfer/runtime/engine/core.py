@@ -122,8 +122,8 @@ class EngineCore:
         config = self.config
         worker = self.executor.driver_worker
         kv = worker.model_runner.kv_cache
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", worker.num_blocks, config.cache_config.block_size,
-                    kv.numel() * kv.element_size() / 2**20)
+        logger.info("KV cache: %d blocks x %d tokens, %s (%.1f MiB)", worker.num_blocks, config.cache_config.block_size,
+                    str(kv.dtype).removeprefix("torch."), kv.numel() * kv.element_size() / 2**20)
         self.device, self.max_model_len = worker.device, worker.max_model_len
         self.hf_config = worker.hf_config
         self.eos_token_ids = eos_token_ids_of(self.hf_config, self.tokenizer)

@@ -32,7 +32,8 @@ class DraftModelProposer:
         draft_mc = ModelConfig(spec.model, mc.dtype, target.max_model_len, mc.seed, str(target.device))
         # As many KV blocks as the target's: the draft never holds more tokens than the target does.
         num_blocks = target.worker.num_blocks
-        cc = CacheConfig(tc.cache_config.block_size, enable_prefix_caching=False, num_gpu_blocks_override=num_blocks)
+        cc = CacheConfig(tc.cache_config.block_size, enable_prefix_caching=False, num_gpu_blocks_override=num_blocks,
+                         kv_cache_dtype=tc.cache_config.kv_cache_dtype)
         draft_config = EngineConfig(draft_mc, cc, replace(tc.scheduler_config, async_scheduling=False),
                                     replace(tc.compile_config, capture_sizes=target.worker.dispatcher.capture_sizes),
                                     ParallelConfig())

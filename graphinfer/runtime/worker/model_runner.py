@@ -52,7 +52,7 @@ class ModelRunner:
 
     def __init__(self, compiled: CompiledModel, config: EngineConfig, device: torch.device, platform: Platform,
                  backend: KernelBackend, dispatcher: GraphDispatcher, max_model_len: int, engine_bytes: int = 0,
-                 drafter=None):
+                 drafter=None, kv_cache_dtype: torch.dtype | None = None):
         """engine_bytes: device memory the engine took before the KV cache (weights, fused copies, buffers), which
         gpu_memory_utilization counts. On a GPU the KV cache's budget is what is left after the activation peaks of
         the forward that will run (compiled.executable), profiled on a full step (max_num_batched_tokens tokens, the
@@ -66,6 +66,8 @@ class ModelRunner:
         self.dispatcher = dispatcher
         self.device, self.platform, self.max_model_len = device, platform, max_model_len
         self.block_size = cache_config.block_size
+        # the cache's dtype (CacheConfig.kv_cache_dtype as the Worker resolved it; None: the model's)
+        self.kv_cache_dtype = kv_cache_dtype or activation_dtype(self.model)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.drafter, self.last_hidden = drafter, None  # the step's hidden states, every row: what the drafter reads
         self.prompt_logprobs_out = None  # the last step's prompt logprobs (prompt_logprobs), until taken
@@ -79,7 +81,7 @@ class ModelRunner:
                             graph_tokens=dispatcher.max_graph_tokens, max_model_len=max_model_len)
         self.num_blocks = self._num_kv_blocks(cache_config, max_model_len, engine_bytes)
         self.num_blocks = ps.min_across_ranks(self.num_blocks)  # tensor parallel: every rank's cache alike
-        self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size)
+        self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size, self.kv_cache_dtype)
         rebind_buffers(self.model, compiled.graph, self.graph, compiled.split.module if compiled.split else None)
         self.kv_pages = platform.populate_in_background(self.kv_cache)  # cpu: a thread commits the cache's pages
         if drafter is not None:
@@ -105,7 +107,7 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         a = self.attn_layers[0]
-        dtype_size = torch.empty((), dtype=activation_dtype(self.model)).element_size()
+        dtype_size = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         target = a.cache_planes * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * dtype_size
         return target + (self.drafter.bytes_per_block if self.drafter is not None else 0)  # its rows of each block
 

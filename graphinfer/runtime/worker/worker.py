@@ -19,10 +19,10 @@ import torch
 
 from graphinfer.compiler.pipeline import CompilePipeline
 from graphinfer.compiler.trace import rebind_buffers
-from graphinfer.config import EngineConfig, SchedulerConfig, default_capture_sizes
+from graphinfer.config import EngineConfig, SchedulerConfig, default_capture_sizes, kv_cache_torch_dtype
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import InvalidConfigError
-from graphinfer.models.layers import allocate_kv_cache
+from graphinfer.models.layers import MLAAttention, activation_dtype, allocate_kv_cache
 from graphinfer.platforms import KernelBackend, Platform
 from graphinfer.runtime.engine.request import PromptLogprobs
 from graphinfer.runtime.spec_decode.mtp_proposer import MTPProposer
@@ -89,21 +89,28 @@ class Worker:
         mc, spec = config.model_config, config.speculative_config
         memory_at_start = platform.memory_allocated(device)
         pipeline = CompilePipeline(config, platform, backend, device, capture_sizes, timer.phase)
+        # kv_cache_dtype against the platform's kernels before the load (fail fast), against the model after it
+        where = platform.name + (f" with kernels={backend.name!r}" if backend.name else "")
+        kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, mc.torch_dtype, where, backend.mixed_kv_cache)
         self.compiled = c = pipeline.load()  # 1. load
         drafter = None
         if spec is not None and spec.method == "mtp":  # the checkpoint's MTP layer: its cache counts in the budget
             with timer.phase("weights (MTP layer)"):
                 drafter = MTPProposer.load(config, c.model, c.hf_config, device)
         self.max_model_len = max_model_len_of(c.hf_config, mc.max_model_len, config.scheduler_config)
-        # a placeholder KV cache: lowering and profiling run over it
-        allocate_kv_cache(c.model, 1, config.cache_config.block_size)
+        # the KV cache's dtype (kv_cache_dtype), refused here where the platform's ops or an MLA cache cannot take it
+        mla = any(isinstance(m, MLAAttention) for m in c.model.modules())
+        kv_dtype = kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, activation_dtype(c.model), where,
+                                        backend.mixed_kv_cache, mla)
+        # a placeholder KV cache in that dtype: lowering and profiling run over it
+        allocate_kv_cache(c.model, 1, config.cache_config.block_size, kv_dtype)
         rebind_buffers(c.model, c.graph)
         pipeline.lower(c)  # 2. lower
         if self.dispatcher.piecewise:
             pipeline.split(c)
         with timer.phase("KV cache"):  # 3. profile, 4. allocate
             self.model_runner = ModelRunner(c, config, device, platform, backend, self.dispatcher, self.max_model_len,
-                                            platform.memory_allocated(device) - memory_at_start, drafter)
+                                            platform.memory_allocated(device) - memory_at_start, drafter, kv_dtype)
         if device.type != "cpu":  # cpu: Inductor warmed itself, or there is nothing to compile
             with timer.phase("kernels"):  # compiles (or loads from the kernel cache) the prefill path's kernels
                 self.model_runner.warm_up(speculative=self.num_speculative_tokens is not None)
