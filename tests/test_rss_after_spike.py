@@ -20,9 +20,11 @@ SPIKE = {"prompt": "hi", "n": 32, "logprobs": 20, "max_tokens": 32, "ignore_eos"
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
-    # A KV cache of 128 blocks, its pages committed by the warm-up below, not by the idle-priority thread (on a busy
-    # machine it had not finished before the baseline, and the pages it mapped later looked like memory kept).
-    s = Server(["--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "128"],
+    # A KV cache of 128 blocks of 16 tokens, its pages committed by the warm-up below, not by the idle-priority thread
+    # (on a busy machine it had not finished before the baseline, and the pages it mapped later looked like memory
+    # kept). 16, not the cpu default of 64: the warm-up's 2 x 32 sequences of 3 blocks must cover every block.
+    s = Server(["--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "128",
+                "--block-size", "16"],
                tmp_path_factory.mktemp("rss") / "server.log",
                env={"GRAPHINFER_CPU_RETAIN_FREED_MEMORY": RETAIN, "GRAPHINFER_CPU_POPULATE_KV_CACHE": "0"}).launch()
     try:
