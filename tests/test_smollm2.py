@@ -86,7 +86,7 @@ def test_stop_strings_and_stop_token_ids(smollm2_llm):
 
 def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(smollm2_llm):
     def run(prompts, **kw):
-        return [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, SamplingParams(max_tokens=24, **kw), use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, SamplingParams(max_tokens=12, **kw), use_tqdm=False)]
 
     a = run([PROMPTS[3]], temperature=0.9, seed=1234)[0]
     b = run([PROMPTS[0], PROMPTS[3], PROMPTS[1]], temperature=0.9, seed=1234)[1]  # other requests in the batch
