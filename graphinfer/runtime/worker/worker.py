@@ -102,7 +102,7 @@ class Worker:
         mla = any(isinstance(m, MLAAttention) for m in c.model.modules())
         kv_dtype = kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, activation_dtype(c.model), where,
                                         backend.mixed_kv_cache, mla)
-        # a placeholder KV cache in that dtype: lowering and profiling run over it
+        # a one-block KV cache in that dtype for lowering and profiling to run over (the real one is sized after)
         allocate_kv_cache(c.model, 1, config.cache_config.block_size, kv_dtype)
         rebind_buffers(c.model, c.graph)
         pipeline.lower(c)  # 2. lower
