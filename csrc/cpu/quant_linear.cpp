@@ -20,9 +20,11 @@
 //   big groups);
 // - dequantized: w = q * scale + zero in registers, then one FMA per token (best when several tokens share it).
 // Many tokens (prefill, batched decode): chunks of rows (up to kGemmChunkBytes of fp32, a whole SmolLM2 layer)
-// dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads; with bf16_gemm,
-// in bf16: see gemm_chunks). (One tile per
-// thread with single-threaded at::mm calls measured up to 35% slower: MKL re-packs x for every tile.)
+// dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads). (One tile per
+// thread with single-threaded at::mm calls measured up to 35% slower: MKL re-packs x for every tile.) With bf16_gemm
+// (the caller accepts bf16's rounding) on a CPU with avx512_bf16, group sizes of 32k: gemm_bf16, panels of rows
+// dequantized into L2 and multiplied with vdpbf16ps, x and the weights rounded to bf16, fp32 accumulation; elsewhere
+// bf16_gemm is ignored (exact).
 // Group sizes that are not a multiple of the chunk (and machines without AVX2) take a generic path: rows dequantized
 // one by one into a buffer in natural k order, then plain dot products.
 //
@@ -38,6 +40,7 @@
 #endif
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -342,39 +345,152 @@ void decode_generic(const Problem& p) {
 }
 
 // Many tokens: chunks of rows dequantized by all threads into one buffer, then one at::mm (MKL, all threads) each.
-// bf16: the buffer and x in bf16 (oneDNN's avx512_bf16 / AMX GEMM, ~2x fp32's on such a CPU), the product rounded
-// to bf16 before it lands in the fp32 out: not exact, for callers that accept bf16's rounding.
-void gemm_chunks(const Problem& p, const at::Tensor& x_f32, at::Tensor& out,
-                 void (*dequant)(const Problem&, int64_t, float*), int64_t chunk_bytes, bool bf16) {
+void gemm_chunks(const Problem& p, const at::Tensor& x, at::Tensor& out,
+                 void (*dequant)(const Problem&, int64_t, float*), int64_t chunk_bytes) {
   const int64_t rows = std::max<int64_t>(1, std::min(p.N, chunk_bytes / (p.K * 4)));
-  const at::Tensor x = bf16 ? x_f32.to(at::kBFloat16) : x_f32;
   at::Tensor buf = at::empty({rows, p.K}, x.options());
   for (int64_t n0 = 0; n0 < p.N; n0 += rows) {
     const int64_t nb = std::min(rows, p.N - n0);
     at::parallel_for(0, nb, 16, [&](int64_t r0, int64_t r1) {
-      if (bf16) {  // each row dequantized in fp32 (in L1), then rounded into the buffer
-        std::vector<float> row(p.K);
-        auto* dst = buf.data_ptr<at::BFloat16>();
-        for (int64_t r = r0; r < r1; ++r) {
-          dequant(p, n0 + r, row.data());
-          int64_t k = 0;
-#if defined(__AVX512BF16__)
-          for (; k + 16 <= p.K; k += 16)  // round to nearest even, as the scalar cast
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * p.K + k),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row.data() + k)));
-#endif
-          for (; k < p.K; ++k) dst[r * p.K + k] = static_cast<at::BFloat16>(row[k]);
-        }
-      } else {
-        for (int64_t r = r0; r < r1; ++r) dequant(p, n0 + r, buf.data_ptr<float>() + r * p.K);
-      }
+      for (int64_t r = r0; r < r1; ++r) dequant(p, n0 + r, buf.data_ptr<float>() + r * p.K);
     });
     at::Tensor dst = nb == p.N ? out : out.narrow(1, n0, nb);
-    if (bf16) dst.copy_(at::mm(x, buf.narrow(0, 0, nb).t()));
-    else at::mm_out(dst, x, buf.narrow(0, 0, nb).t());
+    at::mm_out(dst, x, buf.narrow(0, 0, nb).t());
   }
   if (p.bias) out.add_(at::from_blob(const_cast<float*>(p.bias), {p.N}, x.options()));
 }
+
+#if defined(__AVX512BF16__)
+// Many tokens in bf16 (bf16_gemm) on a CPU with avx512_bf16: a GEMM of our own instead of gemm_chunks, so that the
+// weight is never written out dequantized and no GEMM library repacks it per call (both cost more than the
+// products at 64 tokens: issue 55). Each task takes a panel of kPanelRows rows: dequantized (in fp32, rounded to
+// bf16) straight into a thread-local buffer in the layout of vdpbf16ps's second operand (per pair of k: the pairs
+// of the panel's rows, one dword each), then every tile of up to kTokenTile tokens multiplies it from L1 / L2, with
+// x's pairs broadcast: acc[t][half] += x[t][k, k+1] . w[rows][k, k+1], fp32 accumulation, fp32 out.
+constexpr int kPanelRows = 32;  // two vectors of rows: 18 panels of a 576-row linear share 2 threads evenly
+constexpr int kTokenTile = 12;  // 12 tokens x 2 vectors = 24 accumulators of the 32 registers
+
+// r[i] = dwords j0..j0+15 of row i  ->  r[j] = row 0..15's dword j0 + j
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit lane L: element 4L + c of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  __m512i o[16];
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+    const __m512i e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    o[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+    o[8 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
+    o[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+    o[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = o[i];
+}
+
+// Row n's 32 weights from k = 32c on as bf16 in natural k order: 16 dwords, dword j = (w[k + 2j], w[k + 2j + 1]).
+template <int BITS>
+inline __m512i dequant32_bf16(const Problem& p, int64_t n, int64_t c) {
+  const int64_t gi = c * 32 / p.g;
+  const __m512 s = _mm512_set1_ps(param(p, p.scales, n * p.G + gi));
+  const __m512 z = _mm512_set1_ps(p.zeros ? param(p, p.zeros, n * p.G + gi) : 0.f);
+  const uint8_t* w = p.w + n * p.w_row;
+  if constexpr (BITS == 4) {  // byte j: k + 2j in the low nibble, k + 2j + 1 in the high one
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * 16)));
+    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), s, z);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, z);
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));  // (lo_j, hi_j) per dword
+  } else {
+    const int8_t* q = reinterpret_cast<const int8_t*>(w) + c * 32;
+    const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                         reinterpret_cast<const __m128i*>(q)))), s, z);
+    const __m512 b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                         reinterpret_cast<const __m128i*>(q + 16)))), s, z);
+    return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+  }
+}
+
+// Rows n0 .. n0 + kPanelRows - 1 (zeros past N) into panel[K / 2][kPanelRows] dwords.
+template <int BITS>
+void dequant_panel(const Problem& p, int64_t n0, uint32_t* panel) {
+  __m512i r[16];
+  for (int h = 0; h < kPanelRows / 16; ++h)
+    for (int64_t c = 0; c < p.K / 32; ++c) {
+      for (int i = 0; i < 16; ++i) {
+        const int64_t n = n0 + h * 16 + i;
+        r[i] = n < p.N ? dequant32_bf16<BITS>(p, n, c) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(panel + (c * 16 + j) * kPanelRows + h * 16, r[j]);
+    }
+}
+
+// out[t0 .. t0 + MT - 1][n0 .. n0 + 31] = x[t] . panel (+ bias), nvalid of the 32 columns stored.
+template <int MT>
+void panel_tile(const Problem& p, const uint32_t* panel, const uint32_t* x, int64_t t0, int64_t n0) {
+  const int64_t J = p.K / 2;
+  __m512 acc[MT][2];
+  for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  const uint32_t* xt = x + t0 * J;
+  for (int64_t j = 0; j < J; ++j) {
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(panel + j * kPanelRows);
+    const __m512bh w1 = (__m512bh)_mm512_load_si512(panel + j * kPanelRows + 16);
+    for (int t = 0; t < MT; ++t) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xt[t * J + j]));
+      acc[t][0] = _mm512_dpbf16_ps(acc[t][0], xv, w0);
+      acc[t][1] = _mm512_dpbf16_ps(acc[t][1], xv, w1);
+    }
+  }
+  const int64_t nvalid = std::min<int64_t>(kPanelRows, p.N - n0);
+  const __mmask16 m0 = nvalid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nvalid) - 1);
+  const __mmask16 m1 = nvalid >= 32 ? 0xFFFF : nvalid <= 16 ? 0 : static_cast<__mmask16>((1u << (nvalid - 16)) - 1);
+  const __m512 b0 = p.bias ? _mm512_maskz_loadu_ps(m0, p.bias + n0) : _mm512_setzero_ps();
+  const __m512 b1 = p.bias ? _mm512_maskz_loadu_ps(m1, p.bias + n0 + 16) : _mm512_setzero_ps();
+  for (int t = 0; t < MT; ++t) {
+    float* o = p.out + (t0 + t) * p.N + n0;
+    _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(acc[t][0], b0));
+    _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(acc[t][1], b1));
+  }
+}
+
+template <int BITS>
+void gemm_bf16(const Problem& p, const at::Tensor& x_bf16) {
+  const uint32_t* x = static_cast<const uint32_t*>(x_bf16.data_ptr());
+  const int64_t panels = (p.N + kPanelRows - 1) / kPanelRows;
+  at::parallel_for(0, panels, 1, [&](int64_t b0, int64_t b1) {
+    uint32_t* panel = static_cast<uint32_t*>(std::aligned_alloc(64, p.K / 2 * kPanelRows * 4));
+    for (int64_t b = b0; b < b1; ++b) {
+      dequant_panel<BITS>(p, b * kPanelRows, panel);
+      int64_t t = 0;
+      for (; t + kTokenTile <= p.T; t += kTokenTile) panel_tile<kTokenTile>(p, panel, x, t, b * kPanelRows);
+      switch (p.T - t) {
+        case 0: break;
+        case 1: panel_tile<1>(p, panel, x, t, b * kPanelRows); break;
+        case 2: panel_tile<2>(p, panel, x, t, b * kPanelRows); break;
+        case 3: panel_tile<3>(p, panel, x, t, b * kPanelRows); break;
+        case 4: panel_tile<4>(p, panel, x, t, b * kPanelRows); break;
+        case 5: panel_tile<5>(p, panel, x, t, b * kPanelRows); break;
+        case 6: panel_tile<6>(p, panel, x, t, b * kPanelRows); break;
+        case 7: panel_tile<7>(p, panel, x, t, b * kPanelRows); break;
+        case 8: panel_tile<8>(p, panel, x, t, b * kPanelRows); break;
+        case 9: panel_tile<9>(p, panel, x, t, b * kPanelRows); break;
+        case 10: panel_tile<10>(p, panel, x, t, b * kPanelRows); break;
+        default: panel_tile<11>(p, panel, x, t, b * kPanelRows); break;
+      }
+    }
+    std::free(panel);
+  });
+}
+#endif
 
 // x [T, K] -> fp32 with each chunk of 2L elements reordered: its L even elements, then its L odd ones.
 template <typename scalar_t>
@@ -470,6 +586,17 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
   }
 
   const int64_t g = K / G;
+#if defined(__AVX512BF16__)
+  if (bf16_gemm && T >= kGemmMinTokens && K % 32 == 0 && g % 32 == 0) {
+    const at::Tensor xb = x_in.to(at::kBFloat16).contiguous();  // round to nearest even, as the weights
+    Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), scales.data_ptr(),
+              zeros.defined() ? zeros.data_ptr() : nullptr, half, bias.defined() ? bias.data_ptr<float>() : nullptr,
+              nullptr, nullptr, out.data_ptr<float>(), N, K, G, g, T, bits};
+    if (bits == 4) gemm_bf16<4>(p, xb);
+    else gemm_bf16<8>(p, xb);
+    return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+  }
+#endif
   const int lanes = vector_lanes(bits, g);
   at::Tensor x;  // fp32 [T, K], in the vector kernels' k order
   if (bits == 4 && lanes) {
@@ -488,7 +615,7 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
 
   if (T >= kGemmMinTokens) {
     auto dq = bits == 4 ? row_dequantizer<4>(lanes) : row_dequantizer<8>(lanes);
-    gemm_chunks(p, x, out, dq, kGemmChunkBytes, bf16_gemm);
+    gemm_chunks(p, x, out, dq, kGemmChunkBytes);
   } else {
     std::vector<float> xsum;
     if (zeros.defined() && lanes) {  // per-group sums of x for the factored kernels' zero term
