@@ -35,6 +35,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -578,11 +580,11 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
     TORCH_CHECK(bias.numel() == N, "wo_linear: bias must have N = ", N, " elements");
   }
   at::Tensor out = at::empty({T, N}, x_in.options().dtype(at::kFloat));
-  if (T == 0 || N == 0) return out.to(x_in.scalar_type());
+  if (T == 0 || N == 0) return cpu_vec::float_to(out, x_in.scalar_type());
   if (K == 0) {
     out.zero_();
     if (bias.defined()) out.add_(bias);
-    return out.to(x_in.scalar_type());
+    return cpu_vec::float_to(out, x_in.scalar_type());
   }
 
   const int64_t g = K / G;
@@ -594,7 +596,7 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
               nullptr, nullptr, out.data_ptr<float>(), N, K, G, g, T, bits};
     if (bits == 4) gemm_bf16<4>(p, xb);
     else gemm_bf16<8>(p, xb);
-    return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+    return cpu_vec::float_to(out, x_in.scalar_type());
   }
 #endif
   const int lanes = vector_lanes(bits, g);
@@ -632,7 +634,7 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
     if (bits == 4) run_decode<4>(p, lanes);
     else run_decode<8>(p, lanes);
   }
-  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+  return cpu_vec::float_to(out, x_in.scalar_type());
 }
 
 }  // namespace

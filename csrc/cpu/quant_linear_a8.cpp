@@ -20,6 +20,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -313,7 +315,7 @@ at::Tensor wo_linear_a8(const at::Tensor& x_in, const at::Tensor& qweight_in, co
           (bits == 4 ? row<4> : row<8>)(p, isa, n, t0, static_cast<int>(std::min<int64_t>(T - t0, kMaxTokens)));
     });
   }
-  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+  return cpu_vec::float_to(out, x_in.scalar_type());
 }
 
 int64_t wo_linear_a8_isa() { return kBuiltIsa; }
