@@ -369,8 +369,8 @@ void gemm_chunks(const Problem& p, const at::Tensor& x, at::Tensor& out,
 // bf16) straight into a thread-local buffer in the layout of vdpbf16ps's second operand (per pair of k: the pairs
 // of the panel's rows, one dword each), then every tile of up to kTokenTile tokens multiplies it from L1 / L2, with
 // x's pairs broadcast: acc[t][half] += x[t][k, k+1] . w[rows][k, k+1], fp32 accumulation, fp32 out.
-constexpr int kPanelRows = 32;  // two vectors of rows: 18 panels of a 576-row linear share 2 threads evenly
-constexpr int kTokenTile = 12;  // 12 tokens x 2 vectors = 24 accumulators of the 32 registers
+constexpr int kPanelRows = 48;  // three vectors of rows: 12 panels of a 576-row linear share 2 threads evenly
+constexpr int kTokenTile = 8;  // 8 tokens x 3 vectors = 24 accumulators of the 32 registers
 
 // r[i] = dwords j0..j0+15 of row i  ->  r[j] = row 0..15's dword j0 + j
 inline void transpose16(__m512i r[16]) {
@@ -436,37 +436,43 @@ void dequant_panel(const Problem& p, int64_t n0, uint32_t* panel) {
     }
 }
 
-// out[t0 .. t0 + MT - 1][n0 .. n0 + 31] = x[t] . panel (+ bias), nvalid of the 32 columns stored.
+// out[t0 .. t0 + MT - 1][n0 .. n0 + kPanelRows - 1] = x[t] . panel (+ bias), columns past N not stored.
 template <int MT>
 void panel_tile(const Problem& p, const uint32_t* panel, const uint32_t* x, int64_t t0, int64_t n0) {
+  constexpr int NV = kPanelRows / 16;
   const int64_t J = p.K / 2;
-  __m512 acc[MT][2];
-  for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  __m512 acc[MT][NV];
+  for (int t = 0; t < MT; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_setzero_ps();
   const uint32_t* xt = x + t0 * J;
   for (int64_t j = 0; j < J; ++j) {
-    const __m512bh w0 = (__m512bh)_mm512_load_si512(panel + j * kPanelRows);
-    const __m512bh w1 = (__m512bh)_mm512_load_si512(panel + j * kPanelRows + 16);
+    __m512bh w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_load_si512(panel + j * kPanelRows + 16 * v);
     for (int t = 0; t < MT; ++t) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xt[t * J + j]));
-      acc[t][0] = _mm512_dpbf16_ps(acc[t][0], xv, w0);
-      acc[t][1] = _mm512_dpbf16_ps(acc[t][1], xv, w1);
+      for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], xv, w[v]);
     }
   }
-  const int64_t nvalid = std::min<int64_t>(kPanelRows, p.N - n0);
-  const __mmask16 m0 = nvalid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nvalid) - 1);
-  const __mmask16 m1 = nvalid >= 32 ? 0xFFFF : nvalid <= 16 ? 0 : static_cast<__mmask16>((1u << (nvalid - 16)) - 1);
-  const __m512 b0 = p.bias ? _mm512_maskz_loadu_ps(m0, p.bias + n0) : _mm512_setzero_ps();
-  const __m512 b1 = p.bias ? _mm512_maskz_loadu_ps(m1, p.bias + n0 + 16) : _mm512_setzero_ps();
-  for (int t = 0; t < MT; ++t) {
-    float* o = p.out + (t0 + t) * p.N + n0;
-    _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(acc[t][0], b0));
-    _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(acc[t][1], b1));
+  for (int v = 0; v < NV; ++v) {
+    const int64_t valid = std::clamp<int64_t>(p.N - n0 - 16 * v, 0, 16);
+    const __mmask16 m = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
+    for (int t = 0; t < MT; ++t) _mm512_mask_storeu_ps(p.out + (t0 + t) * p.N + n0 + 16 * v, m, _mm512_add_ps(acc[t][v], bv));
+  }
+}
+
+// The last tile, of T - t0 < kTokenTile tokens (none: nothing)
+template <int MT>
+void tail_tile(const Problem& p, const uint32_t* panel, const uint32_t* x, int64_t t0, int64_t n0) {
+  if constexpr (MT > 0) {
+    if (p.T - t0 == MT) return panel_tile<MT>(p, panel, x, t0, n0);
+    tail_tile<MT - 1>(p, panel, x, t0, n0);
   }
 }
 
 template <int BITS>
 void gemm_bf16(const Problem& p, const at::Tensor& x_bf16) {
-  const uint32_t* x = static_cast<const uint32_t*>(x_bf16.data_ptr());
+  const uint32_t* x = static_cast<const uint32_t*>(x_bf16.data_ptr());  // [T][K / 2] pairs
   const int64_t panels = (p.N + kPanelRows - 1) / kPanelRows;
   at::parallel_for(0, panels, 1, [&](int64_t b0, int64_t b1) {
     uint32_t* panel = static_cast<uint32_t*>(std::aligned_alloc(64, p.K / 2 * kPanelRows * 4));
@@ -474,20 +480,7 @@ void gemm_bf16(const Problem& p, const at::Tensor& x_bf16) {
       dequant_panel<BITS>(p, b * kPanelRows, panel);
       int64_t t = 0;
       for (; t + kTokenTile <= p.T; t += kTokenTile) panel_tile<kTokenTile>(p, panel, x, t, b * kPanelRows);
-      switch (p.T - t) {
-        case 0: break;
-        case 1: panel_tile<1>(p, panel, x, t, b * kPanelRows); break;
-        case 2: panel_tile<2>(p, panel, x, t, b * kPanelRows); break;
-        case 3: panel_tile<3>(p, panel, x, t, b * kPanelRows); break;
-        case 4: panel_tile<4>(p, panel, x, t, b * kPanelRows); break;
-        case 5: panel_tile<5>(p, panel, x, t, b * kPanelRows); break;
-        case 6: panel_tile<6>(p, panel, x, t, b * kPanelRows); break;
-        case 7: panel_tile<7>(p, panel, x, t, b * kPanelRows); break;
-        case 8: panel_tile<8>(p, panel, x, t, b * kPanelRows); break;
-        case 9: panel_tile<9>(p, panel, x, t, b * kPanelRows); break;
-        case 10: panel_tile<10>(p, panel, x, t, b * kPanelRows); break;
-        default: panel_tile<11>(p, panel, x, t, b * kPanelRows); break;
-      }
+      tail_tile<kTokenTile - 1>(p, panel, x, t, b * kPanelRows);
     }
     std::free(panel);
   });
