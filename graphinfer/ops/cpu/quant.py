@@ -8,7 +8,7 @@
   Without the library (or for an x / scale layout the kernel does not take) it is the reference: dequantize, then
   F.linear in fp32. Scales and zeros may be fp16 (GGUF's width) or fp32.
   By default (GRAPHINFER_CPU_WO_ACTIVATIONS=bf16, cpu_quant_ops) group-32 forms (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K)
-  multiply batches of >= 64 tokens in bf16 where the CPU has native bf16 (not exact, ~1.7x at batch 64); with int8
+  multiply batches of >= 64 tokens in bf16 where the CPU has native bf16 (gemm_bf16: bf16 operands, fp32 sums); with int8
   their decode takes csrc/cpu/quant_linear_a8.cpp, llama.cpp's arithmetic (activations rounded to int8 per block of
   32, integer dot products): no faster than the exact kernel on the dev VM (both stream the weights at the same
   bandwidth), and further from fp32, so opt-in.
@@ -50,7 +50,7 @@ def native_available() -> bool:
 
 
 _SCALE_DTYPES = (torch.float32, torch.float16)
-A8_MAX_TOKENS = 64  # from here on wo_linear's GEMM path (dequantized tiles through at::mm) is faster
+A8_MAX_TOKENS = 64  # from here on wo_linear's GEMM path is faster
 _bf16_gemm = False  # wo_linear_a8_cpu's GEMM in bf16: set by cpu_quant_ops (the platform knows the CPU)
 _a8_decode = False  # wo_linear_a8_cpu's decode on int8 activations (GRAPHINFER_CPU_WO_ACTIVATIONS=int8)
 
