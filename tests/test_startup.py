@@ -57,6 +57,22 @@ def test_serve_path_start_imports_nothing_serving_does_not_need(smollm2_artifact
     assert "start-up: weights" in res.stderr and "start-up: engine ready" in res.stderr  # the breakdown, on INFO
 
 
+def test_transformers_configs_leave_sklearn_to_its_first_use():
+    """graphinfer.lazy_imports: building a transformers config (which imports transformers' generation package) in a
+    fresh process imports no scikit-learn; assisted generation's roc_curve still works, importing sklearn then, and
+    is_sklearn_available is transformers' own again."""
+    code = ("import sys, json\nimport graphinfer, transformers\n"
+            "transformers.LlamaConfig(hidden_size=64, num_attention_heads=4)\n"
+            "from transformers.generation import candidate_generator as cg\n"
+            "before = 'sklearn' in sys.modules\n"
+            "fpr, tpr, th = cg.roc_curve([0, 1, 1, 0], [0.1, 0.9, 0.8, 0.3])\n"
+            "print(json.dumps([before, 'sklearn.metrics' in sys.modules, list(tpr), cg.is_sklearn_available(),"
+            " cg.is_sklearn_available is transformers.utils.import_utils.is_sklearn_available]))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [False, True, [0.0, 0.5, 1.0, 1.0], True, True]
+
+
 def test_startup_phases_are_recorded(smollm2_artifact):
     engine = LLM(artifact=smollm2_artifact, max_model_len=1024).llm_engine
     phases = engine.startup.seconds
