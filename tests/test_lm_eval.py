@@ -5,10 +5,26 @@ answer as lm-eval's own hf backend on every item of a shipped multiple-choice ta
 import pytest
 
 pytest.importorskip("lm_eval")
+import lm_eval.tasks  # noqa: E402
 
 from graphinfer.bench.lm_eval_harness import _free_port, _Server, disagreements, evaluate  # noqa: E402
 
 TASK, LIMIT = "graphinfer_capitals", 16  # 16 questions x 4 choices: 64 loglikelihood requests per backend
+
+
+class _GraphinferTasksOnly(lm_eval.tasks.TaskManager):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "include_defaults": False})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def graphinfer_tasks_only():
+    """evaluate()'s TaskManager indexes graphinfer's tasks and every task lm-eval ships (a walk over thousands of
+    YAML files, seconds each of the three runs here); these tests run graphinfer's own tasks only, so lm-eval's are
+    left out of the index."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lm_eval.tasks, "TaskManager", _GraphinferTasksOnly)
+        yield
 
 
 @pytest.fixture(scope="module")
