@@ -2,10 +2,12 @@
 `graphinfer serve` and lm-eval's Python API over graphinfer.LLM (graphinfer/bench/lm_eval_harness.py) choose the same
 answer as lm-eval's own hf backend on every item of a shipped multiple-choice task (SmolLM2, fp32), and
 `local-chat-completions` runs a shipped generation task to the end."""
+import os
 import types
 
 import httpx
 import pytest
+import torch
 
 pytest.importorskip("lm_eval")
 import lm_eval.tasks  # noqa: E402
@@ -40,8 +42,28 @@ def server(openai_server):
 
 
 @pytest.fixture(scope="module")
-def hf_run(smollm2_path):
-    return evaluate("hf", smollm2_path, [TASK], limit=LIMIT)
+def hf_run(smollm2_path, hf_smollm2):
+    """lm-eval's hf backend on SmolLM2, the reference. Its loader (lm_eval_harness._hf_lm) runs, but the transformers
+    load it asks for, AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=float32), is answered with
+    the session's hf_smollm2 (conftest: that very call; loaded once per worker for the real-weights tests) instead
+    of a second ~10 s GGUF conversion."""
+    import transformers
+
+    model, _ = hf_smollm2
+    folder, name = os.path.split(smollm2_path)
+    real, asked = transformers.AutoModelForCausalLM.from_pretrained, []
+
+    def from_pretrained(path, *args, **kwargs):
+        if (path, kwargs.get("gguf_file"), kwargs.get("dtype")) == (folder, name, torch.float32) and not args:
+            asked.append(path)
+            return model
+        return real(path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+        run = evaluate("hf", smollm2_path, [TASK], limit=LIMIT)
+    assert asked == [folder]  # the session's model answered _hf_lm's load
+    return run
 
 
 @pytest.mark.parametrize("backend", ["server", pytest.param("llm", marks=pytest.mark.slow)])  # llm: ~18 s, same answers path
