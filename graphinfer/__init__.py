@@ -17,6 +17,12 @@ if importlib.util.find_spec("torch_npu") and not any(
 # set, libgomp pins the main thread to one CPU as torch loads (platforms/cpu.physical_cores).
 STARTUP_CPUS = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
 
+# transformers' config classes import scikit-learn (through its generation package) for one function of assisted
+# generation: ~1.2 s a process where lm-eval installed it. Deferred to that function's first call (lazy_imports.py).
+from graphinfer.lazy_imports import defer_sklearn  # noqa: E402
+
+defer_sklearn()
+
 __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "graphinfer.runtime.entrypoints.llm", "LLMEngine": "graphinfer.runtime.entrypoints.llm_engine",

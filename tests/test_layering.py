@@ -11,8 +11,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "graphinfer"
 
 # Bottom to top. Packages in one layer may import each other.
 LAYERS = [
-    {"graphinfer", "errors", "envs"},  # the package root: __version__, LLM & co. exported lazily (importlib, by name);
-    # errors; envs, where every GRAPHINFER_* variable is read
+    {"graphinfer", "errors", "envs", "lazy_imports"},  # the package root: __version__, LLM & co. exported lazily
+    # (importlib, by name); errors; envs, where every GRAPHINFER_* variable is read; lazy_imports, third-party
+    # packages' eager imports deferred
     {"config", "sampling_params", "outputs"},  # plain dataclasses a user builds
     {"engine_args"},  # LLM(**kwargs) and the CLI flags, generated from EngineConfig's fields
     {"ops", "distributed"},  # the op vocabulary, collectives included (communication_op registers graphinfer:: ops)

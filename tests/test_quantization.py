@@ -192,24 +192,40 @@ def test_gguf_kept_quantized_matches_the_dequantized_model(smollm2_llm, smollm2_
                                                            monkeypatch):
     """The bundled SmolLM2 with quantization="gguf": its Q4_1 / Q8_0 blocks stay packed (weights under 30% of fp32,
     scales at GGUF's fp16), and its greedy tokens agree with the fp32 model's (the same GGUF dequantized at load) on
-    the fixed prompts (the cpu default: exact decode kernels; llama.cpp's int8 activations are tested per kernel in
-    test_cpu_quant_a8.py); an artifact of it serves the same tokens without the GGUF."""
+    the fixed prompts; on CPU through the cpu platform's C++ weight-only kernels with fp32 activations
+    (GRAPHINFER_CPU_WO_ACTIVATIONS=fp32: the reference's results to fp32 rounding; its bf16 prefill and llama.cpp's
+    int8 activations are tested per kernel in test_cpu_quant_kernels.py / test_cpu_quant_a8.py), not the suite's
+    reference ops, which dequantize every weight at every step (most of the time this test took). An
+    artifact of it serves the same tokens without the GGUF, on the reference ops (dequantize, then F.linear)."""
     from graphinfer.bench.accuracy import weight_bytes
+    from graphinfer.platforms import get_platform
     from test_smollm2 import PROMPTS as SMOL_PROMPTS
 
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in smollm2_greedy]
-    monkeypatch.delenv("GRAPHINFER_CPU_WO_ACTIVATIONS", raising=False)
-    llm = LLM(dtype="float32", max_model_len=1024, quantization="gguf")
-    fraction = weight_bytes(llm) / weight_bytes(smollm2_llm)
-    assert fraction < 0.3
-    outs = [o.outputs[0].token_ids for o in llm.generate(SMOL_PROMPTS, params, use_tqdm=False)]
+    cpu = not torch.cuda.is_available()
+    if cpu:  # conftest's GRAPHINFER_CPU_KERNELS=reference would run the reference ops (conftest.engine_kernels)
+        monkeypatch.delenv("GRAPHINFER_CPU_KERNELS", raising=False)
+        monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", "fp32")
+    try:
+        llm = LLM(dtype="float32", max_model_len=1024, quantization="gguf")
+        if cpu:
+            assert llm.llm_engine.local_core.platform.kernels.get("wo_linear") == "graphinfer.ops.cpu.quant"
+        fraction = weight_bytes(llm) / weight_bytes(smollm2_llm)
+        assert fraction < 0.3
+        outs = [o.outputs[0].token_ids for o in llm.generate(SMOL_PROMPTS, params, use_tqdm=False)]
+    finally:
+        if cpu:  # the reference ops again, process-wide (other tests call the ops directly)
+            monkeypatch.setenv("GRAPHINFER_CPU_KERNELS", "reference")
+            get_platform("cpu").activate("reference")
     same = sum(a == b for r, o in zip(ref, outs) for a, b in zip(r, o)) / sum(map(len, ref))
     with capsys.disabled():
         print(f"\ngguf kept quantized: weights {fraction:.1%} of fp32, greedy agreement with fp32 {same:.1%}")
     assert same >= 0.8, f"greedy agreement with fp32 {same:.1%}"
     llm.llm_engine.save_artifact(str(tmp_path / "art"))
     served = LLM(artifact=str(tmp_path / "art"))
+    if cpu:
+        assert not served.llm_engine.local_core.platform.kernels  # the reference ops
     first = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # the first 8 steps of two prompts suffice
     served_outs = served.generate(SMOL_PROMPTS[:2], first, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in served_outs] == [o[:8] for o in outs[:2]]

@@ -4,8 +4,9 @@ One SmolLM2 server (fp32, --max-model-len 1024, --async-scheduling, so that the 
 against the synchronous offline engine; --max-num-batched-tokens 64, so that a long prompt is prefilled in
 many chunks; --shutdown-timeout 2) answers the official `openai` client and the bad inputs, and is stopped
 with SIGTERM while requests are in flight at the end. A tiny-qwen3-moe server with --api-key checks
-authentication and the MoE expert-load metrics. Both start together at the beginning of the module, so their start-up overlaps.
-Shutdown with requests that finish while draining, SIGINT and a busy port: test_server_shutdown.py.
+authentication and the MoE expert-load metrics, and is stopped with SIGINT while idle at the end. Both start together
+at the beginning of the module, so their start-up overlaps.
+Shutdown with requests that finish while draining, SIGTERM while idle and a busy port: test_server_shutdown.py.
 """
 import json
 import math
@@ -692,7 +693,7 @@ def _wait_exit(server: Server, timeout: float) -> tuple[int | None, float]:
 
 
 def test_sigterm_past_the_shutdown_timeout(smol):
-    """Last test of the module: it stops the SmolLM2 server (--shutdown-timeout 2) with a 300-token stream (~20 s
+    """Last test of the SmolLM2 server: it stops it (--shutdown-timeout 2) with a 300-token stream (~20 s
     on CPU) and a non-streaming request of the same length in flight. New requests get 503 at once; after 2 s the
     stream ends with an error event and [DONE], the non-streaming request gets a 503; the exit status is 0 and no
     KV-cache block is left in use."""
@@ -745,3 +746,12 @@ def test_sigterm_past_the_shutdown_timeout(smol):
     assert re.search(r"0 request\(s\) finished while draining, 2 ended at the shutdown timeout; "
                      r"KV-cache blocks in use: 0", log), log[-2000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_sigint_with_nothing_in_flight(keyed):
+    """Last test of the keyed server (after the API-key and expert-load tests): SIGINT with nothing in flight ends it
+    promptly with status 0 (a busy host: 12 s), without a traceback."""
+    keyed.proc.send_signal(signal.SIGINT)
+    rc, took = _wait_exit(keyed, 20)
+    assert rc == 0 and took < 20, (rc, took, keyed.log()[-2000:])
+    assert "Traceback" not in keyed.log()

@@ -218,10 +218,21 @@ def test_verify_graphs_replay_under_the_capture_stand_in(monkeypatch, greedy_bas
     assert replays and set(replays) <= {3, 6, 9, 12}
 
 
-@pytest.mark.parametrize("spec", [ngram(3, 1, 4), pytest.param(  # self-draft: 23 s; tiny draft models run below
+SMOLLM2_NGRAM = ngram(3, 1, 4)
+
+
+@pytest.fixture(scope="module")
+def smollm2_ngram():
+    """The real SmolLM2 (fp32) with ngram speculative decoding: the greedy check below and the bad-words one."""
+    llm = LLM(dtype="float32", max_model_len=1024, seed=0, speculative_config=SMOLLM2_NGRAM)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("spec", [SMOLLM2_NGRAM, pytest.param(  # self-draft: 23 s; tiny draft models run below
     {"method": "draft_model", "model": "SMOLLM2", "num_speculative_tokens": 2}, marks=pytest.mark.slow)],
                          ids=["ngram", "self-draft"])
-def test_smollm2_greedy_equals_no_spec(smollm2_greedy, smollm2_path, spec):
+def test_smollm2_greedy_equals_no_spec(smollm2_greedy, smollm2_path, spec, request):
     """The real SmolLM2 (fp32) on test_smollm2's prompts, 32 greedy tokens: ngram lookup, and SmolLM2 drafting for
     itself, give the tokens of the engine without speculation."""
     from test_smollm2 import PROMPTS
@@ -229,14 +240,27 @@ def test_smollm2_greedy_equals_no_spec(smollm2_greedy, smollm2_path, spec):
     if spec.get("model") == "SMOLLM2":  # resolved here, not at collection (a machine without the package skips)
         spec = {**spec, "model": smollm2_path}
     n = len(PROMPTS) if spec["method"] == "ngram" else 2  # the self-draft runs two SmolLM2s: fewer prompts
-    llm = LLM(dtype="float32", max_model_len=1024, seed=0, speculative_config=spec)
+    ngram_engine = spec["method"] == "ngram"
+    llm = request.getfixturevalue("smollm2_ngram") if ngram_engine else \
+        LLM(dtype="float32", max_model_len=1024, seed=0, speculative_config=spec)
+    before = dict(llm.llm_engine.spec_decode_stats())  # the shared ngram engine may have run the bad-words test
     outs = llm.generate(PROMPTS[:n], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in smollm2_greedy[:n]]
     stats = llm.llm_engine.spec_decode_stats()
-    assert stats["num_accepted_tokens"] > 0
+    assert stats["num_accepted_tokens"] > before.get("num_accepted_tokens", 0)
     if spec.get("model") is not None:
         assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
-    llm.shutdown()
+    if not ngram_engine:
+        llm.shutdown()
+
+
+def test_bad_words_with_ngram_drafts(smollm2_ngram, smollm2_llm):
+    """bad_words under ngram speculative decoding (test_bad_words_engines.py: the prompts, and the plain engine's
+    texts): the repeated prompt's " France" is drafted after " capital of" and must be rejected where banned."""
+    from test_bad_words_engines import check_bad_words, expected_texts
+
+    outs = check_bad_words(smollm2_ngram, expected_texts(smollm2_llm))
+    assert outs[0].metrics["spec_decode_num_draft_tokens"] > 0  # drafts were verified
 
 
 def test_metrics_export_the_counters(greedy_base):

@@ -57,6 +57,28 @@ def test_serve_path_start_imports_nothing_serving_does_not_need(smollm2_artifact
     assert "start-up: weights" in res.stderr and "start-up: engine ready" in res.stderr  # the breakdown, on INFO
 
 
+def test_transformers_configs_leave_sklearn_to_its_first_use():
+    """graphinfer.lazy_imports: building a transformers config (which imports transformers' generation package) in a
+    fresh process imports no scikit-learn; in this process (graphinfer imported first, by conftest), assisted
+    generation's roc_curve still works, importing sklearn then, and is_sklearn_available is transformers' own."""
+    from transformers.generation import candidate_generator as cg
+    from transformers.utils import import_utils
+
+    from graphinfer.lazy_imports import _DeferSklearnLoader
+
+    code = ("import sys\nimport graphinfer, transformers\n"
+            "transformers.LlamaConfig(hidden_size=64, num_attention_heads=4)\n"
+            "from transformers.generation import candidate_generator\n"
+            "print('sklearn' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "False"
+    assert isinstance(cg.__loader__, _DeferSklearnLoader)  # loaded here through the finder too
+    assert cg.is_sklearn_available is import_utils.is_sklearn_available and cg.is_sklearn_available()
+    fpr, tpr, thresholds = cg.roc_curve([0, 1, 1, 0], [0.1, 0.9, 0.8, 0.3])
+    assert list(tpr) == [0.0, 0.5, 1.0, 1.0] and "sklearn.metrics" in sys.modules
+
+
 def test_startup_phases_are_recorded(smollm2_artifact):
     engine = LLM(artifact=smollm2_artifact, max_model_len=1024).llm_engine
     phases = engine.startup.seconds
