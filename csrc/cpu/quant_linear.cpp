@@ -369,9 +369,9 @@ void gemm_chunks(const Problem& p, const at::Tensor& x, at::Tensor& out,
 // bf16) straight into a thread-local buffer in the layout of vdpbf16ps's second operand (per pair of k: the pairs
 // of the panel's rows, one dword each), then every tile of up to kTokenTile tokens multiplies it from L1 / L2, with
 // x's pairs broadcast: acc[t][v] += x[t][k, k+1] . w[16 rows][k, k+1], fp32 accumulation, fp32 out.
-// Measured on the 2-vCPU Zen 4 VM, one thread, Q4_1 form, 2026-11-30: 185-197 GFLOP/s at 4096 tokens where oneDNN's
-// prepacked bf16 linear on the dense weight makes 210-225 (its kernel is ~12 % faster); at 64 tokens 0.24 ms against
-// 0.20 for a 576 x 576 linear (the panel's dequantization: ~0.7 cycles a weight). gemm_chunks took 2x oneDNN's time.
+// Measured on the 2-vCPU Zen 4 VM (tools/cpu_quant_bench.py, 2 threads, cold weights, SmolLM2's layer shapes; JSON
+// docs/bench/cpu_gemm_bf16_2026-11-30_zen4.json): 1.01-1.13x the time of oneDNN's linear on the dense bf16 weight
+// prepacked, at 64, 256 and 4096 tokens.
 constexpr int kPanelRows = 48;  // three vectors of rows: 12 panels of a 576-row linear share 2 threads evenly
 constexpr int kTokenTile = 8;  // 8 tokens x 3 vectors = 24 accumulators of the 32 registers
 
@@ -391,7 +391,8 @@ inline void transpose16(__m512i r[16]) {
   __m512i o[16];
   for (int c = 0; c < 4; ++c) {
     const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
-    const __m512i e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    const __m512i e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
     o[c] = _mm512_shuffle_i32x4(a, e, 0x88);
     o[8 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
     o[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
@@ -460,7 +461,8 @@ void panel_tile(const Problem& p, const uint32_t* panel, const uint32_t* x, int6
     const int64_t valid = std::clamp<int64_t>(p.N - n0 - 16 * v, 0, 16);
     const __mmask16 m = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 bv = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
-    for (int t = 0; t < MT; ++t) _mm512_mask_storeu_ps(p.out + (t0 + t) * p.N + n0 + 16 * v, m, _mm512_add_ps(acc[t][v], bv));
+    for (int t = 0; t < MT; ++t)
+      _mm512_mask_storeu_ps(p.out + (t0 + t) * p.N + n0 + 16 * v, m, _mm512_add_ps(acc[t][v], bv));
   }
 }
 

@@ -73,9 +73,11 @@ inline float reduce_max(const fVec& v) {
 }
 
 // out (fp32, contiguous) as a tensor of dtype: bf16 / fp16 converted here (round to nearest even, as .to()), single
-// threaded, without the dispatcher's copy (~3 us of each of a decode step's ~120 quantized linears); others by .to().
+// threaded, without the dispatcher's copy (.to() of one row costs a few us, on each of a decode step's ~120 quantized
+// linears); other dtypes by .to().
 inline at::Tensor float_to(const at::Tensor& out, at::ScalarType dtype) {
   if (dtype == at::kFloat) return out;
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return out.to(dtype);
   auto convert = [&](auto* dst) {
     const float* src = out.data_ptr<float>();
     const int64_t n = out.numel();
@@ -83,7 +85,6 @@ inline at::Tensor float_to(const at::Tensor& out, at::ScalarType dtype) {
     for (; i + kVec <= n; i += kVec) store(dst + i, fVec::loadu(src + i));
     if (i < n) store(dst + i, fVec::loadu(src + i, n - i), n - i);
   };
-  if (dtype != at::kBFloat16 && dtype != at::kHalf) return out.to(dtype);
   at::Tensor res = at::empty(out.sizes(), out.options().dtype(dtype));
   if (dtype == at::kBFloat16) convert(res.data_ptr<at::BFloat16>());
   else convert(res.data_ptr<at::Half>());

@@ -8,8 +8,8 @@
   Without the library (or for an x / scale layout the kernel does not take) it is the reference: dequantize, then
   F.linear in fp32. Scales and zeros may be fp16 (GGUF's width) or fp32.
   By default (GRAPHINFER_CPU_WO_ACTIVATIONS=bf16, cpu_quant_ops) group-32 forms (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K)
-  multiply batches of >= 64 tokens in bf16 where the CPU has native bf16 (gemm_bf16: bf16 operands, fp32 sums); with int8
-  their decode takes csrc/cpu/quant_linear_a8.cpp, llama.cpp's arithmetic (activations rounded to int8 per block of
+  multiply batches of >= 64 tokens in bf16 where the CPU has native bf16 (gemm_bf16: bf16 operands, fp32 sums); with
+  int8 their decode takes csrc/cpu/quant_linear_a8.cpp, llama.cpp's arithmetic (activations rounded to int8 per block of
   32, integer dot products): no faster than the exact kernel on the dev VM (both stream the weights at the same
   bandwidth), and further from fp32, so opt-in.
 - dynamic_quant (int8) and scaled_mm (int8 x int8, the w8a8 scheme): csrc/cpu/quant_int8.cpp, bit for bit as the
