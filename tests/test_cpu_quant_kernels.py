@@ -10,7 +10,7 @@ from graphinfer.ops.quant import dequantize_weight, dynamic_quant, pack_int4, sc
 from graphinfer.platforms import get_platform
 from conftest import need_cpu_kernels
 
-TOKENS = (1, 2, 5, 17, 64)  # 1..8: the register kernels (5: a partial token tile), 17: two tiles + 1, 64: the GEMM tiles
+TOKENS = (1, 2, 5, 17, 64)  # 1..8: the register kernels (5: a partial token tile), 17: two tiles + 1, 64: the GEMM
 # (N, K, group): N never a multiple of the row tiles; groups 16 / 32 / 64 / 128 and per-channel (None), K = 100 per
 # channel and group 6 are no multiple of any vector chunk (the generic path)
 dynamic_quant_ref = dynamic_quant.reference
@@ -62,15 +62,23 @@ def test_wo_linear_matches_reference(bits, n, k, group, zeros, bias, dtype):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_wo_linear_gemm_chunks(bits):
-    """Many tokens over more rows than one dequantized chunk (8 MB of fp32 rows: 3640 at K = 576): several at::mm
-    calls into column slices of the output, then the bias."""
+def test_wo_linear_gemm(bits):
+    """Many tokens on the vector paths (gemm_f32): rows not a multiple of the 16-row panels or the 4-row tiles, token
+    counts with partial tiles, both schedules (the threads sharing the panels of one token block; each thread its own
+    token blocks, from 2 blocks a thread: 301 tokens are 4 blocks of 81 at K = 576), one and two threads."""
     op = native()
-    qweight, scales, z, b = _weights(3700, 576, 32, bits, bits == 4, True)
+    qweight, scales, z, b = _weights(3701, 576, 32, bits, bits == 4, True)
     w = dequantize_weight(qweight, scales, z, bits)
-    x = torch.randn(64, 576)
-    _check(op(x, qweight, scales, z, bits, b), wo_linear.reference(x, qweight, scales, z, bits, b), x, w,
-           torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for t in (64, 65, 301):
+                x = torch.randn(t, 576, generator=torch.Generator().manual_seed(t))
+                _check(op(x, qweight, scales, z, bits, b), wo_linear.reference(x, qweight, scales, z, bits, b), x, w,
+                       torch.float32)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_wo_linear_layouts():

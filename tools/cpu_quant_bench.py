@@ -11,8 +11,8 @@ Rows (per weight shape [N, K] and token count M):
 - torch int4: aten._weight_int4pack_mm_for_cpu (group 32, bf16-free fp32 scales and zeros);
 - torch int8: aten._weight_int8pack_mm (per-channel scales: the only form it takes);
 - ours q4 bf16 gemm: wo_linear's bf16_gemm (gemm_bf16 where the CPU has avx512_bf16; from 64 tokens on), bf16 x;
-- fp32 / bf16: F.linear on the float weight; bf16 prepacked: oneDNN's linear on the weight prepacked as the cpu
-  platform prepacks dense bf16 linears (compiler/cpu_packed_linear.py), bf16 x.
+- fp32 / bf16: F.linear on the float weight; bf16 / fp32 prepacked: oneDNN's linear on the weight prepacked as the
+  cpu platform prepacks dense linears (compiler/cpu_packed_linear.py), x in the weight's dtype.
 Weights are cold as in a decode step, where each layer's weights are evicted before their next use: every
 measurement cycles through enough copies of its weights to exceed --working-set-mb (default 128 MB, 4x the L3
 of the 2-core dev machine), so GB/s (weight bytes read per second, scales and zeros included) is memory bandwidth,
@@ -36,7 +36,7 @@ from graphinfer.ops.quant import pack_int4
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]  # [N, K]: q/o, k/v, gate/up, down, LM head
 GROUP = 32
 IMPLS = ("ours_q4", "ours_q4_a8", "ours_q8", "ours_q8_a8", "torch_int4", "torch_int8", "fp32", "bf16")
-EXTRA_IMPLS = ("ours_q4_bf16gemm", "bf16_prepacked")  # GEMM-only rows: --impls names them
+EXTRA_IMPLS = ("ours_q4_bf16gemm", "bf16_prepacked", "fp32_prepacked")  # GEMM-only rows: --impls names them
 
 
 def make_weights(impl: str, n: int, k: int) -> tuple[tuple, int]:
@@ -55,9 +55,10 @@ def make_weights(impl: str, n: int, k: int) -> tuple[tuple, int]:
         t = (packed, torch.rand(g, n, 2) * 0.01)
     elif impl == "torch_int8":
         t = (torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) * 0.01)
-    elif impl == "bf16_prepacked":
-        t = (torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, dtype=torch.bfloat16) * 0.05, 64),)
-        return t, n * k * 2
+    elif impl in ("bf16_prepacked", "fp32_prepacked"):
+        dtype = torch.bfloat16 if impl == "bf16_prepacked" else torch.float32
+        t = (torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, dtype=dtype) * 0.05, 64),)
+        return t, n * k * t[0].element_size()
     else:
         t = (torch.randn(n, k, dtype=torch.float32 if impl == "fp32" else torch.bfloat16) * 0.05,)
     return t, sum(x.numel() * x.element_size() for x in t)
@@ -70,6 +71,8 @@ def call(impl: str, x: torch.Tensor, w: tuple) -> torch.Tensor:
         return torch.ops.graphinfer_cpu_quant.wo_linear.default(x.bfloat16(), w[0], w[1], w[2], 4, None, True)
     if impl == "bf16_prepacked":
         return torch.ops.mkldnn._linear_pointwise(x.bfloat16(), w[0], None, "none", [], "")
+    if impl == "fp32_prepacked":
+        return torch.ops.mkldnn._linear_pointwise(x, w[0], None, "none", [], "")
     if impl == "ours_q8":
         return torch.ops.graphinfer_cpu_quant.wo_linear.default(x, w[0], w[1], None, 8, None)
     if impl in ("ours_q4_a8", "ours_q8_a8"):  # decode only (< 64 tokens: the GEMM path is wo_linear's)

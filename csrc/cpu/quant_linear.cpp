@@ -76,6 +76,14 @@ struct V16 {
   static inline reg i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  static inline __m256 half_sum(reg a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+  // [sum of a, of b, of c, of d]
+  static inline __m128 sum4(reg a, reg b, reg c, reg d) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(a), half_sum(b)), _mm256_hadd_ps(half_sum(c), half_sum(d)));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  }
 };
 #endif
 
@@ -102,6 +110,11 @@ struct V8 {
   }
   static inline reg i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // [sum of a, of b, of c, of d]: hadd(a, b) = [a01 a23 b01 b23 | a45 a67 b45 b67], then the halves added
+  static inline __m128 sum4(reg a, reg b, reg c, reg d) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   }
 };
 #endif
@@ -362,6 +375,104 @@ void gemm_chunks(const Problem& p, const at::Tensor& x, at::Tensor& out,
   if (p.bias) out.add_(at::from_blob(const_cast<float*>(p.bias), {p.N}, x.options()));
 }
 
+// Many tokens in fp32 (the vector paths): a GEMM of our own instead of gemm_chunks. A task dequantizes a panel of
+// kF32PanelRows rows (dequant_row_vec: k in the vector kernels' order, as x) into a thread's buffer and multiplies it
+// with x in register tiles of MT tokens x 4 rows, the products summed along k in vector lanes (each row and token's
+// lanes added at the end: no transposed panel), fp32 products and sums throughout (exact, as gemm_chunks). So the
+// weight is never written out whole and no library repacks it per call: at::mm on gemm_chunks' buffer (MKL, the
+// buffer packed again every call) ran SmolLM2's layers at 64 tokens at half the rate of oneDNN on the dense weight
+// prepacked, its LM head at a third. Few token blocks (decode batches): the threads share the panels, each dequantized
+// once, x from L2; many (prefill): each thread takes blocks of tokens whose x stays in L2 and dequantizes every panel
+// again per block (~5 % of the block's products).
+constexpr int64_t kF32PanelRows = 16;
+constexpr int64_t kF32BlockBytes = 192 << 10;  // x of a token block, kept in L2
+template <class V> constexpr int kF32Tokens = V::L == 16 ? 6 : 3;  // MT x 4 accumulators: 24 of 32 / 12 of 16 registers
+
+// out[t0 .. t0 + MT - 1][n0 .. n0 + 3] = x[t] . rows (+ bias), rows [4][K] of the panel; rows past N not stored.
+template <class V, int MT>
+void f32_tile(const Problem& p, const float* rows, int64_t t0, int64_t n0) {
+  using reg = typename V::reg;
+  const int64_t K = p.K;
+  const float* x = p.x + t0 * K;
+  reg acc[MT][4];
+  for (int t = 0; t < MT; ++t)
+    for (int r = 0; r < 4; ++r) acc[t][r] = V::zero();
+  for (int64_t k = 0; k < K; k += V::L) {
+    reg w[4];
+    for (int r = 0; r < 4; ++r) w[r] = V::load(rows + r * K + k);
+    for (int t = 0; t < MT; ++t) {
+      const reg xv = V::load(x + t * K + k);
+      for (int r = 0; r < 4; ++r) acc[t][r] = V::fma(w[r], xv, acc[t][r]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(4, p.N - n0);
+  float b[4] = {0.f, 0.f, 0.f, 0.f}, s[4];
+  if (p.bias) std::copy_n(p.bias + n0, valid, b);
+  for (int t = 0; t < MT; ++t) {
+    _mm_storeu_ps(s, _mm_add_ps(V::sum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]), _mm_loadu_ps(b)));
+    std::copy_n(s, valid, p.out + (t0 + t) * p.N + n0);
+  }
+}
+
+// One tile of t1 - t0 <= MT tokens (the last of a block).
+template <class V, int MT>
+void f32_tail(const Problem& p, const float* rows, int64_t t0, int64_t t1, int64_t n0) {
+  if constexpr (MT > 0) {
+    if (t1 - t0 == MT) return f32_tile<V, MT>(p, rows, t0, n0);
+    f32_tail<V, MT - 1>(p, rows, t0, t1, n0);
+  }
+}
+
+// tokens [t0, t1) against the panel's rows from n0 (4 at a time; the panel's rows past N are zeros)
+template <class V, int MT>
+void f32_tokens(const Problem& p, const float* panel, int64_t n0, int64_t t0, int64_t t1) {
+  for (int64_t r = 0; r < kF32PanelRows && n0 + r < p.N; r += 4) {
+    int64_t t = t0;
+    for (; t + MT <= t1; t += MT) f32_tile<V, MT>(p, panel + r * p.K, t, n0 + r);
+    if constexpr (MT > 1) {  // the tail: one tile of t1 - t tokens
+      if (t < t1) f32_tail<V, MT - 1>(p, panel + r * p.K, t, t1, n0 + r);
+    }
+  }
+}
+
+template <class V, int BITS>
+void gemm_f32(const Problem& p) {
+  constexpr int MT = kF32Tokens<V>;
+  const int64_t K = p.K, panels = (p.N + kF32PanelRows - 1) / kF32PanelRows;
+  const int64_t tb = std::max<int64_t>(MT, kF32BlockBytes / (K * 4) / MT * MT), blocks = (p.T + tb - 1) / tb;
+  auto dequant = [&](int64_t i, float* panel) {
+    const int64_t n0 = i * kF32PanelRows, rows = std::min(kF32PanelRows, p.N - n0);
+    for (int64_t r = 0; r < rows; ++r) dequant_row_vec<V, BITS>(p, n0 + r, panel + r * K);
+    if (rows < kF32PanelRows) std::fill(panel + rows * K, panel + kF32PanelRows * K, 0.f);
+  };
+  auto with_panel = [&](auto&& body) {  // body(panel) with a thread's aligned panel buffer
+    float* panel = static_cast<float*>(std::aligned_alloc(64, kF32PanelRows * K * 4));
+    body(panel);
+    std::free(panel);
+  };
+  if (blocks >= 2 * at::get_num_threads()) {
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      with_panel([&](float* panel) {
+        for (int64_t b = b0; b < b1; ++b)
+          for (int64_t i = 0; i < panels; ++i) {
+            dequant(i, panel);
+            f32_tokens<V, MT>(p, panel, i * kF32PanelRows, b * tb, std::min(p.T, (b + 1) * tb));
+          }
+      });
+    });
+  } else {
+    at::parallel_for(0, panels, 1, [&](int64_t i0, int64_t i1) {
+      with_panel([&](float* panel) {
+        for (int64_t i = i0; i < i1; ++i) {
+          dequant(i, panel);
+          for (int64_t b = 0; b < blocks; ++b)
+            f32_tokens<V, MT>(p, panel, i * kF32PanelRows, b * tb, std::min(p.T, (b + 1) * tb));
+        }
+      });
+    });
+  }
+}
+
 #if defined(__AVX512BF16__)
 // Many tokens in bf16 (bf16_gemm) on a CPU with avx512_bf16: a GEMM of our own instead of gemm_chunks, so that the
 // weight is never written out dequantized and no GEMM library repacks it per call (both cost more than the
@@ -536,15 +647,14 @@ void run_decode(const Problem& p, int lanes) {
 }
 
 template <int BITS>
-void (*row_dequantizer(int lanes))(const Problem&, int64_t, float*) {
+void run_gemm(const Problem& p, int lanes) {
 #if defined(__AVX512F__)
-  if (lanes == 16) return &dequant_row_vec<V16, BITS>;
+  if (lanes == 16) return gemm_f32<V16, BITS>(p);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (lanes == 8) return &dequant_row_vec<V8, BITS>;
+  if (lanes == 8) return gemm_f32<V8, BITS>(p);
 #endif
-  (void)lanes;
-  return &dequant_row_generic;
+  (void)p, (void)lanes;
 }
 
 // t as a contiguous fp32 tensor (itself when it is one: no dispatcher round trips on the decode path)
@@ -613,9 +723,11 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
             zeros.defined() ? zeros.data_ptr() : nullptr, half, bias.defined() ? bias.data_ptr<float>() : nullptr,
             x.data_ptr<float>(), nullptr, out.data_ptr<float>(), N, K, G, g, T, bits};
 
-  if (T >= kGemmMinTokens) {
-    auto dq = bits == 4 ? row_dequantizer<4>(lanes) : row_dequantizer<8>(lanes);
-    gemm_chunks(p, x, out, dq, kGemmChunkBytes);
+  if (T >= kGemmMinTokens && lanes) {
+    if (bits == 4) run_gemm<4>(p, lanes);
+    else run_gemm<8>(p, lanes);
+  } else if (T >= kGemmMinTokens) {
+    gemm_chunks(p, x, out, &dequant_row_generic, kGemmChunkBytes);
   } else {
     std::vector<float> xsum;
     if (zeros.defined() && lanes) {  // per-group sums of x for the factored kernels' zero term
