@@ -63,20 +63,21 @@ def test_wo_linear_matches_reference(bits, n, k, group, zeros, bias, dtype):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_wo_linear_gemm(bits):
-    """Many tokens on the vector paths (gemm_f32): rows not a multiple of the 16-row panels or the 4-row tiles, token
-    counts with partial tiles, both schedules (the threads sharing the panels of one token block; each thread its own
-    token blocks, from 2 blocks a thread: 301 tokens are 4 blocks of 81 at K = 576), one and two threads."""
+    """Many tokens on the AVX2 path (gemm_f32): rows not a multiple of the 16-row panels, token counts with partial
+    6-token tiles, both schedules (the threads sharing the panels; each thread its own blocks of 108 tokens, from 8
+    blocks a thread on), one and two threads."""
     op = native()
-    qweight, scales, z, b = _weights(3701, 576, 32, bits, bits == 4, True)
-    w = dequantize_weight(qweight, scales, z, bits)
     threads = torch.get_num_threads()
     try:
-        for n_threads in (1, 2):
-            torch.set_num_threads(n_threads)
-            for t in (64, 65, 301):
-                x = torch.randn(t, 576, generator=torch.Generator().manual_seed(t))
-                _check(op(x, qweight, scales, z, bits, b), wo_linear.reference(x, qweight, scales, z, bits, b), x, w,
-                       torch.float32)
+        for n, tokens in ((3701, (64, 65)), (37, (1801,))):
+            qweight, scales, z, b = _weights(n, 576, 32, bits, bits == 4, True)
+            w = dequantize_weight(qweight, scales, z, bits)
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for t in tokens:
+                    x = torch.randn(t, 576, generator=torch.Generator().manual_seed(t))
+                    _check(op(x, qweight, scales, z, bits, b), wo_linear.reference(x, qweight, scales, z, bits, b), x,
+                           w, torch.float32)
     finally:
         torch.set_num_threads(threads)
 

@@ -19,7 +19,8 @@
 //   zero term zero * sum_k x_k uses per-group sums of x computed once per call (best for one or two tokens, or
 //   big groups);
 // - dequantized: w = q * scale + zero in registers, then one FMA per token (best when several tokens share it).
-// Many tokens (prefill, batched decode): chunks of rows (up to kGemmChunkBytes of fp32, a whole SmolLM2 layer)
+// Many tokens (prefill, batched decode): on the 8-lane (AVX2) path gemm_f32, panels of rows dequantized into L2 and multiplied
+// by a register-tiled FMA kernel; elsewhere chunks of rows (up to kGemmChunkBytes of fp32, a whole SmolLM2 layer)
 // dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads). (One tile per
 // thread with single-threaded at::mm calls measured up to 35% slower: MKL re-packs x for every tile.) With bf16_gemm
 // (the caller accepts bf16's rounding) on a CPU with avx512_bf16, group sizes of 32k: gemm_bf16, panels of rows
@@ -76,14 +77,6 @@ struct V16 {
   static inline reg i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  static inline __m256 half_sum(reg a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-  }
-  // [sum of a, of b, of c, of d]
-  static inline __m128 sum4(reg a, reg b, reg c, reg d) {
-    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(a), half_sum(b)), _mm256_hadd_ps(half_sum(c), half_sum(d)));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  }
 };
 #endif
 
@@ -111,10 +104,23 @@ struct V8 {
   static inline reg i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  // [sum of a, of b, of c, of d]: hadd(a, b) = [a01 a23 b01 b23 | a45 a67 b45 b67], then the halves added
-  static inline __m128 sum4(reg a, reg b, reg c, reg d) {
-    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  // r[i] = row i of an 8 x 8 block -> r[j] = its column j
+  static inline void transpose(reg r[8]) {
+    reg t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+      u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+      u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+      u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+      u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+      r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+      r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+    }
   }
 };
 #endif
@@ -375,103 +381,116 @@ void gemm_chunks(const Problem& p, const at::Tensor& x, at::Tensor& out,
   if (p.bias) out.add_(at::from_blob(const_cast<float*>(p.bias), {p.N}, x.options()));
 }
 
-// Many tokens in fp32 (the vector paths): a GEMM of our own instead of gemm_chunks. A task dequantizes a panel of
-// kF32PanelRows rows (dequant_row_vec: k in the vector kernels' order, as x) into a thread's buffer and multiplies it
-// with x in register tiles of MT tokens x 4 rows, the products summed along k in vector lanes (each row and token's
-// lanes added at the end: no transposed panel), fp32 products and sums throughout (exact, as gemm_chunks). So the
-// weight is never written out whole and no library repacks it per call: at::mm on gemm_chunks' buffer (MKL, the
-// buffer packed again every call) ran SmolLM2's layers at 64 tokens at half the rate of oneDNN on the dense weight
-// prepacked, its LM head at a third. Few token blocks (decode batches): the threads share the panels, each dequantized
-// once, x from L2; many (prefill): each thread takes blocks of tokens whose x stays in L2 and dequantizes every panel
-// again per block (~5 % of the block's products).
+#if defined(__AVX2__) && defined(__FMA__)
+// Many tokens in fp32 on the AVX2 path (8 lanes): a GEMM of our own instead of gemm_chunks. A task dequantizes a
+// panel of 16 rows (dequant_row_vec, k in the vector kernels' order, as x), transposes it into a thread's buffer
+// [K][16] and multiplies it with x in register tiles of 6 tokens x 16 rows (BLIS's AVX2 shape: 12 accumulators, x
+// broadcast), fp32 products and sums throughout (exact, as gemm_chunks). So the weight is never written out whole and
+// no library repacks it per call (at::mm on gemm_chunks' buffer: MKL packs it again every call). Up to 8 token blocks
+// a thread (decode batches, short prompts): the threads share the panels, each dequantized once, x from L2 / L3;
+// more (long prefills): each thread takes blocks of tokens whose x stays in L2 and dequantizes every panel again per
+// block (a few % of the block's products). Measured on the AVX2 dev VM (tools/cpu_quant_bench.py, 2 threads, cold
+// weights, SmolLM2's shapes; docs/benchmarks.md): 0.7-1.0x the time of oneDNN's linear on the dense fp32 weight
+// prepacked at 64 tokens, 0.9-1.3x at 256 and 4,096. (AVX-512 builds keep gemm_chunks for their 16-lane forms: this
+// GEMM has not run on one.)
 constexpr int64_t kF32PanelRows = 16;
-constexpr int64_t kF32BlockBytes = 192 << 10;  // x of a token block, kept in L2
-template <class V> constexpr int kF32Tokens = V::L == 16 ? 6 : 3;  // MT x 4 accumulators: 24 of 32 / 12 of 16 registers
+constexpr int kF32Tokens = 6;
+constexpr int64_t kF32BlockBytes = 256 << 10;  // x of a token block, kept in L2
 
-// out[t0 .. t0 + MT - 1][n0 .. n0 + 3] = x[t] . rows (+ bias), rows [4][K] of the panel; rows past N not stored.
-template <class V, int MT>
-void f32_tile(const Problem& p, const float* rows, int64_t t0, int64_t n0) {
-  using reg = typename V::reg;
+// out[t0 .. t0 + MT - 1][n0 .. n0 + 15] = x[t] . panel (+ bias), rows past N not stored.
+template <int MT>
+void f32_tile(const Problem& p, const float* panel, int64_t t0, int64_t n0) {
+  using V = V8;
   const int64_t K = p.K;
   const float* x = p.x + t0 * K;
-  reg acc[MT][4];
-  for (int t = 0; t < MT; ++t)
-    for (int r = 0; r < 4; ++r) acc[t][r] = V::zero();
-  for (int64_t k = 0; k < K; k += V::L) {
-    reg w[4];
-    for (int r = 0; r < 4; ++r) w[r] = V::load(rows + r * K + k);
+  __m256 acc[MT][2];
+#pragma GCC unroll 8
+  for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = V::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_load_ps(panel + k * kF32PanelRows), w1 = _mm256_load_ps(panel + k * kF32PanelRows + 8);
+#pragma GCC unroll 8
     for (int t = 0; t < MT; ++t) {
-      const reg xv = V::load(x + t * K + k);
-      for (int r = 0; r < 4; ++r) acc[t][r] = V::fma(w[r], xv, acc[t][r]);
+      const __m256 xb = _mm256_broadcast_ss(x + t * K + k);
+      acc[t][0] = V::fma(w0, xb, acc[t][0]);
+      acc[t][1] = V::fma(w1, xb, acc[t][1]);
     }
   }
-  const int64_t valid = std::min<int64_t>(4, p.N - n0);
-  float b[4] = {0.f, 0.f, 0.f, 0.f}, s[4];
-  if (p.bias) std::copy_n(p.bias + n0, valid, b);
+  // the sums go out through a buffer: with the bias and the row tail handled on the accumulators themselves, gcc
+  // kept a copy of each in memory, storing all 12 every step
+  alignas(32) float o[MT][kF32PanelRows];
+#pragma GCC unroll 8
   for (int t = 0; t < MT; ++t) {
-    _mm_storeu_ps(s, _mm_add_ps(V::sum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]), _mm_loadu_ps(b)));
-    std::copy_n(s, valid, p.out + (t0 + t) * p.N + n0);
+    _mm256_store_ps(o[t], acc[t][0]);
+    _mm256_store_ps(o[t] + 8, acc[t][1]);
+  }
+  const int64_t valid = std::min<int64_t>(kF32PanelRows, p.N - n0);
+  for (int t = 0; t < MT; ++t) {
+    float* dst = p.out + (t0 + t) * p.N + n0;
+    for (int64_t r = 0; r < valid; ++r) dst[r] = o[t][r] + (p.bias ? p.bias[n0 + r] : 0.f);
   }
 }
 
 // One tile of t1 - t0 <= MT tokens (the last of a block).
-template <class V, int MT>
-void f32_tail(const Problem& p, const float* rows, int64_t t0, int64_t t1, int64_t n0) {
+template <int MT>
+void f32_tail(const Problem& p, const float* panel, int64_t t0, int64_t t1, int64_t n0) {
   if constexpr (MT > 0) {
-    if (t1 - t0 == MT) return f32_tile<V, MT>(p, rows, t0, n0);
-    f32_tail<V, MT - 1>(p, rows, t0, t1, n0);
+    if (t1 - t0 == MT) return f32_tile<MT>(p, panel, t0, n0);
+    f32_tail<MT - 1>(p, panel, t0, t1, n0);
   }
 }
 
-// tokens [t0, t1) against the panel's rows from n0 (4 at a time; the panel's rows past N are zeros)
-template <class V, int MT>
-void f32_tokens(const Problem& p, const float* panel, int64_t n0, int64_t t0, int64_t t1) {
-  for (int64_t r = 0; r < kF32PanelRows && n0 + r < p.N; r += 4) {
-    int64_t t = t0;
-    for (; t + MT <= t1; t += MT) f32_tile<V, MT>(p, panel + r * p.K, t, n0 + r);
-    if constexpr (MT > 1) {  // the tail: one tile of t1 - t tokens
-      if (t < t1) f32_tail<V, MT - 1>(p, panel + r * p.K, t, t1, n0 + r);
+// Rows n0 .. n0 + 15 (zeros past N) dequantized into rows [16][K], then transposed into panel [K][16].
+template <int BITS>
+void f32_panel(const Problem& p, int64_t n0, float* rows, float* panel) {
+  const int64_t K = p.K, n = std::min(kF32PanelRows, p.N - n0);
+  for (int64_t r = 0; r < n; ++r) dequant_row_vec<V8, BITS>(p, n0 + r, rows + r * K);
+  if (n < kF32PanelRows) std::fill(rows + n * K, rows + kF32PanelRows * K, 0.f);
+  __m256 v[8];
+  for (int64_t k = 0; k < K; k += 8)
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(rows + (8 * h + i) * K + k);
+      V8::transpose(v);
+      for (int j = 0; j < 8; ++j) _mm256_store_ps(panel + (k + j) * kF32PanelRows + 8 * h, v[j]);
     }
-  }
 }
 
-template <class V, int BITS>
+template <int BITS>
 void gemm_f32(const Problem& p) {
-  constexpr int MT = kF32Tokens<V>;
   const int64_t K = p.K, panels = (p.N + kF32PanelRows - 1) / kF32PanelRows;
-  const int64_t tb = std::max<int64_t>(MT, kF32BlockBytes / (K * 4) / MT * MT), blocks = (p.T + tb - 1) / tb;
-  auto dequant = [&](int64_t i, float* panel) {
-    const int64_t n0 = i * kF32PanelRows, rows = std::min(kF32PanelRows, p.N - n0);
-    for (int64_t r = 0; r < rows; ++r) dequant_row_vec<V, BITS>(p, n0 + r, panel + r * K);
-    if (rows < kF32PanelRows) std::fill(panel + rows * K, panel + kF32PanelRows * K, 0.f);
+  const int64_t tb = std::max<int64_t>(kF32Tokens, kF32BlockBytes / (K * 4) / kF32Tokens * kF32Tokens);
+  const int64_t blocks = (p.T + tb - 1) / tb;
+  auto tokens = [&](const float* panel, int64_t n0, int64_t t0, int64_t t1) {
+    int64_t t = t0;
+    for (; t + kF32Tokens <= t1; t += kF32Tokens) f32_tile<kF32Tokens>(p, panel, t, n0);
+    if (t < t1) f32_tail<kF32Tokens - 1>(p, panel, t, t1, n0);
   };
-  auto with_panel = [&](auto&& body) {  // body(panel) with a thread's aligned panel buffer
-    float* panel = static_cast<float*>(std::aligned_alloc(64, kF32PanelRows * K * 4));
-    body(panel);
-    std::free(panel);
+  auto with_buffers = [&](auto&& body) {  // body(rows, panel): a thread's buffers, 64-byte aligned
+    float* buf = static_cast<float*>(std::aligned_alloc(64, 2 * kF32PanelRows * K * 4));
+    body(buf, buf + kF32PanelRows * K);
+    std::free(buf);
   };
-  if (blocks >= 2 * at::get_num_threads()) {
+  if (blocks >= 8 * at::get_num_threads()) {
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      with_panel([&](float* panel) {
+      with_buffers([&](float* rows, float* panel) {
         for (int64_t b = b0; b < b1; ++b)
           for (int64_t i = 0; i < panels; ++i) {
-            dequant(i, panel);
-            f32_tokens<V, MT>(p, panel, i * kF32PanelRows, b * tb, std::min(p.T, (b + 1) * tb));
+            f32_panel<BITS>(p, i * kF32PanelRows, rows, panel);
+            tokens(panel, i * kF32PanelRows, b * tb, std::min(p.T, (b + 1) * tb));
           }
       });
     });
   } else {
     at::parallel_for(0, panels, 1, [&](int64_t i0, int64_t i1) {
-      with_panel([&](float* panel) {
+      with_buffers([&](float* rows, float* panel) {
         for (int64_t i = i0; i < i1; ++i) {
-          dequant(i, panel);
-          for (int64_t b = 0; b < blocks; ++b)
-            f32_tokens<V, MT>(p, panel, i * kF32PanelRows, b * tb, std::min(p.T, (b + 1) * tb));
+          f32_panel<BITS>(p, i * kF32PanelRows, rows, panel);
+          tokens(panel, i * kF32PanelRows, 0, p.T);
         }
       });
     });
   }
 }
+#endif
 
 #if defined(__AVX512BF16__)
 // Many tokens in bf16 (bf16_gemm) on a CPU with avx512_bf16: a GEMM of our own instead of gemm_chunks, so that the
@@ -647,14 +666,15 @@ void run_decode(const Problem& p, int lanes) {
 }
 
 template <int BITS>
-void run_gemm(const Problem& p, int lanes) {
+void (*row_dequantizer(int lanes))(const Problem&, int64_t, float*) {
 #if defined(__AVX512F__)
-  if (lanes == 16) return gemm_f32<V16, BITS>(p);
+  if (lanes == 16) return &dequant_row_vec<V16, BITS>;
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (lanes == 8) return gemm_f32<V8, BITS>(p);
+  if (lanes == 8) return &dequant_row_vec<V8, BITS>;
 #endif
-  (void)p, (void)lanes;
+  (void)lanes;
+  return &dequant_row_generic;
 }
 
 // t as a contiguous fp32 tensor (itself when it is one: no dispatcher round trips on the decode path)
@@ -723,11 +743,16 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
             zeros.defined() ? zeros.data_ptr() : nullptr, half, bias.defined() ? bias.data_ptr<float>() : nullptr,
             x.data_ptr<float>(), nullptr, out.data_ptr<float>(), N, K, G, g, T, bits};
 
-  if (T >= kGemmMinTokens && lanes) {
-    if (bits == 4) run_gemm<4>(p, lanes);
-    else run_gemm<8>(p, lanes);
-  } else if (T >= kGemmMinTokens) {
-    gemm_chunks(p, x, out, &dequant_row_generic, kGemmChunkBytes);
+  if (T >= kGemmMinTokens) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (lanes == 8) {
+      if (bits == 4) gemm_f32<4>(p);
+      else gemm_f32<8>(p);
+      return cpu_vec::float_to(out, x_in.scalar_type());
+    }
+#endif
+    gemm_chunks(p, x, out, lanes ? (bits == 4 ? row_dequantizer<4>(lanes) : row_dequantizer<8>(lanes))
+                                 : &dequant_row_generic, kGemmChunkBytes);
   } else {
     std::vector<float> xsum;
     if (zeros.defined() && lanes) {  // per-group sums of x for the factored kernels' zero term
