@@ -134,7 +134,10 @@ def _close(a, b, tol=1e-4):
                 assert ey is None
                 continue
             assert ex.keys() == ey.keys()
-            assert all(abs(ex[t][0] - ey[t][0]) < tol and ex[t][1] == ey[t][1] for t in ex)
+            # ranks equal, but a prompt token far down the list may swap places with a near-tie: fp32 sums in another
+            # order (seen on the AVX2 host: logprob -11.773960 vs -11.773967, rank 69 vs 68)
+            assert all(abs(ex[t][0] - ey[t][0]) < tol and (ex[t][1] == ey[t][1] or min(ex[t][1], ey[t][1]) > len(ex)
+                                                             and abs(ex[t][1] - ey[t][1]) <= 1) for t in ex)
 
 
 def test_graph_modes_preemption_and_async_match_the_plain_run(monkeypatch):

@@ -19,9 +19,9 @@
 //   zero term zero * sum_k x_k uses per-group sums of x computed once per call (best for one or two tokens, or
 //   big groups);
 // - dequantized: w = q * scale + zero in registers, then one FMA per token (best when several tokens share it).
-// Many tokens (prefill, batched decode): on the 8-lane (AVX2) path gemm_f32, panels of rows dequantized into L2 and multiplied
-// by a register-tiled FMA kernel; elsewhere chunks of rows (up to kGemmChunkBytes of fp32, a whole SmolLM2 layer)
-// dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads). (One tile per
+// Many tokens (prefill, batched decode): on the 8-lane (AVX2) path gemm_f32, panels of rows dequantized into L2 and
+// multiplied by a register-tiled FMA kernel; elsewhere chunks of rows (up to kGemmChunkBytes of fp32, a whole SmolLM2
+// layer) dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads). (One tile per
 // thread with single-threaded at::mm calls measured up to 35% slower: MKL re-packs x for every tile.) With bf16_gemm
 // (the caller accepts bf16's rounding) on a CPU with avx512_bf16, group sizes of 32k: gemm_bf16, panels of rows
 // dequantized into L2 and multiplied with vdpbf16ps, x and the weights rounded to bf16, fp32 accumulation; elsewhere
@@ -751,8 +751,7 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
       return cpu_vec::float_to(out, x_in.scalar_type());
     }
 #endif
-    gemm_chunks(p, x, out, lanes ? (bits == 4 ? row_dequantizer<4>(lanes) : row_dequantizer<8>(lanes))
-                                 : &dequant_row_generic, kGemmChunkBytes);
+    gemm_chunks(p, x, out, bits == 4 ? row_dequantizer<4>(lanes) : row_dequantizer<8>(lanes), kGemmChunkBytes);
   } else {
     std::vector<float> xsum;
     if (zeros.defined() && lanes) {  // per-group sums of x for the factored kernels' zero term

@@ -3,8 +3,10 @@
 - wo_linear (weight-only, bits 4 / 8, grouped scales, optional zeros): the C++ kernel of csrc/cpu/quant_linear.cpp
   (built by `make`, see ops/cpu/ext.py) reads the packed weight as it is: for a few tokens it streams each row once
   and accumulates on the widened codes in vector registers (AVX-512 / AVX2), for many tokens it multiplies
-  dequantized tiles of rows with at::mm. torch's own CPU kernels for these forms (_weight_int4pack_mm_for_cpu,
-  _weight_int8pack_mm) measured slower than fp32 F.linear at SmolLM2's shapes (tools/cpu_quant_bench.py).
+  panels of dequantized rows in a register-tiled GEMM of its own (AVX2: gemm_f32; bf16: gemm_bf16) or, for the
+  AVX-512 build's fp32 forms, dequantized chunks of rows with at::mm. torch's own CPU kernels for these forms
+  (_weight_int4pack_mm_for_cpu, _weight_int8pack_mm) measured slower than fp32 F.linear at SmolLM2's shapes
+  (tools/cpu_quant_bench.py).
   Without the library (or for an x / scale layout the kernel does not take) it is the reference: dequantize, then
   F.linear in fp32. Scales and zeros may be fp16 (GGUF's width) or fp32.
   By default (GRAPHINFER_CPU_WO_ACTIVATIONS=bf16, cpu_quant_ops) group-32 forms (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K)
