@@ -170,17 +170,26 @@ def fuzz(server, api_schema, path, method, mode, steering, examples):
     steered = steering is not None
     operation = api_schema[path][method]
     started = time.monotonic()
-    seen = {"calls": 0, "statuses": {}}
+    seen = {"calls": 0, "statuses": {}, "failed": False}
 
     with httpx.Client(timeout=5) as health_client:
         @settings(max_examples=max(1, int(examples * SCALE)), deadline=timedelta(seconds=30), database=None,
                   print_blob=True, phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy(generation_mode=mode), data=st.data())
         def check(case, data):
-            if time.monotonic() - started > TIME_BUDGET_S * SCALE:
-                return
-            if steered:
+            if steered:  # drawn before the budget check: a replay must draw what the first run drew
                 case.body = steer(case.body, data, steering)
+            # past the budget, skip the rest, unless an example has failed (its shrinking and final replay must
+            # run it again, or hypothesis reports a flaky test instead of the failure)
+            if time.monotonic() - started > TIME_BUDGET_S * SCALE and not seen["failed"]:
+                return
+            try:
+                exchange(case)
+            except BaseException:
+                seen["failed"] = True
+                raise
+
+        def exchange(case):
             response = case.call(base_url=server.url, timeout=60)
             seen["calls"] += 1
             seen["statuses"][response.status_code] = seen["statuses"].get(response.status_code, 0) + 1
