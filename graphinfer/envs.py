@@ -48,13 +48,14 @@ _VARS = [
            "OpenMP threads that share a core with a CPU-bound process spin while they wait for each other (16 greedy "
            "tokens: 1.6-14 s at two threads beside a hog on 2 cores, 0.66 s at one). 0: one thread per physical "
            "core whatever the load."),
-    EnvVar("GRAPHINFER_CPU_WO_ACTIVATIONS", "bf16",
+    EnvVar("GRAPHINFER_CPU_WO_ACTIVATIONS", "auto",
            "The cpu platform's weight-only linears with groups of 32 (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K kept quantized): "
            "bf16 (from 64 tokens on, bf16 products with fp32 sums where the CPU has avx512_bf16: "
            "csrc/cpu/quant_linear.cpp's gemm_bf16; decode exact), int8 (that, and llama.cpp's arithmetic at decode, "
-           "< 64 tokens: activations rounded to int8 per block of 32, integer dot products; not exact, and no faster "
-           "than the exact decode kernel on the AVX-512 dev VM) or fp32 (fp32 activations and GEMM: the reference's results to fp32 rounding). Read when "
-           "the platform activates."),
+           "< 64 tokens: activations rounded to int8 per block of 32, integer dot products; not exact), fp32 (fp32 "
+           "activations and GEMM: the reference's results to fp32 rounding) or auto: int8 on CPUs whose best int8 "
+           "path is AVX2 (there it is faster than the exact decode kernel), else bf16. Read when the platform "
+           "activates."),
     EnvVar("GRAPHINFER_CPU_RETAIN_FREED_MEMORY", "1",
            "1: on the cpu platform, glibc malloc keeps freed memory in the process (no mmap for large blocks, no "
            "trim), so a prefill's large activations are not page-faulted in again every layer; the process keeps its "

@@ -119,19 +119,25 @@ def test_bf16_gemm_is_the_product_of_the_bf16_rounded_operands(bits, n, k, group
 
 def test_cpu_platform_chooses_the_activations(monkeypatch):
     """GRAPHINFER_CPU_WO_ACTIVATIONS=int8: 4- and 8-bit group-32 linears at < 64 tokens on wo_linear_a8, the rest on
-    the exact kernel (batches in bf16 where the CPU has it); the default (bf16): the exact kernel at decode, batches in
-    bf16; fp32: the exact kernel throughout; another value: a typed error naming them."""
+    the exact kernel (batches in bf16 where the CPU has it); bf16: the exact kernel at decode, batches in bf16; the
+    default (auto): int8 where the a8 kernel's best path is AVX2, else bf16; fp32: the exact kernel throughout;
+    another value: a typed error naming them."""
     op = a8_op()
     platform = get_platform("cpu")
     qweight, scales, z = _weights(40, 128, True, torch.float16)
     exact = torch.ops.graphinfer_cpu_quant.wo_linear.default
     try:
-        monkeypatch.delenv("GRAPHINFER_CPU_WO_ACTIVATIONS", raising=False)
-        assert platform.op_impls("eager")["wo_linear"] is cpu_quant.wo_linear_a8_cpu
-        platform.activate("eager")
-        x = torch.randn(64, 128)
-        assert torch.equal(torch.ops.graphinfer.wo_linear(x[:1], qweight, scales, z, 4, None),
-                           exact(x[:1], qweight, scales, z, 4, None))
+        for mode in (None, "bf16"):
+            if mode is None:
+                monkeypatch.delenv("GRAPHINFER_CPU_WO_ACTIVATIONS", raising=False)
+            else:
+                monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", mode)
+            assert platform.op_impls("eager")["wo_linear"] is cpu_quant.wo_linear_a8_cpu
+            platform.activate("eager")
+            x = torch.randn(64, 128)
+            a8 = mode is None and torch.ops.graphinfer_cpu_quant.wo_linear_a8_isa() == 1
+            assert torch.equal(torch.ops.graphinfer.wo_linear(x[:1], qweight, scales, z, 4, None),
+                               op(x[:1], qweight, scales, z, None) if a8 else exact(x[:1], qweight, scales, z, 4, None))
         assert torch.equal(torch.ops.graphinfer.wo_linear(x, qweight, scales, z, 4, None),
                            exact(x, qweight, scales, z, 4, None, has_native_bf16()))
         monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", "int8")
@@ -152,7 +158,7 @@ def test_cpu_platform_chooses_the_activations(monkeypatch):
         assert torch.equal(torch.ops.graphinfer.wo_linear(x[:1], qweight, scales, z, 4, None),
                            exact(x[:1], qweight, scales, z, 4, None))
         monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", "int4")
-        with pytest.raises(InvalidConfigError, match="bf16.*int8.*fp32"):
+        with pytest.raises(InvalidConfigError, match="auto.*bf16.*int8.*fp32"):
             platform.op_impls("eager")
     finally:
         platform.activate("reference")

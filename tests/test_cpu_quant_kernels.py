@@ -113,7 +113,7 @@ def test_fallback_without_library(monkeypatch):
 @pytest.mark.parametrize("kernels", ["eager", "inductor"])
 def test_cpu_platform_binds_the_kernel(kernels, monkeypatch):
     """The cpu platform's default kernels run graphinfer::wo_linear on the C++ op (bit for bit), "reference" does not.
-    (GRAPHINFER_CPU_WO_ACTIVATIONS=fp32: the exact kernel; int8, the default: tests/test_cpu_quant_a8.py.)"""
+    (GRAPHINFER_CPU_WO_ACTIVATIONS=fp32: the exact kernel; the other modes: tests/test_cpu_quant_a8.py.)"""
     monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", "fp32")
     op = native()
     platform = get_platform("cpu")

@@ -291,7 +291,7 @@ void decode_vec(const Problem& p) {
   // (token tiles of 16 measured 1.5x slower at M = 16: 16 rows of x outgrow L1 at K = 576)
   const int64_t cpg = p.g / CH, blocks = (p.N + kRowBlock - 1) / kRowBlock;
   const int64_t grain = std::max<int64_t>(1, 32768 / (kRowBlock * p.K));  // >= 32K codes a task
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  auto run = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {  // each block of rows: from memory once, then from L1 for every token tile
       const int64_t n0 = b * kRowBlock, nrows = std::min(p.N, n0 + kRowBlock) - n0;
       for (int64_t t0 = 0; t0 < p.T;) {
@@ -307,7 +307,8 @@ void decode_vec(const Problem& p) {
         t0 += mt;
       }
     }
-  });
+  };
+  cpu_vec::parallel_chunks(blocks, grain, run);
 }
 
 // Row n dequantized into dst[K] in the vector kernels' k order (permuted per chunk for bits 4).

@@ -36,6 +36,7 @@ namespace {
 constexpr int kGroup = 32, kPair = 64;
 constexpr int64_t kRows = 8;  // rows per task unit
 constexpr int kMaxTokens = 8;  // tokens per register tile
+constexpr int kHaddOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // the AVX2 bits-4 kernel's group order in a step of 8
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kBuiltIsa = 2;
@@ -49,13 +50,14 @@ struct Acts {  // the activations of one call, quantized
   std::vector<int8_t> q;  // [T, K] in pair order
   std::vector<float> d;   // [T, Gp] block steps (Gp: G rounded up to 16, zero padded)
   std::vector<float> s;   // [T, Gp] exact block sums
+  std::vector<float> dh;  // bits 4: d with each 8 groups in the AVX2 kernel's order kHaddOrder
   int64_t Gp;
 };
 
 template <typename scalar_t>
 Acts quantize_acts(const scalar_t* x, int64_t T, int64_t K, int bits) {
   const int64_t G = K / kGroup, Gp = (G + 15) / 16 * 16;
-  Acts a{std::vector<int8_t>(T * K), std::vector<float>(T * Gp, 0.f), std::vector<float>(T * Gp, 0.f), Gp};
+  Acts a{std::vector<int8_t>(T * K), std::vector<float>(T * Gp, 0.f), std::vector<float>(T * Gp, 0.f), {}, Gp};
   for (int64_t t = 0; t < T; ++t)
     for (int64_t gi = 0; gi < G; ++gi) {
       const scalar_t* xg = x + t * K + gi * kGroup;
@@ -78,6 +80,10 @@ Acts quantize_acts(const scalar_t* x, int64_t T, int64_t K, int bits) {
       for (int j = 0; j < kGroup; ++j)
         dst[(j % 2) * 32 + j / 2] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xg[j]) * id));
     }
+  if (bits == 4) {
+    a.dh.resize(T * Gp);
+    for (int64_t i = 0; i < T * Gp; ++i) a.dh[i] = a.d[i / 8 * 8 + kHaddOrder[i % 8]];
+  }
   return a;
 }
 
@@ -137,56 +143,97 @@ inline float hsum8(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
+// 8 scales (or zeros) of groups i0.. of row n as fp32, those past the row's end (left < 8) zero: read past it into
+// the next row's, or from a copy on the last row
+inline __m256 load8(const Problem& p, const void* base, int64_t n, int64_t i0, int64_t left) {
+  if (left < 8 && n + 1 == p.N) {
+    alignas(32) float buf[8] = {};
+    for (int64_t i = 0; i < left; ++i) buf[i] = scalar_at(p, base, i0 + i);
+    return _mm256_load_ps(buf);
+  }
+  const __m256 v = p.half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i0)))
+                          : _mm256_loadu_ps(static_cast<const float*>(base) + i0);
+  if (left >= 8) return v;
+  return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)),
+                                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+}
+
+// Eight int32 vectors, u[i] all of group i's partial sums -> one vector of the eight sums in group order
+inline __m256i sum8(const __m256i u[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(u[0], u[1]), _mm256_hadd_epi32(u[2], u[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(u[4], u[5]), _mm256_hadd_epi32(u[6], u[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// One row against MT tokens, 8 groups (4 pairs) a step: the code dots of each group in int32 (maddubs + madd),
+// the 8 groups' sums gathered into one vector by a hadd tree, then one fp32 FMA with the 8 scale x step products
+// (llama.cpp's AVX2 kernel scales each group by itself: a broadcast and an FMA per 32 codes).
+// bits 4: a pair's madd lanes are [A x4, B x4], so the tree's 3 hadds leave groups in the order
+// kHaddOrder: the weight scales are permuted to it, the activation steps stored in it (Acts::dh).
 // bits 8 (signed codes): llama.cpp's sign trick, |w| (unsigned) times x with w's sign, so maddubs's int16 sums stay
-// within 2 * 128 * 127
+// within 2 * 128 * 127; one vector per group, summed in group order by sum8.
 template <int BITS, int MT>
 void row_avx2(const Problem& p, int64_t n, int64_t t0) {
   const uint8_t* w = p.w + n * p.row_bytes;
   const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kHaddOrder));
+  const int64_t Gp = p.a->Gp, pairs = p.K / kPair;
   __m256 acc[MT];
-  float zacc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps(), zacc[t] = 0.f;
-  const int64_t Gp = p.a->Gp;
-  for (int64_t pi = 0; pi < p.K / kPair; ++pi) {
-    __m256i lo, hi;  // bits 4: the low and high nibbles; bits 8: the pair's two groups
-    if constexpr (BITS == 4) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pi * 32));
-      lo = _mm256_and_si256(wv, nib), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
-    } else {
-      lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pi * kPair));
-      hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pi * kPair + 32));
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < p.G; g0 += 8) {
+    const int64_t p0 = g0 / 2, np = std::min<int64_t>(4, pairs - p0);
+    __m256 sw = load8(p, p.scales, n, n * p.G + g0, p.G - g0);
+    if constexpr (BITS == 4) sw = _mm256_permutevar8x32_ps(sw, order);
+    if (p.zeros) {  // the zero terms (any lane order: all lanes are summed at the end)
+      const __m256 zw = load8(p, p.zeros, n, n * p.G + g0, p.G - g0);
+      for (int t = 0; t < MT; ++t)
+        acc[t] = _mm256_fmadd_ps(zw, _mm256_loadu_ps(p.a->s.data() + (t0 + t) * Gp + g0), acc[t]);
     }
-    const int64_t ga = 2 * pi;
-    const float sa = scalar_at(p, p.scales, n * p.G + ga), sb = scalar_at(p, p.scales, n * p.G + ga + 1);
-    const float za = p.zeros ? scalar_at(p, p.zeros, n * p.G + ga) : 0.f;
-    const float zb = p.zeros ? scalar_at(p, p.zeros, n * p.G + ga + 1) : 0.f;
-    for (int t = 0; t < MT; ++t) {
-      const int8_t* xp = p.a->q.data() + (t0 + t) * p.K + pi * kPair;
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
-      __m256 dot, sc;
-      const float* d = p.a->d.data() + (t0 + t) * Gp + ga;
-      if constexpr (BITS == 4) {
-        // int16 pair sums stay within 2 * 2 * 15 * 127: no saturation
-        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-        dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));  // lanes 0..3: A, 4..7: B
-        sc = _mm256_set_m128(_mm_set1_ps(sb * d[1]), _mm_set1_ps(sa * d[0]));
+    __m256i wa[8];  // bits 4: pair j's low nibbles wa[j], high ones wa[4 + j]; bits 8: group i's codes
+    for (int j = 0; j < 4; ++j) {
+      if (j < np) {
+        if constexpr (BITS == 4) {
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * 32));
+          wa[j] = _mm256_and_si256(wv, nib), wa[4 + j] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
+        } else {
+          wa[2 * j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * kPair));
+          wa[2 * j + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * kPair + 32));
+        }
+      } else if constexpr (BITS == 4) {
+        wa[j] = wa[4 + j] = _mm256_setzero_si256();
       } else {
-        const __m256i da = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(x0, lo)), ones);
-        const __m256i db = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(x1, hi)), ones);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_set1_ps(sa * d[0]), acc[t]);
-        dot = _mm256_cvtepi32_ps(db);
-        sc = _mm256_set1_ps(sb * d[1]);
+        wa[2 * j] = wa[2 * j + 1] = _mm256_setzero_si256();
       }
-      acc[t] = _mm256_fmadd_ps(dot, sc, acc[t]);
-      if (p.zeros) {
-        const float* s = p.a->s.data() + (t0 + t) * Gp + ga;
-        zacc[t] += za * s[0] + zb * s[1];
+    }
+    for (int t = 0; t < MT; ++t) {
+      const int8_t* xp = p.a->q.data() + (t0 + t) * p.K + p0 * kPair;
+      __m256i dot;
+      if constexpr (BITS == 4) {
+        __m256i v[4];
+        for (int j = 0; j < 4; ++j) {
+          if (j >= np) { v[j] = _mm256_setzero_si256(); continue; }
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + j * kPair));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + j * kPair + 32));
+          // int16 pair sums stay within 2 * 2 * 15 * 127: no saturation
+          const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(wa[j], x0), _mm256_maddubs_epi16(wa[4 + j], x1));
+          v[j] = _mm256_madd_epi16(s16, ones);
+        }
+        dot = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+      } else {
+        __m256i u[8];
+        for (int i = 0; i < 8; ++i) {
+          if (i >= 2 * np) { u[i] = _mm256_setzero_si256(); continue; }
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + i * kGroup));
+          u[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wa[i], wa[i]), _mm256_sign_epi8(xv, wa[i])),
+                                   ones);
+        }
+        dot = sum8(u);
       }
+      const float* d = (BITS == 4 ? p.a->dh : p.a->d).data() + (t0 + t) * Gp + g0;
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_loadu_ps(d)), acc[t]);
     }
   }
-  for (int t = 0; t < MT; ++t)
-    p.out[(t0 + t) * p.N + n] = hsum8(acc[t]) + zacc[t] + (p.bias ? p.bias[n] : 0.f);
+  for (int t = 0; t < MT; ++t) p.out[(t0 + t) * p.N + n] = hsum8(acc[t]) + (p.bias ? p.bias[n] : 0.f);
 }
 #endif
 
@@ -309,11 +356,12 @@ at::Tensor wo_linear_a8(const at::Tensor& x_in, const at::Tensor& qweight_in, co
     const int isa = static_cast<int>(std::min<int64_t>(max_isa, kBuiltIsa));
     const int64_t blocks = (N + kRows - 1) / kRows;
     const int64_t grain = std::max<int64_t>(1, 65536 / (kRows * K));
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    auto run = [&](int64_t b0, int64_t b1) {
       for (int64_t n = b0 * kRows; n < std::min(N, b1 * kRows); ++n)
         for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens)
           (bits == 4 ? row<4> : row<8>)(p, isa, n, t0, static_cast<int>(std::min<int64_t>(T - t0, kMaxTokens)));
-    });
+    };
+    cpu_vec::parallel_chunks(blocks, grain, run);
   }
   return cpu_vec::float_to(out, x_in.scalar_type());
 }

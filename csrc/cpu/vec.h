@@ -9,6 +9,10 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
 #include <type_traits>
 
 namespace cpu_vec {
@@ -89,6 +93,19 @@ inline at::Tensor float_to(const at::Tensor& out, at::ScalarType dtype) {
   if (dtype == at::kBFloat16) convert(res.data_ptr<at::BFloat16>());
   else convert(res.data_ptr<at::Half>());
   return res;
+}
+
+// f(i0, i1) over [0, n) in chunks of `chunk`, handed out one at a time to whichever thread asks next (at::parallel_for
+// splits the range evenly up front): a thread that the OS or the hypervisor holds back does less of the work instead
+// of holding up the rest. One thread where there is only one chunk.
+template <class F>
+inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
+  const int64_t n_chunks = (n + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_chunks), 1, [&](int64_t, int64_t) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < n_chunks;)
+      f(c * chunk, std::min(n, (c + 1) * chunk));
+  });
 }
 
 }  // namespace cpu_vec

@@ -9,11 +9,12 @@
   (tools/cpu_quant_bench.py).
   Without the library (or for an x / scale layout the kernel does not take) it is the reference: dequantize, then
   F.linear in fp32. Scales and zeros may be fp16 (GGUF's width) or fp32.
-  By default (GRAPHINFER_CPU_WO_ACTIVATIONS=bf16, cpu_quant_ops) group-32 forms (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K)
-  multiply batches of >= 64 tokens in bf16 where the CPU has native bf16 (gemm_bf16: bf16 operands, fp32 sums); with
-  int8 their decode takes csrc/cpu/quant_linear_a8.cpp, llama.cpp's arithmetic (activations rounded to int8 per block of
-  32, integer dot products): no faster than the exact kernel on the dev VM (both stream the weights at the same
-  bandwidth), and further from fp32, so opt-in.
+  GRAPHINFER_CPU_WO_ACTIVATIONS (cpu_quant_ops) picks the arithmetic of group-32 forms (GGUF Q4_0 / Q4_1 / Q8_0 /
+  Q4_K): batches of >= 64 tokens in bf16 where the CPU has native bf16 (gemm_bf16: bf16 operands, fp32 sums), and
+  with int8 their decode on csrc/cpu/quant_linear_a8.cpp, llama.cpp's arithmetic (activations rounded to int8 per
+  block of 32, integer dot products). The default (auto) takes int8 where the best a8 path is AVX2's: there the
+  exact kernel is bound by its vector ops (the AVX2 Zen 3 VM: the int8 kernel 0.65-0.8x its time at 1 token); on
+  AVX-512 hosts both stream the weights at the same bandwidth, so decode stays exact there.
 - dynamic_quant (int8) and scaled_mm (int8 x int8, the w8a8 scheme): csrc/cpu/quant_int8.cpp, bit for bit as the
   references: one pass per token row for the quantization, at::_int_mm (oneDNN, exact int32) and one fused
   scale / bias / cast pass for the GEMM (the reference multiplies in fp64). fp8 stays on the references.
@@ -124,10 +125,13 @@ CPU_QUANT_OPS = {"wo_linear": wo_linear_cpu, "dynamic_quant": dynamic_quant_cpu,
 
 def cpu_quant_ops(native_bf16: bool = False) -> dict:
     """CPU_QUANT_OPS with wo_linear as $GRAPHINFER_CPU_WO_ACTIVATIONS says (bf16: the GEMM of many tokens in bf16
-    where the CPU has native_bf16; int8: that and llama.cpp's decode arithmetic; fp32: exact throughout)."""
+    where the CPU has native_bf16; int8: that and llama.cpp's decode arithmetic; fp32: exact throughout; auto: int8
+    where the int8 kernel's best path is AVX2, else bf16)."""
     global _bf16_gemm, _a8_decode
     mode = envs.GRAPHINFER_CPU_WO_ACTIVATIONS
-    if mode not in ("bf16", "int8", "fp32"):
-        raise InvalidConfigError(f"GRAPHINFER_CPU_WO_ACTIVATIONS={mode!r}: use bf16 (the default), int8 or fp32.")
+    if mode not in ("auto", "bf16", "int8", "fp32"):
+        raise InvalidConfigError(f"GRAPHINFER_CPU_WO_ACTIVATIONS={mode!r}: use auto (the default), bf16, int8 or fp32.")
+    if mode == "auto":
+        mode = "int8" if native_available() and torch.ops.graphinfer_cpu_quant.wo_linear_a8_isa() == 1 else "bf16"
     _bf16_gemm, _a8_decode = native_bf16, mode == "int8"
     return {**CPU_QUANT_OPS, "wo_linear": wo_linear_cpu if mode == "fp32" else wo_linear_a8_cpu}
