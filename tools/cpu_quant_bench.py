@@ -7,8 +7,8 @@ Rows (per weight shape [N, K] and token count M):
 - ours q4: wo_linear bits 4, group 32, scales + zeros (GGUF Q4_1's form; the transformer layers of the goal model);
 - ours q8: wo_linear bits 8, group 32, scales only (GGUF Q8_0's form; its LM head / embeddings);
 - ours q4 / q8 a8: the same forms with fp16 scales (the file's width) on wo_linear_a8 (csrc/cpu/quant_linear_a8.cpp:
-  activations rounded to int8 per block of 32, integer dot products, llama.cpp's arithmetic; opt-in:
-  GRAPHINFER_CPU_WO_ACTIVATIONS=int8);
+  activations rounded to int8 per block of 32, integer dot products, llama.cpp's arithmetic; the decode default on
+  CPUs whose best int8 path is AVX2, else GRAPHINFER_CPU_WO_ACTIVATIONS=int8);
 - torch int4: aten._weight_int4pack_mm_for_cpu (group 32, bf16-free fp32 scales and zeros);
 - torch int8: aten._weight_int8pack_mm (per-channel scales: the only form it takes);
 - ours q4 bf16 gemm: wo_linear's bf16_gemm (gemm_bf16 where the CPU has avx512_bf16; from 64 tokens on), bf16 x;
