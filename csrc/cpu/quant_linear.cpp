@@ -21,9 +21,9 @@
 // - dequantized: w = q * scale + zero in registers, then one FMA per token (best when several tokens share it).
 // Many tokens (prefill, batched decode): on the 8-lane (AVX2) path gemm_f32, panels of rows dequantized into L2 and
 // multiplied by a register-tiled FMA kernel; elsewhere chunks of rows (up to kGemmChunkBytes of fp32, a whole SmolLM2
-// layer) dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads). (One tile per
-// thread with single-threaded at::mm calls measured up to 35% slower: MKL re-packs x for every tile.) With bf16_gemm
-// (the caller accepts bf16's rounding) on a CPU with avx512_bf16, group sizes of 32k: gemm_bf16, panels of rows
+// layer) dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads). (One tile
+// per thread with single-threaded at::mm calls measured up to 35% slower: MKL re-packs x for every tile.) With
+// bf16_gemm (the caller accepts bf16's rounding) on a CPU with avx512_bf16, group sizes of 32k: gemm_bf16, panels of rows
 // dequantized into L2 and multiplied with vdpbf16ps, x and the weights rounded to bf16, fp32 accumulation; elsewhere
 // bf16_gemm is ignored (exact).
 // Group sizes that are not a multiple of the chunk (and machines without AVX2) take a generic path: rows dequantized

@@ -151,7 +151,8 @@ inline __m256 load8(const Problem& p, const void* base, int64_t n, int64_t i0, i
     for (int64_t i = 0; i < left; ++i) buf[i] = scalar_at(p, base, i0 + i);
     return _mm256_load_ps(buf);
   }
-  const __m256 v = p.half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i0)))
+  const __m256 v = p.half ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i0)))
                           : _mm256_loadu_ps(static_cast<const float*>(base) + i0);
   if (left >= 8) return v;
   return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)),
@@ -191,19 +192,15 @@ void row_avx2(const Problem& p, int64_t n, int64_t t0) {
     }
     __m256i wa[8];  // bits 4: pair j's low nibbles wa[j], high ones wa[4 + j]; bits 8: group i's codes
     for (int j = 0; j < 4; ++j) {
-      if (j < np) {
-        if constexpr (BITS == 4) {
-          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * 32));
-          wa[j] = _mm256_and_si256(wv, nib), wa[4 + j] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
-        } else {
-          wa[2 * j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * kPair));
-          wa[2 * j + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * kPair + 32));
-        }
-      } else if constexpr (BITS == 4) {
-        wa[j] = wa[4 + j] = _mm256_setzero_si256();
-      } else {
-        wa[2 * j] = wa[2 * j + 1] = _mm256_setzero_si256();
+      __m256i a = _mm256_setzero_si256(), b = a;  // zero past the row's last pair
+      if (j < np && BITS == 4) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * 32));
+        a = _mm256_and_si256(wv, nib), b = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
+      } else if (j < np) {
+        a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * kPair));
+        b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * kPair + 32));
       }
+      wa[BITS == 4 ? j : 2 * j] = a, wa[BITS == 4 ? 4 + j : 2 * j + 1] = b;
     }
     for (int t = 0; t < MT; ++t) {
       const int8_t* xp = p.a->q.data() + (t0 + t) * p.K + p0 * kPair;
@@ -350,8 +347,9 @@ at::Tensor wo_linear_a8(const at::Tensor& x_in, const at::Tensor& qweight_in, co
                               ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
     const Acts acts = xc.scalar_type() == at::kFloat ? quantize_acts(xc.data_ptr<float>(), T, K, bits)
                                                      : quantize_acts(xc.data_ptr<at::BFloat16>(), T, K, bits);
-    const Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(), zeros.defined() ? zeros.data_ptr() : nullptr,
-                    sdt == at::kHalf, bias.defined() ? bias.data_ptr<float>() : nullptr, &acts,
+    const Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(),
+                    zeros.defined() ? zeros.data_ptr() : nullptr, sdt == at::kHalf,
+                    bias.defined() ? bias.data_ptr<float>() : nullptr, &acts,
                     out.data_ptr<float>(), N, K, G, T, qweight.size(1)};
     const int isa = static_cast<int>(std::min<int64_t>(max_isa, kBuiltIsa));
     const int64_t blocks = (N + kRows - 1) / kRows;

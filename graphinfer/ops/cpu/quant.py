@@ -13,7 +13,7 @@
   Q4_K): batches of >= 64 tokens in bf16 where the CPU has native bf16 (gemm_bf16: bf16 operands, fp32 sums), and
   with int8 their decode on csrc/cpu/quant_linear_a8.cpp, llama.cpp's arithmetic (activations rounded to int8 per
   block of 32, integer dot products). The default (auto) takes int8 where the best a8 path is AVX2's: there the
-  exact kernel is bound by its vector ops (the AVX2 Zen 3 VM: the int8 kernel 0.65-0.8x its time at 1 token); on
+  exact kernel is bound by its vector ops (the AVX2 Zen 3 VM: the int8 kernel 0.65-0.9x its time at 1 token); on
   AVX-512 hosts both stream the weights at the same bandwidth, so decode stays exact there.
 - dynamic_quant (int8) and scaled_mm (int8 x int8, the w8a8 scheme): csrc/cpu/quant_int8.cpp, bit for bit as the
   references: one pass per token row for the quantization, at::_int_mm (oneDNN, exact int32) and one fused
