@@ -56,6 +56,11 @@ class CpuKernelsMissingError(GraphinferError, RuntimeError):
     missing, stale or failed to load while GRAPHINFER_REQUIRE_CPU_KERNELS=1 refuses the PyTorch fallbacks."""
 
 
+class GraphCaptureError(GraphinferError, RuntimeError):
+    """A graph of the forward cannot be captured on this platform (the cpu platform's traced decode graphs: the
+    forward reads a tensor's value on the host); the steps it would have replayed run eagerly."""
+
+
 class LoRAAdapterError(InvalidRequestError):
     """A LoRA adapter cannot be loaded: its directory or files are missing, its adapter_config.json asks for
     something graphinfer does not run (DoRA, LoRA on the embeddings or LM head, modules_to_save, bias), or its

@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphinfer.platforms.cpu import CpuPlatform
+from graphinfer.platforms.interface import Platform
 
 
 class OpTapeGraph:
@@ -56,6 +57,9 @@ def _aliases_an_input(out, args, kwargs) -> bool:
 class OpTapePlatform(CpuPlatform):
     """The cpu platform plus the OpTapeGraph stand-in for device graphs (tests only)."""
     supports_graph_capture = True
+    # a device platform's graph modes, sizes and capture, not the cpu platform's traced decode graphs
+    graph_modes, default_graph_mode = Platform.graph_modes, Platform.default_graph_mode
+    default_capture_sizes, capture_graph = Platform.default_capture_sizes, Platform.capture_graph
 
     def graph_class(self):
         return OpTapeGraph

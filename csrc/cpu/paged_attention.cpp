@@ -786,6 +786,17 @@ int64_t paged_attention(at::Tensor out, const at::Tensor& query, const at::Tenso
   });
 }
 
+// Every row on the kernel, however long its chunk (sliding window / softcap / sinks, which ATen's flash kernel lacks;
+// decode batches, which it takes anyway). Returns nothing, so torch.jit.trace can record it (ops returning an int
+// cannot be traced): the cpu decode graphs (runtime/worker/cpu_decode_graphs.py) call this one.
+void paged_attention_all(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables,
+                         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                         int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks) {
+  paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                  std::numeric_limits<int64_t>::max(), sliding_window, softcap, sinks);
+}
+
 // n fp32 values to a bf16 / fp16 cache row, rounded to nearest even (as a tensor's .to() rounds).
 template <typename cache_t>
 inline void narrow_row(const float* src, cache_t* dst, int64_t n) {
@@ -848,11 +859,15 @@ TORCH_LIBRARY(graphinfer_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, int max_chunk_context, int sliding_window=0, "
         "float softcap=0., Tensor? sinks=None) -> int");
+  m.def("paged_attention_all(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int sliding_window=0, float softcap=0., "
+        "Tensor? sinks=None) -> ()");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(graphinfer_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_all", &paged_attention_all);
   m.impl("reshape_and_cache", &reshape_and_cache);
 }

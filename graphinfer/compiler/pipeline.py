@@ -99,6 +99,7 @@ class CompilePipeline:
                                              f"{len(rows)} MoE layers, the model has {placement.used}.")
             else:
                 model, hf_config = self._load_artifact_model()
+        model.requires_grad_(False)  # inference only; a trace (the cpu decode graphs) keeps no grad-requiring weights
         with self.phase("graph"):
             if self.manifest is not None:
                 graph = artifact.load_graph(self.config.artifact, self.manifest, model)

@@ -1,5 +1,6 @@
-"""CPU: fast CPU attention around the fused graph, run op by op or compiled by TorchInductor; no device graphs
-(FULL_DECODE_ONLY is refused here).
+"""CPU: fast CPU attention around the fused graph, run op by op or compiled by TorchInductor. Graph modes NONE and
+FULL_DECODE_ONLY (the default with the "eager" kernels and the C++ library): decode steps of up to 8 requests replay
+the forward traced per batch size (platforms/cpu_graphs.py), without Python between the ops.
 
 kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, else "eager"):
 - "eager" (the default): the paged attention and cache write of ops/cpu/attention.py, the row-wise ops of
@@ -323,6 +324,35 @@ class CpuPlatform(Platform):
         thread = PagePopulator(t)
         thread.start()
         return thread
+
+    def graph_modes(self, kernels: str | None = None) -> tuple[str, ...]:
+        """FULL_DECODE_ONLY with the "eager" kernels on the C++ library: their graph calls C++ ops a trace records.
+        PIECEWISE would save nothing here: prefill steps are bound by their GEMMs, not by Python."""
+        from graphinfer.ops.cpu import ext
+
+        if self.resolve_kernels(kernels) == "eager" and ext.available():
+            return "NONE", "FULL_DECODE_ONLY"
+        return ("NONE",)
+
+    def default_graph_mode(self, kernels: str | None = None) -> str:
+        return self.graph_modes(kernels)[-1]
+
+    def default_capture_sizes(self, max_size: int) -> list[int]:
+        """Decode batches of up to 8 rows: there the weights' reads bound the step, so padding a batch to its bucket
+        costs little, and the Python a trace removes (~5-9 ms a SmolLM2 step on the 2-vCPU VMs) is a large share.
+        Larger batches are bound by their GEMMs and would pay for every padded row."""
+        return [s for s in (1, 2, 4, 8) if s <= max_size] or [1]
+
+    def capture_graph(self, fn, args, pool, stream):
+        from graphinfer.platforms.cpu_graphs import TracedGraph
+
+        return TracedGraph(fn, args)
+
+    def graph_pool_handle(self):
+        return None
+
+    def new_stream(self):
+        return None
 
     def supports_skinny_gemm(self, kernels: str | None = None) -> bool:
         """Only under Triton's interpreter (TRITON_INTERPRET=1) and where the graph runs as is (not Inductor); it is

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graphinfer.config import GRAPH_MODES, default_capture_sizes
+
 
 @dataclass(frozen=True)
 class KernelBackend:
@@ -21,6 +23,7 @@ class KernelBackend:
     op_impls: dict[str, Callable] = field(default_factory=dict)  # registered under the platform's dispatch key
     sample_kernel: Callable | None = None  # the fused sampling kernel; None: the Sampler's torch path
     default_graph_mode: str = "NONE"
+    graph_modes: tuple[str, ...] = ("NONE",)  # the graph modes it can run (config.GRAPH_MODES where it captures)
     skinny_gemm: bool = False  # the Triton skinny GEMM may serve decode linears (compiler/skinny_gemm.py measures)
     prepacked_linears: bool = False  # float linears on weights prepacked for the platform's GEMM library
     binds_op_impls: bool = False  # the runner's graph calls op_impls' functions directly (compiler/bind_ops.py)
@@ -102,6 +105,14 @@ class Platform:
         """vLLM's default where graphs can be captured: full graphs for decode, pieces for everything else."""
         return "FULL_AND_PIECEWISE" if self.supports_graph_capture and kernels != "reference" else "NONE"
 
+    def graph_modes(self, kernels: str | None = None) -> tuple[str, ...]:
+        """The graph modes this platform runs with these kernels: all where it captures device graphs."""
+        return GRAPH_MODES if self.supports_graph_capture and kernels != "reference" else ("NONE",)
+
+    def default_capture_sizes(self, max_size: int) -> list[int]:
+        """The capture sizes when none are given: vLLM's list up to max_size."""
+        return default_capture_sizes(max_size)
+
     def new_stream(self):
         return self.device_module.Stream()
 
@@ -118,6 +129,13 @@ class Platform:
     def graph_capture(self, graph, pool, stream) -> contextlib.AbstractContextManager:
         """Context manager that records the work issued inside it into `graph` (torch.cuda.graph and its kin)."""
         raise NotImplementedError(f"the {self.name} platform has no device graphs")
+
+    def capture_graph(self, fn: Callable[..., object], args: tuple, pool, stream):
+        """A graph of what fn(*args) issues, its replay() doing it again on the same tensors (graph_capture's)."""
+        graph = self.graph_class()()
+        with self.graph_capture(graph, pool, stream):
+            fn(*args)
+        return graph
 
     def capture_budget(self, comm_groups: int, graphs_per_size: int) -> int | None:
         """Device graphs capturable in all when the graphs hold collectives of `comm_groups` process groups (tensor
@@ -203,7 +221,7 @@ class Platform:
                 self._impl_lib.impl(name, fn)
         self.kernels = {name: getattr(fn, "__module__", "?") for name, fn in impls.items()}
         return KernelBackend(kernels, impls, self.sampler_kernel(kernels), self.default_graph_mode(kernels),
-                             self.supports_skinny_gemm(kernels), self.prepacks_linear_weights(kernels),
+                             self.graph_modes(kernels), self.supports_skinny_gemm(kernels), self.prepacks_linear_weights(kernels),
                              self.binds_op_impls(kernels), self.graph_compiler(kernels),
                              self.supports_kv_cache_dtype(kernels))
 

@@ -21,7 +21,6 @@ The op's optional arguments (sliding window, softcap, sinks; graphinfer/ops/atte
 which then takes every chunk, however long: ATen's flash kernel has none of them, and under a window the kernel reads
 only the window's blocks. Without the library such calls run the reference op.
 """
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -127,14 +126,17 @@ def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, b
                         query_start_loc: Tensor, seq_lens: Tensor, scale: float, sliding_window: int = 0,
                         softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     native = _native(query, key_cache, block_tables)
-    if sliding_window > 0 or softcap > 0 or sinks is not None:
+    # A pure decode batch (one token per request: known from the shapes alone), or the optional arguments ATen's
+    # flash kernel lacks: every row on the C++ kernel, through the op a traced decode graph can record.
+    every_row = query.shape[0] == query_start_loc.shape[0] - 1
+    if sliding_window > 0 or softcap > 0 or sinks is not None or (native and every_row):
         if not native:
             return paged_attention.reference(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                                              scale, sliding_window, softcap, sinks)
         out = torch.empty_like(query)
-        torch.ops.graphinfer_cpu.paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                                 seq_lens, scale, sys.maxsize, sliding_window, float(softcap),
-                                                 None if sinks is None else sinks.float().contiguous())
+        torch.ops.graphinfer_cpu.paged_attention_all(out, query, key_cache, value_cache, block_tables,
+                                                     query_start_loc, seq_lens, scale, sliding_window, float(softcap),
+                                                     None if sinks is None else sinks.float().contiguous())
         return out
     if native:
         # The C++ kernel (csrc/cpu/) reads the paged cache in place for every decode row and every prefill chunk
@@ -157,7 +159,7 @@ def paged_attention_cpu(query: Tensor, key_cache: Tensor, value_cache: Tensor, b
 
 def _native(query: Tensor, key_cache: Tensor, block_tables: Tensor) -> int:
     """The longest prefill context the C++ kernel takes here (it takes every decode row); 0 where it cannot run."""
-    if not (ext.available() and hasattr(torch.ops.graphinfer_cpu, "paged_attention")
+    if not (ext.available() and hasattr(torch.ops.graphinfer_cpu, "paged_attention_all")
             and _native_dtypes(query.dtype, key_cache.dtype) and query.stride(-1) == 1 and key_cache.is_contiguous()
             and block_tables.dtype == torch.int32):
         return 0

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from graphinfer.errors import GraphCaptureError
 from graphinfer.models.layers import AttentionMetadata
 from graphinfer.platforms import Platform
 
@@ -79,7 +80,8 @@ class DecodeGraphs:
         self.platform = platform
         self.sizes = sorted(set(sizes))
         self.query_len = q = query_len
-        n, w = self.sizes[-1], max_blocks_per_seq
+        self.rows = n = self.sizes[-1]  # the static buffers' rows (requests), however many sizes get captured
+        w = max_blocks_per_seq
         # The static inputs every graph reads, as views of two device buffers that replay fills with one
         # host-to-device copy each (padding included): [input_ids | positions | slot_mapping] (int64) and
         # [seq_lens | block_tables] (int32). The host arrays persist so stale block-table columns cost nothing.
@@ -116,15 +118,25 @@ class DecodeGraphs:
             args = self._args(bs)
             out = self.forward(*args)  # warm-up outside the capture: Triton compiles, library handles get created
             if self.output is None:
-                self.output = out.new_empty(self.max_size * self.query_len, *out.shape[1:])
+                self.output = out.new_empty(self.rows * self.query_len, *out.shape[1:])
             del out
             p.synchronize()
-            graph = p.graph_class()()
-            with p.graph_capture(graph, pool, stream):
-                # Copying into one static output (rather than keeping each graph's own output alive) lets the
-                # pool reuse every graph's memory for the next: per-bucket logits would add up to gigabytes.
-                self.output[:bs * self.query_len].copy_(self.forward(*args))
-            self.graphs[bs] = graph
+            # Copying into one static output (rather than keeping each graph's own output alive) lets the
+            # pool reuse every graph's memory for the next: per-bucket logits would add up to gigabytes.
+            ids, positions, md = args
+            try:
+                self.graphs[bs] = p.capture_graph(self._forward_into, (
+                    self.output[:bs * self.query_len], ids, positions, md.slot_mapping, md.block_tables,
+                    md.query_start_loc, md.seq_lens), pool, stream)
+            except GraphCaptureError as e:  # the cpu platform's traces: this size runs eagerly
+                if len(self.sizes) == 1:
+                    raise
+                self.sizes.remove(bs)  # in place: the CaptureStats hold this list
+                logger.info("no graph of %d rows (its steps run eagerly): %s", bs, e)
+
+    def _forward_into(self, out: Tensor, input_ids: Tensor, positions: Tensor, *metadata: Tensor) -> Tensor:
+        """The captured function, its tensors all arguments (a trace then holds no static buffer as a constant)."""
+        return out.copy_(self.forward(input_ids, positions, AttentionMetadata(*metadata)))
 
     def release(self) -> None:
         """Free the graphs (their pool goes with the last of them) and the static buffers."""
@@ -145,7 +157,7 @@ class DecodeGraphs:
         (async scheduling)."""
         b, width = block_tables.shape
         bs = self.bucket(b)
-        q, n, w = self.query_len, self.max_size, self.block_tables.shape[1]
+        q, n, w = self.query_len, self.rows, self.block_tables.shape[1]
         ids, pos, slots = self._host64.reshape(3, n * q)
         ids[:b * q], pos[:b * q], slots[:b * q] = input_ids, positions, slot_mapping
         slots[b * q:bs * q] = -1  # padded rows write no KV ...

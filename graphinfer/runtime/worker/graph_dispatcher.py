@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphinfer.config import FULL_GRAPH_MODES, PIECEWISE_GRAPH_MODES, EngineConfig
-from graphinfer.errors import InvalidConfigError
+from graphinfer.errors import GraphCaptureError, InvalidConfigError
 from graphinfer.platforms import KernelBackend, Platform
 from graphinfer.runtime.worker.device_graphs import CaptureStats, DecodeGraphs
 from graphinfer.runtime.worker.piecewise_graphs import PiecewiseGraphs
@@ -39,12 +39,12 @@ def resolve_graph_mode(config: EngineConfig, platform: Platform, backend: Kernel
     with the fix, where it cannot capture."""
     cc = config.compile_config
     mode = cc.graph_mode or backend.default_graph_mode
-    if mode != "NONE" and not platform.supports_graph_capture:
-        raise InvalidConfigError(f"graph_mode={mode!r} replays device graphs (CUDA graphs / ACL graphs); "
-                                 f"the {platform.name} platform has none. Use graph_mode='NONE' there.")
     if mode != "NONE" and backend.name == "reference":
         raise InvalidConfigError("kernels='reference' runs the PyTorch reference ops, which read lengths on the "
                                  "host and cannot be captured; use the platform's kernels or graph_mode='NONE'.")
+    if mode not in backend.graph_modes:
+        raise InvalidConfigError(f"graph_mode={mode!r}: the {platform.name} platform runs "
+                                 f"{' / '.join(backend.graph_modes)} with kernels={backend.name!r}. Use one of those.")
     return mode
 
 
@@ -81,18 +81,29 @@ class GraphDispatcher:
         if self.full:
             forward = runner.logits_forward if self.lm_head_in_graph else runner.forward
             with phase("capture (decode graphs)"):
-                self.decode_graphs = DecodeGraphs(forward, self.platform, runner.device, self.decode_sizes, max_blocks)
-                self.capture_stats = self.decode_graphs.capture()
+                graphs = DecodeGraphs(forward, self.platform, runner.device, self.decode_sizes, max_blocks)
+                self.capture_stats = self._capture(graphs, "decode")
+                self.decode_graphs = graphs if self.capture_stats else None
             if self.num_speculative_tokens is not None:
                 with phase("capture (verify graphs)"):
-                    self.verify_graphs = DecodeGraphs(forward, self.platform, runner.device, self.decode_sizes,
-                                                      max_blocks, query_len=1 + self.num_speculative_tokens)
-                    self.verify_graphs.capture()
+                    graphs = DecodeGraphs(forward, self.platform, runner.device, self.decode_sizes, max_blocks,
+                                          query_len=1 + self.num_speculative_tokens)
+                    self.verify_graphs = graphs if self._capture(graphs, "verify") else None
         if self.piecewise:
             sizes = self._fit_budget(self.piecewise_sizes, split.info.num_pieces)
             with phase("capture (piecewise graphs)"):
                 self.piecewise_graphs = PiecewiseGraphs(split, self.platform, runner.device, sizes)
                 self.piecewise_capture_stats = self.piecewise_graphs.capture()
+
+    def _capture(self, graphs: DecodeGraphs, kind: str) -> CaptureStats | None:
+        """graphs captured; None where the platform cannot capture this forward (the cpu platform's traces: a
+        forward that reads values on the host), its steps then run eagerly, the reason logged."""
+        try:
+            return graphs.capture()
+        except GraphCaptureError as e:
+            graphs.release()
+            logger.warning("%s graphs not captured, those steps run eagerly: %s", kind, e)
+            return None
 
     def _fit_budget(self, sizes: list[int], num_pieces: int) -> list[int]:
         """The piecewise sizes within the platform's graph budget (Ascend: its streams; HCCL takes some at tp > 1)

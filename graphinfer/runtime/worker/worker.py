@@ -19,7 +19,7 @@ import torch
 
 from graphinfer.compiler.pipeline import CompilePipeline
 from graphinfer.compiler.trace import rebind_buffers
-from graphinfer.config import EngineConfig, SchedulerConfig, default_capture_sizes, kv_cache_torch_dtype
+from graphinfer.config import EngineConfig, SchedulerConfig, kv_cache_torch_dtype
 from graphinfer.distributed import parallel_state as ps
 from graphinfer.errors import InvalidConfigError
 from graphinfer.models.layers import MLAAttention, activation_dtype, allocate_kv_cache
@@ -75,7 +75,7 @@ class Worker:
             device = torch.device(device.type, ps.local_rank())  # one device per rank of this node
         self.device = device
         cc.graph_mode = resolve_graph_mode(config, platform, backend)  # what artifacts record and are checked against
-        capture_sizes = cc.capture_sizes or default_capture_sizes(cc.max_capture_size)
+        capture_sizes = cc.capture_sizes or platform.default_capture_sizes(cc.max_capture_size)
         self.num_speculative_tokens = spec.num_speculative_tokens if spec else None
         self.dispatcher = GraphDispatcher(config, platform, cc.graph_mode, capture_sizes, self.num_speculative_tokens,
                                           ps.tp_size())
