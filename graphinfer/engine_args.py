@@ -98,7 +98,9 @@ def with_artifact_defaults(kwargs: dict) -> dict:
     derived = {
         "model": manifest["model"]["path"], "dtype": manifest["dtype"],
         "quantization": (manifest.get("quantization") or {}).get("method"),
-        "graph_mode": manifest["graph_mode"], "capture_sizes": manifest["capture_sizes"],
+        # cpu: its decode graphs are traced at start-up, nothing of them is in the artifact: the kernels' default
+        "graph_mode": manifest["graph_mode"] if manifest["platform"] != "cpu" else None,
+        "capture_sizes": manifest["capture_sizes"],
         "splitting_ops": (manifest.get("split") or {}).get("splitting_ops"),
         "speculative_config": manifest.get("speculative_config"),
         "tensor_parallel_size": artifacts.tensor_parallel_size(manifest),

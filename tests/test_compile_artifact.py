@@ -37,7 +37,7 @@ def test_artifact_contents(qwen2_artifact):
     assert sorted(manifest["files"]) == ["config.json", "graph.py", "model.safetensors"]  # a tiny checkpoint: no tokenizer
     assert manifest["model"]["path"] == os.path.abspath(path)
     assert manifest["platform"] == "cpu" and manifest["dtype"] == "float32" and manifest["graph_mode"] == "NONE"
-    assert manifest["capture_sizes"][:5] == [1, 2, 4, 8, 16] and manifest["capture_sizes"][-1] == 512  # piecewise sizes
+    assert manifest["capture_sizes"] == [1, 2, 4, 8]  # the cpu platform's (decode graphs of its eager kernels)
     assert [(p["name"], p["matches"]) for p in manifest["passes"]] == [
         ("canon_rms_norm", 0), ("canon_rotary", 0), ("canon_transpose", 0), ("fuse_qkv", 3), ("fuse_qknorm_rope", 0), ("fuse_gate_up", 3), ("fuse_add_rmsnorm", 6),
         ("fuse_allreduce_add_rmsnorm", 0), ("fuse_moe", 0), ("absorb_mla", 0), ("lower_quant_linears", 0), ("fuse_rmsnorm_quant", 0),

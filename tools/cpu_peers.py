@@ -97,6 +97,9 @@ def worker_graphinfer(spec: dict, config: str):
     res.update(weight_bytes=weight_bytes(llm), versions={"graphinfer": graphinfer.__version__, "torch": torch.__version__},
                threads=torch.get_num_threads(), block_size=llm.llm_engine.config.cache_config.block_size,
                dtype=str(llm.llm_engine.config.model_config.torch_dtype).removeprefix("torch."))
+    dispatcher = llm.llm_engine.worker.dispatcher
+    res.update(graph_mode=dispatcher.mode, decode_graph_sizes=dispatcher.decode_graphs.sizes
+               if dispatcher.decode_graphs is not None else [])
     llm.shutdown()
     return res
 

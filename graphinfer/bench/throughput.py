@@ -626,7 +626,7 @@ def run(model: str, *, dtype: str = "auto", device: str = "auto", graph_modes=("
                                       extra_warmup, so, adapters))
                 if lora:
                     row["total_tok_s"] = (workload.prompt_tokens + row["output_tokens"]) / row["total_s"]
-            except InvalidConfigError as e:  # e.g. FULL_DECODE_ONLY on CPU: no device graphs there
+            except InvalidConfigError as e:  # e.g. PIECEWISE on CPU: no device graphs there
                 row["unavailable"] = str(e)
             except Exception as e:  # noqa: BLE001 (a sweep keeps going, e.g. past an OOM, and still writes its JSON)
                 if len(configs) == 1:

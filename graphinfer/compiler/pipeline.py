@@ -166,7 +166,8 @@ class CompilePipeline:
         if named != manifest["model"]["path"] and ps.tp_rank() == 0:
             fingerprint = model_fingerprint(mc.model, load_config(mc.model), mc.seed)
         self._verify_artifact(fingerprint)
-        if manifest["graph_mode"] != self.config.compile_config.graph_mode:
+        # (cpu: traced at start-up, the decode graphs leave the artifact as it is in every mode)
+        if manifest["platform"] != "cpu" and manifest["graph_mode"] != self.config.compile_config.graph_mode:
             raise ArtifactMismatchError(f"Artifact {art!r} was compiled for graph_mode={manifest['graph_mode']!r}; "
                                         f"run it with that mode or recompile.")
         compiled_q = (manifest.get("quantization") or {}).get("method")

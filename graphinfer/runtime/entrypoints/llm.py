@@ -23,13 +23,13 @@ class LLM:
     (its model, dtype, graph mode, capture sizes and tensor_parallel_size are then the defaults).
 
     device: "auto" picks the detected platform (cuda, npu, else cpu). graph_mode (vLLM's CUDAGraphMode names;
-    default: the platform's, FULL_AND_PIECEWISE on cuda / npu and NONE on cpu): "NONE" runs every step eagerly;
+    default: the platform's, FULL_AND_PIECEWISE on cuda / npu, FULL_DECODE_ONLY on cpu with its eager kernels): "NONE" runs every step eagerly;
     "FULL_DECODE_ONLY" captures one device graph of the whole forward per decode batch size in `capture_sizes`
     (LM head inside unless capture_lm_head=False) and replays it for uniform decode steps; "PIECEWISE" splits
     the graph at attention (`splitting_ops`) and captures the pieces per token count, so any step up to the
     largest size replays them with attention run eagerly in between; "FULL_AND_PIECEWISE" does both. Capture
     sizes default to vLLM's list up to max_capture_size (config.derived_max_capture_size: twice max_num_seqs, at
-    most 512).
+    most 512); on cpu, whose "graphs" are traces of the decode forward (NONE and FULL_DECODE_ONLY only), 1, 2, 4, 8.
     kernels: the platform's op implementations (None: its default; "reference": PyTorch).
     npu_compiler="torchair": torchair compiles the fused graph and captures ACL graphs (npu, graph_mode NONE).
     async_scheduling: prepare and launch each step while the previous one runs (see engine/core.py).
