@@ -192,7 +192,8 @@ def default_capture_sizes(max_size: int) -> list[int]:
 @dataclass
 class CompileConfig:
     graph_mode: str | None = setting(
-        None, "default: the artifact's mode, else the platform's (FULL_AND_PIECEWISE on cuda / npu, FULL_DECODE_ONLY on cpu with its eager kernels, else NONE). "
+        None, "default: the artifact's mode, else the platform's (FULL_AND_PIECEWISE on cuda / npu, FULL_DECODE_ONLY "
+              "on cpu with its eager kernels, else NONE). "
               "NONE: eager; PIECEWISE: the graph split at attention, pieces replayed per token count; "
               "FULL_DECODE_ONLY: full graphs for decode steps; FULL_AND_PIECEWISE: both", choices=GRAPH_MODES)
     passes: str | list[str] = setting("default", "'default', 'none' or a comma-separated list of pass names")

@@ -1,6 +1,9 @@
 """The cpu platform's decode graphs (platforms/cpu_graphs.py): the trace refuses forwards that read values on the host,
 replays see the step's inputs and the weights as they are now, and FULL_DECODE_ONLY (the default with the eager
 kernels) gives NONE's tokens on the bundled SmolLM2, GGUF kept quantized and fp32, at padded batch sizes."""
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,21 @@ def test_traced_graph_replays_new_inputs_and_updated_weights():
         w.add_(1.0)
         graph.replay()
         assert torch.equal(out, F.linear(x * 2, w.t().contiguous()))
+
+
+def test_reset_frees_what_the_trace_holds():
+    """The weights and KV cache are constants of a trace: an engine's shutdown must free them (torch.jit.trace's
+    global compilation unit would keep them for the process's life)."""
+    w = torch.randn(8, 8)
+    ref = weakref.ref(w)
+    graph = TracedGraph(lambda out, x: out.copy_(x @ w), (torch.empty(2, 8), torch.randn(2, 8)))
+    graph.replay()
+    del w
+    gc.collect()
+    assert ref() is not None  # the trace holds it
+    graph.reset()
+    gc.collect()
+    assert ref() is None
 
 
 @pytest.mark.parametrize("engine_kernels", ["cpu-default"], indirect=True)

@@ -61,7 +61,8 @@ def test_graph_mode_resolution():
     assert cpu.graph_modes("eager") == ("NONE", "FULL_DECODE_ONLY")  # the C++ library is built under make test
     assert cpu.graph_modes("reference") == cpu.graph_modes("inductor") == ("NONE",)
     assert cpu.default_capture_sizes(512) == [1, 2, 4, 8] and cpu.default_capture_sizes(2) == [1, 2]
-    eager = KernelBackend("eager", default_graph_mode=cpu.default_graph_mode("eager"), graph_modes=cpu.graph_modes("eager"))
+    eager = KernelBackend("eager", default_graph_mode=cpu.default_graph_mode("eager"),
+                          graph_modes=cpu.graph_modes("eager"))
     assert resolve_graph_mode(config, cpu, eager) == "FULL_DECODE_ONLY"  # the backend's default
     config.compile_config.graph_mode = "PIECEWISE"
     with pytest.raises(InvalidConfigError, match="runs NONE / FULL_DECODE_ONLY"):  # cpu traces decode graphs only

@@ -87,7 +87,7 @@ def test_split_finds_identical_pieces_and_refuses_request_shaped_inputs(tiny_che
 
 def test_cpu_refuses_piecewise_modes():
     for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
-        with pytest.raises(InvalidConfigError, match="the cpu platform runs NONE"):  # FULL_DECODE_ONLY too, eager kernels
+        with pytest.raises(InvalidConfigError, match="the cpu platform runs NONE"):  # (eager kernels: FULL_DECODE_ONLY)
             LLM("tiny-llama", device="cpu", graph_mode=mode, num_gpu_blocks_override=8)
 
 

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from torch.jit._trace import _create_interpreter_name_lookup_fn as _name_lookup
 from torch.overrides import TorchFunctionMode
 
 from graphinfer.errors import GraphCaptureError
@@ -42,7 +43,9 @@ class _HostReadGuard(TorchFunctionMode):
 
 class TracedGraph:
     """fn(*args) traced (args: tensors it reads and writes, fixed as a device graph's static buffers); replay()
-    runs it again on them."""
+    runs it again on them. The trace lives in a compilation unit of its own: torch.jit.trace would add it to
+    TorchScript's global one, which keeps every function (and the weights and KV cache it holds) for the process's
+    life; here reset(), or dropping the graph, frees them."""
 
     def __init__(self, fn: Callable[..., object], args: tuple):
         with _HostReadGuard():
@@ -50,9 +53,12 @@ class TracedGraph:
         try:
             with warnings.catch_warnings():  # shapes turn into traced values; they are fixed per bucket
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                self._traced = torch.jit.trace(fn, args, check_trace=False)
+                graph, _ = torch._C._create_graph_by_tracing(lambda *a: fn(*a), list(args), _name_lookup(), False,
+                                                             False)
         except RuntimeError as e:  # e.g. an op returning an int, which the tracer cannot record
             raise GraphCaptureError(f"torch.jit.trace failed: {str(e).splitlines()[0]}") from e
+        self._unit = torch._C.CompilationUnit()
+        self._traced = self._unit.create_function("decode_step", graph)
         self._args = args
 
     def replay(self) -> None:
@@ -64,4 +70,4 @@ class TracedGraph:
             torch._C._set_graph_executor_optimize(optimize)
 
     def reset(self) -> None:
-        self._traced = self._args = None
+        self._traced = self._unit = self._args = None

@@ -221,9 +221,9 @@ class Platform:
                 self._impl_lib.impl(name, fn)
         self.kernels = {name: getattr(fn, "__module__", "?") for name, fn in impls.items()}
         return KernelBackend(kernels, impls, self.sampler_kernel(kernels), self.default_graph_mode(kernels),
-                             self.graph_modes(kernels), self.supports_skinny_gemm(kernels), self.prepacks_linear_weights(kernels),
-                             self.binds_op_impls(kernels), self.graph_compiler(kernels),
-                             self.supports_kv_cache_dtype(kernels))
+                             self.graph_modes(kernels), self.supports_skinny_gemm(kernels),
+                             self.prepacks_linear_weights(kernels), self.binds_op_impls(kernels),
+                             self.graph_compiler(kernels), self.supports_kv_cache_dtype(kernels))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

@@ -23,7 +23,8 @@ class LLM:
     (its model, dtype, graph mode, capture sizes and tensor_parallel_size are then the defaults).
 
     device: "auto" picks the detected platform (cuda, npu, else cpu). graph_mode (vLLM's CUDAGraphMode names;
-    default: the platform's, FULL_AND_PIECEWISE on cuda / npu, FULL_DECODE_ONLY on cpu with its eager kernels): "NONE" runs every step eagerly;
+    default: the platform's, FULL_AND_PIECEWISE on cuda / npu, FULL_DECODE_ONLY on cpu with its eager kernels):
+    "NONE" runs every step eagerly;
     "FULL_DECODE_ONLY" captures one device graph of the whole forward per decode batch size in `capture_sizes`
     (LM head inside unless capture_lm_head=False) and replays it for uniform decode steps; "PIECEWISE" splits
     the graph at attention (`splitting_ops`) and captures the pieces per token count, so any step up to the

@@ -99,10 +99,12 @@ class PieceRunner(nn.Module):
         outs = tuple(arena.view((self.index, "out", j), v, self.node_index, self.output_ends[j])
                      if isinstance(v, Tensor) else v for j, v in enumerate(warm))
         p.synchronize()
+
         def run():
             for dst, src in zip(outs, self.piece(*args)):
                 if isinstance(dst, Tensor):
                     dst.copy_(src)
+
         graph = p.capture_graph(run, (), owner.pool, owner.stream)
         for dst, src in zip(outs, warm):  # real values for the eager attention that follows the capture
             if isinstance(dst, Tensor):
