@@ -232,8 +232,9 @@ def test_fx_trace_gives_one_node_per_op():
 
 
 def test_cpu_platform_registers_the_cpu_forms():
-    """The cpu platform (never captures) takes the segment forms (host reads of the index); a cpu platform that
-    captures (the tests' stand-in for device graphs) the capture-safe ones."""
+    """The cpu platform (no device graphs; its traced decode graphs refuse the segment forms' host reads, so LoRA's
+    decode steps run eagerly there) takes the segment forms (host reads of the index); a cpu platform that captures
+    device graphs (the tests' stand-in) the capture-safe ones."""
     cpu_platform = pytest.importorskip("graphinfer.platforms.cpu")  # (the Ascend venv may lack its imports)
 
     class Capturing(cpu_platform.CpuPlatform):

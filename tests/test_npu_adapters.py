@@ -20,6 +20,7 @@ from graphinfer.compiler.torchair_backend import compile_with_torchair
 from graphinfer.errors import InvalidConfigError
 from graphinfer.ops.npu.ops import NPU_OPS, NpuOps, mc2_fits
 from graphinfer.platforms.cpu import CpuPlatform
+from graphinfer.platforms.interface import Platform
 from graphinfer.platforms.npu import NpuPlatform, parse_kernels
 from npu_emulation import make_torch_npu
 
@@ -373,6 +374,7 @@ def test_selected_npu_platform_imports_torch_npu(tmp_path):
 class _HookPlatform(CpuPlatform):
     """Logs the DecodeGraphs hook and replays, with a do-nothing device graph (tests only)."""
     supports_graph_capture = True
+    capture_graph = Platform.capture_graph  # a device platform's capture, not the cpu platform's traces
 
     def __init__(self):
         super().__init__()

@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from server_utils import GRAPHINFER, assert_openai_error, running_servers, sse_events
+from server_utils import GRAPHINFER, assert_openai_error, metric, metric_samples, running_servers, sse_events
 
 import pytest
 
@@ -89,7 +89,11 @@ def test_sigterm_drains_requests_in_flight(servers):
     deadline = time.monotonic() + 60
     while sum(bool(v) for v in lines.values()) < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.1)  # let all four arrive (the first stream is running)
+    while time.monotonic() < deadline:  # all four arrived (two running, two queued): a sleep raced on a busy host
+        samples = metric_samples(httpx.get(f"{server.url}/metrics", timeout=10).text)
+        if sum(metric(samples, f"graphinfer:num_requests_{s}") for s in ("running", "waiting")) >= 4:
+            break
+        time.sleep(0.01)
     server.proc.send_signal(signal.SIGTERM)
     while httpx.get(f"{server.url}/health", timeout=10).status_code == 200:
         time.sleep(0.01)

@@ -144,7 +144,8 @@ def lora_expand_capture_safe(y: Tensor, buf: Tensor, lora_b: Tensor, token_lora_
     return expand_one_hot(y, buf, lora_b, token_lora_indices, slice_sizes)
 
 
-# The cpu platform never captures graphs: the segment forms read the index on the host. A platform that captures on
+# The cpu platform captures no device graphs (its traced decode graphs refuse host reads: with these forms, LoRA's
+# decode steps run eagerly): the segment forms read the index on the host. A platform that captures on
 # the cpu (the tests' stand-in for device graphs) takes the capture-safe forms.
 CPU_LORA_OPS = {"lora_shrink": shrink_segments, "lora_expand": expand_segments}
 CPU_LORA_CAPTURE_SAFE_OPS = {"lora_shrink": lora_shrink_capture_safe, "lora_expand": lora_expand_capture_safe}
