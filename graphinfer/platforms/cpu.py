@@ -8,7 +8,8 @@ kernels (CompileConfig.kernels / --kernels; default $GRAPHINFER_CPU_KERNELS, els
   ops/cpu/quant.py (C++ kernels of csrc/cpu/ where built), and xgrammar's C++ kernel for structured outputs' mask
   (ops/cpu/bitmask.py), the graph run op by op calling those functions directly (compiler/bind_ops.py), its float
   linears on oneDNN's prepacked weights and up to four rows on csrc/cpu/gemv.cpp (compiler/cpu_packed_linear.py)
-  (no compile: `serve ART` healthy in 3.6-5.6 s for SmolLM2 on the 2-core AVX2 dev VMs, docs/benchmarks.md);
+  (no compile: `serve ART` healthy in 3.6-5.6 s for SmolLM2 on the 2-core AVX2 dev VMs before the decode graphs,
+  whose traces add ~1.6 s, docs/benchmarks.md);
 - "inductor": the fused graph compiled by TorchInductor (compiler/inductor.py) with those ops opaque (the
   quantized linears as extern calls inside the compiled pieces). Not the default: on the AVX2 dev machine it
   measured slower than "eager" (SmolLM2 fp32, 32 prompts: 39.2 vs 48.9 out tok/s) and takes ~10 s to start from an
