@@ -788,7 +788,7 @@ int64_t paged_attention(at::Tensor out, const at::Tensor& query, const at::Tenso
 
 // Every row on the kernel, however long its chunk (sliding window / softcap / sinks, which ATen's flash kernel lacks;
 // decode batches, which it takes anyway). Returns nothing, so torch.jit.trace can record it (ops returning an int
-// cannot be traced): the cpu decode graphs (runtime/worker/cpu_decode_graphs.py) call this one.
+// cannot be traced): the cpu decode graphs (graphinfer/platforms/cpu_graphs.py) call this one.
 void paged_attention_all(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables,
                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,

@@ -2,7 +2,8 @@
 device graph records kernels, and replayed by TorchScript's interpreter with no Python in between.
 
 At batch 1 a SmolLM2 decode step is ~300 C++ op calls, each through its Python wrapper (shape and dtype checks),
-plus the fx forward's ~35 Python statements a layer: ~5-9 ms of a GGUF step's ~20 ms on the 2-vCPU AVX2 VM. The
+plus the fx forward's ~35 Python statements a layer: without them the GGUF step went from 21.6 to 14.8 ms on the
+2-vCPU AVX2 VM (`graphinfer bench latency --graph-modes NONE,FULL_DECODE_ONLY`, docs/benchmarks.md). The
 traced graph calls the same C++ ops with the same arguments (the wrappers' choices, which depend on shapes alone, fixed
 for the bucket), so results are bit for bit those of the eager forward.
 
@@ -52,11 +53,10 @@ class TracedGraph:
         try:
             with warnings.catch_warnings():  # shapes turn into traced values; they are fixed per bucket
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                # (fn, inputs, the values' debug names: none, which saves ~0.25 s a size; strict, force out-of-place)
-                graph, _ = torch._C._create_graph_by_tracing(lambda *a: fn(*a), list(args), lambda _: "", False,
-                                                             False)
+                # (fn, inputs, the values' debug names: none, a frame lookup each otherwise; strict, force out-of-place)
+                graph, _ = torch._C._create_graph_by_tracing(fn, list(args), lambda _: "", False, False)
         except RuntimeError as e:  # e.g. an op returning an int, which the tracer cannot record
-            raise GraphCaptureError(f"torch.jit.trace failed: {str(e).splitlines()[0]}") from e
+            raise GraphCaptureError(f"tracing failed: {str(e).splitlines()[0]}") from e
         self._unit = torch._C.CompilationUnit()
         self._traced = self._unit.create_function("decode_step", graph)
         self._args = args
