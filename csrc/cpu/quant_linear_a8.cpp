@@ -54,11 +54,74 @@ struct Acts {  // the activations of one call, quantized
   int64_t Gp;
 };
 
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8f(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8f(const at::BFloat16* x) {  // bf16 -> fp32: the 16 bits shifted up
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+
+// One block of 32: its amax and sum (the sum in lanes, then across: the order differs from the scalar loop's, within
+// fp32 rounding), and its 32 codes round(x * id) in natural order (cvtps rounds to nearest even, as nearbyint)
 template <typename scalar_t>
-Acts quantize_acts(const scalar_t* x, int64_t T, int64_t K, int bits) {
+inline __m256i quantize_block(const scalar_t* xg, float& d, float& sum) {
+  __m256 v[4];
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps(), vs = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8f(xg + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    vs = _mm256_add_ps(vs, v[i]);
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(vs), _mm256_extractf128_ps(vs, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  sum = _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+  d = _mm_cvtss_f32(m) / 127.f;
+  const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+  // packs interleave the 128-bit lanes: [0-3 8-11 16-19 24-27 | 4-7 12-15 20-23 28-31] in 4-byte units; undone
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
+// The activations of one call, quantized into this thread's buffers (reused: no allocation per call; the kernel's
+// worker threads read the caller's).
+template <typename scalar_t>
+const Acts& quantize_acts(const scalar_t* x, int64_t T, int64_t K, int bits) {
+  static thread_local Acts a;
   const int64_t G = K / kGroup, Gp = (G + 15) / 16 * 16;
-  Acts a{std::vector<int8_t>(T * K), std::vector<float>(T * Gp, 0.f), std::vector<float>(T * Gp, 0.f), {}, Gp};
-  for (int64_t t = 0; t < T; ++t)
+  a.Gp = Gp;
+  a.q.resize(T * K);
+  a.d.assign(T * Gp, 0.f);
+  a.s.assign(T * Gp, 0.f);
+  for (int64_t t = 0; t < T; ++t) {
+#if defined(__AVX2__) && defined(__FMA__)
+    // bits 4: pairs of blocks A, B into the pair order [A even k, B even k, A odd k, B odd k]: each block's even
+    // codes then its odd ones in each 128-bit lane, lanes' halves gathered, then the two blocks' halves interleaved
+    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t gi = 0; gi < G; gi += 2) {
+      float* d = a.d.data() + t * Gp + gi;
+      float* s = a.s.data() + t * Gp + gi;
+      const __m256i qa = quantize_block(x + t * K + gi * kGroup, d[0], s[0]);
+      const __m256i qb = quantize_block(x + t * K + (gi + 1) * kGroup, d[1], s[1]);
+      int8_t* dst = a.q.data() + t * K + gi * kGroup;
+      if (bits == 8) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), qa);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kGroup), qb);
+        continue;
+      }
+      const __m256i ha = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(qa, evens_odds), 0xD8);  // [A even, A odd]
+      const __m256i hb = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(qb, evens_odds), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute2x128_si256(ha, hb, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), _mm256_permute2x128_si256(ha, hb, 0x31));
+    }
+#else
     for (int64_t gi = 0; gi < G; ++gi) {
       const scalar_t* xg = x + t * K + gi * kGroup;
       float amax = 0.f, sum = 0.f;
@@ -80,6 +143,8 @@ Acts quantize_acts(const scalar_t* x, int64_t T, int64_t K, int bits) {
       for (int j = 0; j < kGroup; ++j)
         dst[(j % 2) * 32 + j / 2] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xg[j]) * id));
     }
+#endif
+  }
   if (bits == 4) {
     a.dh.resize(T * Gp);
     for (int64_t i = 0; i < T * Gp; ++i) a.dh[i] = a.d[i / 8 * 8 + kHaddOrder[i % 8]];
@@ -145,8 +210,9 @@ inline float hsum8(__m256 a) {
 
 // 8 scales (or zeros) of groups i0.. of row n as fp32, those past the row's end (left < 8) zero: read past it into
 // the next row's, or from a copy on the last row
-inline __m256 load8(const Problem& p, const void* base, int64_t n, int64_t i0, int64_t left) {
-  if (left < 8 && n + 1 == p.N) {
+__attribute__((always_inline)) inline __m256 load8(const Problem& p, const void* base, int64_t n, int64_t i0,
+                                                   int64_t left) {
+  if (__builtin_expect(left < 8 && n + 1 == p.N, 0)) {
     alignas(32) float buf[8] = {};
     for (int64_t i = 0; i < left; ++i) buf[i] = scalar_at(p, base, i0 + i);
     return _mm256_load_ps(buf);
@@ -174,11 +240,12 @@ inline __m256i sum8(const __m256i u[8]) {
 // bits 8 (signed codes): llama.cpp's sign trick, |w| (unsigned) times x with w's sign, so maddubs's int16 sums stay
 // within 2 * 128 * 127; one vector per group, summed in group order by sum8.
 template <int BITS, int MT>
-void row_avx2(const Problem& p, int64_t n, int64_t t0) {
-  const uint8_t* w = p.w + n * p.row_bytes;
+void rows_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t t0) {
   const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kHaddOrder));
   const int64_t Gp = p.a->Gp, pairs = p.K / kPair;
+  for (int64_t n = n0; n < n1; ++n) {
+  const uint8_t* w = p.w + n * p.row_bytes;
   __m256 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < p.G; g0 += 8) {
@@ -231,6 +298,7 @@ void row_avx2(const Problem& p, int64_t n, int64_t t0) {
     }
   }
   for (int t = 0; t < MT; ++t) p.out[(t0 + t) * p.N + n] = hsum8(acc[t]) + (p.bias ? p.bias[n] : 0.f);
+  }
 }
 #endif
 
@@ -290,29 +358,33 @@ void row_vnni(const Problem& p, int64_t n, int64_t t0) {
 }
 #endif
 
-// one row against tokens t0 .. t0 + mt - 1 on path isa
+// rows [n0, n1) against tokens t0 .. t0 + mt - 1 on path isa
 template <int BITS>
-void row(const Problem& p, int isa, int64_t n, int64_t t0, int mt) {
-#define GI_TILES(fn)                                 \
+void rows(const Problem& p, int isa, int64_t n0, int64_t n1, int64_t t0, int mt) {
+#define GI_TILES(call)                               \
   switch (mt) {                                      \
-    case 1: return fn<BITS, 1>(p, n, t0);            \
-    case 2: return fn<BITS, 2>(p, n, t0);            \
-    case 3: return fn<BITS, 3>(p, n, t0);            \
-    case 4: return fn<BITS, 4>(p, n, t0);            \
-    case 5: return fn<BITS, 5>(p, n, t0);            \
-    case 6: return fn<BITS, 6>(p, n, t0);            \
-    case 7: return fn<BITS, 7>(p, n, t0);            \
-    default: return fn<BITS, 8>(p, n, t0);           \
+    case 1: call(1); return;                         \
+    case 2: call(2); return;                         \
+    case 3: call(3); return;                         \
+    case 4: call(4); return;                         \
+    case 5: call(5); return;                         \
+    case 6: call(6); return;                         \
+    case 7: call(7); return;                         \
+    default: call(8); return;                        \
   }
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (isa >= 2) GI_TILES(row_vnni)
+#define GI_VNNI(MT) for (int64_t n = n0; n < n1; ++n) row_vnni<BITS, MT>(p, n, t0)
+  if (isa >= 2) GI_TILES(GI_VNNI)
+#undef GI_VNNI
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (isa >= 1) GI_TILES(row_avx2)
+#define GI_AVX2(MT) rows_avx2<BITS, MT>(p, n0, n1, t0)
+  if (isa >= 1) GI_TILES(GI_AVX2)
+#undef GI_AVX2
 #endif
 #undef GI_TILES
   (void)isa;
-  row_scalar<BITS>(p, n, t0, mt);
+  for (int64_t n = n0; n < n1; ++n) row_scalar<BITS>(p, n, t0, mt);
 }
 
 at::Tensor wo_linear_a8(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scales_in,
@@ -345,7 +417,7 @@ at::Tensor wo_linear_a8(const at::Tensor& x_in, const at::Tensor& qweight_in, co
   if (T > 0 && N > 0) {
     const at::Tensor xc = x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16
                               ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
-    const Acts acts = xc.scalar_type() == at::kFloat ? quantize_acts(xc.data_ptr<float>(), T, K, bits)
+    const Acts& acts = xc.scalar_type() == at::kFloat ? quantize_acts(xc.data_ptr<float>(), T, K, bits)
                                                      : quantize_acts(xc.data_ptr<at::BFloat16>(), T, K, bits);
     const Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(),
                     zeros.defined() ? zeros.data_ptr() : nullptr, sdt == at::kHalf,
@@ -355,9 +427,10 @@ at::Tensor wo_linear_a8(const at::Tensor& x_in, const at::Tensor& qweight_in, co
     const int64_t blocks = (N + kRows - 1) / kRows;
     const int64_t grain = std::max<int64_t>(1, 65536 / (kRows * K));
     auto run = [&](int64_t b0, int64_t b1) {
-      for (int64_t n = b0 * kRows; n < std::min(N, b1 * kRows); ++n)
+      for (int64_t n = b0 * kRows; n < std::min(N, b1 * kRows); n += kRows)  // a block's rows stay in L1 over tiles
         for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens)
-          (bits == 4 ? row<4> : row<8>)(p, isa, n, t0, static_cast<int>(std::min<int64_t>(T - t0, kMaxTokens)));
+          (bits == 4 ? rows<4> : rows<8>)(p, isa, n, std::min(N, n + kRows), t0,
+                                          static_cast<int>(std::min<int64_t>(T - t0, kMaxTokens)));
     };
     cpu_vec::parallel_chunks(blocks, grain, run);
   }
