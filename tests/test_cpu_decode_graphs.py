@@ -33,6 +33,23 @@ def test_traced_graph_replays_new_inputs_and_updated_weights():
         assert torch.equal(out, F.linear(x * 2, w.t().contiguous()))
 
 
+def test_shape_reads_replay_as_constants():
+    """The tracer records a wrapper's x.shape[i] as aten::size -> NumToTensor -> aten::Int and its shape lists as
+    ListConstruct, re-run at each replay; a bucket's shapes are fixed, so the graph holds them as constants and
+    replays the same values as the eager function."""
+    def fn(out, x):
+        n, k = x.shape  # as the ops' wrappers read shapes (arithmetic on them stays in the graph)
+        return out.copy_((x.view(n, 2, 4) * 3).reshape(n, k).flip(0))
+
+    x, out = torch.randn(3, 8), torch.empty(3, 8)
+    graph = TracedGraph(fn, (out, x))
+    kinds = [node.kind() for node in graph._traced.graph.nodes()]
+    assert "aten::size" not in kinds and "aten::Int" not in kinds and "prim::ListConstruct" not in kinds, kinds
+    x.copy_(torch.randn(3, 8))
+    graph.replay()
+    assert torch.equal(out, fn(torch.empty(3, 8), x))
+
+
 def test_reset_frees_what_the_trace_holds():
     """The weights and KV cache are constants of a trace: an engine's shutdown must free them (torch.jit.trace's
     global compilation unit would keep them for the process's life)."""
