@@ -232,8 +232,9 @@ inline __m256i sum8(const __m256i u[8]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// One row against MT tokens, 8 groups (4 pairs) a step: the code dots of each group in int32 (maddubs + madd),
-// the 8 groups' sums gathered into one vector by a hadd tree, then one fp32 FMA with the 8 scale x step products
+// Rows [n0, n1) (a block a call: the loop's state stays in registers), each against MT tokens, 8 groups (4 pairs) a
+// step: the code dots of each group in int32 (maddubs + madd), the 8 groups' sums gathered into one vector by a hadd
+// tree, then one fp32 FMA with the 8 scale x step products
 // (llama.cpp's AVX2 kernel scales each group by itself: a broadcast and an FMA per 32 codes).
 // bits 4: a pair's madd lanes are [A x4, B x4], so the tree's 3 hadds leave groups in the order
 // kHaddOrder: the weight scales are permuted to it, the activation steps stored in it (Acts::dh).
@@ -245,59 +246,59 @@ void rows_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t t0) {
   const __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kHaddOrder));
   const int64_t Gp = p.a->Gp, pairs = p.K / kPair;
   for (int64_t n = n0; n < n1; ++n) {
-  const uint8_t* w = p.w + n * p.row_bytes;
-  __m256 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < p.G; g0 += 8) {
-    const int64_t p0 = g0 / 2, np = std::min<int64_t>(4, pairs - p0);
-    __m256 sw = load8(p, p.scales, n, n * p.G + g0, p.G - g0);
-    if constexpr (BITS == 4) sw = _mm256_permutevar8x32_ps(sw, order);
-    if (p.zeros) {  // the zero terms (any lane order: all lanes are summed at the end)
-      const __m256 zw = load8(p, p.zeros, n, n * p.G + g0, p.G - g0);
-      for (int t = 0; t < MT; ++t)
-        acc[t] = _mm256_fmadd_ps(zw, _mm256_loadu_ps(p.a->s.data() + (t0 + t) * Gp + g0), acc[t]);
-    }
-    __m256i wa[8];  // bits 4: pair j's low nibbles wa[j], high ones wa[4 + j]; bits 8: group i's codes
-    for (int j = 0; j < 4; ++j) {
-      __m256i a = _mm256_setzero_si256(), b = a;  // zero past the row's last pair
-      if (j < np && BITS == 4) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * 32));
-        a = _mm256_and_si256(wv, nib), b = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
-      } else if (j < np) {
-        a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * kPair));
-        b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * kPair + 32));
+    const uint8_t* w = p.w + n * p.row_bytes;
+    __m256 acc[MT];
+    for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < p.G; g0 += 8) {
+      const int64_t p0 = g0 / 2, np = std::min<int64_t>(4, pairs - p0);
+      __m256 sw = load8(p, p.scales, n, n * p.G + g0, p.G - g0);
+      if constexpr (BITS == 4) sw = _mm256_permutevar8x32_ps(sw, order);
+      if (p.zeros) {  // the zero terms (any lane order: all lanes are summed at the end)
+        const __m256 zw = load8(p, p.zeros, n, n * p.G + g0, p.G - g0);
+        for (int t = 0; t < MT; ++t)
+          acc[t] = _mm256_fmadd_ps(zw, _mm256_loadu_ps(p.a->s.data() + (t0 + t) * Gp + g0), acc[t]);
       }
-      wa[BITS == 4 ? j : 2 * j] = a, wa[BITS == 4 ? 4 + j : 2 * j + 1] = b;
-    }
-    for (int t = 0; t < MT; ++t) {
-      const int8_t* xp = p.a->q.data() + (t0 + t) * p.K + p0 * kPair;
-      __m256i dot;
-      if constexpr (BITS == 4) {
-        __m256i v[4];
-        for (int j = 0; j < 4; ++j) {
-          if (j >= np) { v[j] = _mm256_setzero_si256(); continue; }
-          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + j * kPair));
-          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + j * kPair + 32));
-          // int16 pair sums stay within 2 * 2 * 15 * 127: no saturation
-          const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(wa[j], x0), _mm256_maddubs_epi16(wa[4 + j], x1));
-          v[j] = _mm256_madd_epi16(s16, ones);
+      __m256i wa[8];  // bits 4: pair j's low nibbles wa[j], high ones wa[4 + j]; bits 8: group i's codes
+      for (int j = 0; j < 4; ++j) {
+        __m256i a = _mm256_setzero_si256(), b = a;  // zero past the row's last pair
+        if (j < np && BITS == 4) {
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * 32));
+          a = _mm256_and_si256(wv, nib), b = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
+        } else if (j < np) {
+          a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * kPair));
+          b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p0 + j) * kPair + 32));
         }
-        dot = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-      } else {
-        __m256i u[8];
-        for (int i = 0; i < 8; ++i) {
-          if (i >= 2 * np) { u[i] = _mm256_setzero_si256(); continue; }
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + i * kGroup));
-          u[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wa[i], wa[i]), _mm256_sign_epi8(xv, wa[i])),
-                                   ones);
-        }
-        dot = sum8(u);
+        wa[BITS == 4 ? j : 2 * j] = a, wa[BITS == 4 ? 4 + j : 2 * j + 1] = b;
       }
-      const float* d = (BITS == 4 ? p.a->dh : p.a->d).data() + (t0 + t) * Gp + g0;
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_loadu_ps(d)), acc[t]);
+      for (int t = 0; t < MT; ++t) {
+        const int8_t* xp = p.a->q.data() + (t0 + t) * p.K + p0 * kPair;
+        __m256i dot;
+        if constexpr (BITS == 4) {
+          __m256i v[4];
+          for (int j = 0; j < 4; ++j) {
+            if (j >= np) { v[j] = _mm256_setzero_si256(); continue; }
+            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + j * kPair));
+            const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + j * kPair + 32));
+            // int16 pair sums stay within 2 * 2 * 15 * 127: no saturation
+            const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(wa[j], x0), _mm256_maddubs_epi16(wa[4 + j], x1));
+            v[j] = _mm256_madd_epi16(s16, ones);
+          }
+          dot = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        } else {
+          __m256i u[8];
+          for (int i = 0; i < 8; ++i) {
+            if (i >= 2 * np) { u[i] = _mm256_setzero_si256(); continue; }
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + i * kGroup));
+            u[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wa[i], wa[i]), _mm256_sign_epi8(xv, wa[i])),
+                                     ones);
+          }
+          dot = sum8(u);
+        }
+        const float* d = (BITS == 4 ? p.a->dh : p.a->d).data() + (t0 + t) * Gp + g0;
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, _mm256_loadu_ps(d)), acc[t]);
+      }
     }
-  }
-  for (int t = 0; t < MT; ++t) p.out[(t0 + t) * p.N + n] = hsum8(acc[t]) + (p.bias ? p.bias[n] : 0.f);
+    for (int t = 0; t < MT; ++t) p.out[(t0 + t) * p.N + n] = hsum8(acc[t]) + (p.bias ? p.bias[n] : 0.f);
   }
 }
 #endif
