@@ -22,6 +22,8 @@ PACK_BATCH = 32  # oneDNN's batch hint for the layout (vLLM's); any row count ru
 class PackedLinear(nn.Module):
     """y = x W^T + b with W in oneDNN's prepacked layout (an opaque mkldnn tensor of the same [N, K] shape)."""
 
+    row_wise = True  # compiler/sampled_rows.py: each output row from the same input row
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features

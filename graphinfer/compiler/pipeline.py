@@ -6,7 +6,8 @@ compile` and artifacts alike.
   lower    the platform's lowering steps, each graph -> graph and none saved: Inductor (cpu, kernels="inductor"),
            the skinny GEMM decode linears (compiler/skinny_gemm.py, measured), prepacked linears and bound op impls
            (cpu), torchair (npu_compiler): CompiledModel.executable, the one forward the runner runs, and
-           CompiledModel.compute_logits, its LM head
+           CompiledModel.compute_logits, its LM head; CompiledModel.executable_rows, the same forward whose layers
+           after the last attention run on the sampled rows only (compiler/sampled_rows.py)
   split    PIECEWISE modes: the executable's fx graph cut at the splitting ops (compiler/split.py)
 
 The Worker (runtime/worker/worker.py) runs them in that order over a 1-block placeholder KV cache, then profiles the
@@ -27,6 +28,7 @@ from graphinfer.compiler.compile import compile_model
 from graphinfer.compiler.bind_ops import bind_op_impls
 from graphinfer.compiler.cpu_packed_linear import pack_linears, packed_lm_head
 from graphinfer.compiler.fingerprint import model_fingerprint
+from graphinfer.compiler.sampled_rows import sampled_rows_graph
 from graphinfer.compiler.skinny_gemm import SkinnyGemmTable, event_timer, lower_skinny_gemm
 from graphinfer.compiler.split import DEFAULT_SPLITTING_OPS, SplitGraph, split_graph
 from graphinfer.compiler.trace import trace_model
@@ -57,13 +59,16 @@ class CompiledModel:
     capture_sizes: list[int]
     executable: Callable | None = None  # lower: the forward the runner runs (graph, lowered for the platform)
     compute_logits: Callable | None = None  # lower: the LM head the runner runs (cpu: on packed weights)
+    # lower: the executable with logits_indices as a 4th input, the layers after the last attention run on those rows
+    # only (compiler/sampled_rows.py); None where it cannot be cut or is not an fx graph run eagerly
+    executable_rows: fx.GraphModule | None = None
     skinny_gemm: SkinnyGemmTable | None = None  # decode linears on the skinny GEMM kernel where measured faster
     split: SplitGraph | None = None  # PIECEWISE modes: the executable's fx graph cut at the splitting ops
 
     def release(self, tensors: bool = False) -> None:
         """Break each fx graph's cycle with its module (so they go with the last reference, without a garbage
         collection); tensors: also free the weights, including those of modules something else still refers to."""
-        graphs = {id(g): g for g in (self.graph, self.executable) if isinstance(g, fx.GraphModule)}
+        graphs = {id(g): g for g in (self.graph, self.executable, self.executable_rows) if isinstance(g, fx.GraphModule)}
         for gm in graphs.values():
             gm.graph.owning_module = None
         for module in (self.graph, self.model) if tensors else ():
@@ -213,11 +218,16 @@ class CompilePipeline:
         if backend.prepacked_linears:
             executable = pack_linears(_fx(executable))
             c.compute_logits = packed_lm_head(c.model) or c.compute_logits
+        rows = None
+        if isinstance(executable, fx.GraphModule) and backend.graph_compiler != "inductor":
+            rows, why = sampled_rows_graph(executable)
+            logger.info("sampled-rows forward: %s", why)
         if backend.binds_op_impls:
             executable = bind_op_impls(_fx(executable), backend.op_impls)
+            rows = rows and bind_op_impls(rows, backend.op_impls)
         if (spec := self.config.compile_config.npu_compiler):
-            executable = self._torchair(c.graph, spec)
-        c.executable = executable
+            executable, rows = self._torchair(c.graph, spec), None
+        c.executable, c.executable_rows = executable, rows
 
     def split(self, c: CompiledModel) -> None:
         """c.split: the executable cut at the splitting ops, for piecewise capture."""

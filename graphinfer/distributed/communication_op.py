@@ -16,7 +16,7 @@ from graphinfer.ops.library import graphinfer_op, register_fake
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-@graphinfer_op()
+@graphinfer_op(row_wise=True)
 def all_reduce(x: Tensor, group_name: str) -> Tensor:
     """The sum of x over the group's ranks."""
     out = x.clone()
@@ -65,7 +65,7 @@ def _(x, dim, world_size, group_name):
     return x.new_empty(shape)
 
 
-@graphinfer_op()
+@graphinfer_op(row_wise=True)
 def all_reduce_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
                             group_name: str) -> tuple[Tensor, Tensor]:
     """add_rms_norm(all_reduce(x), residual): (rms_norm(sum + residual), sum + residual), as one node.

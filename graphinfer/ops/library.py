@@ -11,8 +11,10 @@ import torch
 lib = torch.library.Library("graphinfer", "FRAGMENT")  # registrations live as long as this handle
 
 
-def graphinfer_op(mutates_args: tuple[str, ...] = ()):
-    """Decorator: register fn as graphinfer::<fn name> and return the op (an OpOverload)."""
+def graphinfer_op(mutates_args: tuple[str, ...] = (), row_wise: bool = False):
+    """Decorator: register fn as graphinfer::<fn name> and return the op (an OpOverload). row_wise: each row of its
+    outputs depends only on the same row of its token-row inputs (its other tensor arguments are weights, not rows),
+    so a graph may run it on a subset of the rows (compiler/sampled_rows.py)."""
     def register(fn):
         name = fn.__name__
         lib.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
@@ -20,6 +22,7 @@ def graphinfer_op(mutates_args: tuple[str, ...] = ()):
         op = getattr(torch.ops.graphinfer, name).default
         op.__doc__ = fn.__doc__
         op.reference = fn  # the plain Python reference: a compiler may trace through it (compiler/inductor.py)
+        op.row_wise = row_wise
         return op
     return register
 

@@ -11,7 +11,7 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-@graphinfer_op()
+@graphinfer_op(row_wise=True)
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Normalise the last dimension of x (any leading shape) and scale by weight."""
     return rms_norm_ref(x, weight, eps)
@@ -22,7 +22,7 @@ def _(x, weight, eps):
     return torch.empty_like(x)
 
 
-@graphinfer_op()
+@graphinfer_op(row_wise=True)
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """residual' = x + residual; returns (rms_norm(residual'), residual'): the pre-norm decoder's two outputs."""
     new_residual = x + residual

@@ -89,7 +89,7 @@ def dequantize_blocks(codes: Tensor, scale: Tensor, block: tuple[int, int]) -> T
     return w[:N, :K]
 
 
-@graphinfer_op()
+@graphinfer_op(row_wise=True)
 def dynamic_quant(x: Tensor, quant_dtype: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x [T, K] -> (codes [T, K] int8 / float8_e4m3fn, scale [T, 1] fp32): per-token scales, or the static
     input_scale [1] of a checkpoint quantized with static activation scales."""
@@ -101,7 +101,7 @@ def _(x, quant_dtype, input_scale=None):
     return x.new_empty(x.shape, dtype=QUANT_DTYPES[quant_dtype]), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
 
 
-@graphinfer_op()
+@graphinfer_op(row_wise=True)
 def scaled_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, bias: Tensor | None,
               out_dtype: torch.dtype) -> Tensor:
     """(a @ b.T) * a_scale * b_scale + bias in out_dtype: a [T, K], b [N, K] both int8 (exact int32
@@ -121,7 +121,7 @@ def _(a, a_scale, b, b_scale, bias, out_dtype):
     return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
 
 
-@graphinfer_op()
+@graphinfer_op(row_wise=True)
 def wo_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
               bias: Tensor | None) -> Tensor:
     """x [T, K] @ dequantized(qweight).T + bias, in x's dtype: the weight stays packed (bits 4 or 8, see the
@@ -137,7 +137,7 @@ def _(x, qweight, scales, zeros, bits, bias):
     return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 
-@graphinfer_op()
+@graphinfer_op(row_wise=True)
 def rms_norm_quant(x: Tensor, weight: Tensor, eps: float, quant_dtype: str,
                    input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """dynamic_quant(rms_norm(x, weight, eps)): one pass over x instead of two (fuse_rmsnorm_quant)."""
@@ -149,7 +149,7 @@ def _(x, weight, eps, quant_dtype, input_scale=None):
     return x.new_empty(x.shape, dtype=QUANT_DTYPES[quant_dtype]), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
 
 
-@graphinfer_op()
+@graphinfer_op(row_wise=True)
 def add_rms_norm_quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float, quant_dtype: str,
                        input_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """add_rms_norm's normalised output quantized per token: (codes, scale, residual') (fuse_rmsnorm_quant)."""
@@ -164,7 +164,7 @@ def _(x, residual, weight, eps, quant_dtype, input_scale=None):
             x.new_empty(*x.shape[:-1], 1, dtype=torch.float32), torch.empty_like(x))
 
 
-@graphinfer_op()
+@graphinfer_op(row_wise=True)
 def silu_and_mul_quant(x: Tensor, quant_dtype: str, input_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """dynamic_quant(silu_and_mul(x)) (fuse_silu_mul_quant): x [T, 2d] -> codes [T, d], scale [T, 1]."""
     d = x.shape[-1] // 2
@@ -177,7 +177,7 @@ def _(x, quant_dtype, input_scale=None):
     return x.new_empty(shape, dtype=QUANT_DTYPES[quant_dtype]), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
 
 
-@graphinfer_op()
+@graphinfer_op(row_wise=True)
 def block_fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, block_n: int, block_k: int,
                      bias: Tensor | None) -> Tensor:
     """x [..., K] @ W.T + bias in x's dtype, W the block-FP8 weight (module docstring): x is quantized to fp8 per

@@ -62,6 +62,7 @@ class ModelRunner:
         cache_config, sc = config.cache_config, config.scheduler_config
         self.model = compiled.model
         self.graph = compiled.executable  # the lowered forward (compiled.graph is the fused one artifacts save)
+        self.graph_rows = compiled.executable_rows  # the same, its last layers on the sampled rows only (or None)
         self.compute_logits = compiled.compute_logits
         self.dispatcher = dispatcher
         self.device, self.platform, self.max_model_len = device, platform, max_model_len
@@ -82,7 +83,8 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks(cache_config, max_model_len, engine_bytes)
         self.num_blocks = ps.min_across_ranks(self.num_blocks)  # tensor parallel: every rank's cache alike
         self.kv_cache = allocate_kv_cache(self.model, self.num_blocks, self.block_size, self.kv_cache_dtype)
-        rebind_buffers(self.model, compiled.graph, self.graph, compiled.split.module if compiled.split else None)
+        rebind_buffers(self.model, compiled.graph, self.graph, self.graph_rows,
+                       compiled.split.module if compiled.split else None)
         self.kv_pages = platform.populate_in_background(self.kv_cache)  # cpu: a thread commits the cache's pages
         if drafter is not None:
             drafter.bind(self)
@@ -196,7 +198,8 @@ class ModelRunner:
         self.drafter = self.last_hidden = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
-        self.kv_cache = self.graph = self.model = self.compute_logits = self.sampler = self.num_tokens = self.lora = None
+        self.kv_cache = self.graph = self.graph_rows = self.model = self.compute_logits = self.sampler = None
+        self.num_tokens = self.lora = None
         self.eplb = None
         self.attn_layers, self.moe_layers = [], {}
 
@@ -357,6 +360,9 @@ class ModelRunner:
             input_ids = t(h.input_ids)
             fill_pending(input_ids)
             md = AttentionMetadata(t(h.slot_mapping), t(h.block_tables), t(h.query_start_loc), t(h.seq_lens))
+            if self._rows_only(h):  # the last layers on the sampled rows alone: hidden is [rows, H] already
+                hidden = self.graph_rows(input_ids, t(h.positions), md, t(h.logits_indices))
+                return self.compute_logits(hidden) if len(h.logits_indices) else None
             hidden = self.graph(input_ids, t(h.positions), md)
         if self.eplb is not None:
             self.eplb.after_step()
@@ -377,6 +383,12 @@ class ModelRunner:
             hidden = hidden[self.to_device(h.logits_indices)]
         return hidden if run.kind == FULL and self.dispatcher.lm_head_in_graph else self.compute_logits(hidden)
 
+    def _rows_only(self, h: HostInputs) -> bool:
+        """Whether the step's forward may skip the other rows after the last attention: some rows are not sampled
+        and no one reads them (a drafter reads every row's hidden state, prompt logprobs their logits, a pipeline
+        stage sends them on; EPLB counts every row's experts)."""
+        return (self.graph_rows is not None and len(h.logits_indices) < len(h.input_ids) and self.drafter is None
+                and self.pipeline is None and h.prompt_lp_indices is None and self.eplb is None)
 
     def prompt_logprobs(self, hidden: torch.Tensor, h: HostInputs) -> tuple[torch.Tensor, ...] | None:
         """(logprob of the next prompt token [L], its rank [L], top-k ids [L, k], top-k logprobs [L, k]) for the
