@@ -24,22 +24,23 @@ def _assert_same(a, b):
             assert max(abs(da[t] - db[t]) for t in da) < 1e-5
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_sampled_rows_give_the_whole_forwards_logprobs(tiny_checkpoint, arch):
-    """Batched prompts of different lengths, then in chunks of 6 tokens (steps whose rows are all mid-prompt sample
-    nothing and run the tail on no rows): the same tokens and logprobs as the whole forward."""
+@pytest.mark.parametrize("arch,extra", [("llama", {"max_num_batched_tokens": 6}), ("qwen2", {}), ("qwen3", {})])
+def test_sampled_rows_give_the_whole_forwards_logprobs(tiny_checkpoint, arch, extra):
+    """Batched prompts of different lengths (llama: in chunks of 6 tokens, so that some steps' rows are all mid-prompt,
+    sample nothing and run the tail on no rows): the same tokens and logprobs as the whole forward."""
     path, _ = tiny_checkpoint(arch)
-    for extra in ({}, {"max_num_batched_tokens": 6}):
-        with LLM(path, **KW, **extra) as llm:
-            runner = llm.llm_engine.worker.model_runner
-            assert runner.graph_rows is not None
-            rows = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-            runner.graph_rows = None
-            whole = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        _assert_same(rows, whole)
+    with LLM(path, **KW, **extra) as llm:
+        runner = llm.llm_engine.worker.model_runner
+        assert runner.graph_rows is not None
+        rows = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        runner.graph_rows = None
+        whole = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    _assert_same(rows, whole)
 
 
 def test_the_last_layer_runs_on_the_sampled_rows_only(tiny_checkpoint):
+    """In a prefill the first layer's MLP sees every prompt token, the last one's a row per prompt; the engine's own
+    graph (what artifacts save) is left as it was."""
     path, _ = tiny_checkpoint("llama")
     with LLM(path, **KW) as llm:
         layers = llm.llm_engine.worker.model_runner.model.model.layers
@@ -47,8 +48,14 @@ def test_the_last_layer_runs_on_the_sampled_rows_only(tiny_checkpoint):
         for i, rows in seen.items():
             layers[i].mlp.down_proj.register_forward_hook(lambda m, args, out, rows=rows: rows.append(len(args[0])))
         llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        graph = llm.llm_engine.worker.compiled.graph
+        code = graph.code
+        copy, why = sampled_rows_graph(graph)
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in PROMPTS)
     assert seen == {0: [prompt_tokens], len(layers) - 1: [len(PROMPTS)]}
+    assert graph.code == code and "logits_indices" not in code
+    assert "logits_indices" in copy.code and "run on the sampled rows only" in why
+    assert sum(n.target is torch.index_select for n in copy.graph.nodes) == 2  # the attention's output, the residual
 
 
 def test_a_tail_that_is_not_row_wise_keeps_the_whole_forward(tiny_checkpoint, caplog):
@@ -60,17 +67,6 @@ def test_a_tail_that_is_not_row_wise_keeps_the_whole_forward(tiny_checkpoint, ca
         copy, why = sampled_rows_graph(llm.llm_engine.worker.compiled.graph)
     assert copy is None and "(softmax) after the last attention is not known to be row-wise" in why
     assert f"sampled-rows forward: {why}" in caplog.text
-
-
-def test_the_copy_leaves_the_graph_as_it_was(tiny_checkpoint):
-    path, _ = tiny_checkpoint("llama")
-    with LLM(path, **KW) as llm:
-        graph = llm.llm_engine.worker.compiled.graph
-        code = graph.code
-        copy, why = sampled_rows_graph(graph)
-    assert graph.code == code and "logits_indices" not in code
-    assert "logits_indices" in copy.code and "run on the sampled rows only" in why
-    assert sum(n.target is torch.index_select for n in copy.graph.nodes) == 2  # the attention's output, the residual
 
 
 def test_lora_keeps_the_whole_forward(tiny_checkpoint):
