@@ -68,7 +68,8 @@ class CompiledModel:
     def release(self, tensors: bool = False) -> None:
         """Break each fx graph's cycle with its module (so they go with the last reference, without a garbage
         collection); tensors: also free the weights, including those of modules something else still refers to."""
-        graphs = {id(g): g for g in (self.graph, self.executable, self.executable_rows) if isinstance(g, fx.GraphModule)}
+        graphs = {id(g): g for g in (self.graph, self.executable, self.executable_rows)
+                  if isinstance(g, fx.GraphModule)}
         for gm in graphs.values():
             gm.graph.owning_module = None
         for module in (self.graph, self.model) if tensors else ():
