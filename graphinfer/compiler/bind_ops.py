@@ -19,8 +19,9 @@ from torch import fx
 from graphinfer.compiler.trace import HOISTED, with_modules
 
 
-def bind_op_impls(gm: fx.GraphModule, impls: dict[str, Callable]) -> fx.GraphModule:
-    """A copy of gm (gm untouched) whose graphinfer::<name>.default nodes call impls[name] where impls has one."""
+def bind_op_impls(gm: fx.GraphModule, impls: dict[str, Callable], in_place: bool = False) -> fx.GraphModule:
+    """A copy of gm (gm untouched; in_place: gm itself, a copy the caller made) whose graphinfer::<name>.default nodes
+    call impls[name] where impls has one."""
     def impl_of(node: fx.Node) -> Callable | None:
         target = node.target
         if node.op != "call_function" or getattr(target, "namespace", None) != "graphinfer":
@@ -29,7 +30,7 @@ def bind_op_impls(gm: fx.GraphModule, impls: dict[str, Callable]) -> fx.GraphMod
 
     if not any(impl_of(n) for n in gm.graph.nodes):
         return gm
-    copy = with_modules(gm, {})
+    copy = gm if in_place else with_modules(gm, {})
     for node in copy.graph.nodes:
         if (fn := impl_of(node)) is not None:
             node.target = fn

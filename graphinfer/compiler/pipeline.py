@@ -225,7 +225,7 @@ class CompilePipeline:
             logger.info("sampled-rows forward: %s", why)
         if backend.binds_op_impls:
             executable = bind_op_impls(_fx(executable), backend.op_impls)
-            rows = rows and bind_op_impls(rows, backend.op_impls)
+            rows = rows and bind_op_impls(rows, backend.op_impls, in_place=True)
         if (spec := self.config.compile_config.npu_compiler):
             executable, rows = self._torchair(c.graph, spec), None
         c.executable, c.executable_rows = executable, rows

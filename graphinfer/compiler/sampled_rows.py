@@ -20,7 +20,7 @@ import operator
 import torch
 from torch import fx, nn
 
-from graphinfer.compiler.trace import is_leaf_layer, node_target_name, with_modules
+from graphinfer.compiler.trace import is_leaf_layer, node_target_name
 
 ATTENTION_OPS = ("paged_attention", "mla_attention", "mla_latent_attention", "mla_attention_auto")
 _ELEMENTWISE = (operator.add, operator.mul, torch.add, torch.mul, torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor)
@@ -58,8 +58,8 @@ def _row_producer(gm: fx.GraphModule, node: fx.Node) -> bool:
 def sampled_rows_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, str]:
     """(a copy of gm taking `logits_indices` [rows] int64 after its inputs and returning only those rows, why), or
     (None, why not). gm itself is untouched; the copy shares its modules and weights."""
-    copy = with_modules(gm, {})
-    graph = copy.graph
+    graph = fx.Graph()  # gm's nodes copied; wrapped in a GraphModule (one code generation) once cut
+    graph.output(graph.graph_copy(gm.graph, {}))
     nodes = list(graph.nodes)
     output = nodes[-1]
     if not isinstance(output.args[0], fx.Node):
@@ -74,13 +74,13 @@ def sampled_rows_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, str]:
     in_tail, entering = set(tail), []
     for node in tail:
         tuple_item = node.op == "call_function" and node.target is operator.getitem and node.args[0] in in_tail
-        if not (tuple_item or _row_wise(copy, node)):
-            return None, f"{node.name} ({_what(copy, node)}) after the last attention is not known to be row-wise"
+        if not (tuple_item or _row_wise(gm, node)):
+            return None, f"{node.name} ({_what(gm, node)}) after the last attention is not known to be row-wise"
         for arg in node.all_input_nodes:
             if arg in in_tail or arg.op == "get_attr" or arg in entering:
                 continue
-            if arg is not cut and not _row_producer(copy, arg):
-                return None, (f"{node.name} after the last attention reads {arg.name} ({_what(copy, arg)}), not known "
+            if arg is not cut and not _row_producer(gm, arg):
+                return None, (f"{node.name} after the last attention reads {arg.name} ({_what(gm, arg)}), not known "
                               f"to hold a row per token")
             entering.append(arg)
     if not any(n.op == "call_module" or _graphinfer_op(n) for n in tail):
@@ -94,5 +94,4 @@ def sampled_rows_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, str]:
         for node in tail:
             node.replace_input_with(value, selected)
     graph.lint()
-    copy.recompile()
-    return copy, f"{len(tail)} nodes after the last attention run on the sampled rows only"
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__), f"{len(tail)} nodes after the last attention run on the sampled rows only"
