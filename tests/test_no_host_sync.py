@@ -263,15 +263,18 @@ for model in {models!r}:
     if {activate!r}:  # the same fx graph, its ops bound to these kernels (skips interpreted pass self-checks)
         llm.llm_engine.local_core.platform.activate({activate!r})
     runner = llm.llm_engine.worker.model_runner
-    forward, seen = runner.graph, set()
+    seen = set()
 
-    def guarded(input_ids, positions, md):
-        with {guard}:
-            out = forward(input_ids, positions, md)
-        seen.update(kinds_of(md))  # outside the guard: the test reads the metadata
-        return out
+    def guard_calls(forward):
+        def guarded(input_ids, positions, md, *rows):
+            with {guard}:
+                out = forward(input_ids, positions, md, *rows)
+            seen.update(kinds_of(md))  # outside the guard: the test reads the metadata
+            return out
+        return guarded
 
-    runner.graph = guarded
+    # prefills run the sampled-rows forward (compiler/sampled_rows.py) where the model has one, the rest the graph
+    runner.graph, runner.graph_rows = guard_calls(runner.graph), runner.graph_rows and guard_calls(runner.graph_rows)
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # one prefill-only step, then decodes (T == B)
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # chunks over their own cached blocks, mixed steps
     llm.generate(prompts[4:], params[4:], use_tqdm=False)  # a prompt over a prefix another request cached
@@ -304,7 +307,7 @@ def test_guard_catches_the_reference_ops_in_a_model():
         with no_host_sync():
             return forward(*args)
 
-    runner.graph = guarded
+    runner.graph, runner.graph_rows = guarded, None
     with pytest.raises(HostSyncError, match="boolean mask"):  # reshape_and_cache's slots[slots >= 0], first
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)
 

@@ -23,12 +23,16 @@ class _RecordingSampler:
 
 
 def _run(llm, prompts, max_tokens=12):
+    """Greedy tokens and every step's logits, from the whole forward: an unfused graph's tail is not cut to the sampled
+    rows (its decomposed norms are not registered row-wise ops), and a last layer run on fewer rows rounds its GEMMs
+    differently (compiler/sampled_rows.py; tests/test_sampled_rows.py compares the two)."""
     runner = llm.llm_engine.worker.model_runner
+    rows, runner.graph_rows = runner.graph_rows, None
     runner.sampler = rec = _RecordingSampler(runner.sampler)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     finally:
-        runner.sampler = rec.sampler
+        runner.sampler, runner.graph_rows = rec.sampler, rows
     return [o.outputs[0].token_ids for o in outs], rec.logits
 
 

@@ -42,17 +42,21 @@ def _record_steps(llm) -> dict:
     """Counts what ran each step: piecewise replays (by real token count, with their query lengths), eager steps."""
     runner = llm.llm_engine.worker.model_runner
     seen = {"piecewise": [], "eager": 0}
-    run, graph = runner.dispatcher.piecewise_graphs.run, runner.graph
+    run, graph, rows = runner.dispatcher.piecewise_graphs.run, runner.graph, runner.graph_rows
 
     def piecewise(input_ids, positions, slots, tables, qsl, seq_lens, fill_pending=None):
         seen["piecewise"].append((len(input_ids), torch.diff(qsl).tolist()))
         return run(input_ids, positions, slots, tables, qsl, seq_lens, fill_pending)
 
-    def eager(*args):
-        seen["eager"] += 1
-        return graph(*args)
+    def eager(forward):
+        def run_eagerly(*args):
+            seen["eager"] += 1
+            return forward(*args)
+        return run_eagerly
 
-    runner.dispatcher.piecewise_graphs.run, runner.graph = piecewise, eager
+    # an eager step runs the graph, or its sampled-rows copy (compiler/sampled_rows.py) where rows go unsampled
+    runner.dispatcher.piecewise_graphs.run, runner.graph = piecewise, eager(graph)
+    runner.graph_rows = rows and eager(rows)
     return seen
 
 
