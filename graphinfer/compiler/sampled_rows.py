@@ -94,4 +94,5 @@ def sampled_rows_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, str]:
         for node in tail:
             node.replace_input_with(value, selected)
     graph.lint()
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__), f"{len(tail)} nodes after the last attention run on the sampled rows only"
+    why = f"{len(tail)} nodes after the last attention run on the sampled rows only"
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__), why
