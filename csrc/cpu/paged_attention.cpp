@@ -407,7 +407,7 @@ struct Batch {
   // Block j's first n rows of KV heads h..h+nh, K then V, read a word a cache line before they are used: a tight
   // loop of loads keeps many misses in flight and starts the hardware prefetcher on each block (a random address),
   // where the work on the rows issues them too slowly and prefetching the next block ahead evicted the current one
-  // from L1 (the AVX2 VM, batch 64 decode: 2.4 -> 1.9 ms a layer alone). The xor of the words, for the sink.
+  // from L1 (perf on the AVX2 VM's batch-64 decode). The xor of the words, for the sink.
   uint32_t touch(int64_t b, int64_t h, int64_t j, int64_t n, int64_t nh) const {
     const int64_t at = base(b, h, j), row_bytes = nh * D * static_cast<int64_t>(sizeof(cache_t));
     uint32_t r[4] = {};  // independent chains

@@ -58,9 +58,7 @@ def _row_producer(gm: fx.GraphModule, node: fx.Node) -> bool:
 def sampled_rows_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, str]:
     """(a copy of gm taking `logits_indices` [rows] int64 after its inputs and returning only those rows, why), or
     (None, why not). gm itself is untouched; the copy shares its modules and weights."""
-    graph = fx.Graph()  # gm's nodes copied; wrapped in a GraphModule (one code generation) once cut
-    graph.output(graph.graph_copy(gm.graph, {}))
-    nodes = list(graph.nodes)
+    nodes = list(gm.graph.nodes)
     output = nodes[-1]
     if not isinstance(output.args[0], fx.Node):
         return None, "the graph returns more than the hidden states"
@@ -85,6 +83,11 @@ def sampled_rows_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule | None, str]:
             entering.append(arg)
     if not any(n.op == "call_module" or _graphinfer_op(n) for n in tail):
         return None, "nothing runs after the last attention"
+    # cut a copy (gm untouched), wrapped in a GraphModule once cut: one code generation
+    graph, copied = fx.Graph(), {}
+    graph.output(graph.graph_copy(gm.graph, copied))
+    cut, tail, entering = copied[cut], [copied[n] for n in tail], [copied[n] for n in entering]
+    nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
         rows = graph.placeholder("logits_indices")

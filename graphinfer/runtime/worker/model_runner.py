@@ -349,7 +349,7 @@ class ModelRunner:
         if self.eplb is not None:  # between steps: every EP rank reaches this step's rearrangement together
             self.eplb.before_step()
         run = self.dispatcher.dispatch(h)
-        t = self.to_device
+        t, rows_only = self.to_device, False
         if run.kind == FULL:
             hidden = run.graphs.replay(h.input_ids, h.positions, h.slot_mapping, h.block_tables, h.seq_lens,
                                        fill_pending=fill_pending)
@@ -360,10 +360,10 @@ class ModelRunner:
             input_ids = t(h.input_ids)
             fill_pending(input_ids)
             md = AttentionMetadata(t(h.slot_mapping), t(h.block_tables), t(h.query_start_loc), t(h.seq_lens))
-            if self._rows_only(h):  # the last layers on the sampled rows alone: hidden is [rows, H] already
+            if rows_only := self._rows_only(h):  # the last layers on the sampled rows alone: hidden is [rows, H]
                 hidden = self.graph_rows(input_ids, t(h.positions), md, t(h.logits_indices))
-                return self.compute_logits(hidden) if len(h.logits_indices) else None
-            hidden = self.graph(input_ids, t(h.positions), md)
+            else:
+                hidden = self.graph(input_ids, t(h.positions), md)
         if self.eplb is not None:
             self.eplb.after_step()
         if self.drafter is not None:
@@ -379,16 +379,16 @@ class ModelRunner:
         rows = len(h.logits_indices)
         if not rows:  # every sequence is mid-prompt (chunked prefill): nothing to sample yet
             return None
-        if rows < len(h.input_ids):  # some rows are not the last of their sequence's scheduled tokens
+        if rows < len(h.input_ids) and not rows_only:  # some rows are not the last of their sequence's scheduled tokens
             hidden = hidden[self.to_device(h.logits_indices)]
         return hidden if run.kind == FULL and self.dispatcher.lm_head_in_graph else self.compute_logits(hidden)
 
     def _rows_only(self, h: HostInputs) -> bool:
         """Whether the step's forward may skip the other rows after the last attention: some rows are not sampled
         and no one reads them (a drafter reads every row's hidden state, prompt logprobs their logits, a pipeline
-        stage sends them on; EPLB counts every row's experts)."""
+        stage sends them on)."""
         return (self.graph_rows is not None and len(h.logits_indices) < len(h.input_ids) and self.drafter is None
-                and self.pipeline is None and h.prompt_lp_indices is None and self.eplb is None)
+                and self.pipeline is None and h.prompt_lp_indices is None)
 
     def prompt_logprobs(self, hidden: torch.Tensor, h: HostInputs) -> tuple[torch.Tensor, ...] | None:
         """(logprob of the next prompt token [L], its rank [L], top-k ids [L, k], top-k logprobs [L, k]) for the
