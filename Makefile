@@ -6,13 +6,19 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test test-slow test-triton-ascend venv venv-ascend clean
 
-# The cpu platform's C++ kernels (csrc/cpu/), compiled for this machine with its own g++ (graphinfer/ops/cpu/ext.py).
+# The cpu platform's C++ kernels (csrc/cpu/), compiled for this machine with its own g++ (graphinfer/ops/cpu/ext.py),
+# and for any x86-64 (the scalar build the suite tests too: tests/test_cpu_scalar_build.py).
 CPU_KERNELS := graphinfer/ops/cpu/_cpu_kernels.so
+CPU_KERNELS_SCALAR := graphinfer/ops/cpu/_cpu_kernels_scalar.so
+CPU_SOURCES := $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h) graphinfer/ops/cpu/ext.py
 
-venv: $(STAMP) $(CPU_KERNELS)
+venv: $(STAMP) $(CPU_KERNELS) $(CPU_KERNELS_SCALAR)
 
-$(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h) graphinfer/ops/cpu/ext.py
+$(CPU_KERNELS): $(STAMP) $(CPU_SOURCES)
 	$(BIN)/python -m graphinfer.ops.cpu.ext
+
+$(CPU_KERNELS_SCALAR): $(STAMP) $(CPU_SOURCES)
+	$(BIN)/python -m graphinfer.ops.cpu.ext --build scalar
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -64,4 +70,5 @@ test-triton-ascend: venv-ascend
 
 # .torch: the stamp before it recorded the sources; graphinfer/ops/_cpu_kernels.so*: the library's place before ops/cpu/
 clean:
-	rm -rf $(VENV) $(ASCEND_VENV) $(CPU_KERNELS) $(CPU_KERNELS).stamp $(CPU_KERNELS).torch graphinfer/ops/_cpu_kernels.so*
+	rm -rf $(VENV) $(ASCEND_VENV) $(CPU_KERNELS) $(CPU_KERNELS).stamp $(CPU_KERNELS).torch graphinfer/ops/_cpu_kernels.so* \
+		$(CPU_KERNELS_SCALAR) $(CPU_KERNELS_SCALAR).stamp

@@ -37,6 +37,10 @@ _VARS = [
     EnvVar("GRAPHINFER_CPU_KERNELS", None,
            "The cpu platform's op implementations when `kernels` (--kernels / LLM(kernels=)) is not given: eager, "
            "inductor, reference or triton (unset: eager). The engine setting wins when given.", setting="kernels"),
+    EnvVar("GRAPHINFER_CPU_KERNELS_BUILD", "native",
+           "Which build of the cpu platform's C++ kernels a process loads: native (_cpu_kernels.so, compiled for "
+           "this CPU) or scalar (_cpu_kernels_scalar.so, compiled for any x86-64 without AVX; `make venv` builds "
+           "both; the suite tests the scalar one with it). Read once, when ops/cpu/ext.py is imported."),
     EnvVar("GRAPHINFER_CPU_POPULATE_KV_CACHE", "1",
            "1: on the cpu platform, a thread at idle priority commits the KV cache's pages from start-up on (vLLM-CPU "
            "zeroes its cache at start-up), so requests do not page-fault them in; LLM() waits for it before "
