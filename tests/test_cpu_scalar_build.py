@@ -10,7 +10,8 @@ import pytest
 from graphinfer import envs
 
 KERNEL_TESTS = ["tests/test_cpu_attention.py", "tests/test_cpu_elementwise.py", "tests/test_cpu_gemv.py",
-                "tests/test_cpu_quant_a8.py", "tests/test_cpu_quant_kernels.py", "tests/test_fused_quant_codes.py"]
+                "tests/test_cpu_quant_a8.py", "tests/test_cpu_quant_kernels.py", "tests/test_fused_quant_codes.py",
+                "tests/test_cpu_sampling.py"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = """
 import torch

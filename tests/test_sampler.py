@@ -302,3 +302,15 @@ def test_llm_logprobs_mode_raw_logits():
         assert max(shifts) - min(shifts) < 1e-4 and abs(shifts[0]) > 1e-3
     with pytest.raises(InvalidConfigError, match="raw_logprobs, raw_logits"):
         LLM("tiny-llama", device="cpu", num_gpu_blocks_override=16, logprobs_mode="processed_logprobs")
+
+
+def test_greedy_rows_on_cpu_take_the_cpu_kernel(monkeypatch):
+    """Greedy rows with nothing else to do: the cpu platform's argmax (ops/cpu/sampling.py; torch.max where the
+    library is not built), the same index as torch.max(dim=-1)."""
+    from graphinfer.ops.cpu import sampling as cpu_sampling
+
+    calls, real = [], cpu_sampling.argmax
+    monkeypatch.setattr(cpu_sampling, "argmax", lambda logits: calls.append(tuple(logits.shape)) or real(logits))
+    logits = rand_logits(3).to(torch.bfloat16)
+    out = Sampler()(logits, [row(temperature=0.0) for _ in range(3)])
+    assert calls == [(3, V)] and torch.equal(out.sampled_token_ids, logits.max(dim=-1).indices)
