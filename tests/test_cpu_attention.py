@@ -42,9 +42,9 @@ def _check(q_lens, seq_lens, n_q, n_kv, head, block_size, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # head 72: not a whole number of float vectors (the kernel's tail lanes); heads 64 and 128 in fp32: K and V read
 # straight from the cache (blocks of 16 = one vector's scores, and of 32); groups of 5 heads: a prefill tile's query
-# vectors are no whole number of tile_values' passes (its tail instances)
+# vectors are no whole number of tile_values' passes (its tail instances); 16 heads a KV head (a whole vector)
 @pytest.mark.parametrize("n_q,n_kv,head,block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (4, 1, 32, 8), (2, 1, 72, 16),
-                                                      (4, 2, 128, 32), (10, 2, 64, 16)])
+                                                      (4, 2, 128, 32), (10, 2, 64, 16), (16, 1, 64, 16)])
 def test_ragged_batch(n_q, n_kv, head, block_size, dtype):
     _check(RAGGED_Q, RAGGED_L, n_q, n_kv, head, block_size, dtype)
 

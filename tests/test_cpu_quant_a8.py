@@ -92,6 +92,7 @@ def test_paths_agree_and_inputs_are_checked(bits):
 @pytest.mark.parametrize("n, k, group, t, bias, x_dtype", [
     (70, 192, 32, 80, False, torch.float32),  # a panel of rows and a tile of tokens cut short
     (33, 128, 64, 64, True, torch.bfloat16),  # groups of 64, bias, bf16 activations (and out)
+    (96, 64, 32, 70, True, torch.float32),  # whole panels, 70 tokens: AMX's 16-token tiles and a tail of 6
 ])
 def test_bf16_gemm_is_the_product_of_the_bf16_rounded_operands(bits, n, k, group, t, bias, x_dtype):
     """wo_linear with bf16_gemm at >= 64 tokens on a CPU with avx512_bf16 (gemm_bf16): x and the dequantized weight
@@ -109,7 +110,7 @@ def test_bf16_gemm_is_the_product_of_the_bf16_rounded_operands(bits, n, k, group
     w = dequantize_weight(qweight, scales, z, bits).float()
     tol = 1e-5 * (x.float().abs() @ w.abs().T) + 1e-5  # fp32 sums in any order
     half_ulp = 2 ** -8 if x_dtype == torch.bfloat16 else 0.0  # the out rounded to x's dtype
-    if not has_native_bf16() or ext.BUILD == "scalar":  # the scalar build has no gemm_bf16 on any CPU
+    if not has_native_bf16() or ext.BUILD == "scalar":  # the scalar build has no gemm_bf16 on any CPU (nor AMX)
         assert ((out - exact).abs() <= tol + half_ulp * exact.abs()).all()
         return
     rounded = x.float().bfloat16().float() @ w.bfloat16().float().T + (b if bias else 0)

@@ -24,8 +24,8 @@
 // layer) dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads). (One tile
 // per thread with single-threaded at::mm calls measured up to 35% slower: MKL re-packs x for every tile.) With
 // bf16_gemm (the caller accepts bf16's rounding) on a CPU with avx512_bf16, group sizes of 32k: gemm_bf16, panels of rows
-// dequantized into L2 and multiplied with vdpbf16ps, x and the weights rounded to bf16, fp32 accumulation; elsewhere
-// bf16_gemm is ignored (exact).
+// dequantized into L2 and multiplied with vdpbf16ps (on AMX tiles where the build targets amx_bf16), x and the
+// weights rounded to bf16, fp32 accumulation; elsewhere bf16_gemm is ignored (exact).
 // Group sizes that are not a multiple of the chunk (and machines without AVX2) take a generic path: rows dequantized
 // one by one into a buffer in natural k order, then plain dot products.
 //
@@ -36,6 +36,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "vec.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -45,6 +46,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -503,7 +505,11 @@ void gemm_f32(const Problem& p) {
 // Measured on the 2-vCPU Zen 4 VM (tools/cpu_quant_bench.py, 2 threads, cold weights, SmolLM2's layer shapes; JSON
 // docs/bench/cpu_gemm_bf16_2026-11-30_zen4.json): 1.01-1.13x the time of oneDNN's linear on the dense bf16 weight
 // prepacked, at 64, 256 and 4096 tokens.
+#if defined(GRAPHINFER_AMX)
+constexpr int kPanelRows = 32;  // AMX: two B tiles of 16 columns, for amx_panel_tile's 2 x 2 tile products
+#else
 constexpr int kPanelRows = 48;  // three vectors of rows: 12 panels of a 576-row linear share 2 threads evenly
+#endif
 constexpr int kTokenTile = 8;  // 8 tokens x 3 vectors = 24 accumulators of the 32 registers
 
 // r[i] = dwords j0..j0+15 of row i  ->  r[j] = row 0..15's dword j0 + j
@@ -556,9 +562,10 @@ inline __m512i dequant32_bf16(const Problem& p, int64_t n, int64_t c) {
   }
 }
 
-// Rows n0 .. n0 + kPanelRows - 1 (zeros past N) into panel[K / 2][kPanelRows] dwords.
+// Rows n0 .. n0 + kPanelRows - 1 (zeros past N) into panel[K / 2][kPanelRows] dwords; tiles (AMX): the same 16 x 16
+// blocks of dwords contiguous instead, [K / 32][kPanelRows / 16][16 pairs of k][16 rows], each a B tile's 1 KB.
 template <int BITS>
-void dequant_panel(const Problem& p, int64_t n0, uint32_t* panel) {
+void dequant_panel(const Problem& p, int64_t n0, uint32_t* panel, bool tiles = false) {
   __m512i r[16];
   for (int h = 0; h < kPanelRows / 16; ++h)
     for (int64_t c = 0; c < p.K / 32; ++c) {
@@ -567,7 +574,9 @@ void dequant_panel(const Problem& p, int64_t n0, uint32_t* panel) {
         r[i] = n < p.N ? dequant32_bf16<BITS>(p, n, c) : _mm512_setzero_si512();
       }
       transpose16(r);
-      for (int j = 0; j < 16; ++j) _mm512_store_si512(panel + (c * 16 + j) * kPanelRows + h * 16, r[j]);
+      for (int j = 0; j < 16; ++j)
+        _mm512_store_si512(panel + (tiles ? ((c * (kPanelRows / 16) + h) * 16 + j) * 16
+                                          : (c * 16 + j) * kPanelRows + h * 16), r[j]);
     }
 }
 
@@ -606,18 +615,106 @@ void tail_tile(const Problem& p, const uint32_t* panel, const uint32_t* x, int64
   }
 }
 
+#if defined(GRAPHINFER_AMX)
+// On AMX the panel is the B operand's layout (per pair of k, the rows' dwords; dequant_panel's tiles: each B tile's
+// 1 KB contiguous): its 32 rows are two B tiles of 16 columns, 16 pairs of k (32 k) a tile, and x's rows as they lie
+// are the A tiles (16 tokens x 32 k). A task multiplies 32 tokens by the panel as 2 x 2 tile products per 32 k (each
+// tile loaded once for two products), fp32 sums in four C tiles (vdpbf16ps's arithmetic: exact bf16 products).
+// Tiles: 0-3 C, 4-5 A, 6-7 B. On the 2-vCPU AMX VM (2026-12-01): level with oneDNN's prepacked bf16 linear a layer
+// on cold weights at 64 and 256 tokens (tools/cpu_quant_bench.py); in the model (weights in its 480 MB L3) the
+// GGUF's wo_linear still took 2.4x the dense linears' time at batch-64 decode and 3.9x at prefill, where every panel
+// re-reads all of x (a token-blocked loop is the next step); the vdpbf16ps tiles had left the batch-64 step at 0.27x
+// bf16 dense.
+constexpr int64_t kAmxTokens = 32;
+
+void amx_configure_gemm() {
+  cpu_amx::TileConfig c;
+  for (int tile = 0; tile < 8; ++tile) c.set(tile, 16, 64);  // C 16 x 16 fp32, A 16 x 32 bf16, B 16 x 16 dwords
+  c.load();
+}
+
+// out[t0 .. t0 + rows)[n0 .. n0 + kPanelRows) = x . panel (+ bias), x: kAmxTokens rows of K bf16 (those past `rows`
+// computed, not stored), columns past N not stored.
+void amx_panel_tile(const Problem& p, const uint32_t* panel, const at::BFloat16* x, int64_t t0, int64_t rows,
+                    int64_t n0) {
+  static_assert(kPanelRows == 32, "two B tiles of 16 columns");
+  const int64_t ldx = p.K * static_cast<int64_t>(sizeof(at::BFloat16));
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kc = 0; kc < p.K / 32; ++kc) {
+    const uint32_t* b = panel + kc * 16 * kPanelRows;  // dequant_panel's tiles: two contiguous B tiles
+    _tile_loadd(4, x + kc * 32, ldx);
+    _tile_loadd(5, x + 16 * p.K + kc * 32, ldx);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float c[kAmxTokens * kPanelRows];
+  _tile_stored(0, c, kPanelRows * 4);
+  _tile_stored(1, c + 16, kPanelRows * 4);
+  _tile_stored(2, c + 16 * kPanelRows, kPanelRows * 4);
+  _tile_stored(3, c + 16 * kPanelRows + 16, kPanelRows * 4);
+  for (int v = 0; v < kPanelRows / 16; ++v) {
+    const int64_t valid = std::clamp<int64_t>(p.N - n0 - 16 * v, 0, 16);
+    const __mmask16 m = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < rows; ++t)
+      _mm512_mask_storeu_ps(p.out + (t0 + t) * p.N + n0 + 16 * v, m,
+                            _mm512_add_ps(_mm512_load_ps(c + t * kPanelRows + 16 * v), bv));
+  }
+}
+
+// Every token of x [T][K] against one panel: whole tiles of kAmxTokens tokens in place, the rest from pad
+// (kAmxTokens rows, zero past them).
+void amx_panel(const Problem& p, const uint32_t* panel, const at::BFloat16* x, at::BFloat16* pad, int64_t n0) {
+  int64_t t = 0;
+  for (; t + kAmxTokens <= p.T; t += kAmxTokens) amx_panel_tile(p, panel, x + t * p.K, t, kAmxTokens, n0);
+  if (t < p.T) {
+    std::memset(static_cast<void*>(pad), 0, kAmxTokens * p.K * sizeof(at::BFloat16));
+    std::memcpy(static_cast<void*>(pad), x + t * p.K, (p.T - t) * p.K * sizeof(at::BFloat16));
+    amx_panel_tile(p, panel, pad, t, p.T - t, n0);
+  }
+}
+#endif
+
 template <int BITS>
 void gemm_bf16(const Problem& p, const at::Tensor& x_bf16) {
   const uint32_t* x = static_cast<const uint32_t*>(x_bf16.data_ptr());  // [T][K / 2] pairs
   const int64_t panels = (p.N + kPanelRows - 1) / kPanelRows;
+#if defined(GRAPHINFER_AMX)
+  const bool amx = cpu_amx::ready();
+#else
+  constexpr bool amx = false;
+#endif
   at::parallel_for(0, panels, 1, [&](int64_t b0, int64_t b1) {
     uint32_t* panel = static_cast<uint32_t*>(std::aligned_alloc(64, p.K / 2 * kPanelRows * 4));
+#if defined(GRAPHINFER_AMX)
+    std::vector<at::BFloat16> pad;
+    if (amx) {
+      pad.resize(kAmxTokens * p.K);
+      amx_configure_gemm();
+    }
+#endif
     for (int64_t b = b0; b < b1; ++b) {
-      dequant_panel<BITS>(p, b * kPanelRows, panel);
+      dequant_panel<BITS>(p, b * kPanelRows, panel, amx);
+#if defined(GRAPHINFER_AMX)
+      if (amx) {
+        amx_panel(p, panel, x_bf16.const_data_ptr<at::BFloat16>(), pad.data(), b * kPanelRows);
+        continue;
+      }
+#endif
       int64_t t = 0;
       for (; t + kTokenTile <= p.T; t += kTokenTile) panel_tile<kTokenTile>(p, panel, x, t, b * kPanelRows);
       tail_tile<kTokenTile - 1>(p, panel, x, t, b * kPanelRows);
     }
+#if defined(GRAPHINFER_AMX)
+    if (amx) _tile_release();
+#endif
     std::free(panel);
   });
 }
