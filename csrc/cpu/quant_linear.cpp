@@ -622,9 +622,8 @@ void tail_tile(const Problem& p, const uint32_t* panel, const uint32_t* x, int64
 // tile loaded once for two products), fp32 sums in four C tiles (vdpbf16ps's arithmetic: exact bf16 products).
 // Tiles: 0-3 C, 4-5 A, 6-7 B. On the 2-vCPU AMX VM (2026-12-01): level with oneDNN's prepacked bf16 linear a layer
 // on cold weights at 64 and 256 tokens (tools/cpu_quant_bench.py); in the model (weights in its 480 MB L3) the
-// GGUF's wo_linear still took 2.4x the dense linears' time at batch-64 decode and 3.9x at prefill, where every panel
-// re-reads all of x (a token-blocked loop is the next step); the vdpbf16ps tiles had left the batch-64 step at 0.27x
-// bf16 dense.
+// GGUF's wo_linear still took 1.6x the dense linears' time at batch-64 decode and 3.3x at a 10k-token prefill, and
+// the batch-64 step ran at 0.68-0.72x bf16 dense (0.27x on the vdpbf16ps tiles).
 constexpr int64_t kAmxTokens = 32;
 
 void amx_configure_gemm() {
