@@ -39,4 +39,3 @@ def test_argmax_falls_back_where_the_kernel_does_not_apply():
     assert torch.equal(cpu_sampling.argmax(x.double()), x.double().max(dim=-1).indices)
     with pytest.raises(RuntimeError, match="contiguous"):
         kernel(x.T)
-

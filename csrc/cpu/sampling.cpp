@@ -40,7 +40,7 @@ int64_t row_argmax(const scalar_t* x, int64_t n) {
   }
   for (int64_t i = nv; i < n; ++i)
     if (static_cast<float>(x[i]) == mx) return i;
-  return 0;  // n == 0
+  return 0;  // unreachable: some element equals the maximum (n > 0)
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {

@@ -6,7 +6,8 @@ library built for another torch or from other sources is stale: not loaded (rebu
 above). `--build scalar` compiles the same sources for any x86-64 (no AVX: ATen's scalar vector types) into
 _cpu_kernels_scalar.so, which GRAPHINFER_CPU_KERNELS_BUILD=scalar loads instead; `make venv` builds both, and the
 suite runs the kernels' tests on the scalar one too (tests/test_cpu_scalar_build.py). Without the library the cpu ops
-fall back to their pure-PyTorch forms (graphinfer/ops/cpu/*.py), which give the same results, slower; the cpu platform says so when it activates (platforms/cpu.py).
+fall back to their pure-PyTorch forms (graphinfer/ops/cpu/*.py), which give the same results, slower; the cpu
+platform says so when it activates (platforms/cpu.py).
 """
 import argparse
 import functools

@@ -72,9 +72,9 @@ class Sampler:
             # Greedy rows with nothing to mask or report need only the argmax of the logits as they are: no
             # fp32 copy written and re-read (B x vocab x 4 bytes). Same token: the upcast is exact and monotone,
             # and max returns the first maximum's index as argmax does (on CPU, max(dim) over bf16 logits measured
-            # faster than argmax: issue 30's closing note; the cpu kernel is faster still).
-            greedy = cpu_sampling.argmax(logits) if logits.device.type == "cpu" else logits.max(dim=-1).indices
-            return SamplerOutput(greedy, None, None, None, None)
+            # faster than argmax: issue 30's closing note; the cpu kernel is faster still, and off the CPU
+            # cpu_sampling.argmax is that max).
+            return SamplerOutput(cpu_sampling.argmax(logits), None, None, None, None)
         if self.kernel is not None and all(_temperature_only(r, p) for r, p in zip(rows, params)):
             # One pass over the logits in their own dtype: greedy rows take the argmax (temperature 0).
             rows_idx = range(len(rows))
