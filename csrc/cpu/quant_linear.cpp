@@ -138,6 +138,7 @@ struct Problem {
   const float* xsum;    // [T, G] per-group sums of x (factored kernels with zeros), else nullptr
   float* out;           // [T, N]
   int64_t N, K, G, g, T, bits;
+  at::BFloat16* out_bf16 = nullptr;  // gemm_bf16 with bf16 x: [T, N] written in bf16 instead of out
 };
 
 // element i of a scales / zeros array
@@ -512,6 +513,15 @@ constexpr int kPanelRows = 48;  // three vectors of rows: 12 panels of a 576-row
 #endif
 constexpr int kTokenTile = 8;  // 8 tokens x 3 vectors = 24 accumulators of the 32 registers
 
+// Columns n .. n + 15 of out's row t (those in m) = v: fp32, or bf16 rounded to nearest even (as .to()) where the
+// caller gave out_bf16 (an fp32 [T, N] converted afterwards, one thread, cost 2.2 ms of a 10 ms 2,048 x 3,072 GEMM).
+inline void store_row16(const Problem& p, int64_t t, int64_t n, __mmask16 m, __m512 v) {
+  if (p.out_bf16)
+    _mm256_mask_storeu_epi16(p.out_bf16 + t * p.N + n, m, (__m256i)_mm512_cvtneps_pbh(v));
+  else
+    _mm512_mask_storeu_ps(p.out + t * p.N + n, m, v);
+}
+
 // r[i] = dwords j0..j0+15 of row i  ->  r[j] = row 0..15's dword j0 + j
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];
@@ -564,8 +574,8 @@ inline __m512i dequant32_bf16(const Problem& p, int64_t n, int64_t c) {
 
 // Rows n0 .. n0 + kPanelRows - 1 (zeros past N) into panel[K / 2][kPanelRows] dwords; tiles (AMX): the same 16 x 16
 // blocks of dwords contiguous instead, [K / 32][kPanelRows / 16][16 pairs of k][16 rows], each a B tile's 1 KB.
-template <int BITS>
-void dequant_panel(const Problem& p, int64_t n0, uint32_t* panel, bool tiles = false) {
+template <int BITS, bool TILES>
+void dequant_panel(const Problem& p, int64_t n0, uint32_t* panel) {
   __m512i r[16];
   for (int h = 0; h < kPanelRows / 16; ++h)
     for (int64_t c = 0; c < p.K / 32; ++c) {
@@ -575,7 +585,7 @@ void dequant_panel(const Problem& p, int64_t n0, uint32_t* panel, bool tiles = f
       }
       transpose16(r);
       for (int j = 0; j < 16; ++j)
-        _mm512_store_si512(panel + (tiles ? ((c * (kPanelRows / 16) + h) * 16 + j) * 16
+        _mm512_store_si512(panel + (TILES ? ((c * (kPanelRows / 16) + h) * 16 + j) * 16
                                           : (c * 16 + j) * kPanelRows + h * 16), r[j]);
     }
 }
@@ -601,17 +611,16 @@ void panel_tile(const Problem& p, const uint32_t* panel, const uint32_t* x, int6
     const int64_t valid = std::clamp<int64_t>(p.N - n0 - 16 * v, 0, 16);
     const __mmask16 m = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 bv = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
-    for (int t = 0; t < MT; ++t)
-      _mm512_mask_storeu_ps(p.out + (t0 + t) * p.N + n0 + 16 * v, m, _mm512_add_ps(acc[t][v], bv));
+    for (int t = 0; t < MT; ++t) store_row16(p, t0 + t, n0 + 16 * v, m, _mm512_add_ps(acc[t][v], bv));
   }
 }
 
-// The last tile, of T - t0 < kTokenTile tokens (none: nothing)
+// The last tile, of t1 - t0 < kTokenTile tokens (none: nothing)
 template <int MT>
-void tail_tile(const Problem& p, const uint32_t* panel, const uint32_t* x, int64_t t0, int64_t n0) {
+void tail_tile(const Problem& p, const uint32_t* panel, const uint32_t* x, int64_t t0, int64_t t1, int64_t n0) {
   if constexpr (MT > 0) {
-    if (p.T - t0 == MT) return panel_tile<MT>(p, panel, x, t0, n0);
-    tail_tile<MT - 1>(p, panel, x, t0, n0);
+    if (t1 - t0 == MT) return panel_tile<MT>(p, panel, x, t0, n0);
+    tail_tile<MT - 1>(p, panel, x, t0, t1, n0);
   }
 }
 
@@ -663,8 +672,7 @@ void amx_panel_tile(const Problem& p, const uint32_t* panel, const at::BFloat16*
     const __mmask16 m = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 bv = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
     for (int64_t t = 0; t < rows; ++t)
-      _mm512_mask_storeu_ps(p.out + (t0 + t) * p.N + n0 + 16 * v, m,
-                            _mm512_add_ps(_mm512_load_ps(c + t * kPanelRows + 16 * v), bv));
+      store_row16(p, t0 + t, n0 + 16 * v, m, _mm512_add_ps(_mm512_load_ps(c + t * kPanelRows + 16 * v), bv));
   }
 }
 
@@ -681,34 +689,32 @@ void amx_panel(const Problem& p, const uint32_t* panel, const at::BFloat16* x, a
   }
 }
 
-// A task's panels [b0, b1) on AMX. Up to kAmxBlockTokens tokens (batched decode): each panel dequantized, then used
-// while in L1. More (prefill): every panel dequantized once, then x in blocks of kAmxBlockTokens tokens, each block
-// against all the panels while it stays in L2 (each panel re-reading all of x took 3.9x oneDNN's time at 10k tokens).
-constexpr int64_t kAmxBlockTokens = 256;  // 256 x 1,536 bf16 = 768 KB of x
+#endif
 
-template <int BITS>
-void amx_gemm_task(const Problem& p, const at::BFloat16* x, int64_t b0, int64_t b1) {
-  const bool blocked = p.T > kAmxBlockTokens;
+// A task's panels [b0, b1): up to kBlockTokens tokens (batched decode), each panel dequantized, then used by all
+// the tokens while in L1 / L2. More (prefill): every panel dequantized once, then x in blocks of kBlockTokens tokens,
+// each block against all the panels while it stays in L2 (each panel re-reading all of x from L3 took 3.9x oneDNN's
+// time at 10k tokens on AMX, 1.24x at 2,048 tokens on the vdpbf16ps tiles). tokens(panel, n0, t0, t1) multiplies.
+constexpr int64_t kBlockTokens = 256;  // 256 x 576 bf16 = 288 KB of x (768 KB at K = 1,536)
+
+template <int BITS, bool TILES, typename Tokens>
+void gemm_task(const Problem& p, int64_t b0, int64_t b1, Tokens&& tokens) {
+  const bool blocked = p.T > kBlockTokens;
   const int64_t panel_dwords = p.K / 2 * kPanelRows;
   uint32_t* panels = static_cast<uint32_t*>(std::aligned_alloc(64, (blocked ? b1 - b0 : 1) * panel_dwords * 4));
-  std::vector<at::BFloat16> pad(kAmxTokens * p.K);
-  amx_configure_gemm();
   if (blocked) {
-    for (int64_t b = b0; b < b1; ++b) dequant_panel<BITS>(p, b * kPanelRows, panels + (b - b0) * panel_dwords, true);
-    for (int64_t t0 = 0; t0 < p.T; t0 += kAmxBlockTokens)
+    for (int64_t b = b0; b < b1; ++b) dequant_panel<BITS, TILES>(p, b * kPanelRows, panels + (b - b0) * panel_dwords);
+    for (int64_t t0 = 0; t0 < p.T; t0 += kBlockTokens)
       for (int64_t b = b0; b < b1; ++b)
-        amx_panel(p, panels + (b - b0) * panel_dwords, x, pad.data(), b * kPanelRows, t0,
-                  std::min(p.T, t0 + kAmxBlockTokens));
+        tokens(panels + (b - b0) * panel_dwords, b * kPanelRows, t0, std::min(p.T, t0 + kBlockTokens));
   } else {
     for (int64_t b = b0; b < b1; ++b) {
-      dequant_panel<BITS>(p, b * kPanelRows, panels, true);
-      amx_panel(p, panels, x, pad.data(), b * kPanelRows, 0, p.T);
+      dequant_panel<BITS, TILES>(p, b * kPanelRows, panels);
+      tokens(panels, b * kPanelRows, 0, p.T);
     }
   }
-  _tile_release();
   std::free(panels);
 }
-#endif
 
 template <int BITS>
 void gemm_bf16(const Problem& p, const at::Tensor& x_bf16) {
@@ -717,20 +723,22 @@ void gemm_bf16(const Problem& p, const at::Tensor& x_bf16) {
 #if defined(GRAPHINFER_AMX)
   if (cpu_amx::ready()) {
     at::parallel_for(0, panels, 1, [&](int64_t b0, int64_t b1) {
-      amx_gemm_task<BITS>(p, x_bf16.const_data_ptr<at::BFloat16>(), b0, b1);
+      std::vector<at::BFloat16> pad(kAmxTokens * p.K);
+      amx_configure_gemm();
+      gemm_task<BITS, true>(p, b0, b1, [&](const uint32_t* panel, int64_t n0, int64_t t0, int64_t t1) {
+        amx_panel(p, panel, x_bf16.const_data_ptr<at::BFloat16>(), pad.data(), n0, t0, t1);
+      });
+      _tile_release();
     });
     return;
   }
 #endif
   at::parallel_for(0, panels, 1, [&](int64_t b0, int64_t b1) {
-    uint32_t* panel = static_cast<uint32_t*>(std::aligned_alloc(64, p.K / 2 * kPanelRows * 4));
-    for (int64_t b = b0; b < b1; ++b) {
-      dequant_panel<BITS>(p, b * kPanelRows, panel);
-      int64_t t = 0;
-      for (; t + kTokenTile <= p.T; t += kTokenTile) panel_tile<kTokenTile>(p, panel, x, t, b * kPanelRows);
-      tail_tile<kTokenTile - 1>(p, panel, x, t, b * kPanelRows);
-    }
-    std::free(panel);
+    gemm_task<BITS, false>(p, b0, b1, [&](const uint32_t* panel, int64_t n0, int64_t t0, int64_t t1) {
+      int64_t t = t0;
+      for (; t + kTokenTile <= t1; t += kTokenTile) panel_tile<kTokenTile>(p, panel, x, t, n0);
+      tail_tile<kTokenTile - 1>(p, panel, x, t, t1, n0);
+    });
   });
 }
 #endif
@@ -820,10 +828,8 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
     bias = as_float(*bias_in);
     TORCH_CHECK(bias.numel() == N, "wo_linear: bias must have N = ", N, " elements");
   }
-  at::Tensor out = at::empty({T, N}, x_in.options().dtype(at::kFloat));
-  if (T == 0 || N == 0) return cpu_vec::float_to(out, x_in.scalar_type());
-  if (K == 0) {
-    out.zero_();
+  if (T == 0 || N == 0 || K == 0) {
+    at::Tensor out = at::zeros({T, N}, x_in.options().dtype(at::kFloat));
     if (bias.defined()) out.add_(bias);
     return cpu_vec::float_to(out, x_in.scalar_type());
   }
@@ -832,15 +838,19 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
 #if defined(__AVX512BF16__)
   if (bf16_gemm && T >= kGemmMinTokens && K % 32 == 0 && g % 32 == 0) {
     const at::Tensor xb = x_in.to(at::kBFloat16).contiguous();  // round to nearest even, as the weights
+    const bool bf16_out = x_in.scalar_type() == at::kBFloat16;
+    at::Tensor out = at::empty({T, N}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
     Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), scales.data_ptr(),
               zeros.defined() ? zeros.data_ptr() : nullptr, half, bias.defined() ? bias.data_ptr<float>() : nullptr,
-              nullptr, nullptr, out.data_ptr<float>(), N, K, G, g, T, bits};
+              nullptr, nullptr, bf16_out ? nullptr : out.data_ptr<float>(), N, K, G, g, T, bits,
+              bf16_out ? out.data_ptr<at::BFloat16>() : nullptr};
     if (bits == 4) gemm_bf16<4>(p, xb);
     else gemm_bf16<8>(p, xb);
-    return cpu_vec::float_to(out, x_in.scalar_type());
+    return bf16_out ? out : cpu_vec::float_to(out, x_in.scalar_type());
   }
 #endif
   const int lanes = vector_lanes(bits, g);
+  at::Tensor out = at::empty({T, N}, x_in.options().dtype(at::kFloat));
   at::Tensor x;  // fp32 [T, K], in the vector kernels' k order
   if (bits == 4 && lanes) {
     const at::Tensor xc = x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16
