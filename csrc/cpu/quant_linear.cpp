@@ -502,10 +502,12 @@ void gemm_f32(const Problem& p) {
 // products at 64 tokens: issue 55). Each task takes a panel of kPanelRows rows: dequantized (in fp32, rounded to
 // bf16) straight into a thread-local buffer in the layout of vdpbf16ps's second operand (per pair of k: the pairs
 // of the panel's rows, one dword each), then every tile of up to kTokenTile tokens multiplies it from L1 / L2, with
-// x's pairs broadcast: acc[t][v] += x[t][k, k+1] . w[16 rows][k, k+1], fp32 accumulation, fp32 out.
-// Measured on the 2-vCPU Zen 4 VM (tools/cpu_quant_bench.py, 2 threads, cold weights, SmolLM2's layer shapes; JSON
-// docs/bench/cpu_gemm_bf16_2026-11-30_zen4.json): 1.01-1.13x the time of oneDNN's linear on the dense bf16 weight
-// prepacked, at 64, 256 and 4096 tokens.
+// x's pairs broadcast: acc[t][v] += x[t][k, k+1] . w[16 rows][k, k+1], fp32 accumulation, out in x's dtype.
+// Measured on the 2-vCPU Zen 5 VM (tools/cpu_quant_bench.py, 2 threads, cold weights, SmolLM2's shapes; JSON
+// docs/bench/cpu_gemm_bf16_2026-12-01_zen5.json) against oneDNN's linear on the dense bf16 weight prepacked: 0.91-1.07x
+// its time at 512 and 2,048 tokens; at 64, 0.84-0.98x on the attention and down shapes, 1.23x on gate_up (3,072 x 576)
+// and 1.31x on the Q8_0 LM head, where the dequantization (~0.5 vector ops a weight against vdpbf16ps's 2 at 64
+// tokens) is not hidden.
 #if defined(GRAPHINFER_AMX)
 constexpr int kPanelRows = 32;  // AMX: two B tiles of 16 columns, for amx_panel_tile's 2 x 2 tile products
 #else
