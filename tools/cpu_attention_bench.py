@@ -37,10 +37,11 @@ def best(fn, reps: int, inner: int = 1) -> float:
 
 
 class Graphinfer:
-    block = 16
-
     def __init__(self):
         from graphinfer.ops.cpu import attention as cpu_attention, ext
+        from graphinfer.platforms.cpu import CpuPlatform
+
+        self.block = CpuPlatform.default_block_size  # what the engine runs with (--block overrides)
 
         if not ext.available():
             raise SystemExit("graphinfer's cpu kernels are not built: python -m graphinfer.ops.cpu.ext")
@@ -137,10 +138,12 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prefill", default="162,512,1024,2048,4096", help="prompt lengths, comma-separated")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--block", type=int, help="KV block size (default: the engine's)")
     ap.add_argument("--output-json")
     a = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     engine = Graphinfer() if a.engine == "graphinfer" else Vllm()
+    engine.block = a.block or engine.block
     layers, reps, lens = (2, 1, [64]) if SMOKE else (30, a.reps, [int(x) for x in a.prefill.split(",")])
     res = {"engine": a.engine, "torch": torch.__version__, "threads": torch.get_num_threads(),
            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
