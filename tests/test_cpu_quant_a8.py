@@ -94,6 +94,8 @@ def test_paths_agree_and_inputs_are_checked(bits):
     (33, 128, 64, 64, True, torch.bfloat16),  # groups of 64, bias, bf16 activations (and out)
     (96, 64, 32, 70, True, torch.float32),  # whole panels, 70 tokens: AMX's 32-token tiles and a tail of 6
     (80, 64, 32, 300, False, torch.bfloat16),  # more than AMX's 256-token block: x in blocks over every panel
+    (48, 96, 32, 2048, False, torch.bfloat16),  # AMX builds: the weight dequantized whole for oneDNN's linear
+    (48, 96, 32, 2048, True, torch.bfloat16),  # with a bias: the tiles still
 ])
 def test_bf16_gemm_is_the_product_of_the_bf16_rounded_operands(bits, n, k, group, t, bias, x_dtype):
     """wo_linear with bf16_gemm at >= 64 tokens on a CPU with avx512_bf16 (gemm_bf16): x and the dequantized weight

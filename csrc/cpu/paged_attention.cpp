@@ -15,9 +15,10 @@
 // Work is cut into tasks of one KV head's GQA group, handed to the threads costliest first; all run an online
 // softmax in fp32 block by block, so K and V are read once per group:
 // - a decode row: its G query heads; in batches of at least 8 decode rows a thread, the G heads of every KV head, so
-//   each block's K and V rows are read whole rather than a third of each token's row a task. Each block's rows are
-//   first touched (a load a cache line, Batch::touch) so they come in at streaming speed, then scored; the values
-//   pass loads each V vector once for up to 3 heads. On
+//   each block's K and V rows are read whole rather than a third of each token's row a task. The block after next
+//   is prefetched into L2 (past a row's last block: the first blocks of the task its thread claimed next), and
+//   except on AMX builds each block's rows are first touched (a load a cache line, Batch::touch) so they come in at
+//   streaming speed, then scored; the values pass loads each V vector once for up to 3 heads. On
 //   AVX-512 or AVX2 with heads of 64 or 128, each token's scores are one vector of products per head, a vector's
 //   worth of tokens summed at once (sum16, sum_lanes); bf16 caches on AVX512-BF16
 //   multiply bf16 pairs (vdpbf16ps: exact products, fp32 sums) for the scores and for the values (V rows
@@ -42,6 +43,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "vec.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -367,6 +369,21 @@ struct Task {
   int64_t j0 = 0, j1 = 0, part = -1;  // a decode row's blocks [j0, j1) (j1 0: all); part >= 0: its slot's offset
 };
 
+// A decode task's blocks [j0, j1) of request b, KV heads h..h+nh (b < 0: none): the one a thread claimed next, whose
+// first blocks decode_row prefetches as it ends the current one.
+struct Blocks {
+  int64_t b = -1, h = 0, nh = 0, j0 = 0, j1 = 0;
+};
+
+// Whether decode_row first touches each block's rows (Batch::touch). Not on AMX builds (Intel): there the prefetches
+// two blocks ahead alone, continued into the next task's first blocks, measured 0.87-0.95 ms a layer against
+// 0.99-1.13 with the touch (batch-64 bf16 decode, tools/cpu_attention_bench.py, the 2-vCPU AMX VM, 2026-12-02).
+#if defined(GRAPHINFER_AMX)
+constexpr bool kTouch = false;
+#else
+constexpr bool kTouch = true;
+#endif
+
 // Decode rows split over the threads when a batch has fewer tasks than this many per thread (batch 1 has Hkv tasks:
 // 3 for SmolLM2 on 2 threads left one thread idle half the call), each part at least kSplitBlocks blocks; the parts'
 // running maxima, sums and unnormalised outputs merge after the parallel loop (as flash-decoding's split-KV does).
@@ -465,7 +482,7 @@ struct Scratch {
 template <typename scalar_t, typename cache_t>
 __attribute__((flatten)) void decode_row(const Batch<scalar_t, cache_t>& x, Scratch& w, int64_t b, int64_t h0,
                                          int64_t nh, int64_t r, int64_t ctx, int64_t j0 = 0, int64_t j1 = 0,
-                                         float* part = nullptr) {
+                                         float* part = nullptr, const Blocks& next = {}) {
   const int64_t G = x.G, D = x.D, Dp = x.Dp, bs = x.bs, bsp = x.bsp, D2 = D / 2;
   const int64_t Gp = padded_heads(G);  // a KV head's share of the scratch's per-head arrays
   const bool bf16_rows = x.pairs && (D == 64 || D == 128);  // bf16 scores and values row by row (AVX-512)
@@ -489,8 +506,10 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t, cache_t>& x, Scra
   const int64_t j_end = j1 > 0 ? j1 : (ctx + bs - 1) / bs;
   for (int64_t j = std::max(lo / bs, j0); j < j_end; ++j) {
     const int64_t n = std::min(bs, ctx - j * bs);
-    w.sink ^= x.touch(b, h0, j, n, nh);
+    if (kTouch) w.sink ^= x.touch(b, h0, j, n, nh);
     if (j + 2 < j_end) x.template prefetch<2>(b, h0, j + 2, nh);
+    else if (next.b >= 0 && next.j0 + j + 2 - j_end < next.j1)
+      x.template prefetch<2>(next.b, next.h, next.j0 + j + 2 - j_end, next.nh);
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t base = x.base(b, h0 + hh, j);
       const float* q = w.q.data() + hh * Gp * Dp;
@@ -791,16 +810,25 @@ int64_t attend(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   }
   // the costliest first, handed out one at a time: threads finish together however uneven the tasks
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& p, const Task& q) { return p.cost > q.cost; });
+  auto first_pos = [&](const Task& t) { return x.lens[t.b] - (x.qsl[t.b + 1] - x.qsl[t.b]) + t.row0; };
   std::atomic<int64_t> next{0};
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_tasks), 1, [&](int64_t, int64_t) {
     Scratch w(bs, bsp, Dp, padded_heads(G), Nt, x.pairs ? D / 2 : 0, Hkv);
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) {
+    // each thread claims its next task before it runs one, so that decode_row can prefetch that task's first blocks
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed), i2; i < n_tasks; i = i2) {
+      i2 = next.fetch_add(1, std::memory_order_relaxed);
       const Task& t = tasks[i];
-      const int64_t r0 = x.qsl[t.b] + t.row0, pos0 = x.lens[t.b] - (x.qsl[t.b + 1] - x.qsl[t.b]) + t.row0;
-      if (t.part >= 0)
-        decode_row(x, w, t.b, t.h, t.nh, r0, pos0 + 1, t.j0, t.j1, parts.data() + t.part);
-      else if (t.rows == 1) decode_row(x, w, t.b, t.h, t.nh, r0, pos0 + 1);
+      const int64_t r0 = x.qsl[t.b] + t.row0, pos0 = first_pos(t);
+      Blocks ahead;
+      if (i2 < n_tasks && tasks[i2].rows == 1) {
+        const Task& u = tasks[i2];
+        const int64_t ctx = first_pos(u) + 1, lo = sliding_window > 0 ? std::max<int64_t>(ctx - sliding_window, 0) : 0;
+        ahead = {u.b, u.h, u.nh, std::max(lo / bs, u.j0), u.j1 > 0 ? u.j1 : (ctx + bs - 1) / bs};
+      }
+      if (t.rows == 1)
+        decode_row(x, w, t.b, t.h, t.nh, r0, pos0 + 1, t.j0, t.j1, t.part >= 0 ? parts.data() + t.part : nullptr,
+                   ahead);
       else prefill_tile(x, w, t.b, t.h, r0, t.rows, pos0);
     }
     asm volatile("" : : "r"(w.sink));  // the touched words count as used: the loads are kept

@@ -24,8 +24,9 @@
 // layer) dequantized by all threads into one buffer, each chunk multiplied by one at::mm (MKL, all threads). (One tile
 // per thread with single-threaded at::mm calls measured up to 35% slower: MKL re-packs x for every tile.) With
 // bf16_gemm (the caller accepts bf16's rounding) on a CPU with avx512_bf16, group sizes of 32k: gemm_bf16, panels of rows
-// dequantized into L2 and multiplied with vdpbf16ps (on AMX tiles where the build targets amx_bf16), x and the
-// weights rounded to bf16, fp32 accumulation; elsewhere bf16_gemm is ignored (exact).
+// dequantized into L2 and multiplied with vdpbf16ps (on AMX tiles where the build targets amx_bf16; there, from
+// kAmxDenseTokens tokens on, the weight dequantized whole into a bf16 buffer for oneDNN's linear), x and the weights
+// rounded to bf16, fp32 accumulation; elsewhere bf16_gemm is ignored (exact).
 // Group sizes that are not a multiple of the chunk (and machines without AVX2) take a generic path: rows dequantized
 // one by one into a buffer in natural k order, then plain dot products.
 //
@@ -655,12 +656,14 @@ void amx_panel_tile(const Problem& p, const uint32_t* panel, const at::BFloat16*
   _tile_zero(3);
   for (int64_t kc = 0; kc < p.K / 32; ++kc) {
     const uint32_t* b = panel + kc * 16 * kPanelRows;  // dequant_panel's tiles: two contiguous B tiles
+    // each load just before its first product, so a tile is reloaded as soon as its last product of the previous
+    // step has read it (tiles are not renamed): 2,048-token GEMMs 5-9 % faster than four loads, then four products
     _tile_loadd(4, x + kc * 32, ldx);
-    _tile_loadd(5, x + 16 * p.K + kc * 32, ldx);
     _tile_loadd(6, b, 64);
-    _tile_loadd(7, b + 256, 64);
     _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b + 256, 64);
     _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, x + 16 * p.K + kc * 32, ldx);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
@@ -717,6 +720,27 @@ void gemm_task(const Problem& p, int64_t b0, int64_t b1, Tokens&& tokens) {
   }
   std::free(panels);
 }
+
+#if defined(GRAPHINFER_AMX)
+// From this many tokens on (long prefills), AMX builds dequantize the whole weight as dequant32_bf16 rounds it into a
+// [N, K] bf16 buffer and hand it to oneDNN's bf16 linear: at 8,192 tokens amx_panel_tile's loop took 1.4-1.5x
+// oneDNN's time on the attention and gate_up shapes, the buffer and oneDNN together 0.93-0.97x (the weight written
+// out costs < 3 % there); at 1,024 tokens neither won consistently, at 512 the tiles are faster (2-vCPU AMX VM,
+// tools/cpu_quant_bench.py, warm weights, 2026-12-02).
+constexpr int64_t kAmxDenseTokens = 2048;
+
+template <int BITS>
+at::Tensor dense_bf16(const Problem& p) {
+  at::Tensor w = at::empty({p.N, p.K}, at::kBFloat16);
+  uint32_t* dst = static_cast<uint32_t*>(w.data_ptr());  // [N][K / 2] pairs
+  at::parallel_for(0, p.N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t c = 0; c < p.K / 32; ++c)
+        _mm512_storeu_si512(dst + n * (p.K / 2) + c * 16, dequant32_bf16<BITS>(p, n, c));
+  });
+  return w;
+}
+#endif
 
 template <int BITS>
 void gemm_bf16(const Problem& p, const at::Tensor& x_bf16) {
@@ -841,11 +865,18 @@ at::Tensor wo_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const
   if (bf16_gemm && T >= kGemmMinTokens && K % 32 == 0 && g % 32 == 0) {
     const at::Tensor xb = x_in.to(at::kBFloat16).contiguous();  // round to nearest even, as the weights
     const bool bf16_out = x_in.scalar_type() == at::kBFloat16;
-    at::Tensor out = at::empty({T, N}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
     Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), qweight.size(1), scales.data_ptr(),
               zeros.defined() ? zeros.data_ptr() : nullptr, half, bias.defined() ? bias.data_ptr<float>() : nullptr,
-              nullptr, nullptr, bf16_out ? nullptr : out.data_ptr<float>(), N, K, G, g, T, bits,
-              bf16_out ? out.data_ptr<at::BFloat16>() : nullptr};
+              nullptr, nullptr, nullptr, N, K, G, g, T, bits};
+#if defined(GRAPHINFER_AMX)
+    // bf16 in and out, no bias: oneDNN's result is then the tiles' (fp32 sums rounded once); an fp32 out or bias
+    // would be rounded to bf16 on its way through at::linear
+    if (T >= kAmxDenseTokens && bf16_out && !bias.defined() && cpu_amx::ready())
+      return at::linear(xb, bits == 4 ? dense_bf16<4>(p) : dense_bf16<8>(p));
+#endif
+    at::Tensor out = at::empty({T, N}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+    if (bf16_out) p.out_bf16 = out.data_ptr<at::BFloat16>();
+    else p.out = out.data_ptr<float>();
     if (bits == 4) gemm_bf16<4>(p, xb);
     else gemm_bf16<8>(p, xb);
     return bf16_out ? out : cpu_vec::float_to(out, x_in.scalar_type());
