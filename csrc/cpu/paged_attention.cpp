@@ -406,10 +406,10 @@ struct Blocks {
 
 // How many blocks ahead decode_row prefetches (trickled over the current block's work), and whether it first touches
 // each block's rows (Batch::touch). On AMX builds (Intel): the next block, no touch (batch-64 bf16 decode,
-// tools/cpu_attention_bench.py on the 2-vCPU AMX VM, 2026-12-02: 0.99-1.13 ms a layer with the touch and a burst of
-// prefetches two blocks ahead, 0.87-0.95 without the touch, 0.69-0.71 trickled one block ahead, 0.71-0.73 two ahead;
-// vLLM-CPU's AMX kernel 0.60-0.63 in the same minutes). Elsewhere as measured on the AMD VMs before the trickle: the
-// block after next, and the touch.
+// tools/cpu_attention_bench.py on the 2-vCPU AMX VM, 2026-12-02: 0.72 ms a layer against vLLM-CPU's 0.66,
+// docs/bench/cpu_attention_2026-12-02_5cf07d0_amx_*.json; env-switched builds in the same minutes: two blocks ahead
+// 0.71-0.73, the touch and a burst of prefetches two ahead 0.99-1.13). Elsewhere as measured on the AMD VMs before
+// the trickle: the block after next, and the touch.
 #if defined(GRAPHINFER_AMX)
 constexpr int64_t kAhead = 1;
 constexpr bool kTouch = false;

@@ -724,9 +724,9 @@ void gemm_task(const Problem& p, int64_t b0, int64_t b1, Tokens&& tokens) {
 #if defined(GRAPHINFER_AMX)
 // From this many tokens on (long prefills), AMX builds dequantize the whole weight as dequant32_bf16 rounds it into a
 // [N, K] bf16 buffer and hand it to oneDNN's bf16 linear: at 8,192 tokens amx_panel_tile's loop took 1.4-1.5x
-// oneDNN's time on the attention and gate_up shapes, the buffer and oneDNN together 0.93-0.97x (the weight written
+// oneDNN's time on the attention and gate_up shapes, the buffer and oneDNN together 0.89-1.02x (the weight written
 // out costs < 3 % there); at 1,024 tokens neither won consistently, at 512 the tiles are faster (2-vCPU AMX VM,
-// tools/cpu_quant_bench.py, warm weights, 2026-12-02).
+// tools/cpu_quant_bench.py, warm weights, 2026-12-02; docs/bench/cpu_gemm_bf16_2026-12-02_amx.json).
 constexpr int64_t kAmxDenseTokens = 2048;
 
 template <int BITS>
