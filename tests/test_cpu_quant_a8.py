@@ -50,7 +50,8 @@ def test_a8_matches_int8_rounding(isa, bits):
     for (n, k), zeros, scale_dtype, bias, dtype in [((37, 64), True, torch.float16, False, torch.float32),
                                                      ((50, 576), True, torch.float32, True, torch.float32),
                                                      ((19, 1536), False, torch.float16, True, torch.bfloat16),
-                                                     ((9, 128), True, torch.float16, True, torch.bfloat16)]:
+                                                     ((9, 128), True, torch.float16, True, torch.bfloat16),
+                                                     ((1001, 576), True, torch.float16, False, torch.float32)]:
         qweight, scales, z = _weights(n, k, zeros, scale_dtype, bits)
         w = dequantize_weight(qweight, scales, z, bits)
         b = torch.randn(n) if bias else None

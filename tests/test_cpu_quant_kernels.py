@@ -65,11 +65,12 @@ def test_wo_linear_matches_reference(bits, n, k, group, zeros, bias, dtype):
 def test_wo_linear_gemm(bits):
     """Many tokens on the AVX2 path (gemm_f32): rows not a multiple of the 16-row panels, token counts with partial
     6-token tiles, both schedules (the threads sharing the panels; each thread its own blocks of 108 tokens, from 8
-    blocks a thread on), one and two threads."""
+    blocks a thread on), one and two threads; and decode (1, 3 tokens) over enough rows for several streamed chunks
+    a thread, the last one partial (cpu_vec::stream_chunk)."""
     op = native()
     threads = torch.get_num_threads()
     try:
-        for n, tokens in ((3701, (64, 65)), (37, (1801,))):
+        for n, tokens in ((3701, (1, 3, 64, 65)), (37, (1801,))):
             qweight, scales, z, b = _weights(n, 576, 32, bits, bits == 4, True)
             w = dequantize_weight(qweight, scales, z, bits)
             for n_threads in (1, 2):

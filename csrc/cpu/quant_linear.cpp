@@ -294,7 +294,7 @@ void decode_vec(const Problem& p) {
   constexpr int CH = BITS == 4 ? 2 * V::L : V::L;
   // (token tiles of 16 measured 1.5x slower at M = 16: 16 rows of x outgrow L1 at K = 576)
   const int64_t cpg = p.g / CH, blocks = (p.N + kRowBlock - 1) / kRowBlock;
-  const int64_t grain = std::max<int64_t>(1, 32768 / (kRowBlock * p.K));  // >= 32K codes a task
+  const int64_t grain = cpu_vec::stream_chunk(blocks, kRowBlock * p.K, 32768);
   auto run = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {  // each block of rows: from memory once, then from L1 for every token tile
       const int64_t n0 = b * kRowBlock, nrows = std::min(p.N, n0 + kRowBlock) - n0;

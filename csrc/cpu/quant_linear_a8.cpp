@@ -426,7 +426,7 @@ at::Tensor wo_linear_a8(const at::Tensor& x_in, const at::Tensor& qweight_in, co
                     out.data_ptr<float>(), N, K, G, T, qweight.size(1)};
     const int isa = static_cast<int>(std::min<int64_t>(max_isa, kBuiltIsa));
     const int64_t blocks = (N + kRows - 1) / kRows;
-    const int64_t grain = std::max<int64_t>(1, 65536 / (kRows * K));
+    const int64_t grain = cpu_vec::stream_chunk(blocks, kRows * K, 65536);
     auto run = [&](int64_t b0, int64_t b1) {
       for (int64_t n = b0 * kRows; n < std::min(N, b1 * kRows); n += kRows)  // a block's rows stay in L1 over tiles
         for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens)
