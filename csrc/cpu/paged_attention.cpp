@@ -17,8 +17,8 @@
 // - a decode row: its G query heads; in batches of at least 8 decode rows a thread, the G heads of every KV head, so
 //   each block's K and V rows are read whole rather than a third of each token's row a task. A block ahead is
 //   prefetched into L2 a few lines at a time between the steps of the work on the current one (Trickle; past a
-//   row's last block, the first blocks of the task its thread claimed next), and except on AMX builds each block's
-//   rows are first touched (a load a cache line, Batch::touch) so they come in at streaming speed, then scored; the
+//   row's last block, the first blocks of the task its thread claimed next), and on AVX2 builds each block's rows
+//   are first touched (a load a cache line, Batch::touch) so they come in at streaming speed, then scored; the
 //   values pass loads each V vector once for up to 3 heads. On
 //   AVX-512 or AVX2 with heads of 64 or 128, each token's scores are one vector of products per head, a vector's
 //   worth of tokens summed at once (sum16, sum_lanes); bf16 caches on AVX512-BF16
@@ -405,12 +405,12 @@ struct Blocks {
 };
 
 // How many blocks ahead decode_row prefetches (trickled over the current block's work), and whether it first touches
-// each block's rows (Batch::touch). On AMX builds (Intel): the next block, no touch (batch-64 bf16 decode,
-// tools/cpu_attention_bench.py on the 2-vCPU AMX VM, 2026-12-02: 0.72 ms a layer against vLLM-CPU's 0.66,
-// docs/bench/cpu_attention_2026-12-02_5cf07d0_amx_*.json; env-switched builds in the same minutes: two blocks ahead
-// 0.71-0.73, the touch and a burst of prefetches two ahead 0.99-1.13). Elsewhere as measured on the AMD VMs before
-// the trickle: the block after next, and the touch.
-#if defined(GRAPHINFER_AMX)
+// each block's rows (Batch::touch). AVX-512 builds: the next block, no touch. Batch-64 decode,
+// tools/cpu_attention_bench.py, env-switched builds alternating in the same minutes: the 2-vCPU AMX VM (2026-12-02)
+// bf16 0.71-0.73 ms a layer, with the touch 0.99-1.13; the Zen 5 VM (2026-12-02) bf16 0.39 against 0.43-0.45 with
+// the touch, fp32 0.76-0.78 against 0.79-0.87 (two blocks ahead without the touch: the same within the noise).
+// AVX2 builds as measured on the Zen 3 VM before the trickle: the block after next, and the touch.
+#if defined(__AVX512F__)
 constexpr int64_t kAhead = 1;
 constexpr bool kTouch = false;
 #else
