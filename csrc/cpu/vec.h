@@ -109,15 +109,14 @@ inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
 }
 
 // parallel_chunks' chunk (in units of codes_per_unit weight codes) for a kernel that streams a weight once (decode):
-// at least 4 chunks a thread, at least min_codes and at most 288K codes a chunk. Each chunk is a new stream for the
-// hardware prefetchers, and chunks of 32K-64K codes (56-112 rows of SmolLM2) held the batch-1 GEMVs at 17-22 GB/s on
-// the Zen 5 VM, where a plain read gets ~40. With 288K: gate_up (3,072 x 576, Q4_1) 67-69 -> 46-50 us, the Q8_0 LM
-// head 1.1-1.2 -> 0.8-0.96 ms, the attention shapes unchanged (docs/bench/cpu_gemv_stream_chunks_2026-12-02_zen5.json),
-// the GGUF batch-1 TPOT 7 % lower (LLM.generate, alternating builds, 2026-12-02).
+// at least 4 chunks a thread, between min_codes and kStreamChunkCodes codes a chunk. Each chunk is a new stream for
+// the hardware prefetchers: against chunks of 32K-64K codes (56-112 rows of SmolLM2), 288K took gate_up (3,072 x 576,
+// Q4_1) from 67-69 to 46-50 us and the Q8_0 LM head from 1.1-1.2 to 0.8-0.96 ms on the Zen 5 VM, the attention
+// shapes unchanged (docs/bench/cpu_gemv_stream_chunks_2026-12-02_zen5.json).
+constexpr int64_t kStreamChunkCodes = 288 << 10;
 inline int64_t stream_chunk(int64_t units, int64_t codes_per_unit, int64_t min_codes) {
   const int64_t codes = units * codes_per_unit / (4 * at::get_num_threads());
-  return std::max<int64_t>(1, std::clamp<int64_t>(codes, min_codes, std::max<int64_t>(min_codes, 288 << 10)) /
-                                  codes_per_unit);
+  return std::max<int64_t>(1, std::clamp(codes, min_codes, kStreamChunkCodes) / codes_per_unit);
 }
 
 }  // namespace cpu_vec
