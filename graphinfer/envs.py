@@ -55,10 +55,12 @@ _VARS = [
     EnvVar("GRAPHINFER_CPU_WO_ACTIVATIONS", "auto",
            "The cpu platform's weight-only linears with groups of 32 (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K kept quantized): "
            "bf16 (from 64 tokens on, bf16 products with fp32 sums where the CPU has avx512_bf16: "
-           "csrc/cpu/quant_linear.cpp's gemm_bf16; decode exact), int8 (that, and llama.cpp's arithmetic at decode, "
-           "< 64 tokens: activations rounded to int8 per block of 32, integer dot products; not exact), fp32 (fp32 "
+           "csrc/cpu/quant_linear.cpp's gemm_bf16; decode exact), int8 (llama.cpp's arithmetic: activations rounded "
+           "to int8 per block of 32, integer dot products, not exact; at decode, < 64 tokens, and where the build has "
+           "AVX-512 VNNI in batches too, csrc/cpu/quant_linear_a8.cpp's gemm_vnni; other batches as bf16), fp32 (fp32 "
            "activations and GEMM: the reference's results to fp32 rounding) or auto: int8 on CPUs whose best int8 "
-           "path is AVX2 (there it is faster than the exact decode kernel), else bf16. Read when the platform "
+           "path is AVX2 (there it is faster than the exact decode kernel); with AVX-512 VNNI and no AMX, decode "
+           "exact and batches on int8 (gemm_vnni: faster than bf16 there); else bf16. Read when the platform "
            "activates."),
     EnvVar("GRAPHINFER_CPU_RETAIN_FREED_MEMORY", "1",
            "1: on the cpu platform, glibc malloc keeps freed memory in the process (no mmap for large blocks, no "

@@ -1,6 +1,7 @@
 """graphinfer_cpu_quant::wo_linear_a8 (csrc/cpu/quant_linear_a8.cpp), llama.cpp's q4_1 x q8_1 / q8_0 x q8_0 decode
 arithmetic for 4- and 8-bit codes, on
-each of its paths (AVX-512 VNNI, AVX2, scalar: max_isa, up to what this build has), against a reference written
+each of its paths (AVX-512 VNNI, AVX2, scalar: max_isa, up to what this build has; from 64 tokens on, VNNI builds'
+GEMM, panels of 48 rows x tiles of 4 tokens, here with partial panels and tiles), against a reference written
 here with torch ops: the activations rounded to int8 per block of 32 the same way (so the codes agree exactly and
 only the fp32 summation order differs), and against the exact fp32 op within the bound that rounding allows,
 sum over blocks of (step / 2) * sum |w|. Then the cpu platform's choice of kernel (GRAPHINFER_CPU_WO_ACTIVATIONS)."""
@@ -11,7 +12,7 @@ from graphinfer.errors import InvalidConfigError
 from graphinfer.ops.cpu import ext, quant as cpu_quant
 from graphinfer.ops.quant import dequantize_weight, pack_int4, wo_linear
 from graphinfer.platforms import get_platform
-from graphinfer.platforms.cpu import has_native_bf16
+from graphinfer.platforms.cpu import _cpuinfo_field, has_native_bf16
 from conftest import need_cpu_kernels
 
 ISAS = {0: "scalar", 1: "avx2", 2: "avx512_vnni"}
@@ -55,7 +56,7 @@ def test_a8_matches_int8_rounding(isa, bits):
         qweight, scales, z = _weights(n, k, zeros, scale_dtype, bits)
         w = dequantize_weight(qweight, scales, z, bits)
         b = torch.randn(n) if bias else None
-        for t in (1, 5, 17):
+        for t in (1, 5, 17, 64, 70, 259):  # from 64 tokens on the GEMM (VNNI), past 256 its token blocks
             x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).to(dtype)
             x[0, :32] = 0  # a block of zeros: step 0
             out = op(x, qweight, scales, z, b, isa)
@@ -123,36 +124,40 @@ def test_bf16_gemm_is_the_product_of_the_bf16_rounded_operands(bits, n, k, group
 
 
 def test_cpu_platform_chooses_the_activations(monkeypatch):
-    """GRAPHINFER_CPU_WO_ACTIVATIONS=int8: 4- and 8-bit group-32 linears at < 64 tokens on wo_linear_a8, the rest on
-    the exact kernel (batches in bf16 where the CPU has it); bf16: the exact kernel at decode, batches in bf16; the
-    default (auto): int8 where the a8 kernel's best path is AVX2, else bf16; fp32: the exact kernel throughout;
-    another value: a typed error naming them."""
+    """GRAPHINFER_CPU_WO_ACTIVATIONS=int8: 4- and 8-bit group-32 linears at < 64 tokens on wo_linear_a8, batches too
+    where the build has AVX-512 VNNI (its GEMM), else on the exact kernel (batches in bf16 where the CPU has it); bf16:
+    the exact kernel at decode, batches in bf16; the default (auto): int8 where the a8 kernel's best path is AVX2;
+    with AVX-512 VNNI and no AMX the exact kernel at decode and int8 batches; else bf16; fp32: the exact kernel
+    throughout; another value: a typed error naming them."""
     op = a8_op()
     platform = get_platform("cpu")
     qweight, scales, z = _weights(40, 128, True, torch.float16)
     exact = torch.ops.graphinfer_cpu_quant.wo_linear.default
+    isa = torch.ops.graphinfer_cpu_quant.wo_linear_a8_isa()
+    wo = torch.ops.graphinfer.wo_linear
     try:
-        for mode in (None, "bf16"):
+        for mode in (None, "bf16", "int8"):
             if mode is None:
                 monkeypatch.delenv("GRAPHINFER_CPU_WO_ACTIVATIONS", raising=False)
             else:
                 monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", mode)
             assert platform.op_impls("eager")["wo_linear"] is cpu_quant.wo_linear_a8_cpu
             platform.activate("eager")
-            x = torch.randn(64, 128)
-            a8 = mode is None and torch.ops.graphinfer_cpu_quant.wo_linear_a8_isa() == 1
-            assert torch.equal(torch.ops.graphinfer.wo_linear(x[:1], qweight, scales, z, 4, None),
-                               op(x[:1], qweight, scales, z, None) if a8 else exact(x[:1], qweight, scales, z, 4, None))
-        assert torch.equal(torch.ops.graphinfer.wo_linear(x, qweight, scales, z, 4, None),
-                           exact(x, qweight, scales, z, 4, None, has_native_bf16()))
-        monkeypatch.setenv("GRAPHINFER_CPU_WO_ACTIVATIONS", "int8")
-        platform.activate("eager")
-        x = torch.randn(2, 3, 128)  # 6 tokens, 3-D
-        assert torch.equal(torch.ops.graphinfer.wo_linear(x, qweight, scales, z, 4, None),
+            x = torch.randn(300, 128)
+            a8_decode = mode == "int8" or (mode is None and isa == 1)
+            assert torch.equal(wo(x[:1], qweight, scales, z, 4, None),
+                               op(x[:1], qweight, scales, z, None) if a8_decode else exact(x[:1], qweight, scales, z,
+                                                                                           4, None))
+            amx = "amx_bf16" in _cpuinfo_field("flags")
+            for t in (64, 300):  # batches: int8 with VNNI (auto: not beside AMX), else bf16 where the CPU has it
+                a8_gemm = isa == 2 and (mode == "int8" or (mode is None and not amx))
+                assert torch.equal(wo(x[:t], qweight, scales, z, 4, None),
+                                   op(x[:t], qweight, scales, z, None) if a8_gemm
+                                   else exact(x[:t], qweight, scales, z, 4, None, has_native_bf16())), (mode, t)
+        x = torch.randn(2, 3, 128)  # int8: 6 tokens, 3-D
+        assert torch.equal(wo(x, qweight, scales, z, 4, None),
                            op(x.view(6, 128), qweight, scales, z, None).view(2, 3, 40))
-        x = torch.randn(64, 128)  # batched: the GEMM path, in bf16 where the CPU multiplies bf16 natively
-        assert torch.equal(torch.ops.graphinfer.wo_linear(x, qweight, scales, z, 4, None),
-                           exact(x, qweight, scales, z, 4, None, has_native_bf16()))
+        x = torch.randn(64, 128)
         q8, s8 = torch.randint(-128, 128, (40, 128), dtype=torch.int8), scales  # bits 8 (Q8_0), group 32
         assert torch.equal(torch.ops.graphinfer.wo_linear(x[:1], q8, s8, None, 8, None), op(x[:1], q8, s8, None, None))
         s16 = torch.rand(40, 8, dtype=torch.float16)  # group 16 (Q6_K): exact

@@ -8,10 +8,10 @@ Rows (per weight shape [N, K] and token count M):
 - ours q8: wo_linear bits 8, group 32, scales only (GGUF Q8_0's form; its LM head / embeddings);
 - ours q4 / q8 a8: the same forms with fp16 scales (the file's width) on wo_linear_a8 (csrc/cpu/quant_linear_a8.cpp:
   activations rounded to int8 per block of 32, integer dot products, llama.cpp's arithmetic; the decode default on
-  CPUs whose best int8 path is AVX2, else GRAPHINFER_CPU_WO_ACTIVATIONS=int8);
+  CPUs whose best int8 path is AVX2, else GRAPHINFER_CPU_WO_ACTIVATIONS=int8; from 64 tokens on, with AVX-512 VNNI, its GEMM);
 - torch int4: aten._weight_int4pack_mm_for_cpu (group 32, bf16-free fp32 scales and zeros);
 - torch int8: aten._weight_int8pack_mm (per-channel scales: the only form it takes);
-- ours q4 bf16 gemm: wo_linear's bf16_gemm (gemm_bf16 where the CPU has avx512_bf16; from 64 tokens on), bf16 x;
+- ours q4 / q8 bf16 gemm: wo_linear's bf16_gemm (gemm_bf16 where the CPU has avx512_bf16; from 64 tokens on), bf16 x;
 - fp32 / bf16: F.linear on the float weight; bf16 / fp32 prepacked: oneDNN's linear on the weight prepacked as the
   cpu platform prepacks dense linears (compiler/cpu_packed_linear.py), x in the weight's dtype.
 Weights are cold as in a decode step, where each layer's weights are evicted before their next use: every
@@ -19,7 +19,9 @@ measurement cycles through enough copies of its weights to exceed --working-set-
 of the 2-core dev machine), so GB/s (weight bytes read per second, scales and zeros included) is memory bandwidth,
 not cache bandwidth. Each cell: the best of its batch medians over --repeats passes over the whole table (a batch:
 the calls within --min-time seconds, at least --min-calls): the dev machine is shared, and a burst of someone
-else's work spoils a pass's cells, rarely the same cell in every pass.
+else's work spoils a pass's cells, rarely the same cell in every pass. Freed memory stays in the process as the cpu
+platform keeps it (GRAPHINFER_CPU_RETAIN_FREED_MEMORY, recorded in the JSON): with glibc's defaults a large output
+(the LM head's 50 MB at 256 tokens) is page-faulted in again every call.
 """
 import argparse
 import json
@@ -31,13 +33,15 @@ import time
 import torch
 import torch.nn.functional as F
 
+from graphinfer import envs
 from graphinfer.ops.cpu import ext
 from graphinfer.ops.quant import pack_int4
+from graphinfer.platforms.cpu import retain_freed_memory
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]  # [N, K]: q/o, k/v, gate/up, down, LM head
 GROUP = 32
 IMPLS = ("ours_q4", "ours_q4_a8", "ours_q8", "ours_q8_a8", "torch_int4", "torch_int8", "fp32", "bf16")
-EXTRA_IMPLS = ("ours_q4_bf16gemm", "bf16_prepacked", "fp32_prepacked")  # GEMM-only rows: --impls names them
+EXTRA_IMPLS = ("ours_q4_bf16gemm", "ours_q8_bf16gemm", "bf16_prepacked", "fp32_prepacked")  # GEMM-only rows: --impls names them
 
 
 def make_weights(impl: str, n: int, k: int) -> tuple[tuple, int]:
@@ -49,7 +53,7 @@ def make_weights(impl: str, n: int, k: int) -> tuple[tuple, int]:
         t = (pack_int4(torch.randint(0, 16, (n, k))), (torch.rand(n, g) * 0.01).half(), (-torch.rand(n, g) * 0.05).half())
     elif impl == "ours_q8":
         t = (torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, g) * 0.01)
-    elif impl == "ours_q8_a8":
+    elif impl in ("ours_q8_a8", "ours_q8_bf16gemm"):
         t = (torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n, g) * 0.01).half())
     elif impl == "torch_int4":
         packed = torch._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
@@ -70,12 +74,14 @@ def call(impl: str, x: torch.Tensor, w: tuple) -> torch.Tensor:
         return torch.ops.graphinfer_cpu_quant.wo_linear.default(x, w[0], w[1], w[2], 4, None)
     if impl == "ours_q4_bf16gemm":
         return torch.ops.graphinfer_cpu_quant.wo_linear.default(x.bfloat16(), w[0], w[1], w[2], 4, None, True)
+    if impl == "ours_q8_bf16gemm":
+        return torch.ops.graphinfer_cpu_quant.wo_linear.default(x.bfloat16(), w[0], w[1], None, 8, None, True)
     if impl.endswith("_prepacked"):
         return torch.ops.mkldnn._linear_pointwise(x.bfloat16() if impl == "bf16_prepacked" else x, w[0], None, "none",
                                                   [], "")
     if impl == "ours_q8":
         return torch.ops.graphinfer_cpu_quant.wo_linear.default(x, w[0], w[1], None, 8, None)
-    if impl in ("ours_q4_a8", "ours_q8_a8"):  # decode only (< 64 tokens: the GEMM path is wo_linear's)
+    if impl in ("ours_q4_a8", "ours_q8_a8"):  # int8 activations: the decode kernel, from 64 tokens on gemm_vnni
         return torch.ops.graphinfer_cpu_quant.wo_linear_a8.default(x, w[0], w[1], w[2] if len(w) > 2 else None, None)
     if impl == "torch_int4":
         return torch._weight_int4pack_mm_for_cpu(x, w[0], GROUP, w[1])
@@ -139,6 +145,7 @@ def main() -> None:
         raise SystemExit("the cpu C++ kernels are not built: python -m graphinfer.ops.cpu.ext")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    retained = envs.GRAPHINFER_CPU_RETAIN_FREED_MEMORY != "0" and retain_freed_memory()
     shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
     ms = [int(v) for v in a.m.split(",")]
     impls = a.impls.split(",")
@@ -159,7 +166,7 @@ def main() -> None:
             print(f"{f'{n}x{k}':>12} {m:>4} " + " ".join(f"{c['us']:>10.1f} ({c['gb_per_s']:>5.1f})" for c in cells))
     meta = {"cpu": platform.processor() or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
             "threads": a.threads, "torch": torch.__version__, "group": GROUP, "working_set_mb": a.working_set_mb,
-            "repeats": a.repeats, "min_time": a.min_time, "min_calls": a.min_calls}
+            "repeats": a.repeats, "min_time": a.min_time, "min_calls": a.min_calls, "retain_freed_memory": retained}
     try:
         with open("/proc/cpuinfo") as f:
             meta["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))

@@ -525,32 +525,6 @@ inline void store_row16(const Problem& p, int64_t t, int64_t n, __mmask16 m, __m
     _mm512_mask_storeu_ps(p.out + t * p.N + n, m, v);
 }
 
-// r[i] = dwords j0..j0+15 of row i  ->  r[j] = row 0..15's dword j0 + j
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit lane L: element 4L + c of rows 4i .. 4i + 3
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  __m512i o[16];
-  for (int c = 0; c < 4; ++c) {
-    const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
-    const __m512i e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
-    const __m512i f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
-    o[c] = _mm512_shuffle_i32x4(a, e, 0x88);
-    o[8 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
-    o[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
-    o[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = o[i];
-}
-
 // Row n's 32 weights from k = 32c on as bf16 in natural k order: 16 dwords, dword j = (w[k + 2j], w[k + 2j + 1]).
 template <int BITS>
 inline __m512i dequant32_bf16(const Problem& p, int64_t n, int64_t c) {
@@ -586,7 +560,7 @@ void dequant_panel(const Problem& p, int64_t n0, uint32_t* panel) {
         const int64_t n = n0 + h * 16 + i;
         r[i] = n < p.N ? dequant32_bf16<BITS>(p, n, c) : _mm512_setzero_si512();
       }
-      transpose16(r);
+      cpu_vec::transpose16(r);
       for (int j = 0; j < 16; ++j)
         _mm512_store_si512(panel + (TILES ? ((c * (kPanelRows / 16) + h) * 16 + j) * 16
                                           : (c * 16 + j) * kPanelRows + h * 16), r[j]);

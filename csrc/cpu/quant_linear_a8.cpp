@@ -14,7 +14,8 @@
 // [A even k, B even k, A odd k, B odd k] (16 each): 32 weight bytes of a pair, their low nibbles then their high ones,
 // line up with it byte for byte. Paths, picked at run time from what this build has and the caller's cap (max_isa:
 // the tests run each path on one machine): 2 AVX-512 VNNI (_mm512_dpbusd_epi32: one pair per instruction),
-// 1 AVX2 (_mm256_maddubs_epi16 + _mm256_madd_epi16), 0 scalar.
+// 1 AVX2 (_mm256_maddubs_epi16 + _mm256_madd_epi16), 0 scalar. From 64 tokens on, builds with AVX-512 VNNI run
+// gemm_vnni instead (below): the same arithmetic with the lanes over weight rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -29,6 +30,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -93,58 +96,62 @@ inline __m256i quantize_block(const scalar_t* xg, float& d, float& sum) {
 // worker threads read the caller's).
 template <typename scalar_t>
 const Acts& quantize_acts(const scalar_t* x, int64_t T, int64_t K, int bits) {
-  static thread_local Acts a;
+  static thread_local Acts tls;
+  Acts& a = tls;  // the caller's, in the workers too (a thread_local named in the lambda would be each worker's own)
   const int64_t G = K / kGroup, Gp = (G + 15) / 16 * 16;
   a.Gp = Gp;
   a.q.resize(T * K);
   a.d.assign(T * Gp, 0.f);
   a.s.assign(T * Gp, 0.f);
-  for (int64_t t = 0; t < T; ++t) {
+  // prefill-sized calls on all threads (one token's row is ~1 us of work)
+  at::parallel_for(0, T, 32, [&](int64_t t_begin, int64_t t_end) {
+    for (int64_t t = t_begin; t < t_end; ++t) {
 #if defined(__AVX2__) && defined(__FMA__)
-    // bits 4: pairs of blocks A, B into the pair order [A even k, B even k, A odd k, B odd k]: each block's even
-    // codes then its odd ones in each 128-bit lane, lanes' halves gathered, then the two blocks' halves interleaved
-    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (int64_t gi = 0; gi < G; gi += 2) {
-      float* d = a.d.data() + t * Gp + gi;
-      float* s = a.s.data() + t * Gp + gi;
-      const __m256i qa = quantize_block(x + t * K + gi * kGroup, d[0], s[0]);
-      const __m256i qb = quantize_block(x + t * K + (gi + 1) * kGroup, d[1], s[1]);
-      int8_t* dst = a.q.data() + t * K + gi * kGroup;
-      if (bits == 8) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), qa);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kGroup), qb);
-        continue;
-      }
-      const __m256i ha = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(qa, evens_odds), 0xD8);  // [A even, A odd]
-      const __m256i hb = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(qb, evens_odds), 0xD8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute2x128_si256(ha, hb, 0x20));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), _mm256_permute2x128_si256(ha, hb, 0x31));
-    }
-#else
-    for (int64_t gi = 0; gi < G; ++gi) {
-      const scalar_t* xg = x + t * K + gi * kGroup;
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < kGroup; ++j) {
-        const float v = static_cast<float>(xg[j]);
-        amax = std::max(amax, std::abs(v));
-        sum += v;
-      }
-      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      a.d[t * Gp + gi] = d;
-      a.s[t * Gp + gi] = sum;
-      if (bits == 8) {  // the codes' own order
+      // bits 4: pairs of blocks A, B into the pair order [A even k, B even k, A odd k, B odd k]: each block's even
+      // codes then its odd ones in each 128-bit lane, lanes' halves gathered, then the two blocks' halves interleaved
+      const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                  0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+      for (int64_t gi = 0; gi < G; gi += 2) {
+        float* d = a.d.data() + t * Gp + gi;
+        float* s = a.s.data() + t * Gp + gi;
+        const __m256i qa = quantize_block(x + t * K + gi * kGroup, d[0], s[0]);
+        const __m256i qb = quantize_block(x + t * K + (gi + 1) * kGroup, d[1], s[1]);
         int8_t* dst = a.q.data() + t * K + gi * kGroup;
-        for (int j = 0; j < kGroup; ++j) dst[j] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xg[j]) * id));
-        continue;
+        if (bits == 8) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), qa);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kGroup), qb);
+          continue;
+        }
+        const __m256i ha = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(qa, evens_odds), 0xD8);  // [A even, A odd]
+        const __m256i hb = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(qb, evens_odds), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute2x128_si256(ha, hb, 0x20));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), _mm256_permute2x128_si256(ha, hb, 0x31));
       }
-      // element j of group gi -> its place in the pair order (B: the pair's second group, +16)
-      int8_t* dst = a.q.data() + t * K + (gi / 2) * kPair + (gi % 2) * 16;
-      for (int j = 0; j < kGroup; ++j)
-        dst[(j % 2) * 32 + j / 2] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xg[j]) * id));
-    }
+#else
+      for (int64_t gi = 0; gi < G; ++gi) {
+        const scalar_t* xg = x + t * K + gi * kGroup;
+        float amax = 0.f, sum = 0.f;
+        for (int j = 0; j < kGroup; ++j) {
+          const float v = static_cast<float>(xg[j]);
+          amax = std::max(amax, std::abs(v));
+          sum += v;
+        }
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        a.d[t * Gp + gi] = d;
+        a.s[t * Gp + gi] = sum;
+        if (bits == 8) {  // the codes' own order
+          int8_t* dst = a.q.data() + t * K + gi * kGroup;
+          for (int j = 0; j < kGroup; ++j) dst[j] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xg[j]) * id));
+          continue;
+        }
+        // element j of group gi -> its place in the pair order (B: the pair's second group, +16)
+        int8_t* dst = a.q.data() + t * K + (gi / 2) * kPair + (gi % 2) * 16;
+        for (int j = 0; j < kGroup; ++j)
+          dst[(j % 2) * 32 + j / 2] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xg[j]) * id));
+      }
 #endif
-  }
+    }
+  });
   if (bits == 4) {
     a.dh.resize(T * Gp);
     for (int64_t i = 0; i < T * Gp; ++i) a.dh[i] = a.d[i / 8 * 8 + kHaddOrder[i % 8]];
@@ -359,6 +366,195 @@ void row_vnni(const Problem& p, int64_t n, int64_t t0) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Many tokens (batched decode, prefill): gemm_vnni, a GEMM on the int8 activations whose vector lanes run over 16
+// weight rows (row_vnni's run over k, which costs a reduction per group and token). Each task takes a panel of
+// kPanelRows rows and rearranges its codes once, as they are, into vpdpbusd's unsigned operand: per group, 8 steps
+// of 4 codes (a dword) for each of the panel's rows, bits 4 split into nibbles (0..15), bits 8 offset by 128 (the
+// offset comes back out as a zero term, -128 s * d * sum xq); the groups' scales (and zeros) as fp32 beside them.
+// Then tiles of kTileTokens tokens x 48 rows: per step, one broadcast dword of 4 activation codes per token against
+// the 3 vectors of rows (64 multiply-adds a vpdpbusd, vs vdpbf16ps's 32 in wo_linear's gemm_bf16), int32 sums per
+// group, flushed into fp32 with the group's weight scale x activation step (and the zero term s_x * z).
+constexpr int64_t kGemmTokens = 64;  // from here on wo_linear_a8 runs gemm_vnni
+constexpr int kPanelRows = 48, kPanelVecs = 3;
+constexpr int kTileTokens = 4;  // 4 tokens x 3 vectors x (int32 + fp32 sums) = 24 of the 32 registers
+
+// Rows n0 .. n0 + 15 (zero past N), `bytes` (<= 64, a multiple of 4) of each from byte off: out[j] = dword j of every
+// row (one load a row and one 16 x 16 transpose for up to 4 groups of bits 4, 2 of bits 8)
+inline void rows16_dwords(const Problem& p, int64_t n0, int64_t off, int64_t bytes, __m512i out[16]) {
+  const __mmask16 m = static_cast<__mmask16>((1u << (bytes / 4)) - 1);
+  for (int i = 0; i < 16; ++i)
+    out[i] = n0 + i < p.N ? _mm512_maskz_loadu_epi32(m, p.w + (n0 + i) * p.row_bytes + off) : _mm512_setzero_si512();
+  cpu_vec::transpose16(out);
+}
+
+struct VnniPanel {  // one panel's rows as gemm_vnni reads them
+  uint32_t* codes;  // [G][8 steps][kPanelRows] dwords, 64-byte aligned
+  float* s;         // [G][kPanelRows] weight scales
+  float* z;         // [G][kPanelRows] zero terms' weights (zeros; bits 8: -128 s), or nullptr (bits 4 without zeros)
+};
+
+// Byte offset in a token's quantized row of group gi's step j (4 codes). Bits 4 (Acts' pair order [A even, B even,
+// A odd, B odd]): steps 0-3 the group's even k, which the low nibbles of its weight bytes 4j .. 4j + 3 hold, steps
+// 4-7 its odd k (the high nibbles); bits 8: natural order.
+template <int BITS>
+inline int64_t act_offset(int64_t gi, int j) {
+  if constexpr (BITS == 4) return (gi / 2) * kPair + (j / 4) * 32 + (gi % 2) * 16 + (j % 4) * 4;
+  return gi * kGroup + 4 * j;
+}
+
+template <int BITS>
+void vnni_panel(const Problem& p, int64_t n0, const VnniPanel& pn) {
+  const __m512i nib = _mm512_set1_epi8(15), bias128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  constexpr int64_t kChunkGroups = BITS == 4 ? 4 : 2, kGroupBytes = kGroup * BITS / 8;  // 64 bytes of a row
+  for (int64_t g0 = 0; g0 < p.G; g0 += kChunkGroups) {
+    const int64_t groups = std::min(kChunkGroups, p.G - g0);
+    for (int h = 0; h < kPanelVecs; ++h) {
+      __m512i d[16];
+      rows16_dwords(p, n0 + 16 * h, g0 * kGroupBytes, groups * kGroupBytes, d);
+      for (int64_t c = 0; c < groups; ++c) {
+        uint32_t* dst = pn.codes + (g0 + c) * 8 * kPanelRows + 16 * h;
+        for (int j = 0; j < 4; ++j) {
+          if constexpr (BITS == 4) {  // a group's 16 bytes: 4 dwords of low nibbles (steps 0-3), of high ones (4-7)
+            _mm512_store_si512(dst + j * kPanelRows, _mm512_and_si512(d[4 * c + j], nib));
+            _mm512_store_si512(dst + (4 + j) * kPanelRows, _mm512_and_si512(_mm512_srli_epi16(d[4 * c + j], 4), nib));
+          } else {  // a group's 32 bytes: its 8 steps
+            _mm512_store_si512(dst + j * kPanelRows, _mm512_xor_si512(d[8 * c + j], bias128));
+            _mm512_store_si512(dst + (4 + j) * kPanelRows, _mm512_xor_si512(d[8 * c + 4 + j], bias128));
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < kPanelRows; ++r) {
+    const int64_t n = n0 + r;
+    for (int64_t gi = 0; gi < p.G; ++gi) {
+      const float s = n < p.N ? scalar_at(p, p.scales, n * p.G + gi) : 0.f;
+      pn.s[gi * kPanelRows + r] = s;
+      if (BITS == 8) pn.z[gi * kPanelRows + r] = -128.f * s;
+      else if (pn.z) pn.z[gi * kPanelRows + r] = n < p.N ? scalar_at(p, p.zeros, n * p.G + gi) : 0.f;
+    }
+  }
+}
+
+// out[t0 .. t0 + MT)[n0 .. n0 + kPanelRows) = the panel's rows against those tokens (+ bias), columns past N not
+// stored. xs: the zero terms' per-group activation sums [T][Gp] (bits 4: exact sums of x; bits 8: d * sum xq).
+template <int BITS, int MT>
+void vnni_tile(const Problem& p, const VnniPanel& pn, const float* xs, int64_t t0, int64_t n0) {
+  const int64_t Gp = p.a->Gp;
+  __m512 acc[MT][kPanelVecs];
+  for (int t = 0; t < MT; ++t)
+    for (int v = 0; v < kPanelVecs; ++v) acc[t][v] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < p.G; ++gi) {
+    const uint32_t* w = pn.codes + gi * 8 * kPanelRows;
+    const int8_t* xg = p.a->q.data() + t0 * p.K + act_offset<BITS>(gi, 0);
+    __m512i dot[MT][kPanelVecs];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {  // unrolled: the offsets are constants, the first step starts the sums
+      __m512i wv[kPanelVecs];
+      for (int v = 0; v < kPanelVecs; ++v) wv[v] = _mm512_load_si512(w + j * kPanelRows + 16 * v);
+      const int64_t off = act_offset<BITS>(0, j);
+      for (int t = 0; t < MT; ++t) {
+        int32_t x4;
+        std::memcpy(&x4, xg + t * p.K + off, 4);
+        const __m512i xb = _mm512_set1_epi32(x4);
+        for (int v = 0; v < kPanelVecs; ++v)
+          dot[t][v] = j == 0 ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[v], xb)
+                             : _mm512_dpbusd_epi32(dot[t][v], wv[v], xb);
+      }
+    }
+    for (int t = 0; t < MT; ++t) {
+      const __m512 dx = _mm512_set1_ps(p.a->d[(t0 + t) * Gp + gi]);
+      for (int v = 0; v < kPanelVecs; ++v) {
+        const __m512 sc = _mm512_mul_ps(_mm512_load_ps(pn.s + gi * kPanelRows + 16 * v), dx);
+        acc[t][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][v]), sc, acc[t][v]);
+      }
+      if (pn.z) {
+        const __m512 sx = _mm512_set1_ps(xs[(t0 + t) * Gp + gi]);
+        for (int v = 0; v < kPanelVecs; ++v)
+          acc[t][v] = _mm512_fmadd_ps(_mm512_load_ps(pn.z + gi * kPanelRows + 16 * v), sx, acc[t][v]);
+      }
+    }
+  }
+  for (int v = 0; v < kPanelVecs; ++v) {
+    const int64_t valid = std::clamp<int64_t>(p.N - n0 - 16 * v, 0, 16);
+    const __mmask16 m = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + n0 + 16 * v) : _mm512_setzero_ps();
+    for (int t = 0; t < MT; ++t)
+      _mm512_mask_storeu_ps(p.out + (t0 + t) * p.N + n0 + 16 * v, m, _mm512_add_ps(acc[t][v], bv));
+  }
+}
+
+// The next panel's codes (contiguous rows) on their way into L1, a slice per tile: vnni_panel's loads go across 16
+// rows at once and stalled on cold weights (perf, a 64-token gate_up); prefetching a whole panel in one burst
+// measured no faster
+struct Prefetch {
+  const char* begin = nullptr;
+  int64_t lines = 0, done = 0;
+  void slice(int64_t parts) {
+    const int64_t to = std::min(lines, done + (lines + parts - 1) / parts);
+    for (; done < to; ++done) _mm_prefetch(begin + done * 64, _MM_HINT_T0);
+  }
+};
+
+// Tokens [t0, t1) against one panel: tiles of kTileTokens, then the rest in one smaller tile
+template <int BITS>
+void vnni_tokens(const Problem& p, const VnniPanel& pn, const float* xs, int64_t n0, int64_t t0, int64_t t1,
+                 Prefetch& next) {
+  const int64_t tiles = (t1 - t0 + kTileTokens - 1) / kTileTokens;
+  int64_t t = t0;
+  for (; t + kTileTokens <= t1; t += kTileTokens) {
+    next.slice(tiles);
+    vnni_tile<BITS, kTileTokens>(p, pn, xs, t, n0);
+  }
+  next.slice(1);
+  switch (t1 - t) {
+    case 3: vnni_tile<BITS, 3>(p, pn, xs, t, n0); break;
+    case 2: vnni_tile<BITS, 2>(p, pn, xs, t, n0); break;
+    case 1: vnni_tile<BITS, 1>(p, pn, xs, t, n0); break;
+    default: break;
+  }
+}
+
+template <int BITS>
+void gemm_vnni(const Problem& p) {
+  const int64_t Gp = p.a->Gp, panels = (p.N + kPanelRows - 1) / kPanelRows;
+  const bool zero_term = BITS == 8 || p.zeros;
+  std::vector<float> xs8;  // bits 8: d * sum xq per group, the offset's correction
+  if constexpr (BITS == 8) {
+    xs8.assign(p.T * Gp, 0.f);
+    at::parallel_for(0, p.T, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t gi = 0; gi < p.G; ++gi) {
+          const int8_t* q = p.a->q.data() + t * p.K + gi * kGroup;
+          int32_t sum = 0;
+          for (int j = 0; j < kGroup; ++j) sum += q[j];
+          xs8[t * Gp + gi] = p.a->d[t * Gp + gi] * static_cast<float>(sum);
+        }
+    });
+  }
+  const float* xs = BITS == 8 ? xs8.data() : p.a->s.data();
+  at::parallel_for(0, panels, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t code_dwords = p.G * 8 * kPanelRows, param_floats = p.G * kPanelRows;
+    uint32_t* codes = static_cast<uint32_t*>(std::aligned_alloc(64, code_dwords * 4));
+    float* params = static_cast<float*>(std::aligned_alloc(64, 2 * param_floats * 4));
+    const VnniPanel pn{codes, params, zero_term ? params + param_floats : nullptr};
+    for (int64_t b = b0; b < b1; ++b) {
+      vnni_panel<BITS>(p, b * kPanelRows, pn);
+      Prefetch next;
+      if (b + 1 < b1) {
+        const int64_t n1 = (b + 1) * kPanelRows;
+        next.begin = reinterpret_cast<const char*>(p.w + n1 * p.row_bytes);
+        next.lines = (std::min<int64_t>(kPanelRows, p.N - n1) * p.row_bytes + 63) / 64;
+      }
+      vnni_tokens<BITS>(p, pn, xs, b * kPanelRows, 0, p.T, next);
+    }
+    std::free(codes);
+    std::free(params);
+  });
+}
+#endif
+
 // rows [n0, n1) against tokens t0 .. t0 + mt - 1 on path isa
 template <int BITS>
 void rows(const Problem& p, int isa, int64_t n0, int64_t n1, int64_t t0, int mt) {
@@ -425,6 +621,13 @@ at::Tensor wo_linear_a8(const at::Tensor& x_in, const at::Tensor& qweight_in, co
                     bias.defined() ? bias.data_ptr<float>() : nullptr, &acts,
                     out.data_ptr<float>(), N, K, G, T, qweight.size(1)};
     const int isa = static_cast<int>(std::min<int64_t>(max_isa, kBuiltIsa));
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (isa >= 2 && T >= kGemmTokens && (bits == 4 || !zeros.defined())) {
+      if (bits == 4) gemm_vnni<4>(p);
+      else gemm_vnni<8>(p);
+      return cpu_vec::float_to(out, x_in.scalar_type());
+    }
+#endif
     const int64_t blocks = (N + kRows - 1) / kRows;
     const int64_t grain = cpu_vec::stream_chunk(blocks, kRows * K, 65536);
     auto run = [&](int64_t b0, int64_t b1) {

@@ -11,6 +11,10 @@
 
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <type_traits>
@@ -118,5 +122,33 @@ inline int64_t stream_chunk(int64_t units, int64_t codes_per_unit, int64_t min_c
   const int64_t codes = units * codes_per_unit / (4 * at::get_num_threads());
   return std::max<int64_t>(1, std::clamp(codes, min_codes, kStreamChunkCodes) / codes_per_unit);
 }
+
+#if defined(__AVX512F__)
+// r[i] = dwords j0..j0+15 of row i  ->  r[j] = row 0..15's dword j0 + j (a 16 x 16 transpose of 32-bit elements)
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit lane L: element 4L + c of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  __m512i o[16];
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+    const __m512i e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    o[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+    o[8 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
+    o[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+    o[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = o[i];
+}
+#endif
 
 }  // namespace cpu_vec

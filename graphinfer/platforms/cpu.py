@@ -282,8 +282,10 @@ class CpuPlatform(Platform):
             from graphinfer.ops.cpu.quant import cpu_quant_ops
 
             lora = CPU_LORA_CAPTURE_SAFE_OPS if self.supports_graph_capture else CPU_LORA_OPS  # see ops/cpu/lora.py
-            use_amx("amx_bf16" in _cpuinfo_field("flags"))
-            return {**CPU_OPS, **CPU_ELEMENTWISE_OPS, **cpu_quant_ops(has_native_bf16()), **CPU_BITMASK_OPS, **lora}
+            amx = "amx_bf16" in _cpuinfo_field("flags")
+            use_amx(amx)
+            return {**CPU_OPS, **CPU_ELEMENTWISE_OPS, **cpu_quant_ops(has_native_bf16(), amx), **CPU_BITMASK_OPS,
+                    **lora}
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise InvalidConfigError("kernels='triton' on cpu runs Triton's interpreter: set TRITON_INTERPRET=1 "
                                      "in the environment before starting graphinfer.")

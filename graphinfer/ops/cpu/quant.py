@@ -53,9 +53,10 @@ def native_available() -> bool:
 
 
 _SCALE_DTYPES = (torch.float32, torch.float16)
-A8_MAX_TOKENS = 64  # from here on wo_linear's GEMM path is faster
+A8_MAX_TOKENS = 64  # from here on a GEMM: wo_linear_a8's VNNI one or wo_linear's
 _bf16_gemm = False  # wo_linear_a8_cpu's GEMM in bf16: set by cpu_quant_ops (the platform knows the CPU)
 _a8_decode = False  # wo_linear_a8_cpu's decode on int8 activations (GRAPHINFER_CPU_WO_ACTIVATIONS=int8)
+_a8_gemm = False  # batches (>= 64 tokens) on int8 activations: wo_linear_a8's VNNI GEMM
 
 
 def wo_linear_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
@@ -72,9 +73,10 @@ def wo_linear_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | No
 def wo_linear_a8_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
                      bias: Tensor | None) -> Tensor:
     """Group-32 forms (GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K): at decode, with _a8_decode, llama.cpp's arithmetic
-    (csrc/cpu/quant_linear_a8.cpp: activations rounded to int8 per block of 32), else the exact kernel; many tokens:
-    wo_linear_cpu's GEMM in bf16 where the CPU multiplies bf16 natively (2x the fp32 GEMM; bf16's rounding). Other
-    forms (other group sizes: Q6_K, int4_wo, int8_wo): wo_linear_cpu, exact."""
+    (csrc/cpu/quant_linear_a8.cpp: activations rounded to int8 per block of 32), else the exact kernel; batches
+    (>= 64 tokens), with _a8_gemm, the same arithmetic in wo_linear_a8's VNNI GEMM, else wo_linear_cpu's GEMM in bf16
+    where the CPU multiplies bf16 natively (2x the fp32 GEMM; bf16's rounding). Other forms (other group sizes: Q6_K,
+    int4_wo, int8_wo): wo_linear_cpu, exact."""
     k = x.shape[-1]
     group32 = (x.dim() >= 1 and k % 64 == 0 and scales.dim() == 2 and scales.shape[1] * 32 == k
                and scales.dtype in _SCALE_DTYPES and (zeros is None or zeros.dtype == scales.dtype))
@@ -82,7 +84,7 @@ def wo_linear_a8_cpu(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor |
         return wo_linear_cpu(x, qweight, scales, zeros, bits, bias)
     # the C++ ops called from here (not through wo_linear_cpu): a decode step makes ~120 of these calls at batch 1
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    if _a8_decode and x2.shape[0] < A8_MAX_TOKENS:
+    if (_a8_decode if x2.shape[0] < A8_MAX_TOKENS else _a8_gemm and (bits == 4 or zeros is None)):
         out = torch.ops.graphinfer_cpu_quant.wo_linear_a8.default(x2, qweight, scales, zeros, bias)
     else:
         out = torch.ops.graphinfer_cpu_quant.wo_linear.default(x2, qweight, scales, zeros, bits, bias, _bf16_gemm)
@@ -123,15 +125,18 @@ CPU_QUANT_OPS = {"wo_linear": wo_linear_cpu, "dynamic_quant": dynamic_quant_cpu,
                  "silu_and_mul_quant": silu_and_mul_quant_cpu}
 
 
-def cpu_quant_ops(native_bf16: bool = False) -> dict:
+def cpu_quant_ops(native_bf16: bool = False, amx: bool = False) -> dict:
     """CPU_QUANT_OPS with wo_linear as $GRAPHINFER_CPU_WO_ACTIVATIONS says (bf16: the GEMM of many tokens in bf16
-    where the CPU has native_bf16; int8: that and llama.cpp's decode arithmetic; fp32: exact throughout; auto: int8
-    where the int8 kernel's best path is AVX2, else bf16)."""
-    global _bf16_gemm, _a8_decode
+    where the CPU has native_bf16; int8: llama.cpp's arithmetic at decode and, where the build has AVX-512 VNNI, in
+    batches too; fp32: exact throughout; auto: int8 where the int8 kernel's best path is AVX2; with AVX-512 VNNI and
+    no AMX, exact decode and int8 batches (the VNNI GEMM measured 0.6-0.8x the time of oneDNN's bf16 linear there);
+    else bf16 (AMX: its bf16 tiles, the VNNI GEMM unmeasured there))."""
+    global _bf16_gemm, _a8_decode, _a8_gemm
     mode = envs.GRAPHINFER_CPU_WO_ACTIVATIONS
     if mode not in ("auto", "bf16", "int8", "fp32"):
         raise InvalidConfigError(f"GRAPHINFER_CPU_WO_ACTIVATIONS={mode!r}: use auto (the default), bf16, int8 or fp32.")
-    if mode == "auto":
-        mode = "int8" if native_available() and torch.ops.graphinfer_cpu_quant.wo_linear_a8_isa() == 1 else "bf16"
-    _bf16_gemm, _a8_decode = native_bf16, mode == "int8"
+    isa = torch.ops.graphinfer_cpu_quant.wo_linear_a8_isa() if native_available() else 0
+    _bf16_gemm = native_bf16
+    _a8_decode = mode == "int8" or (mode == "auto" and isa == 1)
+    _a8_gemm = isa == 2 and (mode == "int8" or (mode == "auto" and not amx))
     return {**CPU_QUANT_OPS, "wo_linear": wo_linear_cpu if mode == "fp32" else wo_linear_a8_cpu}
