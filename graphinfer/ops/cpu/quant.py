@@ -12,9 +12,10 @@
   GRAPHINFER_CPU_WO_ACTIVATIONS (cpu_quant_ops) picks the arithmetic of group-32 forms (GGUF Q4_0 / Q4_1 / Q8_0 /
   Q4_K): batches of >= 64 tokens in bf16 where the CPU has native bf16 (gemm_bf16: bf16 operands, fp32 sums), and
   with int8 their decode on csrc/cpu/quant_linear_a8.cpp, llama.cpp's arithmetic (activations rounded to int8 per
-  block of 32, integer dot products). The default (auto) takes int8 where the best a8 path is AVX2's: there the
-  exact kernel is bound by its vector ops (the AVX2 Zen 3 VM: the int8 kernel 0.65-0.9x its time at 1 token); on
-  AVX-512 hosts both stream the weights at the same bandwidth, so decode stays exact there.
+  block of 32, integer dot products), and their batches too where the build has AVX-512 VNNI (gemm_vnni). The
+  default (auto) takes int8 where the best a8 path is AVX2's: there the exact kernel is bound by its vector ops (the
+  AVX2 Zen 3 VM: the int8 kernel 0.65-0.9x its time at 1 token); on AVX-512 hosts both stream the weights at the
+  same bandwidth, so decode stays exact there, and batches take gemm_vnni where there is no AMX.
 - dynamic_quant (int8) and scaled_mm (int8 x int8, the w8a8 scheme): csrc/cpu/quant_int8.cpp, bit for bit as the
   references: one pass per token row for the quantization, at::_int_mm (oneDNN, exact int32) and one fused
   scale / bias / cast pass for the GEMM (the reference multiplies in fp64). fp8 stays on the references.
@@ -129,8 +130,8 @@ def cpu_quant_ops(native_bf16: bool = False, amx: bool = False) -> dict:
     """CPU_QUANT_OPS with wo_linear as $GRAPHINFER_CPU_WO_ACTIVATIONS says (bf16: the GEMM of many tokens in bf16
     where the CPU has native_bf16; int8: llama.cpp's arithmetic at decode and, where the build has AVX-512 VNNI, in
     batches too; fp32: exact throughout; auto: int8 where the int8 kernel's best path is AVX2; with AVX-512 VNNI and
-    no AMX, exact decode and int8 batches (the VNNI GEMM measured 0.6-0.8x the time of oneDNN's bf16 linear there);
-    else bf16 (AMX: its bf16 tiles, the VNNI GEMM unmeasured there))."""
+    no AMX, exact decode and int8 batches (the VNNI GEMM measured faster than gemm_bf16 and oneDNN's bf16 linear on
+    the Zen 5 host: docs/benchmarks.md); else bf16 (AMX: its bf16 tiles, the VNNI GEMM unmeasured there))."""
     global _bf16_gemm, _a8_decode, _a8_gemm
     mode = envs.GRAPHINFER_CPU_WO_ACTIVATIONS
     if mode not in ("auto", "bf16", "int8", "fp32"):
