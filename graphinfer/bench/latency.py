@@ -33,8 +33,11 @@ def measure_batch(llm, batch: int, prompt_len: int, warmup_steps: int, num_steps
     engine = llm.llm_engine
     rng = random.Random(seed + batch)  # fresh ids per batch: no prefix-cache hits from the previous one
     vocab = engine.hf_config.vocab_size
-    # enough tokens for every step to emit all its drafts; the same prompts with and without speculative decoding
-    max_tokens = (warmup_steps + num_steps + 2) * (1 + max_spec_tokens)
+    # enough tokens for every step to emit all its drafts; the same prompts with and without speculative decoding.
+    # A batch whose prompts take several prefill steps starts decoding its first requests while later ones still
+    # prefill: those steps' tokens come on top (else the first requests finish before the timed steps).
+    extra_prefill_steps = -(-batch * prompt_len // engine.config.scheduler_config.max_num_batched_tokens) - 1
+    max_tokens = (warmup_steps + num_steps + 2 + extra_prefill_steps) * (1 + max_spec_tokens)
     params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=max_tokens)
     if dataset == "copy":
         prompts = copy_prompts(engine.tokenizer, batch, max(prompt_len, max_tokens), seed + batch, vocab)[0]
