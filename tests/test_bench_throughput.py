@@ -355,3 +355,14 @@ def test_copy_workload_prompts():
     # bench throughput: a real model's answer ends at its EOS (max_tokens a cap), random weights run to max_tokens
     assert not throughput.copy_workload("", 1, 64, 0, None).ignore_eos
     assert throughput.copy_workload("tiny-llama", 1, 24, 0, 512).ignore_eos
+
+
+def test_latency_batch_whose_prompts_take_several_prefill_steps():
+    """64 prompts of 160 tokens are more than one step's 8,192 tokens: the requests prefilled first decode while the
+    rest prefill, and still have tokens left for every timed step (they ran out, and the bench raised KeyError)."""
+    from graphinfer.bench.latency import run
+
+    res = run("tiny-llama", device="cpu", batch_sizes=(64,), graph_modes=("NONE",), prompt_len=160, warmup_steps=1,
+              num_steps=2, max_model_len=256)
+    [b] = res["modes"]["NONE"]["batches"]
+    assert b["batch"] == 64 and b["tokens_per_step"] == 64

@@ -1,10 +1,11 @@
 from dataclasses import dataclass, field
+import math
 
 import pytest
 import torch
 
 from graphinfer.errors import InvalidConfigError
-from graphinfer.runtime.worker.sampler import Sampler
+from graphinfer.runtime.worker.sampler import Sampler, _exponential_
 from graphinfer.sampling_params import SamplingParams
 
 V = 64
@@ -314,3 +315,13 @@ def test_greedy_rows_on_cpu_take_the_cpu_kernel(monkeypatch):
     logits = rand_logits(3).to(torch.bfloat16)
     out = Sampler()(logits, [row(temperature=0.0) for _ in range(3)])
     assert calls == [(3, V)] and torch.equal(out.sampled_token_ids, logits.max(dim=-1).indices)
+
+
+def test_cpu_exponential_draws_are_exp1_and_seeded():
+    """The race's Exp(1) noise on CPU (-log U, U uniform: ATen's CPU exponential_ is a serial libm loop): mean and
+    variance 1, P(E > 3) = e^-3, and the same generator seed gives the same draws."""
+    q = _exponential_(torch.empty(200_000), torch.Generator().manual_seed(0))
+    assert (q >= 0).all()
+    assert abs(q.mean().item() - 1) < 0.01 and abs(q.var().item() - 1) < 0.03
+    assert abs((q > 3).float().mean().item() - math.exp(-3)) < 0.003
+    assert torch.equal(q, _exponential_(torch.empty(200_000), torch.Generator().manual_seed(0)))

@@ -39,6 +39,7 @@ namespace {
 constexpr int kGroup = 32, kPair = 64;
 constexpr int64_t kRows = 8;  // rows per task unit
 constexpr int kMaxTokens = 8;  // tokens per register tile
+constexpr int64_t kGemmTokens = 64;  // from here on VNNI builds run gemm_vnni
 constexpr int kHaddOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // the AVX2 bits-4 kernel's group order in a step of 8
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -95,7 +96,7 @@ inline __m256i quantize_block(const scalar_t* xg, float& d, float& sum) {
 // The activations of one call, quantized into this thread's buffers (reused: no allocation per call; the kernel's
 // worker threads read the caller's).
 template <typename scalar_t>
-const Acts& quantize_acts(const scalar_t* x, int64_t T, int64_t K, int bits) {
+const Acts& quantize_acts(const scalar_t* x, int64_t T, int64_t K, int bits, bool gemm) {
   static thread_local Acts tls;
   Acts& a = tls;  // the caller's, in the workers too (a thread_local named in the lambda would be each worker's own)
   const int64_t G = K / kGroup, Gp = (G + 15) / 16 * 16;
@@ -152,7 +153,7 @@ const Acts& quantize_acts(const scalar_t* x, int64_t T, int64_t K, int bits) {
 #endif
     }
   });
-  if (bits == 4) {
+  if (bits == 4 && !gemm) {  // the AVX2 row kernel's group order (gemm_vnni reads d as it is)
     a.dh.resize(T * Gp);
     for (int64_t i = 0; i < T * Gp; ++i) a.dh[i] = a.d[i / 8 * 8 + kHaddOrder[i % 8]];
   }
@@ -375,7 +376,6 @@ void row_vnni(const Problem& p, int64_t n, int64_t t0) {
 // Then tiles of kTileTokens tokens x 48 rows: per step, one broadcast dword of 4 activation codes per token against
 // the 3 vectors of rows (64 multiply-adds a vpdpbusd, vs vdpbf16ps's 32 in wo_linear's gemm_bf16), int32 sums per
 // group, flushed into fp32 with the group's weight scale x activation step (and the zero term s_x * z).
-constexpr int64_t kGemmTokens = 64;  // from here on wo_linear_a8 runs gemm_vnni
 constexpr int kPanelRows = 48, kPanelVecs = 3;
 constexpr int kTileTokens = 4;  // 4 tokens x 3 vectors x (int32 + fp32 sums) = 24 of the 32 registers
 
@@ -614,15 +614,16 @@ at::Tensor wo_linear_a8(const at::Tensor& x_in, const at::Tensor& qweight_in, co
   if (T > 0 && N > 0) {
     const at::Tensor xc = x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16
                               ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
-    const Acts& acts = xc.scalar_type() == at::kFloat ? quantize_acts(xc.data_ptr<float>(), T, K, bits)
-                                                     : quantize_acts(xc.data_ptr<at::BFloat16>(), T, K, bits);
+    const int isa = static_cast<int>(std::min<int64_t>(max_isa, kBuiltIsa));
+    const bool gemm = isa >= 2 && T >= kGemmTokens && (bits == 4 || !zeros.defined());  // gemm_vnni (VNNI builds)
+    const Acts& acts = xc.scalar_type() == at::kFloat ? quantize_acts(xc.data_ptr<float>(), T, K, bits, gemm)
+                                                     : quantize_acts(xc.data_ptr<at::BFloat16>(), T, K, bits, gemm);
     const Problem p{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(),
                     zeros.defined() ? zeros.data_ptr() : nullptr, sdt == at::kHalf,
                     bias.defined() ? bias.data_ptr<float>() : nullptr, &acts,
                     out.data_ptr<float>(), N, K, G, T, qweight.size(1)};
-    const int isa = static_cast<int>(std::min<int64_t>(max_isa, kBuiltIsa));
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (isa >= 2 && T >= kGemmTokens && (bits == 4 || !zeros.defined())) {
+    if (gemm) {
       if (bits == 4) gemm_vnni<4>(p);
       else gemm_vnni<8>(p);
       return cpu_vec::float_to(out, x_in.scalar_type());
